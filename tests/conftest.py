@@ -1,0 +1,71 @@
+"""Shared fixtures: unique instance names, and leak checks after every test.
+
+Every test that creates IPC objects names them ``tiercache-test-<uuid>`` (through the
+``make_config`` fixture); after each test nothing with that prefix may remain in
+/dev/shm and no child process may still run.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psutil
+import pytest
+
+from tiercache.config import Config, KVGeometry, RegionConfig, ExporterConfig
+
+SHM_DIR = "/dev/shm"
+TEST_PREFIX = "tiercache-test-"
+
+
+def _test_entries() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if TEST_PREFIX in n}
+
+
+def pytest_sessionstart(session):
+    for name in _test_entries():  # left by an earlier, killed run
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = _test_entries()
+    yield
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=5)
+    leaked = _test_entries() - before
+    for name in leaked:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not children, f"test left processes running: {[c.pid for c in children]}"
+    assert not leaked, f"test left /dev/shm entries: {sorted(leaked)}"
+
+
+@pytest.fixture
+def instance_name() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_config(instance_name, tmp_path):
+    """Build a small, unique Config; keyword arguments override the defaults."""
+
+    def make(**overrides) -> Config:
+        kv = overrides.pop("kv", KVGeometry(page_bytes=(4096, 8192, 4096), block_size_factor=1))
+        region = overrides.pop("region", RegionConfig(capacity_bytes=None, num_blocks=16,
+                                                      prefault_threads=2))
+        fields = dict(
+            name=instance_name, world_size=2, kv=kv, region=region,
+            exporter=ExporterConfig(port=0),
+            control_socket=str(tmp_path / "control.sock"),
+        )
+        fields.update(overrides)
+        return Config(**fields)
+
+    return make

@@ -1,0 +1,311 @@
+"""Configuration: a TOML file parsed into frozen, validated dataclasses.
+
+Every section and key is listed in ``_SCHEMA`` with its type; anything else is a
+``ConfigError`` that names the key, the value and what is allowed. See the README's
+config reference (kept in step with this module by ``tests/test_config.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from tiercache.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
+MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """``"8GiB"``, ``"512 MiB"``, ``"1.5GB"`` or a plain int -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r}: expected a byte count or a size like '8GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key} = {value}: must be >= 0")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ConfigError(
+        f"{key} = {value!r}: expected a byte count or a size such as '256MiB', '8GiB', '1.5GB' "
+        f"(units: {', '.join(u for u in _SIZE_UNITS if u)})"
+    )
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """Human form with binary units, for messages and status output."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+class PinningPolicy(Enum):
+    """What a worker does when it cannot pin its slice."""
+
+    REQUIRED = "required"  # raise: a quietly slower path is worse than no path
+    ALLOW_UNPINNED = "allow_unpinned"  # run unpinned; state 'unpinned' is exported
+
+
+class BackendKind(Enum):
+    """Copy backend per handler; see ``tiercache.backends``."""
+
+    AUTO = "auto"
+    CE = "ce"
+    KERNEL = "kernel"
+    STAGED = "staged"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """One rank's KV cache as the region sees it.
+
+    ``page_bytes[t]`` is the bytes of GPU block ``b`` in tensor ``t`` (one page); a CPU
+    block holds ``block_size_factor`` consecutive GPU blocks, so its page in tensor t
+    is ``block_size_factor * page_bytes[t]``.
+    """
+
+    page_bytes: tuple[int, ...]
+    block_size_factor: int = 1
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.page_bytes:
+            raise ConfigError("kv: at least one tensor is needed (kv.num_tensors >= 1)")
+        if len(self.page_bytes) > MAX_TENSORS:
+            raise ConfigError(f"kv: {len(self.page_bytes)} tensors; at most {MAX_TENSORS} are allowed")
+        for t, b in enumerate(self.page_bytes):
+            if not isinstance(b, int) or b <= 0:
+                raise ConfigError(f"kv.page_bytes[{t}] = {b!r}: must be a positive byte count")
+        if self.block_size_factor < 1:
+            raise ConfigError(f"kv.block_size_factor = {self.block_size_factor}: must be >= 1")
+        if self.block_tokens < 1:
+            raise ConfigError(f"kv.block_tokens = {self.block_tokens}: must be >= 1")
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.page_bytes)
+
+    @property
+    def cpu_page_bytes(self) -> tuple[int, ...]:
+        return tuple(b * self.block_size_factor for b in self.page_bytes)
+
+    @property
+    def cpu_block_bytes(self) -> int:
+        """Useful bytes of one CPU block on one rank (no padding)."""
+        return sum(self.cpu_page_bytes)
+
+
+@dataclass(frozen=True)
+class RegionConfig:
+    capacity_bytes: int | None = 256 << 20  # all ranks together; or num_blocks
+    num_blocks: int | None = None
+    prefault_threads: int = 4
+    pinning: PinningPolicy = PinningPolicy.ALLOW_UNPINNED
+    check_host_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.capacity_bytes is None) == (self.num_blocks is None):
+            raise ConfigError("region: set exactly one of region.capacity and region.num_blocks")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"region.num_blocks = {self.num_blocks}: must be >= 1")
+        if not 1 <= self.prefault_threads <= 256:
+            raise ConfigError(f"region.prefault_threads = {self.prefault_threads}: allowed 1..256")
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    address: str = "127.0.0.1"
+    port: int = 9477  # 0 = any free port (tests)
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"exporter.port = {self.port}: allowed 0..65535")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "default"
+    world_size: int = 1
+    kv: KVGeometry = field(default_factory=lambda: KVGeometry(page_bytes=(32 << 10,) * 8))
+    region: RegionConfig = field(default_factory=RegionConfig)
+    backend: BackendKind = BackendKind.AUTO
+    exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    control_socket: str = ""  # "" = derived from name, see socket_path
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(
+                f"instance.name = {self.name!r}: 1-64 characters of letters, digits, '.', '_', '-', "
+                "starting with a letter or digit"
+            )
+        if not 1 <= self.world_size <= 64:
+            raise ConfigError(f"instance.world_size = {self.world_size}: allowed 1..64")
+
+    @property
+    def shm_name(self) -> str:
+        """The region's name in /dev/shm."""
+        return f"tiercache-{self.name}"
+
+    @property
+    def socket_path(self) -> str:
+        if self.control_socket:
+            return self.control_socket
+        runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        return os.path.join(runtime_dir, f"tiercache-{self.name}.sock")
+
+
+# ---------------------------------------------------------------- file parsing
+
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "instance": {"name": str, "world_size": int},
+    "region": {
+        "capacity": (int, str), "num_blocks": int, "prefault_threads": int,
+        "pinning": str, "check_host_memory": bool,
+    },
+    "kv": {
+        "num_tensors": int, "page_bytes": (int, str, list),
+        "num_layers": int, "kv_tensors_per_layer": int, "num_kv_heads": int, "head_dim": int,
+        "dtype": str, "block_tokens": int, "block_size_factor": int,
+    },
+    "transfer": {"backend": str},
+    "exporter": {"address": str, "port": int, "enabled": bool},
+    "control": {"socket": str},
+}
+_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list"}
+
+
+def _check_types(raw: dict[str, Any]) -> None:
+    for section, body in raw.items():
+        if section not in _SCHEMA:
+            raise ConfigError(f"unknown section [{section}]; allowed: {', '.join(_SCHEMA)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{section} must be a table ([{section}]), got {body!r}")
+        allowed = _SCHEMA[section]
+        for key, value in body.items():
+            if key not in allowed:
+                raise ConfigError(
+                    f"unknown key {section}.{key}; allowed in [{section}]: {', '.join(allowed)}"
+                )
+            types = allowed[key] if isinstance(allowed[key], tuple) else (allowed[key],)
+            bad_bool = isinstance(value, bool) and bool not in types
+            if bad_bool or not isinstance(value, types):
+                want = " or ".join(_TYPE_NAMES[t] for t in types)
+                raise ConfigError(f"{section}.{key} = {value!r}: expected {want}")
+
+
+def _enum(enum_type: type[Enum], value: str, key: str) -> Any:
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_type)
+        raise ConfigError(f"{key} = {value!r}: allowed {allowed}") from None
+
+
+def _kv_from(raw: dict[str, Any]) -> KVGeometry:
+    explicit = "page_bytes" in raw
+    shaped = any(k in raw for k in ("num_layers", "num_kv_heads", "head_dim", "dtype"))
+    if explicit and shaped:
+        raise ConfigError("kv: give either page_bytes (+ num_tensors) or the model shape "
+                          "(num_layers, num_kv_heads, head_dim, dtype), not both")
+    block_tokens = raw.get("block_tokens", 16)
+    factor = raw.get("block_size_factor", 1)
+    if explicit:
+        value = raw["page_bytes"]
+        if isinstance(value, list):
+            if "num_tensors" in raw and raw["num_tensors"] != len(value):
+                raise ConfigError(f"kv.num_tensors = {raw['num_tensors']} but kv.page_bytes lists "
+                                  f"{len(value)} sizes")
+            pages = tuple(parse_size(v, f"kv.page_bytes[{i}]") for i, v in enumerate(value))
+        else:
+            pages = (parse_size(value, "kv.page_bytes"),) * raw.get("num_tensors", 1)
+    else:
+        missing = [k for k in ("num_layers", "num_kv_heads", "head_dim", "dtype") if k not in raw]
+        if missing:
+            raise ConfigError(f"kv: missing {', '.join('kv.' + k for k in missing)} "
+                              "(or give kv.page_bytes instead)")
+        dtype = raw["dtype"]
+        if dtype not in DTYPE_BYTES:
+            raise ConfigError(f"kv.dtype = {dtype!r}: allowed {', '.join(DTYPE_BYTES)}")
+        for key in ("num_layers", "num_kv_heads", "head_dim"):
+            if raw[key] < 1:
+                raise ConfigError(f"kv.{key} = {raw[key]}: must be >= 1")
+        per_layer = raw.get("kv_tensors_per_layer", 2)
+        if per_layer not in (1, 2):
+            raise ConfigError(f"kv.kv_tensors_per_layer = {per_layer}: allowed 1 (fused K/V or MLA) "
+                              "or 2 (K and V apart)")
+        page = block_tokens * raw["num_kv_heads"] * raw["head_dim"] * DTYPE_BYTES[dtype]
+        pages = (page,) * (raw["num_layers"] * per_layer)
+    return KVGeometry(page_bytes=pages, block_size_factor=factor, block_tokens=block_tokens)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from the TOML document's tables (validated)."""
+    _check_types(raw)
+    inst, reg = raw.get("instance", {}), raw.get("region", {})
+    if "capacity" in reg and "num_blocks" in reg:
+        raise ConfigError("region: set either region.capacity or region.num_blocks, not both")
+    capacity = None if "num_blocks" in reg else parse_size(reg.get("capacity", "256MiB"),
+                                                           "region.capacity")
+    region = RegionConfig(
+        capacity_bytes=capacity,
+        num_blocks=reg.get("num_blocks"),
+        prefault_threads=reg.get("prefault_threads", 4),
+        pinning=_enum(PinningPolicy, reg.get("pinning", "allow_unpinned"), "region.pinning"),
+        check_host_memory=reg.get("check_host_memory", True),
+    )
+    exp = raw.get("exporter", {})
+    exporter = ExporterConfig(**{k: exp[k] for k in ("address", "port", "enabled") if k in exp})
+    kwargs: dict[str, Any] = {
+        "region": region,
+        "exporter": exporter,
+        "backend": _enum(BackendKind, raw.get("transfer", {}).get("backend", "auto"),
+                         "transfer.backend"),
+        "control_socket": raw.get("control", {}).get("socket", ""),
+    }
+    if "kv" in raw:
+        kwargs["kv"] = _kv_from(raw["kv"])
+    kwargs.update({k: inst[k] for k in ("name", "world_size") if k in inst})
+    return Config(**kwargs)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a TOML config file."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    return config_from_dict(raw)
+
+
+def config_keys() -> dict[str, tuple[str, ...]]:
+    """Every allowed ``section -> keys`` (the README's reference is checked against it)."""
+    return {section: tuple(keys) for section, keys in _SCHEMA.items()}
+
+
+__all__ = [
+    "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
+    "config_from_dict", "config_keys", "format_bytes", "load_config", "parse_size",
+]

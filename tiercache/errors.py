@@ -1,0 +1,102 @@
+"""The one exception hierarchy of tiercache.
+
+Every error tiercache raises on purpose is a ``TiercacheError``; OS and CUDA
+errors are re-raised as one of these with the original as ``__cause__``.
+
+::
+
+    TiercacheError
+    ├── ConfigError                 bad config file, key, type or value   (also ValueError)
+    ├── RegionError                 the shared-memory region
+    │   ├── RegionExistsError       a live coordinator already owns the name
+    │   ├── RegionNotFoundError     no region of that name
+    │   ├── RegionNotReadyError     header not READY (yet, or any more)
+    │   ├── LayoutMismatchError     attach with a different geometry or format
+    │   ├── RankError               rank outside 0..world_size-1          (also ValueError)
+    │   └── InsufficientMemoryError /dev/shm or RAM smaller than asked for
+    ├── PinError                    cudaHostRegister failed (rolled back)
+    │   └── PinUnavailableError     no CUDA here: nothing can be pinned
+    ├── SpecError                   a transfer spec that cannot be planned (also ValueError)
+    ├── BackendError                a copy backend cannot run here or failed to set up
+    ├── ManagerError                cache-index misuse
+    │   ├── UnknownKeyError         a key the index does not hold         (also KeyError)
+    │   └── StateError              a call out of order: double complete, load of a
+    │                               block being written, ref-count underflow
+    ├── ProtocolError               a malformed, oversized or unexpected frame
+    └── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
+"""
+
+
+class TiercacheError(Exception):
+    """Base of every error tiercache raises on purpose."""
+
+
+class ConfigError(TiercacheError, ValueError):
+    """A config file, key, type or value that is not allowed; the message names it."""
+
+
+class RegionError(TiercacheError):
+    """The shared-memory region could not be created, attached or used."""
+
+
+class RegionExistsError(RegionError):
+    """A live coordinator already owns a region of this name."""
+
+
+class RegionNotFoundError(RegionError):
+    """No region of this name exists in /dev/shm."""
+
+
+class RegionNotReadyError(RegionError):
+    """The region exists but its header is not READY (still being created, or closing)."""
+
+
+class LayoutMismatchError(RegionError):
+    """The region's format or geometry differs from what the caller expects."""
+
+
+class RankError(RegionError, ValueError):
+    """A rank outside ``0 .. world_size - 1``."""
+
+
+class InsufficientMemoryError(RegionError):
+    """/dev/shm or host memory is smaller than the region; the message gives both numbers."""
+
+
+class PinError(TiercacheError):
+    """Registering host memory with the GPU driver failed; earlier chunks were rolled back."""
+
+
+class PinUnavailableError(PinError):
+    """Pinning is impossible in this process (no CUDA device or a CPU-only torch)."""
+
+
+class SpecError(TiercacheError, ValueError):
+    """A transfer spec that cannot be planned: ids out of range, sizes that do not add up."""
+
+
+class BackendError(TiercacheError):
+    """A copy backend cannot run on this host or failed to set up."""
+
+
+class ManagerError(TiercacheError):
+    """The cache index was used against its contract."""
+
+
+class UnknownKeyError(ManagerError, KeyError):
+    """A key the index does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class StateError(ManagerError):
+    """A call out of order for a block's state (double complete, underflow, ...)."""
+
+
+class ProtocolError(TiercacheError):
+    """A control-plane frame that is malformed, oversized or not expected."""
+
+
+class CoordinatorGoneError(TiercacheError, ConnectionError):
+    """The coordinator's control socket is closed or missing; retry once it is back."""

@@ -1,0 +1,114 @@
+"""Load/store specs: the small values that pass between bookkeeping and byte moving.
+
+The cache index hands out ``CPULoadStoreSpec`` (slot ids in the region); the engine
+describes its side with ``GPULoadStoreSpec``. A transfer is the pair
+``(src_spec, dst_spec)``. Neither imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from tiercache.errors import SpecError
+
+
+class Medium(Enum):
+    CPU = "CPU"
+    GPU = "GPU"
+
+
+def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    ids = np.array(block_ids, dtype=np.int64, copy=True).reshape(-1)
+    if ids.size and ids.min() < 0:
+        raise SpecError(f"block ids must be >= 0, got {int(ids.min())}")
+    ids.setflags(write=False)
+    return ids
+
+
+@dataclass(frozen=True, eq=False)
+class CPULoadStoreSpec:
+    """Slot ids in the host region, one per CPU block, in transfer order."""
+
+    block_ids: np.ndarray
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray):
+        object.__setattr__(self, "block_ids", _as_block_ids(block_ids))
+
+    @staticmethod
+    def medium() -> Medium:
+        return Medium.CPU
+
+    def __len__(self) -> int:
+        return int(self.block_ids.size)
+
+    def __repr__(self) -> str:
+        return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+
+
+@dataclass(frozen=True, eq=False)
+class GPULoadStoreSpec:
+    """GPU block ids of one transfer, grouped by KV-cache group.
+
+    ``group_sizes[g]`` blocks of group g follow those of group g-1 in ``block_ids``
+    (``sum(group_sizes) == len(block_ids)``); ``block_indices[g]`` is the logical
+    index, inside the request, of group g's first GPU block, so a load may start in
+    the middle of a CPU block (``block_indices[g] % block_size_factor`` sub-pages are
+    skipped). ``group_sizes=None`` means one group; ``block_indices=None`` means every
+    group starts on a CPU-block boundary (always true for stores).
+    """
+
+    block_ids: np.ndarray
+    group_sizes: tuple[int, ...] = field(default=())
+    block_indices: tuple[int, ...] = field(default=())
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ):
+        ids = _as_block_ids(block_ids)
+        sizes = (ids.size,) if group_sizes is None else tuple(int(s) for s in group_sizes)
+        if any(s < 0 for s in sizes):
+            raise SpecError(f"group_sizes must be >= 0, got {list(sizes)}")
+        if sum(sizes) != ids.size:
+            raise SpecError(
+                f"group_sizes {list(sizes)} add up to {sum(sizes)}, "
+                f"but there are {ids.size} block ids"
+            )
+        indices = (0,) * len(sizes) if block_indices is None else tuple(int(i) for i in block_indices)
+        if len(indices) != len(sizes):
+            raise SpecError(
+                f"block_indices has {len(indices)} entries, group_sizes has {len(sizes)}; "
+                "they must match (one per KV-cache group)"
+            )
+        if any(i < 0 for i in indices):
+            raise SpecError(f"block_indices must be >= 0, got {list(indices)}")
+        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "group_sizes", sizes)
+        object.__setattr__(self, "block_indices", indices)
+
+    @staticmethod
+    def medium() -> Medium:
+        return Medium.GPU
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_sizes)
+
+    def __len__(self) -> int:
+        return int(self.block_ids.size)
+
+    def __repr__(self) -> str:
+        return (
+            f"GPULoadStoreSpec({self.block_ids.tolist()}, group_sizes={list(self.group_sizes)}, "
+            f"block_indices={list(self.block_indices)})"
+        )
+
+
+LoadStoreSpec = CPULoadStoreSpec | GPULoadStoreSpec
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
