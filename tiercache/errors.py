@@ -20,9 +20,12 @@ errors are re-raised as one of these with the original as ``__cause__``.
     ├── BackendError                a copy backend cannot run here or failed to set up
     ├── ManagerError                cache-index misuse
     │   ├── UnknownKeyError         a key the index does not hold         (also KeyError)
+    │   ├── InvalidKeyError         a key that is not bytes, too long for the wire, or
+    │   │                           repeated in one prepare_store         (also ValueError)
     │   └── StateError              a call out of order: double complete, load of a
     │                               block being written, ref-count underflow
     ├── ProtocolError               a malformed, oversized or unexpected frame
+    ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
     └── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
 """
 
@@ -90,12 +93,20 @@ class UnknownKeyError(ManagerError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class InvalidKeyError(ManagerError, ValueError):
+    """A key that is not ``bytes``, too long for the wire, or repeated in one ``prepare_store``."""
+
+
 class StateError(ManagerError):
     """A call out of order for a block's state (double complete, underflow, ...)."""
 
 
 class ProtocolError(TiercacheError):
     """A control-plane frame that is malformed, oversized or not expected."""
+
+
+class ControlSocketError(TiercacheError):
+    """The control socket cannot be served: a live server owns the path, or the path is unusable."""
 
 
 class CoordinatorGoneError(TiercacheError, ConnectionError):
