@@ -25,6 +25,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
+INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.policies by a test
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 
 
@@ -150,6 +151,7 @@ class Config:
     backend: BackendKind = BackendKind.AUTO
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path
+    index_policy: str = "lru"  # eviction policy of the cache index (tiercache.policies registry)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -159,6 +161,9 @@ class Config:
             )
         if not 1 <= self.world_size <= 64:
             raise ConfigError(f"instance.world_size = {self.world_size}: allowed 1..64")
+        if self.index_policy not in INDEX_POLICIES:
+            raise ConfigError(f"index.policy = {self.index_policy!r}: allowed "
+                              f"{', '.join(map(repr, INDEX_POLICIES))}")
 
     @property
     def shm_name(self) -> str:
@@ -189,6 +194,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "transfer": {"backend": str},
     "exporter": {"address": str, "port": int, "enabled": bool},
     "control": {"socket": str},
+    "index": {"policy": str},
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list"}
 
@@ -280,6 +286,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         "backend": _enum(BackendKind, raw.get("transfer", {}).get("backend", "auto"),
                          "transfer.backend"),
         "control_socket": raw.get("control", {}).get("socket", ""),
+        "index_policy": raw.get("index", {}).get("policy", "lru"),
     }
     if "kv" in raw:
         kwargs["kv"] = _kv_from(raw["kv"])

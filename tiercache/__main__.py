@@ -1,0 +1,5 @@
+import sys
+
+from tiercache.cli import main
+
+sys.exit(main())

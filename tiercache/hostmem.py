@@ -1,0 +1,110 @@
+"""Host memory preparation: space checks, fallocate, parallel pre-fault, process identity.
+
+Pre-faulting runs ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which releases the
+GIL, so threads over disjoint ranges really run in parallel); on kernels without it
+(EINVAL) it touches one byte per page instead, preserving the bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+
+from tiercache.config import format_bytes
+from tiercache.errors import InsufficientMemoryError, RegionError
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # linux >= 5.14; Python < 3.13 lacks the constant
+OS_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def shm_free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(num_bytes: int, directory: str, check_host_memory: bool) -> None:
+    """Refuse, naming both numbers, when /dev/shm or host memory is too small."""
+    free = shm_free_bytes(directory)
+    if num_bytes > free:
+        raise InsufficientMemoryError(
+            f"{directory} has {format_bytes(free)} ({free} bytes) free; the region needs "
+            f"{format_bytes(num_bytes)} ({num_bytes} bytes). Shrink region.capacity or grow "
+            f"{directory} (docker --shm-size, a k8s emptyDir with medium: Memory)"
+        )
+    if check_host_memory:
+        available = psutil.virtual_memory().available
+        if num_bytes > available:
+            raise InsufficientMemoryError(
+                f"host memory has {format_bytes(available)} ({available} bytes) available; the "
+                f"region needs {format_bytes(num_bytes)} ({num_bytes} bytes). Shrink "
+                "region.capacity (or set region.check_host_memory = false on hosts whose "
+                "memory grows on use)"
+            )
+
+
+def fallocate(fd: int, num_bytes: int, path: str) -> None:
+    """Back the whole file now, so a later overflow of tmpfs is a startup error, not SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise InsufficientMemoryError(
+                f"cannot allocate {format_bytes(num_bytes)} ({num_bytes} bytes) for {path}: "
+                f"{os.strerror(e.errno)}; {format_bytes(shm_free_bytes(os.path.dirname(path)))} "
+                "free there now"
+            ) from e
+        raise RegionError(f"posix_fallocate({path}, {num_bytes}) failed: {e}") from e
+
+
+def _populate(address: int, length: int, view: np.ndarray, offset: int) -> None:
+    if _libc.madvise(address + offset, length, MADV_POPULATE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err != errno.EINVAL:
+        raise RegionError(f"madvise(MADV_POPULATE_WRITE) over {length} bytes at offset {offset} "
+                          f"failed: {os.strerror(err)}")
+    view[offset:offset + length:OS_PAGE] |= 0  # kernel < 5.14: touch a byte per page
+
+
+def prefault(address: int, view: np.ndarray, ranges: list[tuple[int, int]], num_threads: int
+             ) -> float:
+    """Pre-fault disjoint, page-aligned (offset, length) ranges in parallel; returns seconds."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="prefault") as pool:
+        for future in [pool.submit(_populate, address, n, view, off) for off, n in ranges]:
+            future.result()
+    return time.perf_counter() - start
+
+
+def process_start_ns(pid: int) -> int:
+    """Start time of ``pid`` in ns (psutil), 0 if it does not exist."""
+    try:
+        return int(psutil.Process(pid).create_time() * 1e9)
+    except psutil.Error:
+        return 0
+
+
+def process_alive(pid: int, start_ns: int) -> bool:
+    """True if ``pid`` runs, is not a zombie and started at ``start_ns`` (± 10 ms)."""
+    if pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return start_ns == 0 or abs(int(proc.create_time() * 1e9) - start_ns) < 10_000_000
+    except psutil.Error:
+        return False
