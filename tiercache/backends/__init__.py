@@ -1,0 +1,116 @@
+"""Copy backends: a registry from ``BackendKind`` to a lazily imported factory.
+
+Every backend module exposes ``create(context: BackendContext) -> CopyBackend`` (see
+``tiercache.backends.base`` for what a backend guarantees). Modules are imported only
+when their kind is chosen, so GPU modules (cuda-bindings, triton) never load on a CPU
+host. A chosen backend that cannot run here raises ``BackendError``; nothing falls back
+silently. ``AUTO`` picks per direction and returns the chosen backend, whose ``code``
+(CE, KERNEL or STAGED) is what the stats block records.
+
+What a backend's ``copy_async(plan, stream)`` receives as ``stream``: the stream object
+of the kind's platform (``STREAM_PLATFORMS``): a ``torch.cuda.Stream`` on the caches'
+device for the GPU kinds (raw handle: ``stream.cuda_stream``; never the legacy default
+stream), a ``tiercache.host_streams.HostStream`` for ``cpu``. Empty plans are never
+passed to a backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.backends.base import CopyBackend, CopyPlan
+from tiercache.config import BackendKind
+from tiercache.errors import BackendError
+from tiercache.pages import PageArray
+from tiercache.stats import Direction
+from tiercache.streams import StreamPlatform
+
+# The hooks: "module:callable" per kind. GPU kinds live in modules of their own.
+BACKEND_FACTORIES: dict[BackendKind, str] = {
+    BackendKind.CPU: "tiercache.backends.cpu:create",
+    BackendKind.CE: "tiercache.backends.ce:create",
+    BackendKind.KERNEL: "tiercache.backends.kernel:create",
+    BackendKind.STAGED: "tiercache.backends.staged:create",
+    BackendKind.AUTO: "tiercache.backends.auto:create",
+}
+# "module:callable(device) -> StreamPlatform" per kind.
+STREAM_PLATFORMS: dict[BackendKind, str] = {
+    BackendKind.CPU: "tiercache.host_streams:HostStreams",
+    BackendKind.CE: "tiercache.streams:CudaStreams",
+    BackendKind.KERNEL: "tiercache.streams:CudaStreams",
+    BackendKind.STAGED: "tiercache.streams:CudaStreams",
+    BackendKind.AUTO: "tiercache.streams:CudaStreams",
+}
+HOST_KINDS = frozenset({BackendKind.CPU})  # kinds whose both sides are host memory
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend factory is given: one direction of one rank.
+
+    ``gpu_pages[t]`` / ``cpu_pages[t]`` describe tensor t on each side (addresses,
+    strides, un-padded page bytes; ``cpu_pages[t].pages_per_block`` is the
+    block_size_factor and ``cpu_pages[t].block_stride_bytes`` the region's row stride).
+    ``device`` is the caches' torch device; ``host_pinned`` says whether the region
+    slice is registered with the driver; ``streams`` is the platform the handler uses
+    (for calibration runs at attach).
+    """
+
+    direction: Direction
+    gpu_pages: tuple[PageArray, ...]
+    cpu_pages: tuple[PageArray, ...]
+    device: Any
+    host_pinned: bool
+    streams: StreamPlatform
+
+    def __post_init__(self) -> None:
+        if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:
+            raise BackendError(f"BackendContext: {len(self.gpu_pages)} GPU and "
+                               f"{len(self.cpu_pages)} CPU page arrays; need as many, >= 1")
+
+
+def _load(target: str, kind: BackendKind) -> Any:
+    module_name, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise BackendError(f"backend {kind.value!r} is not available here: cannot load "
+                           f"{target} ({e})") from e
+
+
+def resolve_kind(kind: BackendKind, device_type: str) -> BackendKind:
+    """The kind to build for caches on ``device_type`` ('cpu' or 'cuda').
+
+    ``AUTO`` over CPU tensors is ``CPU`` (the only kind that can move host memory on
+    both sides); any other mismatch is refused.
+    """
+    if kind is BackendKind.AUTO and device_type == "cpu":
+        return BackendKind.CPU
+    if kind in HOST_KINDS and device_type != "cpu":
+        raise BackendError(f"backend {kind.value!r} moves host memory only, but the KV caches "
+                           f"are on {device_type!r}; choose one of "
+                           f"{[k.value for k in BackendKind if k not in HOST_KINDS]}")
+    if kind not in HOST_KINDS and device_type != "cuda":
+        raise BackendError(f"backend {kind.value!r} needs the KV caches on a CUDA device, "
+                           f"they are on {device_type!r}; use backend 'cpu' (or 'auto')")
+    return kind
+
+
+def create_stream_platform(kind: BackendKind, device: Any) -> StreamPlatform:
+    return _load(STREAM_PLATFORMS[kind], kind)(device)
+
+
+def create_backend(kind: BackendKind, context: BackendContext) -> CopyBackend:
+    backend = _load(BACKEND_FACTORIES[kind], kind)(context)
+    if not isinstance(backend, CopyBackend):
+        raise BackendError(f"{BACKEND_FACTORIES[kind]} returned {type(backend).__name__}, "
+                           "not a CopyBackend")
+    return backend
+
+
+__all__ = [
+    "BACKEND_FACTORIES", "STREAM_PLATFORMS", "BackendContext", "CopyBackend", "CopyPlan",
+    "create_backend", "create_stream_platform", "resolve_kind",
+]
