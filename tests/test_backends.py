@@ -1,0 +1,143 @@
+"""CPU tests of the GPU backends' pure logic: the staged backend's run/chunk layout and
+the widest-access rule of the copy kernel. The copies themselves run in
+tests/test_backends_gpu.py on a GPU machine.
+
+The staging layout is checked by executing it with numpy — pack every chunk's pieces
+into a slot, then move the chunk's DMAs between the slot and host memory — and
+comparing with the plan applied directly, on random plans with padded, odd-sized,
+merged and unsorted pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiercache.backends.staging import RUN_ALIGN, plan_staging
+from tiercache.errors import BackendError
+
+POISON = 0xA5
+
+
+def _random_plan(rng: np.random.Generator, num_blocks: int, page_bytes: list[int],
+                 row_pad: int, shuffle: bool):
+    """Pages of several tensors in host rows (with padding), scattered GPU pages."""
+    row_payload = sum(page_bytes)
+    row_stride = row_payload + row_pad
+    host_bytes = row_stride * (num_blocks + 3)
+    gpu_bytes = (row_payload + 64 * len(page_bytes)) * (num_blocks + 3)
+    rows = rng.choice(num_blocks + 3, num_blocks, replace=False)
+    gpu_slots = rng.permutation(num_blocks + 3)[:num_blocks]
+    host, gpu, sizes = [], [], []
+    for b in range(num_blocks):
+        offset = 0
+        for t, page in enumerate(page_bytes):
+            host.append(int(rows[b]) * row_stride + offset)
+            gpu.append(int(gpu_slots[b]) * (row_payload + 64 * len(page_bytes)) + 64 * t
+                       + sum(page_bytes[:t]))
+            sizes.append(page)
+            offset += page
+    host, gpu, sizes = (np.array(a, dtype=np.uint64) for a in (host, gpu, sizes))
+    if shuffle:
+        order = rng.permutation(host.size)
+        host, gpu, sizes = host[order], gpu[order], sizes[order]
+    return host, gpu, sizes, host_bytes, gpu_bytes
+
+
+def _run_store(layout, gpu_mem: np.ndarray, host_mem: np.ndarray, num_slots: int) -> None:
+    """Execute a store through the layout: pack pieces into a slot, DMA runs to host."""
+    ring = np.full((num_slots, layout.chunk_bytes), POISON, dtype=np.uint8)
+    for k in range(layout.num_chunks):
+        slot = ring[k % num_slots]
+        slot[:] = POISON
+        p, d = layout.pieces, layout.dmas
+        for a, o, n in zip(p.address[p.chunk(k)], p.slot_offset[p.chunk(k)], p.num_bytes[p.chunk(k)]):
+            slot[int(o):int(o + n)] = gpu_mem[int(a):int(a + n)]
+        for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
+            host_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
+
+
+def _run_load(layout, host_mem: np.ndarray, gpu_mem: np.ndarray, num_slots: int) -> None:
+    ring = np.full((num_slots, layout.chunk_bytes), POISON, dtype=np.uint8)
+    for k in range(layout.num_chunks):
+        slot = ring[k % num_slots]
+        slot[:] = POISON
+        p, d = layout.pieces, layout.dmas
+        for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
+            slot[int(o):int(o + n)] = host_mem[int(a):int(a + n)]
+        for a, o, n in zip(p.address[p.chunk(k)], p.slot_offset[p.chunk(k)], p.num_bytes[p.chunk(k)]):
+            gpu_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
+
+
+def _reference(src_mem, dst_mem, src, dst, sizes):
+    out = dst_mem.copy()
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        out[d:d + n] = src_mem[s:s + n]
+    return out
+
+
+@pytest.mark.parametrize("page_bytes,row_pad,chunk_bytes,shuffle", [
+    ([4096, 4096, 4096], 0, 8192, False),           # rows contiguous: one run per row
+    ([4096, 4096, 4096], 0, 4096 * 7, True),        # unsorted plan, chunks cut pages
+    ([1000, 3000, 17], 300, 2048, True),            # odd pages, padded rows
+    ([8192], 0, 256 * 5, False),                    # consecutive rows merge into long runs
+    ([512, 1536], 4096, 1 << 20, True),             # whole transfer in one chunk
+])
+def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, shuffle):
+    rng = np.random.default_rng(sum(page_bytes) + row_pad + chunk_bytes)
+    host, gpu, sizes, host_bytes, gpu_bytes = _random_plan(rng, 9, page_bytes, row_pad, shuffle)
+    gpu_mem = rng.integers(0, 256, gpu_bytes, dtype=np.uint8)
+    host_mem = np.full(host_bytes, POISON, dtype=np.uint8)
+    layout = plan_staging(host, gpu, sizes, chunk_bytes)
+    assert layout.num_chunks == -(-layout.packed_bytes // chunk_bytes)
+    assert int(layout.pieces.num_bytes.sum()) == int(sizes.sum())
+    assert int(layout.dmas.num_bytes.sum()) == int(sizes.sum())
+
+    expected = _reference(gpu_mem, host_mem, gpu, host, sizes)
+    _run_store(layout, gpu_mem, host_mem, num_slots=2)
+    assert np.array_equal(host_mem, expected)  # padding and unused rows untouched
+
+    fresh_gpu = np.full(gpu_bytes, POISON, dtype=np.uint8)
+    host_mem[:] = rng.integers(0, 256, host_bytes, dtype=np.uint8)
+    expected_gpu = _reference(host_mem, fresh_gpu, host, gpu, sizes)
+    _run_load(layout, host_mem, fresh_gpu, num_slots=3)
+    assert np.array_equal(fresh_gpu, expected_gpu)
+
+
+def test_staged_layout_runs_follow_host_contiguity():
+    # three tensors of 4 KiB per row, rows 0,1,2 adjacent and row 5 apart: two runs
+    page = 4096
+    host = np.array([r * 3 * page + t * page for r in (0, 1, 2, 5) for t in range(3)],
+                    dtype=np.uint64)
+    gpu = np.arange(host.size, dtype=np.uint64) * np.uint64(2 * page)
+    sizes = np.full(host.size, page, dtype=np.uint64)
+    layout = plan_staging(host, gpu, sizes, chunk_bytes=64 * page)
+    assert layout.num_runs == 2
+    assert layout.num_chunks == 1
+    assert layout.dmas.num_bytes.tolist() == [9 * page, 3 * page]
+    assert layout.dmas.address.tolist() == [0, 15 * page]
+    # slot offsets keep the host address modulo RUN_ALIGN
+    assert all(int(o) % RUN_ALIGN == int(a) % RUN_ALIGN
+               for o, a in zip(layout.dmas.slot_offset, layout.dmas.address))
+
+
+def test_staged_layout_keeps_alignment_of_pieces():
+    rng = np.random.default_rng(7)
+    host, gpu, sizes, _, _ = _random_plan(rng, 16, [4096, 2048, 6144], 512, True)
+    gpu = gpu + np.uint64(1 << 20)
+    layout = plan_staging(host, gpu, sizes, chunk_bytes=10240)
+    for arr in (layout.pieces.address, layout.pieces.slot_offset, layout.pieces.num_bytes,
+                layout.dmas.address, layout.dmas.slot_offset, layout.dmas.num_bytes):
+        assert int(np.bitwise_or.reduce(arr)) % 16 == 0
+
+
+def test_staged_layout_rejects_bad_input():
+    one = np.array([0], dtype=np.uint64)
+    with pytest.raises(BackendError, match="chunk_bytes = 1000"):
+        plan_staging(one, one, np.array([16], dtype=np.uint64), 1000)
+    with pytest.raises(BackendError, match="overlap"):
+        plan_staging(np.array([0, 8], dtype=np.uint64), np.array([0, 64], dtype=np.uint64),
+                     np.array([16, 16], dtype=np.uint64), 4096)
+    empty = plan_staging(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                         4096)
+    assert empty.num_chunks == 0

@@ -1,0 +1,180 @@
+"""The few CUDA driver entry points the copy backends call, through ctypes.
+
+Why ctypes and the driver, not cuda-bindings: the copy path passes numpy arrays of
+16 k pointers per call; cuda-bindings converts Python lists (about 12 ms for 16 k
+descriptors), while a ctypes call hands the driver the arrays' own memory (zero copy,
+~1 µs, GIL released during the call).
+
+``cuMemcpyBatchAsync`` changed ABI in CUDA 13 (``failIdx`` dropped); the header
+remaps the name to ``_v2`` at compile time, so the symbol is looked up with
+``cuGetProcAddress`` by ABI version: 12.8 first (nine arguments, with ``failIdx``),
+then 13.0 (eight). A driver without either (older than R570) has no batch API:
+``CudaDriver.memcpy_batch`` is then None and callers must say so (no quiet fallback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+
+from tiercache.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_FOUND = 500
+LEGACY_STREAM_HANDLES = (0, 1)  # NULL (legacy default) and cudaStreamLegacy
+_ABI_12_8 = 12080
+_ABI_13_0 = 13000
+_GET_PROC_DEFAULT = 0
+_SYMBOL_FOUND = 0
+
+
+class SrcAccessOrder(IntEnum):
+    """``CUmemcpySrcAccessOrder``: when the copy engine may read the source."""
+
+    STREAM = 1  # in stream order: sees every earlier write on the stream
+    DURING_API_CALL = 2
+    ANY = 3  # any time after the call: only for sources nothing is still writing
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (24 bytes). Location hints stay zero: they only matter for
+    managed or pageable memory, and the region is pinned."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_u64p = ctypes.c_void_p
+_BATCH_12_8 = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
+                               ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
+                               ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p)
+_BATCH_13_0 = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
+                               ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
+                               ctypes.c_size_t, ctypes.c_void_p)
+_MEMCPY_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                 ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class BatchFailure:
+    code: int
+    fail_index: int | None  # None on the 13.0 ABI, which does not report it
+
+
+class CudaDriver:
+    """libcuda entry points, resolved once per process user (cheap to build: a few µs)."""
+
+    def __init__(self) -> None:
+        try:
+            self._lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise BackendError(f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}") from e
+        lib = self._lib
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        version = ctypes.c_int(0)
+        self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        self.driver_version = version.value
+        self._batch_abi: int | None = None
+        self._batch = None
+        for abi, proto in ((_ABI_12_8, _BATCH_12_8), (_ABI_13_0, _BATCH_13_0)):
+            address = self._proc_address(b"cuMemcpyBatchAsync", abi)
+            if address:
+                self._batch, self._batch_abi = proto(address), abi
+                break
+        address = self._proc_address(b"cuMemcpyAsync", 4000)
+        if not address:
+            raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyAsync")
+        self._memcpy_async = _MEMCPY_ASYNC(address)
+        self._fail_index = ctypes.c_size_t(0)
+        self._attr_index = ctypes.c_size_t(0)
+
+    # ------------------------------------------------------------ lookup and errors
+    def _proc_address(self, symbol: bytes, abi: int) -> int:
+        pfn = ctypes.c_void_p(0)
+        status = ctypes.c_int(-1)
+        getter = getattr(self._lib, "cuGetProcAddress_v2", None)
+        if getter is not None:
+            getter.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                               ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+            rc = getter(symbol, ctypes.byref(pfn), abi, _GET_PROC_DEFAULT, ctypes.byref(status))
+            found = rc == CUDA_SUCCESS and status.value == _SYMBOL_FOUND
+        else:  # drivers before CUDA 12.0 export only the four-argument form
+            getter = self._lib.cuGetProcAddress
+            getter.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                               ctypes.c_uint64]
+            rc = getter(symbol, ctypes.byref(pfn), abi, _GET_PROC_DEFAULT)
+            found = rc == CUDA_SUCCESS
+        if not found and rc not in (CUDA_SUCCESS, CUDA_ERROR_NOT_FOUND):
+            log.debug("cuGetProcAddress(%s, %d) -> %s", symbol.decode(), abi, self.error_name(rc))
+        return int(pfn.value or 0) if found else 0
+
+    def error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self._lib.cuGetErrorName(code, ctypes.byref(name)) != CUDA_SUCCESS or not name.value:
+            return f"CUresult {code}"
+        return f"{name.value.decode()} ({code})"
+
+    def _check(self, code: int, what: str) -> None:
+        if code != CUDA_SUCCESS:
+            raise BackendError(f"{what} failed: {self.error_name(code)}")
+
+    # ------------------------------------------------------------ capabilities
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    @property
+    def batch_abi(self) -> int | None:
+        """12080 or 13000: which ``cuMemcpyBatchAsync`` ABI was found; None: none."""
+        return self._batch_abi
+
+    def has_current_context(self) -> bool:
+        ctx = ctypes.c_void_p(0)
+        return self._lib.cuCtxGetCurrent(ctypes.byref(ctx)) == CUDA_SUCCESS and bool(ctx.value)
+
+    # ------------------------------------------------------------ copies
+    def memcpy_batch(self, dsts: int, srcs: int, sizes: int, count: int,
+                     attrs: MemcpyAttributes, stream_handle: int) -> BatchFailure | None:
+        """One ``cuMemcpyBatchAsync`` over ``count`` descriptors; the three arguments are
+        addresses of uint64 arrays. Returns None on success, else the failure."""
+        if self._batch_abi == _ABI_12_8:
+            self._fail_index.value = 0
+            rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
+                             ctypes.byref(self._attr_index), 1, ctypes.byref(self._fail_index),
+                             stream_handle)
+            return None if rc == CUDA_SUCCESS else BatchFailure(rc, int(self._fail_index.value))
+        if self._batch_abi == _ABI_13_0:
+            rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
+                             ctypes.byref(self._attr_index), 1, stream_handle)
+            return None if rc == CUDA_SUCCESS else BatchFailure(rc, None)
+        raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyBatchAsync "
+                           "(needs R570 / CUDA 12.8 or newer)")
+
+    def memcpy_async(self, dst: int, src: int, num_bytes: int, stream_handle: int) -> int:
+        """One ``cuMemcpyAsync`` (direction from UVA); returns the CUresult."""
+        return self._memcpy_async(dst, src, num_bytes, stream_handle)
+
+
+def stream_handle(stream) -> int:
+    """The raw ``CUstream`` of a torch.cuda.Stream; the legacy default stream is refused
+    (``cuMemcpyBatchAsync`` rejects it, and it would serialise with every other stream)."""
+    handle = int(stream.cuda_stream)
+    if handle in LEGACY_STREAM_HANDLES:
+        raise BackendError(
+            f"copy on the legacy default stream (handle {handle:#x}) is not allowed: pass a "
+            "created stream, e.g. torch.cuda.Stream(), ordered after the compute stream")
+    return handle
