@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
-from tiercache.manager import OffloadingManager
+from tiercache.manager import ManagerStats, OffloadingManager
 from tiercache.protocol import (
     MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
     encode_error, encode_events, encode_stats, encode_store_output, frame,
@@ -124,6 +124,10 @@ class ControlServer:
     @property
     def socket_path(self) -> str:
         return self._path
+
+    def stats(self) -> ManagerStats:
+        """The served index's stats (safe from any thread: the manager holds its own lock)."""
+        return self._manager.stats()
 
     def start(self) -> None:
         """Bind and listen (clients may connect once this returns), then serve in a thread."""

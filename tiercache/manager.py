@@ -221,23 +221,19 @@ class OffloadingManager:
         _require_unique(keys, "prepare_store")
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
-            need = len(new_keys) - self._num_free()
-            evicted: list[bytes] = []
-            if need > 0:
-                victims = None
-                if need <= self._num_by_state[SlotState.READY]:
-                    victims = self._policy.evict(need, self._evictable_except(keys))
-                if victims is None:
-                    self._counters["store_rejections"] += 1
-                    return None
-                for key in victims:
-                    self._release(self._slots.pop(key))
-                self._counters["evicted_blocks"] += len(victims)
-                self._emit(victims, removed=True)
-                evicted = victims
+            need = max(0, len(new_keys) - self._num_free())
+            victims = None
+            if need <= self._num_by_state[SlotState.READY]:  # else no policy could find room
+                victims = self._policy.admit(new_keys, need, self._evictable_except(keys))
+            if victims is None:
+                self._counters["store_rejections"] += 1
+                return None
+            for key in victims:
+                self._release(self._slots.pop(key))
+            self._counters["evicted_blocks"] += len(victims)
+            self._emit(victims, removed=True)
             slot_ids = [self._allocate(key) for key in new_keys]
-            self._policy.insert(new_keys)
-            return PrepareStoreOutput(tuple(new_keys), CPULoadStoreSpec(slot_ids), tuple(evicted))
+            return PrepareStoreOutput(tuple(new_keys), CPULoadStoreSpec(slot_ids), tuple(victims))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Publish written blocks (READY), or free their slots when the write failed.

@@ -22,18 +22,18 @@ class EvictionPolicy(ABC):
 
     Contract between the manager and a policy:
 
-    * The manager calls ``insert`` once for every key it admits and then exactly one
-      of ``remove`` (the store failed) or an ``evict`` that returns the key; ``clear``
-      forgets everything. A policy never sees a key twice without one of these between.
-    * ``insert`` and ``touch`` take batches; within a batch ``keys[0]`` ends most
-      recent, so the head of a prompt prefix outlives its tail (a tail block is
-      useless without the blocks before it).
-    * ``touch`` receives only keys the policy holds.
-    * ``evict(num_blocks, can_evict)`` is atomic: it returns exactly ``num_blocks``
-      keys for which ``can_evict(key)`` is true and has forgotten them, or returns
-      ``None`` and has changed nothing. ``can_evict`` is a pure predicate supplied by
-      the manager (block readable, no load in flight, not part of the calling store).
-    * A policy raises nothing on valid use; it never decides what is evictable.
+    * Every key enters through ``admit`` and leaves through exactly one of ``remove``
+      (its store failed), being returned by a later ``admit`` (evicted), or ``clear``.
+    * ``admit(keys, num_evictions, can_evict)`` is atomic: it either forgets exactly
+      ``num_evictions`` held keys for which ``can_evict(key)`` is true, returns them
+      (in eviction order) and holds ``keys`` from then on, or returns ``None`` and has
+      changed nothing. ``keys`` are not held by the policy; ``can_evict`` is a pure
+      predicate from the manager (block readable, no load in flight, not part of the
+      calling store), so a policy never decides what *may* go, only what goes first.
+    * ``touch`` receives only held keys.
+    * In a batch (``admit`` or ``touch``) ``keys[0]`` ends most recent, so the head of
+      a prompt prefix outlives its tail (a tail block is useless without its head).
+    * A policy raises nothing on valid use.
     """
 
     name: ClassVar[str]
@@ -44,8 +44,9 @@ class EvictionPolicy(ABC):
         self.capacity_blocks = capacity_blocks
 
     @abstractmethod
-    def insert(self, keys: Sequence[bytes]) -> None:
-        """Admit new keys (their blocks are about to be written)."""
+    def admit(self, keys: Sequence[bytes], num_evictions: int,
+              can_evict: CanEvict) -> list[bytes] | None:
+        """Make room (evict ``num_evictions`` keys) and hold ``keys``; or change nothing."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -54,10 +55,6 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record an access to held keys."""
-
-    @abstractmethod
-    def evict(self, num_blocks: int, can_evict: CanEvict) -> list[bytes] | None:
-        """Choose and forget ``num_blocks`` evictable keys, or change nothing and return None."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -99,10 +96,22 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity_blocks)
         self._order: OrderedDict[bytes, None] = OrderedDict()  # least recent first
 
-    def insert(self, keys: Sequence[bytes]) -> None:
+    def admit(self, keys: Sequence[bytes], num_evictions: int,
+              can_evict: CanEvict) -> list[bytes] | None:
+        victims: list[bytes] = []
+        if num_evictions > 0:
+            for key in _candidates(self._order, can_evict):
+                victims.append(key)
+                if len(victims) == num_evictions:
+                    break
+            if len(victims) < num_evictions:
+                return None
         order = self._order
+        for key in victims:
+            del order[key]
         for key in reversed(keys):
             order[key] = None
+        return victims
 
     def remove(self, key: bytes) -> None:
         del self._order[key]
@@ -111,19 +120,6 @@ class LRUPolicy(EvictionPolicy):
         move = self._order.move_to_end
         for key in reversed(keys):
             move(key)
-
-    def evict(self, num_blocks: int, can_evict: CanEvict) -> list[bytes] | None:
-        victims: list[bytes] = []
-        if num_blocks > 0:
-            for key in _candidates(self._order, can_evict):
-                victims.append(key)
-                if len(victims) == num_blocks:
-                    break
-        if len(victims) < num_blocks:
-            return None
-        for key in victims:
-            del self._order[key]
-        return victims
 
     def clear(self) -> None:
         self._order.clear()
@@ -141,7 +137,8 @@ class ARCPolicy(EvictionPolicy):
     remember keys recently evicted from T1 and T2 (ghosts, no slot). ``target_t1_blocks``
     (ARC's p) is how large T1 may grow before eviction prefers it: a re-admitted B1
     ghost means T1 was too small (p grows by max(1, |B2|/|B1|)), a B2 ghost means T2
-    was (p shrinks by max(1, |B1|/|B2|)). Re-admitted ghosts go straight to T2.
+    was (p shrinks by max(1, |B1|/|B2|)). Re-admitted ghosts go straight to T2. As in
+    ARC, p adapts before the victims are chosen; a batch applies all its ghost hits first.
 
     Eviction takes T1's least recent evictable key while the simulated |T1| exceeds p,
     else T2's; when the preferred list has no evictable key left the other one is
@@ -168,22 +165,59 @@ class ARCPolicy(EvictionPolicy):
         return {"t1": tuple(self._t1), "t2": tuple(self._t2),
                 "b1": tuple(self._b1), "b2": tuple(self._b2)}
 
-    def insert(self, keys: Sequence[bytes]) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        for key in reversed(keys):
-            if key in b1:
-                step = max(1.0, len(b2) / len(b1))
-                self._target_t1_blocks = min(float(self.capacity_blocks), self._target_t1_blocks + step)
-                del b1[key]
-                t2[key] = None
-            elif key in b2:
-                step = max(1.0, len(b1) / len(b2))
-                self._target_t1_blocks = max(0.0, self._target_t1_blocks - step)
-                del b2[key]
-                t2[key] = None
+    def admit(self, keys: Sequence[bytes], num_evictions: int,
+              can_evict: CanEvict) -> list[bytes] | None:
+        # ARC adapts p on a ghost hit before it replaces; a batch adapts for all its keys first.
+        target = self._target_t1_blocks
+        num_b1, num_b2 = len(self._b1), len(self._b2)
+        for key in keys:
+            if key in self._b1:
+                target = min(float(self.capacity_blocks), target + max(1.0, num_b2 / num_b1))
+            elif key in self._b2:
+                target = max(0.0, target - max(1.0, num_b1 / num_b2))
+        victims = self._choose_victims(num_evictions, can_evict, target)
+        if victims is None:
+            return None
+        self._target_t1_blocks = target
+        for key, in_t1 in victims:
+            if in_t1:
+                del self._t1[key]
+                self._b1[key] = None
             else:
-                t1[key] = None
+                del self._t2[key]
+                self._b2[key] = None
+        for key in reversed(keys):
+            if key in self._b1:
+                del self._b1[key]
+                self._t2[key] = None
+            elif key in self._b2:
+                del self._b2[key]
+                self._t2[key] = None
+            else:
+                self._t1[key] = None
         self._trim_ghosts()
+        return [key for key, _ in victims]
+
+    def _choose_victims(self, num_evictions: int, can_evict: CanEvict,
+                        target: float) -> list[tuple[bytes, bool]] | None:
+        """(key, taken from T1) in eviction order, or None when too few can go."""
+        victims: list[tuple[bytes, bool]] = []
+        next_t1 = _candidates(self._t1, can_evict)
+        next_t2 = _candidates(self._t2, can_evict)
+        head_t1 = next(next_t1, None) if num_evictions else None
+        head_t2 = next(next_t2, None) if num_evictions else None
+        simulated_t1 = len(self._t1)
+        while len(victims) < num_evictions:
+            if head_t1 is not None and (simulated_t1 > target or head_t2 is None):
+                victims.append((head_t1, True))
+                simulated_t1 -= 1
+                head_t1 = next(next_t1, None)
+            elif head_t2 is not None:
+                victims.append((head_t2, False))
+                head_t2 = next(next_t2, None)
+            else:
+                return None
+        return victims
 
     def remove(self, key: bytes) -> None:
         if key in self._t1:
@@ -199,34 +233,6 @@ class ARCPolicy(EvictionPolicy):
             else:
                 del t1[key]
                 t2[key] = None
-
-    def evict(self, num_blocks: int, can_evict: CanEvict) -> list[bytes] | None:
-        victims: list[tuple[bytes, bool]] = []  # (key, taken from T1), in eviction order
-        next_t1 = _candidates(self._t1, can_evict)
-        next_t2 = _candidates(self._t2, can_evict)
-        head_t1 = next(next_t1, None)
-        head_t2 = next(next_t2, None)
-        simulated_t1 = len(self._t1)
-        while len(victims) < num_blocks:
-            prefer_t1 = simulated_t1 > self._target_t1_blocks
-            if head_t1 is not None and (prefer_t1 or head_t2 is None):
-                victims.append((head_t1, True))
-                simulated_t1 -= 1
-                head_t1 = next(next_t1, None)
-            elif head_t2 is not None:
-                victims.append((head_t2, False))
-                head_t2 = next(next_t2, None)
-            else:
-                return None
-        for key, in_t1 in victims:
-            if in_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-        self._trim_ghosts()
-        return [key for key, _ in victims]
 
     def _trim_ghosts(self) -> None:
         c = self.capacity_blocks
