@@ -1,0 +1,430 @@
+"""The collector over fabricated stats blocks (a bytearray region), on a private registry,
+and the HTTP endpoint; liveness against real processes; promtool on the exposition."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import psutil
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tiercache.config import ExporterConfig
+from tiercache.errors import ConfigError
+from tiercache.header import HeaderInfo, RegionHeader, RegionState
+from tiercache.hostmem import process_start_ns
+from tiercache.layout import HEADER_FIXED_BYTES, RegionLayout
+from tiercache.metrics import METRIC_NAMES, TiercacheCollector, encode_text, start_exporter
+from tiercache.stats import BackendCode, Direction, PinState, RankStats
+
+G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
+
+
+class FakeRegion:
+    """The header and stats blocks of a region over a bytearray (no data slices)."""
+
+    def __init__(self, world_size: int = 2, num_blocks: int = 8):
+        self.layout = RegionLayout(world_size, num_blocks, (4096, 8192))
+        self.buffer = bytearray(self.layout.header_bytes)
+        self.header = RegionHeader(memoryview(self.buffer)[:HEADER_FIXED_BYTES])
+        self.header.write(self.layout, generation=3, owner_pid=os.getpid(),
+                          owner_start_ns=process_start_ns(os.getpid()), created_ns=0)
+        self.header.set_state(RegionState.READY)
+
+    def info(self) -> HeaderInfo:
+        return self.header.read()
+
+    def stats(self, rank: int) -> RankStats:
+        return RankStats(self.buffer, self.layout.stats_offset(rank), rank)
+
+    def set_seq(self, rank: int, value: int) -> None:
+        """Word 0 of a stats block is its sequence lock (see tiercache.stats)."""
+        struct.pack_into("<Q", self.buffer, self.layout.stats_offset(rank), value)
+
+    def seq(self, rank: int) -> int:
+        return struct.unpack_from("<Q", self.buffer, self.layout.stats_offset(rank))[0]
+
+
+@dataclass(frozen=True)
+class FakeManagerStats:
+    lookups: int = 7
+    hit_blocks: int = 11
+    miss_blocks: int = 5
+    stored_blocks: int = 20
+    loaded_blocks: int = 11
+    store_rejections: int = 2
+    evicted_blocks: int = 4
+    failed_store_blocks: int = 1
+    capacity_blocks: int = 8
+    free_blocks: int = 2
+    writing_blocks: int = 1
+    ready_blocks: int = 4
+    loading_blocks: int = 1
+
+    @property
+    def occupancy(self) -> float:
+        return (self.capacity_blocks - self.free_blocks) / self.capacity_blocks
+
+
+def attach_self(region: FakeRegion, rank: int) -> RankStats:
+    view = region.stats(rank)
+    view.mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    return view
+
+
+def registry_of(collector: TiercacheCollector) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple, float]:
+    """One collect: ``(name, *sorted label pairs) -> value``."""
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for family in registry.collect() for s in family.samples}
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is not installed: install Debian's prometheus package "
+                    "(`make prometheus`); the metrics lint cannot run without it")
+    return path
+
+
+def promtool_check(exposition: bytes) -> None:
+    run = subprocess.run([promtool(), "check", "metrics"], input=exposition,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0, (run.stdout + run.stderr).decode()
+
+
+# ---------------------------------------------------------------- values
+
+def test_transfer_counters_and_histograms_are_exact():
+    region = FakeRegion()
+    view = attach_self(region, 0)
+    for _ in range(3):
+        view.record_transfer(G2C, 4096, 1e-3, success=True)
+    view.record_transfer(G2C, 1 << 20, 0.05, success=True)
+    view.record_transfer(G2C, 1 << 20, 0.05, success=True)
+    view.record_transfer(G2C, 1 << 40, 20.0, success=True)  # beyond every finite bucket
+    view.record_transfer(G2C, 1 << 20, 0.5, success=False)
+    view.record_transfer(C2G, 8192, 2e-4, success=True)
+    reg = registry_of(TiercacheCollector(region))
+    g2c = {"rank": "0", "direction": "gpu_to_cpu"}
+    c2g = {"rank": "0", "direction": "cpu_to_gpu"}
+
+    moved = 3 * 4096 + 2 * (1 << 20) + (1 << 40)
+    assert reg.get_sample_value("tiercache_transfer_bytes_total", g2c) == moved
+    assert reg.get_sample_value("tiercache_transfer_bytes_total", c2g) == 8192
+    assert reg.get_sample_value("tiercache_transfer_seconds_total", g2c) == pytest.approx(20.103)
+    assert reg.get_sample_value("tiercache_transfers_total", {**g2c, "outcome": "ok"}) == 6
+    assert reg.get_sample_value("tiercache_transfers_total", {**g2c, "outcome": "failed"}) == 1
+    assert reg.get_sample_value("tiercache_transfers_total", {**c2g, "outcome": "failed"}) == 0
+
+    def bucket(name, le, labels=g2c):
+        return reg.get_sample_value(f"{name}_bucket", {**labels, "le": le})
+
+    dur = "tiercache_transfer_duration_seconds"
+    assert bucket(dur, "0.0005") == 0
+    assert bucket(dur, "0.001") == 3  # le is inclusive: exactly 1 ms lands here
+    assert bucket(dur, "0.02") == 3
+    assert bucket(dur, "0.05") == 5
+    assert bucket(dur, "10.0") == 5
+    assert bucket(dur, "+Inf") == 6
+    assert reg.get_sample_value(f"{dur}_count", g2c) == 6
+    assert reg.get_sample_value(f"{dur}_sum", g2c) == pytest.approx(20.103)
+    assert bucket(dur, "0.0002", c2g) == 1 and bucket(dur, "0.0001", c2g) == 0
+
+    size = "tiercache_transfer_size_bytes"
+    assert bucket(size, "4096.0") == 3
+    assert bucket(size, "1.048576e+06") == 5
+    assert bucket(size, "1.7179869184e+10") == 5
+    assert bucket(size, "+Inf") == 6
+    assert reg.get_sample_value(f"{size}_sum", g2c) == moved
+
+
+def test_every_histogram_is_cumulative_and_counts_its_transfers():
+    region = FakeRegion(world_size=3)
+    durations = [3e-6, 1e-5, 7e-4, 0.3, 4.0, 99.0]
+    for rank in range(3):
+        view = attach_self(region, rank)
+        for i, seconds in enumerate(durations[rank:]):
+            view.record_transfer(Direction(i % 2), 4096 << (3 * i), seconds, success=True)
+    text = generate_latest(registry_of(TiercacheCollector(region))).decode()
+    histograms = [f for f in text_string_to_metric_families(text) if f.type == "histogram"]
+    assert {f.name for f in histograms} == {"tiercache_transfer_duration_seconds",
+                                            "tiercache_transfer_size_bytes"}
+    checked = 0
+    for family in histograms:
+        series: dict[tuple, list[float]] = {}
+        counts: dict[tuple, float] = {}
+        for s in family.samples:
+            key = (s.labels["rank"], s.labels["direction"])
+            if s.name.endswith("_bucket"):
+                series.setdefault(key, []).append(s.value)
+            elif s.name.endswith("_count"):
+                counts[key] = s.value
+        for key, values in series.items():
+            assert values == sorted(values), f"{family.name}{key} buckets are not cumulative"
+            assert values[-1] == counts[key]
+            checked += 1
+    assert checked == 2 * 3 * 2
+    reg = registry_of(TiercacheCollector(region))
+    assert reg.get_sample_value("tiercache_transfers_total",
+                                {"rank": "0", "direction": "gpu_to_cpu", "outcome": "ok"}) == 3
+
+
+def test_pin_state_backend_and_region_gauges():
+    region = FakeRegion(world_size=2)
+    pinned = attach_self(region, 0)
+    pinned.set_pin(PinState.PINNED, pinned_bytes=region.layout.slice_bytes, seconds=0.25)
+    pinned.set_backend(G2C, BackendCode.CE)
+    pinned.set_backend(C2G, BackendCode.KERNEL)
+    unpinned = attach_self(region, 1)
+    unpinned.set_pin(PinState.UNPINNED)
+    unpinned.set_backend(G2C, BackendCode.CPU)
+    reg = registry_of(TiercacheCollector(region))
+    value = reg.get_sample_value
+
+    assert value("tiercache_region_pinned", {"rank": "0"}) == 1
+    assert value("tiercache_region_pinned", {"rank": "1"}) == 0
+    assert value("tiercache_pinned_bytes", {"rank": "0"}) == region.layout.slice_bytes
+    assert value("tiercache_pinned_bytes", {"rank": "1"}) == 0
+    assert value("tiercache_pin_duration_seconds", {"rank": "0"}) == 0.25
+    for state in PinState:
+        assert value("tiercache_pin_state", {"rank": "0", "state": state.label}) == (
+            1 if state is PinState.PINNED else 0)
+        assert value("tiercache_pin_state", {"rank": "1", "state": state.label}) == (
+            1 if state is PinState.UNPINNED else 0)
+    backend = "tiercache_transfer_backend_info"
+    assert value(backend, {"rank": "0", "direction": "gpu_to_cpu", "backend": "ce"}) == 1
+    assert value(backend, {"rank": "0", "direction": "cpu_to_gpu", "backend": "kernel"}) == 1
+    assert value(backend, {"rank": "1", "direction": "gpu_to_cpu", "backend": "cpu"}) == 1
+    assert value(backend, {"rank": "1", "direction": "cpu_to_gpu", "backend": "none"}) == 1
+    assert value(backend, {"rank": "1", "direction": "gpu_to_cpu", "backend": "ce"}) is None
+    assert value("tiercache_worker_attaches_total", {"rank": "1"}) == 1
+
+    layout = region.layout
+    assert value("tiercache_region_bytes") == layout.total_bytes
+    assert value("tiercache_region_block_bytes") == layout.row_stride * 2
+    assert value("tiercache_region_ranks") == 2
+    assert value("tiercache_region_generation") == 3
+    assert value("tiercache_region_state", {"state": "ready"}) == 1
+    region.header.set_state(RegionState.CLOSING)
+    assert value("tiercache_region_state", {"state": "ready"}) == 0
+    assert value("tiercache_region_state", {"state": "closing"}) == 1
+
+
+def test_index_counters_and_gauges_come_from_manager_stats():
+    region = FakeRegion()
+    stats = FakeManagerStats()
+    reg = registry_of(TiercacheCollector(region, manager_stats=lambda: stats))
+    value = reg.get_sample_value
+    assert value("tiercache_index_lookups_total") == 7
+    assert value("tiercache_index_hit_blocks_total") == 11
+    assert value("tiercache_index_miss_blocks_total") == 5
+    assert value("tiercache_index_stored_blocks_total") == 20
+    assert value("tiercache_index_loaded_blocks_total") == 11
+    assert value("tiercache_index_store_rejections_total") == 2
+    assert value("tiercache_index_evicted_blocks_total") == 4
+    assert value("tiercache_index_failed_store_blocks_total") == 1
+    assert value("tiercache_index_capacity_blocks") == 8
+    by_state = {s: value("tiercache_index_blocks", {"state": s})
+                for s in ("free", "writing", "ready", "loading")}
+    assert by_state == {"free": 2, "writing": 1, "ready": 4, "loading": 1}
+    assert sum(by_state.values()) == value("tiercache_index_capacity_blocks")
+    assert value("tiercache_index_occupancy_ratio") == 0.75
+
+    without = registry_of(TiercacheCollector(region))
+    assert without.get_sample_value("tiercache_index_lookups_total") is None
+
+
+def test_metric_names_list_every_exported_family():
+    region = FakeRegion()
+    attach_self(region, 0)
+    text = generate_latest(registry_of(
+        TiercacheCollector(region, manager_stats=FakeManagerStats))).decode()
+    exported = set()
+    for family in text_string_to_metric_families(text):
+        exported.add(family.name + "_total" if family.type == "counter" else family.name)
+    assert exported == set(METRIC_NAMES)
+    assert all(":" not in n and n.startswith("tiercache_") for n in METRIC_NAMES)
+
+
+def test_describe_does_not_read_shared_state():
+    class Unreadable(FakeRegion):
+        def info(self) -> HeaderInfo:
+            raise AssertionError("read at registration")
+
+    collector = TiercacheCollector(Unreadable())
+    registry = registry_of(collector)  # auto_describe: would call collect() without describe()
+    assert {m.name for m in collector.describe()} >= {"tiercache_worker_up", "tiercache_region_bytes"}
+    with pytest.raises(AssertionError, match="read at registration"):
+        generate_latest(registry)
+
+
+# ---------------------------------------------------------------- liveness
+
+def test_worker_up_follows_a_real_process_through_sigkill():
+    region = FakeRegion(world_size=3)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        region.stats(0).mark_attached(child.pid, process_start_ns(child.pid))
+        # rank 1: our own pid but another start time -> a reused pid, not its worker
+        region.stats(1).mark_attached(os.getpid(), process_start_ns(os.getpid()) - 3600 * 10**9)
+        # rank 2: never attached (pid 0)
+        reg = registry_of(TiercacheCollector(region))
+
+        def up(rank: int) -> float:
+            return reg.get_sample_value("tiercache_worker_up", {"rank": str(rank)})
+
+        assert (up(0), up(1), up(2)) == (1, 0, 0)
+        child.send_signal(signal.SIGKILL)
+        _wait_status(child.pid, psutil.STATUS_ZOMBIE)  # killed, not yet reaped by us
+        assert up(0) == 0, "a zombie worker must read as down"
+        child.wait(10)
+        assert up(0) == 0, "a reaped worker must read as down"
+        assert reg.get_sample_value("tiercache_worker_attaches_total", {"rank": "0"}) == 1
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def _wait_status(pid: int, status: str, timeout_s: float = 10.0) -> None:
+    proc = psutil.Process(pid)
+    for _ in range(int(timeout_s / 0.01)):
+        if proc.status() == status:
+            return
+        psutil.wait_procs([], timeout=0.01)
+    raise AssertionError(f"pid {pid} never reached status {status}")
+
+
+def test_block_left_mid_update_keeps_the_scrape_and_reports_down():
+    region = FakeRegion()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        view = region.stats(0)
+        view.mark_attached(child.pid, process_start_ns(child.pid))
+        view.record_transfer(G2C, 4096, 1e-3, success=True)
+        collector = TiercacheCollector(region)
+        reg = registry_of(collector)
+        assert reg.get_sample_value("tiercache_worker_up", {"rank": "0"}) == 1
+        # the writer dies between its two sequence bumps: the block stays odd for good
+        region.set_seq(0, region.seq(0) + 1)
+        child.kill()
+        child.wait(10)
+        first, second = scrape(reg), scrape(reg)
+        assert first["tiercache_worker_up", ("rank", "0")] == 0
+        assert first["tiercache_stats_read_failures_total", ("rank", "0")] == 1
+        assert second["tiercache_stats_read_failures_total", ("rank", "0")] == 2
+        assert first["tiercache_stats_read_failures_total", ("rank", "1")] == 0
+        assert first["tiercache_transfer_bytes_total",
+                     ("direction", "gpu_to_cpu"), ("rank", "0")] == 4096
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_rank_never_read_consistently_is_down_without_counters():
+    region = FakeRegion()
+    region.set_seq(1, 1)
+    reg = registry_of(TiercacheCollector(region))
+    assert reg.get_sample_value("tiercache_worker_up", {"rank": "1"}) == 0
+    assert reg.get_sample_value("tiercache_transfer_bytes_total",
+                                {"rank": "1", "direction": "gpu_to_cpu"}) is None
+
+
+# ---------------------------------------------------------------- exposition and HTTP
+
+def _families(text: str) -> list[tuple]:
+    return [(f.name, f.type, f.documentation,
+             sorted((s.name, sorted(s.labels.items()), s.value) for s in f.samples))
+            for f in text_string_to_metric_families(text)]
+
+
+def test_encode_text_matches_prometheus_client():
+    region = FakeRegion(world_size=2)
+    view = attach_self(region, 1)
+    view.set_pin(PinState.PINNED, 1 << 30, 1.5)
+    view.record_transfer(C2G, 123456, 0.0123, success=True)
+    collector = TiercacheCollector(region, manager_stats=FakeManagerStats)
+    ours = encode_text(collector.collect()).decode()
+    theirs = generate_latest(registry_of(collector)).decode()
+    assert _families(ours) == _families(theirs)
+
+
+def test_promtool_accepts_the_exposition():
+    region = FakeRegion(world_size=2)
+    view = attach_self(region, 0)
+    view.record_transfer(G2C, 65536, 3e-4, success=True)
+    view.record_transfer(C2G, 65536, 0, success=False)
+    collector = TiercacheCollector(region, manager_stats=FakeManagerStats)
+    promtool_check(encode_text(collector.collect()))
+
+
+def test_exporter_serves_and_closes():
+    region = FakeRegion(world_size=2)
+    attach_self(region, 0).record_transfer(G2C, 4096, 1e-3, success=True)
+    exporter = start_exporter(ExporterConfig(port=0), TiercacheCollector(region, FakeManagerStats))
+    try:
+        assert exporter.port > 0
+        with urllib.request.urlopen(exporter.url, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            body = resp.read()
+        promtool_check(body)
+        assert 'tiercache_transfer_bytes_total{rank="0",direction="gpu_to_cpu"} 4096' in body.decode()
+        request = urllib.request.Request(exporter.url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.headers["Content-Encoding"] == "gzip"
+            assert gzip.decompress(resp.read()).startswith(b"# HELP tiercache_build_info")
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(exporter.url.replace("/metrics", "/nope"), timeout=10)
+        assert missing.value.code == 404
+    finally:
+        exporter.close()
+    exporter.close()  # idempotent
+    with socket.socket() as s:  # the listener is gone (client connections may linger)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((exporter.address, exporter.port))
+
+
+def test_failing_scrape_is_a_500_and_the_exporter_keeps_serving():
+    region = FakeRegion()
+    broken = {"on": True}
+
+    def manager_stats() -> FakeManagerStats:
+        if broken["on"]:
+            raise RuntimeError("index unavailable")
+        return FakeManagerStats()
+
+    exporter = start_exporter(ExporterConfig(port=0), TiercacheCollector(region, manager_stats))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(exporter.url, timeout=10)
+        assert failed.value.code == 500
+        broken["on"] = False
+        with urllib.request.urlopen(exporter.url, timeout=10) as resp:
+            assert b"tiercache_index_lookups_total 7" in resp.read()
+    finally:
+        exporter.close()
+
+
+def test_port_in_use_is_a_config_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+            start_exporter(ExporterConfig(port=port), TiercacheCollector(FakeRegion()))
