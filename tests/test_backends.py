@@ -46,7 +46,10 @@ def _random_plan(rng: np.random.Generator, num_blocks: int, page_bytes: list[int
 
 def _run_store(layout, gpu_mem: np.ndarray, host_mem: np.ndarray, num_slots: int) -> None:
     """Execute a store through the layout: pack pieces into a slot, DMA runs to host."""
-    ring = np.full((num_slots, layout.chunk_bytes), POISON, dtype=np.uint8)
+    ring = np.full((num_slots, layout.max_slot_bytes), POISON, dtype=np.uint8)
+    x = layout.direct
+    for h, g, n in zip(x.host.tolist(), x.gpu.tolist(), x.num_bytes.tolist()):
+        host_mem[h:h + n] = gpu_mem[g:g + n]
     for k in range(layout.num_chunks):
         slot = ring[k % num_slots]
         slot[:] = POISON
@@ -58,7 +61,10 @@ def _run_store(layout, gpu_mem: np.ndarray, host_mem: np.ndarray, num_slots: int
 
 
 def _run_load(layout, host_mem: np.ndarray, gpu_mem: np.ndarray, num_slots: int) -> None:
-    ring = np.full((num_slots, layout.chunk_bytes), POISON, dtype=np.uint8)
+    ring = np.full((num_slots, layout.max_slot_bytes), POISON, dtype=np.uint8)
+    x = layout.direct
+    for h, g, n in zip(x.host.tolist(), x.gpu.tolist(), x.num_bytes.tolist()):
+        gpu_mem[g:g + n] = host_mem[h:h + n]
     for k in range(layout.num_chunks):
         slot = ring[k % num_slots]
         slot[:] = POISON
@@ -76,22 +82,27 @@ def _reference(src_mem, dst_mem, src, dst, sizes):
     return out
 
 
-@pytest.mark.parametrize("page_bytes,row_pad,chunk_bytes,shuffle", [
-    ([4096, 4096, 4096], 0, 8192, False),           # rows contiguous: one run per row
-    ([4096, 4096, 4096], 0, 4096 * 7, True),        # unsorted plan, chunks cut pages
-    ([1000, 3000, 17], 300, 2048, True),            # odd pages, padded rows
-    ([8192], 0, 256 * 5, False),                    # consecutive rows merge into long runs
-    ([512, 1536], 4096, 1 << 20, True),             # whole transfer in one chunk
+@pytest.mark.parametrize("page_bytes,row_pad,chunk_bytes,direct_bytes,shuffle", [
+    ([4096, 4096, 4096], 0, 8192, None, False),       # rows contiguous: one run per row
+    ([4096, 4096, 4096], 0, 4096 * 7, None, True),    # unsorted plan, chunks cut runs
+    ([1000, 3000, 17], 300, 2048, None, True),        # odd pages, padded rows
+    ([8192], 0, 256 * 5, None, False),                # consecutive rows merge into long runs
+    ([512, 1536], 4096, 1 << 20, None, True),         # whole transfer in one chunk
+    ([65536, 4096, 4096], 0, 16384, 65536, True),     # large pages bypass the ring
 ])
-def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, shuffle):
+def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, direct_bytes, shuffle):
     rng = np.random.default_rng(sum(page_bytes) + row_pad + chunk_bytes)
     host, gpu, sizes, host_bytes, gpu_bytes = _random_plan(rng, 9, page_bytes, row_pad, shuffle)
     gpu_mem = rng.integers(0, 256, gpu_bytes, dtype=np.uint8)
     host_mem = np.full(host_bytes, POISON, dtype=np.uint8)
-    layout = plan_staging(host, gpu, sizes, chunk_bytes)
-    assert layout.num_chunks == -(-layout.packed_bytes // chunk_bytes)
-    assert int(layout.pieces.num_bytes.sum()) == int(sizes.sum())
-    assert int(layout.dmas.num_bytes.sum()) == int(sizes.sum())
+    layout = plan_staging(host, gpu, sizes, chunk_bytes, direct_bytes)
+    staged = int(layout.pieces.num_bytes.sum())
+    assert staged + int(layout.direct.num_bytes.sum()) == int(sizes.sum())
+    assert int(layout.dmas.num_bytes.sum()) == staged
+    assert layout.max_slot_bytes <= chunk_bytes + int(sizes.max())
+    if direct_bytes is not None:
+        assert int(layout.direct.num_bytes.min()) >= direct_bytes
+        assert int(layout.pieces.num_bytes.max()) < direct_bytes
 
     expected = _reference(gpu_mem, host_mem, gpu, host, sizes)
     _run_store(layout, gpu_mem, host_mem, num_slots=2)
@@ -109,9 +120,9 @@ def test_staged_layout_runs_follow_host_contiguity():
     page = 4096
     host = np.array([r * 3 * page + t * page for r in (0, 1, 2, 5) for t in range(3)],
                     dtype=np.uint64)
-    gpu = np.arange(host.size, dtype=np.uint64) * np.uint64(2 * page)
+    gpu = np.arange(host.size, dtype=np.uint64) * np.uint64(2 * page) + np.uint64(1 << 30)
     sizes = np.full(host.size, page, dtype=np.uint64)
-    layout = plan_staging(host, gpu, sizes, chunk_bytes=64 * page)
+    layout = plan_staging(host[::-1].copy(), gpu[::-1].copy(), sizes, chunk_bytes=64 * page)
     assert layout.num_runs == 2
     assert layout.num_chunks == 1
     assert layout.dmas.num_bytes.tolist() == [9 * page, 3 * page]
@@ -141,3 +152,15 @@ def test_staged_layout_rejects_bad_input():
     empty = plan_staging(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
                          4096)
     assert empty.num_chunks == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_order_matches_a_stable_argsort(seed):
+    from tiercache.backends.staging import _host_order
+
+    rng = np.random.default_rng(seed)
+    granule = int(rng.choice([1, 256, 32768]))
+    host = (np.uint64(1 << 40) + rng.permutation(5000)[:3000].astype(np.uint64) * np.uint64(granule))
+    order = _host_order(host)
+    assert order is not None and np.array_equal(order, np.argsort(host, kind="stable"))
+    assert _host_order(np.sort(host)) is None

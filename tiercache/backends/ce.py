@@ -5,9 +5,9 @@ overhead in the engines: small pages (≤ 64 KiB) reach only part of the PCIe ra
 (measured on H100: 0.5–0.8 of the ceiling at 32 KiB), which is what ``staged`` fixes.
 
 Source access order: stores (GPU→CPU) use STREAM, so the engine cannot read KV the
-compute stream is still writing; loads may use ANY (pinned host sources nothing writes
-while a load runs; the scheduler guarantees it) when constructed with
-``load_access_order=SrcAccessOrder.ANY``.
+compute stream is still writing; loads use ANY (pinned host sources that nothing writes
+while a load runs, which the scheduler guarantees; measured on H100 at 2 MiB units:
+53.9 GB/s against 52.9 with STREAM). ``load_access_order`` overrides it.
 
 On a driver without the batch API (older than CUDA 12.8) ``CeBackend`` refuses to
 build; ``CeLoopBackend`` (one ``cuMemcpyAsync`` per descriptor, ~3–6 µs each) must be
@@ -68,32 +68,31 @@ class CeBackend(_CudaBackend):
     name = "ce"
 
     def __init__(self, device: int, driver: CudaDriver | None = None,
-                 load_access_order: SrcAccessOrder = SrcAccessOrder.STREAM):
+                 load_access_order: SrcAccessOrder = SrcAccessOrder.ANY):
         super().__init__(device, driver)
         if not self.driver.has_batch:
             raise BackendError(
                 f"backend 'ce' needs cuMemcpyBatchAsync (CUDA 12.8 / driver R570 or newer); "
                 f"this driver reports CUDA {self.driver.driver_version}. Configure "
                 "backend = 'kernel' or 'staged', or use CeLoopBackend explicitly")
-        self._attrs = {
-            Direction.GPU_TO_CPU: MemcpyAttributes(srcAccessOrder=SrcAccessOrder.STREAM),
-            Direction.CPU_TO_GPU: MemcpyAttributes(srcAccessOrder=int(load_access_order)),
-        }
-        self.load_access_order = load_access_order
+        self._attrs = {order: MemcpyAttributes(srcAccessOrder=int(order))
+                       for order in SrcAccessOrder}
+        self._order = {Direction.GPU_TO_CPU: SrcAccessOrder.STREAM,
+                       Direction.CPU_TO_GPU: load_access_order}
 
     def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
         handle = self._enter(stream)
         if plan.num_descriptors == 0:
             return None
         src, dst, sizes = plan_arrays(plan)
-        self.submit(src, dst, sizes, plan.direction, handle)
+        self.submit(src, dst, sizes, self._order[plan.direction], handle)
         return _Submitted((src, dst, sizes))
 
-    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction,
-               handle: int) -> None:
+    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+               order: SrcAccessOrder, handle: int) -> None:
         """Enqueue contiguous uint64 arrays on a raw stream handle (used by ``staged`` too)."""
         failure = self.driver.memcpy_batch(dst.ctypes.data, src.ctypes.data, sizes.ctypes.data,
-                                           int(sizes.size), self._attrs[direction], handle)
+                                           int(sizes.size), self._attrs[order], handle)
         if failure is not None:
             where = ""
             if failure.fail_index is not None and failure.fail_index < sizes.size:
@@ -130,3 +129,17 @@ class CeLoopBackend(_CudaBackend):
                     f"cuMemcpyAsync {i} of {sizes.size} (src {s:#x} -> dst {d:#x}, {n} bytes) "
                     f"failed: {self.driver.error_name(rc)}; copies 0..{i - 1} are enqueued")
         return _Submitted((src, dst, sizes))
+
+
+def device_index(device: Any) -> int:
+    """The CUDA device ordinal of a torch device ('cuda' alone means the current one)."""
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else int(device.index)
+
+
+def create(context) -> CopyBackend:
+    """``ce`` for a handler; the per-copy loop only where the driver has no batch API."""
+    driver = CudaDriver()
+    if not driver.has_batch:
+        return CeLoopBackend(device_index(context.device), driver)
+    return CeBackend(device_index(context.device), driver)

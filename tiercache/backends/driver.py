@@ -30,6 +30,7 @@ _ABI_12_8 = 12080
 _ABI_13_0 = 13000
 _GET_PROC_DEFAULT = 0
 _SYMBOL_FOUND = 0
+_EVENT_DISABLE_TIMING = 0x2
 
 
 class SrcAccessOrder(IntEnum):
@@ -99,6 +100,12 @@ class CudaDriver:
         if not address:
             raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyAsync")
         self._memcpy_async = _MEMCPY_ASYNC(address)
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._event_record = lib.cuEventRecord
+        self._stream_wait_event = lib.cuStreamWaitEvent
         self._fail_index = ctypes.c_size_t(0)
         self._attr_index = ctypes.c_size_t(0)
 
@@ -167,6 +174,27 @@ class CudaDriver:
     def memcpy_async(self, dst: int, src: int, num_bytes: int, stream_handle: int) -> int:
         """One ``cuMemcpyAsync`` (direction from UVA); returns the CUresult."""
         return self._memcpy_async(dst, src, num_bytes, stream_handle)
+
+
+    # ------------------------------------------------------------ events (no timing)
+    def event_create(self) -> int:
+        event = ctypes.c_void_p(0)
+        self._check(self._lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                    "cuEventCreate")
+        return int(event.value)
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
+
+    def event_record(self, event: int, stream_handle: int) -> None:
+        rc = self._event_record(event, stream_handle)
+        if rc != CUDA_SUCCESS:
+            raise BackendError(f"cuEventRecord failed: {self.error_name(rc)}")
+
+    def stream_wait_event(self, stream_handle: int, event: int) -> None:
+        rc = self._stream_wait_event(stream_handle, event, 0)
+        if rc != CUDA_SUCCESS:
+            raise BackendError(f"cuStreamWaitEvent failed: {self.error_name(rc)}")
 
 
 def stream_handle(stream) -> int:

@@ -56,3 +56,12 @@ class KernelBackend(CopyBackend):
             raise BackendError(f"kernel copy of {sizes.size} descriptors could not be "
                                f"submitted: {e}") from e
         return _Submitted(table)
+
+
+def create(context) -> KernelBackend:
+    from tiercache.backends.ce import device_index
+
+    if not context.host_pinned:
+        raise BackendError("backend 'kernel' reads host memory through UVA and needs the "
+                           "region slice pinned; pinning failed or is off (use 'ce' or 'staged')")
+    return KernelBackend(device_index(context.device))

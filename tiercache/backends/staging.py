@@ -8,13 +8,21 @@ touches a host byte outside the plan (padding between pages stays untouched).
 Every run starts at an address congruent to its host address modulo ``RUN_ALIGN``,
 so packing keeps the plan's alignment (16-byte accesses stay 16-byte).
 
-The packed stream is cut into chunks of ``chunk_bytes``; chunk k goes to one slot of
-the ring. Descriptors and runs that cross a chunk boundary are split there, so each
-chunk has its own *pieces* (GPU page bytes ↔ slot offset: the GPU-local pack/unpack)
-and *DMAs* (slot offset ↔ host run bytes: the copy-engine part)::
+Chunk k holds the descriptors whose packed start lies in ``[k * chunk_bytes,
+(k + 1) * chunk_bytes)``; descriptors are never split, so a slot is ``chunk_bytes``
+plus the largest staged descriptor. Each chunk has its *pieces* (one per descriptor:
+GPU page bytes <-> slot offset, the GPU-local pack/unpack) and its *DMAs* (the runs,
+cut where a chunk starts: slot offset <-> host bytes, the copy-engine part)::
 
-    packed:  |run 0 ......|pad|run 1 .......|pad|run 2 ...
-    chunks:  |chunk 0          |chunk 1          |chunk 2 ...
+    packed:  |run 0 ..........|run 1 .......|pad|run 2 ...
+    chunks:  |chunk 0 (pages starting here) |chunk 1 ...
+
+Descriptors of at least ``direct_bytes`` are not staged at all: the copy engines move
+such units at the PCIe ceiling by themselves (``direct``).
+
+Cost matters here (it is host time before the first byte moves): a dozen numpy passes
+over the descriptors; host order is restored with one sort of packed (address, index)
+keys when the planner's order (tensor by tensor) is not host order already.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ class Segments:
     """Copies between a slot and one side, grouped by chunk: entries
     ``first[k]:first[k+1]`` belong to chunk k; ``slot_offset`` is inside the slot."""
 
-    address: np.ndarray  # uint64, on the GPU side (pieces) or the host side (DMAs)
+    address: np.ndarray  # uint64, GPU side (pieces) or host side (DMAs)
     slot_offset: np.ndarray  # uint64
     num_bytes: np.ndarray  # uint64
     first: np.ndarray  # int64, num_chunks + 1 boundaries
@@ -43,90 +51,114 @@ class Segments:
 
 
 @dataclass(frozen=True, eq=False)
+class Direct:
+    """Descriptors moved without staging (host and GPU ends, bytes)."""
+
+    host: np.ndarray
+    gpu: np.ndarray
+    num_bytes: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
 class StagingLayout:
     chunk_bytes: int
     num_chunks: int
-    packed_bytes: int  # includes alignment padding between runs
     num_runs: int
     pieces: Segments  # GPU page bytes <-> slot
     dmas: Segments  # slot <-> host run bytes
+    direct: Direct
+
+    @property
+    def max_slot_bytes(self) -> int:
+        """Bytes a slot must hold (a chunk's last piece may run past ``chunk_bytes``)."""
+        if self.pieces.num_bytes.size == 0:
+            return 0
+        ends = self.pieces.slot_offset + self.pieces.num_bytes
+        return int(ends.max())
 
 
-def _split(start: np.ndarray, length: np.ndarray, chunk_bytes: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut ranges ``[start, start+length)`` of the packed stream at multiples of
-    ``chunk_bytes``. Returns (range index, packed start, bytes, chunk) per piece."""
-    first_chunk = start // chunk_bytes
-    last_chunk = (start + length - 1) // chunk_bytes
-    count = last_chunk - first_chunk + 1
-    index = np.repeat(np.arange(start.size), count)
-    # m-th piece of its range: position within the repeat group
-    group_start = np.repeat(np.cumsum(count) - count, count)
-    m = np.arange(index.size) - group_start
-    chunk = first_chunk[index] + m
-    piece_start = np.maximum(start[index], chunk * chunk_bytes)
-    piece_end = np.minimum(start[index] + length[index], (chunk + 1) * chunk_bytes)
-    return index, piece_start, piece_end - piece_start, chunk
+_U64 = np.uint64
+_EMPTY = np.zeros(0, dtype=_U64)
 
 
-def _boundaries(chunk: np.ndarray, num_chunks: int) -> np.ndarray:
-    return np.searchsorted(chunk, np.arange(num_chunks + 1), side="left").astype(np.int64)
+def _host_order(host: np.ndarray) -> np.ndarray | None:
+    """Permutation to ascending host addresses; None when already ascending."""
+    if host.size < 2 or bool(np.all(host[1:] > host[:-1])):
+        return None
+    low = host.min()
+    index_bits = max(int(host.size - 1).bit_length(), 1)
+    granule = int(np.bitwise_or.reduce(host - low)) or 1
+    shift = (granule & -granule).bit_length() - 1  # common alignment of the offsets
+    span = int(host.max() - low) >> shift
+    if span.bit_length() + index_bits > 64:
+        return np.argsort(host, kind="stable")
+    keys = ((host - low) >> _U64(shift)) << _U64(index_bits) | np.arange(host.size, dtype=_U64)
+    keys.sort()  # one sort of packed keys: several times faster than argsort
+    return (keys & _U64((1 << index_bits) - 1)).astype(np.intp)
 
 
-def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_bytes: int
-                 ) -> StagingLayout:
+def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_bytes: int,
+                 direct_bytes: int | None = None) -> StagingLayout:
     """Lay a transfer out in chunks of ``chunk_bytes``.
 
     ``host[i]``/``gpu[i]`` are the two ends of descriptor i (whatever the direction),
-    ``sizes[i]`` its bytes. Descriptors must not overlap on the host side.
+    ``sizes[i]`` its bytes (uint64 arrays). Host ranges must not overlap.
     """
     if chunk_bytes < RUN_ALIGN or chunk_bytes % RUN_ALIGN:
         raise BackendError(f"chunk_bytes = {chunk_bytes}: must be a positive multiple of "
                            f"{RUN_ALIGN}")
-    host = np.asarray(host, dtype=np.uint64).astype(np.int64)
-    gpu = np.asarray(gpu, dtype=np.uint64).astype(np.int64)
-    sizes = np.asarray(sizes, dtype=np.uint64).astype(np.int64)
+    host, gpu, sizes = (np.asarray(a, dtype=_U64) for a in (host, gpu, sizes))
+    direct = Direct(_EMPTY, _EMPTY, _EMPTY)
+    if direct_bytes is not None and sizes.size and bool((sizes >= direct_bytes).any()):
+        big = sizes >= direct_bytes
+        direct = Direct(host[big], gpu[big], sizes[big])
+        host, gpu, sizes = host[~big], gpu[~big], sizes[~big]
     if sizes.size == 0:
-        empty = Segments(*(np.zeros(0, np.uint64) for _ in range(3)), np.zeros(1, np.int64))
-        return StagingLayout(chunk_bytes, 0, 0, 0, empty, empty)
-    if int(sizes.min()) <= 0:
-        raise BackendError(f"descriptor sizes must be > 0, got {int(sizes.min())}")
-    if not bool(np.all(host[1:] > host[:-1])):  # planners usually emit host order already
-        order = np.argsort(host, kind="stable")
+        empty = Segments(_EMPTY, _EMPTY, _EMPTY, np.zeros(1, np.int64))
+        return StagingLayout(chunk_bytes, 0, 0, empty, empty, direct)
+    if int(sizes.min()) == 0:
+        raise BackendError("descriptor sizes must be > 0, got 0")
+    order = _host_order(host)
+    if order is not None:
         host, gpu, sizes = host[order], gpu[order], sizes[order]
     end = host + sizes
-    if bool(np.any(end[:-1] > host[1:])):
+    if bool((end[:-1] > host[1:]).any()):
         i = int(np.flatnonzero(end[:-1] > host[1:])[0])
-        raise BackendError(f"host ranges overlap: {host[i]:#x}+{sizes[i]} and {host[i + 1]:#x}")
+        raise BackendError(f"host ranges overlap: {int(host[i]):#x}+{int(sizes[i])} and "
+                           f"{int(host[i + 1]):#x}")
+    starts_run = np.empty(host.size, dtype=bool)
+    starts_run[0] = True
+    np.not_equal(end[:-1], host[1:], out=starts_run[1:])
 
-    # runs: a new one wherever the previous descriptor does not end where this one starts
-    starts_run = np.ones(host.size, dtype=bool)
-    starts_run[1:] = end[:-1] != host[1:]
+    packed = np.cumsum(sizes)
+    packed -= sizes  # exclusive: where each descriptor starts in the packed stream
+    if (int(host[0]) | int(np.bitwise_or.reduce(sizes))) % RUN_ALIGN or \
+            int(np.bitwise_or.reduce(host[starts_run])) % RUN_ALIGN:
+        packed = _padded(host, sizes, starts_run)
+
+    chunk_of = packed // _U64(chunk_bytes)
+    num_chunks = int(chunk_of[-1]) + 1
+    first = np.searchsorted(chunk_of, np.arange(num_chunks + 1, dtype=_U64)).astype(np.int64)
+    chunk_base = chunk_of * _U64(chunk_bytes)
+    pieces = Segments(gpu, packed - chunk_base, sizes, first)
+
+    starts_seg = starts_run.copy()
+    starts_seg[first[:-1]] = True
+    seg = np.flatnonzero(starts_seg)
+    dmas = Segments(host[seg], packed[seg] - chunk_base[seg], np.add.reduceat(sizes, seg),
+                    np.searchsorted(seg, first).astype(np.int64))
+    return StagingLayout(chunk_bytes, num_chunks, int(np.count_nonzero(starts_run)), pieces,
+                         dmas, direct)
+
+
+def _padded(host: np.ndarray, sizes: np.ndarray, starts_run: np.ndarray) -> np.ndarray:
+    """Packed starts when runs need padding: each run begins at an offset congruent to
+    its host address modulo RUN_ALIGN, so packing keeps the plan's alignment."""
     run_first = np.flatnonzero(starts_run)
+    run_of = np.cumsum(starts_run) - 1
     run_host = host[run_first]
     run_bytes = np.add.reduceat(sizes, run_first)
-    run_of = np.cumsum(starts_run) - 1
-
-    # each run: an aligned allocation, started at its host address modulo RUN_ALIGN
-    lead = run_host % RUN_ALIGN
-    alloc = -(-(lead + run_bytes) // RUN_ALIGN) * RUN_ALIGN
+    lead = run_host % _U64(RUN_ALIGN)
+    alloc = (lead + run_bytes + _U64(RUN_ALIGN - 1)) // _U64(RUN_ALIGN) * _U64(RUN_ALIGN)
     run_packed = np.cumsum(alloc) - alloc + lead
-    packed_bytes = int(alloc.sum())
-    num_chunks = -(-packed_bytes // chunk_bytes)
-
-    desc_packed = run_packed[run_of] + (host - run_host[run_of])
-    i, p_start, p_bytes, p_chunk = _split(desc_packed, sizes, chunk_bytes)
-    pieces = Segments(
-        address=(gpu[i] + (p_start - desc_packed[i])).astype(np.uint64),
-        slot_offset=(p_start - p_chunk * chunk_bytes).astype(np.uint64),
-        num_bytes=p_bytes.astype(np.uint64),
-        first=_boundaries(p_chunk, num_chunks),
-    )
-    r, d_start, d_bytes, d_chunk = _split(run_packed, run_bytes, chunk_bytes)
-    dmas = Segments(
-        address=(run_host[r] + (d_start - run_packed[r])).astype(np.uint64),
-        slot_offset=(d_start - d_chunk * chunk_bytes).astype(np.uint64),
-        num_bytes=d_bytes.astype(np.uint64),
-        first=_boundaries(d_chunk, num_chunks),
-    )
-    return StagingLayout(chunk_bytes, num_chunks, packed_bytes, int(run_first.size), pieces, dmas)
+    return run_packed[run_of] + (host - run_host[run_of])
