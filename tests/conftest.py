@@ -16,7 +16,9 @@ import pytest
 from tiercache.config import Config, KVGeometry, RegionConfig, ExporterConfig
 
 SHM_DIR = "/dev/shm"
-TEST_PREFIX = "tiercache-test-"
+# Names carry this pytest process's pid, so concurrent sessions never judge each other.
+SESSION_TAG = f"test-{os.getpid()}-"
+TEST_PREFIX = f"tiercache-{SESSION_TAG}"
 
 
 def _test_entries() -> set[str]:
@@ -24,11 +26,26 @@ def _test_entries() -> set[str]:
 
 
 def pytest_sessionstart(session):
-    for name in _test_entries():  # left by an earlier, killed run
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
+    from tiercache.region import remove_stale
+
+    remove_stale(name_prefix="test-")  # left by an earlier, killed run (no coordinator holds them)
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's own helper: every ``spawn`` starts it once per interpreter; not a leak."""
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_mp_helper(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker / forkserver live for the whole session."""
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return True  # already gone
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +53,7 @@ def no_leaks():
     before = _test_entries()
     yield
     me = psutil.Process()
-    children = me.children(recursive=True)
+    children = [c for c in me.children(recursive=True) if not _is_resource_tracker(c)]
     for child in children:
         child.kill()
     psutil.wait_procs(children, timeout=5)
@@ -49,7 +66,7 @@ def no_leaks():
 
 @pytest.fixture
 def instance_name() -> str:
-    return f"test-{uuid.uuid4().hex[:10]}"
+    return f"{SESSION_TAG}{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

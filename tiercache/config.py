@@ -307,6 +307,36 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return config_from_dict(raw)
 
 
+def config_to_toml(config: Config) -> str:
+    """The TOML text that ``load_config`` reads back as an equal Config."""
+
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return str(v) if isinstance(v, int) else '"' + str(v).replace('"', '\\"') + '"'
+
+    reg, kv, exp = config.region, config.kv, config.exporter
+    size = {"num_blocks": reg.num_blocks} if reg.num_blocks is not None else {
+        "capacity": reg.capacity_bytes}
+    tables = {
+        "instance": {"name": config.name, "world_size": config.world_size},
+        "region": {**size, "prefault_threads": reg.prefault_threads, "pinning": reg.pinning.value,
+                   "check_host_memory": reg.check_host_memory},
+        "kv": {"page_bytes": list(kv.page_bytes), "block_size_factor": kv.block_size_factor,
+               "block_tokens": kv.block_tokens},
+        "transfer": {"backend": config.backend.value},
+        "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
+        "control": {"socket": config.control_socket},
+        "index": {"policy": config.index_policy},
+    }
+    return "\n".join(
+        f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
+        for name, body in tables.items()
+    )
+
+
 def config_keys() -> dict[str, tuple[str, ...]]:
     """Every allowed ``section -> keys`` (the README's reference is checked against it)."""
     return {section: tuple(keys) for section, keys in _SCHEMA.items()}
@@ -314,5 +344,5 @@ def config_keys() -> dict[str, tuple[str, ...]]:
 
 __all__ = [
     "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
-    "config_from_dict", "config_keys", "format_bytes", "load_config", "parse_size",
+    "config_from_dict", "config_keys", "config_to_toml", "format_bytes", "load_config", "parse_size",
 ]

@@ -362,11 +362,13 @@ def list_regions(shm_dir: str = SHM_DIR) -> list[RegionListing]:
     return found
 
 
-def remove_stale(shm_dir: str = SHM_DIR, dry_run: bool = False) -> list[RegionListing]:
-    """Unlink every region whose coordinator is gone; never a live one."""
+def remove_stale(shm_dir: str = SHM_DIR, dry_run: bool = False, name_prefix: str = ""
+                 ) -> list[RegionListing]:
+    """Unlink every region (whose name starts with ``name_prefix``) whose coordinator is
+    gone; never a live one."""
     removed = []
     for listing in list_regions(shm_dir):
-        if listing.live:
+        if listing.live or not listing.name.startswith(name_prefix):
             continue
         if listing.info is None and time.time() - os.stat(listing.path).st_mtime < _YOUNG_S:
             continue

@@ -1,0 +1,102 @@
+"""Config parsing: defaults, both KV forms, and one clear error per bad input."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tiercache.config import (
+    BackendKind, Config, ConfigError, PinningPolicy, config_from_dict, config_keys,
+    config_to_toml, load_config, parse_size,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_default_config_file_loads_and_describes_a_cpu_friendly_instance():
+    cfg = load_config(REPO / "configs" / "default.toml")
+    assert cfg.name == "default" and cfg.world_size == 2
+    assert cfg.kv.page_bytes == (16 * 8 * 128 * 2,) * 8  # 4 layers x K,V
+    assert cfg.region.pinning is PinningPolicy.ALLOW_UNPINNED
+    assert cfg.backend is BackendKind.AUTO
+    assert cfg.exporter.address == "127.0.0.1"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    (123, 123), ("2kb", 2000),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["8 parsecs", "-1", "GiB", True, -5, ""])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError, match="expected a byte count|must be >= 0"):
+        parse_size(bad, "region.capacity")
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"regoin": {}}, r"unknown section \[regoin\]; allowed: instance, region"),
+    ({"region": {"capacty": "1GiB"}}, r"unknown key region.capacty; allowed in \[region\]: capacity"),
+    ({"instance": {"world_size": "two"}}, r"instance.world_size = 'two': expected an integer"),
+    ({"instance": {"world_size": True}}, r"instance.world_size = True: expected an integer"),
+    ({"instance": {"world_size": 0}}, r"instance.world_size = 0: allowed 1..64"),
+    ({"instance": {"name": "../etc"}}, r"instance.name = '../etc'"),
+    ({"region": {"pinning": "sometimes"}}, r"region.pinning = 'sometimes': allowed 'required', "
+                                           r"'allow_unpinned'"),
+    ({"transfer": {"backend": "magic"}}, r"transfer.backend = 'magic': allowed 'auto', 'ce'"),
+    ({"region": {"capacity": "1GiB", "num_blocks": 4}}, r"either region.capacity or region.num_blocks"),
+    ({"region": {"prefault_threads": 0}}, r"region.prefault_threads = 0: allowed 1..256"),
+    ({"kv": {"num_layers": 2}}, r"kv: missing kv.num_kv_heads, kv.head_dim, kv.dtype"),
+    ({"kv": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float64"}},
+     r"kv.dtype = 'float64': allowed float32"),
+    ({"kv": {"page_bytes": 0}}, r"kv.page_bytes\[0\] = 0: must be a positive byte count"),
+    ({"kv": {"page_bytes": "4KiB", "num_layers": 2}}, r"either page_bytes"),
+    ({"kv": {"page_bytes": [4096, 8192], "num_tensors": 3}}, r"kv.num_tensors = 3 but kv.page_bytes lists 2"),
+    ({"kv": {"page_bytes": 4096, "block_size_factor": 0}}, r"kv.block_size_factor = 0: must be >= 1"),
+    ({"exporter": {"port": 70000}}, r"exporter.port = 70000: allowed 0..65535"),
+    ({"index": {"policy": "fifo"}}, r"index.policy = 'fifo': allowed 'lru', 'arc'"),
+])
+def test_bad_config_names_key_value_and_what_is_allowed(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(raw)
+
+
+def test_model_shape_gives_one_page_per_layer_and_kv_tensor():
+    cfg = config_from_dict({"kv": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
+                                   "dtype": "bfloat16", "block_tokens": 16,
+                                   "kv_tensors_per_layer": 2, "block_size_factor": 4}})
+    assert cfg.kv.page_bytes == (32 << 10,) * 64
+    assert cfg.kv.cpu_page_bytes == (128 << 10,) * 64
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[region\ncapacity = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(bad)
+
+
+def test_toml_round_trip_preserves_every_field(make_config):
+    cfg = make_config(world_size=3)
+    assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg
+    assert config_from_dict(tomllib.loads(config_to_toml(Config()))) == Config()
+
+
+def test_readme_config_reference_lists_exactly_the_allowed_keys():
+    readme = (REPO / "README.md").read_text()
+    reference = readme.split("## Config reference", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", reference))
+    allowed = {f"{section}.{key}" for section, keys in config_keys().items() for key in keys}
+    assert documented == allowed
+
+
+def test_index_policies_match_the_policy_registry():
+    from tiercache.config import INDEX_POLICIES
+    from tiercache import policies
+
+    assert set(INDEX_POLICIES) == set(policies.POLICIES)

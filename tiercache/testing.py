@@ -1,0 +1,141 @@
+"""Helpers for tests and demos that run the real thing: a ``tiercache serve`` process and
+worker processes started with ``spawn``. Entry points live here (in the package) so
+spawned children can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tiercache.config import Config, config_to_toml
+from tiercache.errors import RegionNotFoundError, RegionNotReadyError
+from tiercache.region import SharedOffloadRegion
+
+DEFAULT_START_TIMEOUT_S = 60.0
+
+
+class CoordinatorProcess:
+    """A real ``python -m tiercache serve`` child; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, config: Config, workdir: str | os.PathLike[str] | None = None,
+                 timeout_s: float = DEFAULT_START_TIMEOUT_S):
+        self.config = config
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tiercache-coord-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.config_path = self.workdir / f"{config.name}.toml"
+        self.config_path.write_text(config_to_toml(config))
+        self.log_path = self.workdir / f"{config.name}.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercache", "serve", "--config", str(self.config_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the region is READY and owned by this process and the socket answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tiercache serve exited with {self.proc.returncode}:\n"
+                                   f"{self.output()}")
+            if "ready in" in self.output():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"tiercache serve not ready after {timeout_s} s:\n{self.output()}")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout_s)
+        self._close_files()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close_files()
+
+    def _close_files(self) -> None:
+        if not self._log.closed:
+            self._log.close()
+
+    def cleanup(self) -> None:
+        """Stop if needed; remove what a killed coordinator left (its region and socket)."""
+        self.stop()
+        from tiercache.region import remove_stale
+
+        remove_stale()
+        try:
+            os.unlink(self.config.socket_path)
+        except FileNotFoundError:
+            pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> CoordinatorProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+
+def spawn_coordinator(config: Config, workdir: str | os.PathLike[str] | None = None,
+                      timeout_s: float = DEFAULT_START_TIMEOUT_S) -> CoordinatorProcess:
+    return CoordinatorProcess(config, workdir, timeout_s)
+
+
+def wait_region(name: str, timeout_s: float = 10.0) -> None:
+    """Block until region ``name`` is READY (raises on timeout)."""
+    SharedOffloadRegion.attach(name, timeout_s=timeout_s).close(unlink=False)
+
+
+def region_exists(name: str) -> bool:
+    try:
+        SharedOffloadRegion.attach(name).close(unlink=False)
+        return True
+    except (RegionNotFoundError, RegionNotReadyError):
+        return False
+
+
+# --------------------------------------------------------------- spawned entry points
+def write_rank_pattern(name: str, rank: int, value: int, done) -> None:
+    """Child: attach ``rank``, fill its whole slice with ``value``, then signal ``done``."""
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    region.rank_array(rank)[:] = value
+    stats = region.stats(rank)
+    stats.mark_attached(os.getpid(), 0)
+    region.close()
+    done.set()
+
+
+def attach_and_hold(name: str, rank: int, attached, release) -> None:
+    """Child: attach ``rank``, mark it attached, signal, wait (to be SIGKILLed or released)."""
+    from tiercache.hostmem import process_start_ns
+
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    region.rank_array(rank)[0, :16] = rank + 1
+    attached.set()
+    release.wait(60)
+    region.stats(rank).mark_detached()
+    region.close()
