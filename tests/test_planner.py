@@ -70,7 +70,7 @@ def geometries(draw):
     gpu = []
     cursor = GPU_BASE
     for t, page in enumerate(pages):
-        stride = page + (draw(st.sampled_from([8, 40])) if style == "padded" else 0)
+        stride = page + (draw(st.sampled_from([0, 8, 40])) if style == "padded" else 0)
         if style == "kv_pairs" and t % 2 == 1 and pages[t - 1] == page:
             base = gpu[-1].base_address + num_gpu_blocks * stride  # V half after K half
         else:

@@ -29,7 +29,7 @@ from typing import Any
 
 from tiercache.backends.base import CopyBackend, CopyPlan
 from tiercache.errors import BackendError, SpecError
-from tiercache.planner import TransferPlanner
+from tiercache.planner import PlanBuffers, TransferPlanner
 from tiercache.specs import GPULoadStoreSpec, TransferSpec
 from tiercache.stats import Direction, RankStats
 from tiercache.streams import Event, Stream, StreamPlatform
@@ -65,6 +65,7 @@ class _Transfer:
     stream: Stream
     start_event: Event
     end_event: Event
+    buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
     keep_alive: Any = field(default=None, repr=False)  # backend token: pointer arrays etc.
     failed_on_device: bool = False
@@ -84,6 +85,7 @@ class SingleDirectionOffloadingHandler:
         self._by_job: dict[int, _Transfer] = {}
         self._stream_pool: list[Stream] = []
         self._event_pool: list[Event] = []
+        self._buffer_pool: list[PlanBuffers] = []
         self._closed = False
 
     # ---------------------------------------------------------------- submit
@@ -93,15 +95,21 @@ class SingleDirectionOffloadingHandler:
         if job_id in self._by_job:
             raise SpecError(f"job id {job_id} is already in flight on the "
                             f"{self.direction.label} handler; job ids must be unique")
-        plan = self.planner.plan(transfer)
-        if plan.direction is not self.direction:
-            raise SpecError(f"job {job_id} is a {plan.direction.label} transfer, but this handler "
-                            f"moves {self.direction.label}")
+        buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
+        try:
+            plan = self.planner.plan(transfer, out=buffers)
+            if plan.direction is not self.direction:
+                raise SpecError(f"job {job_id} is a {plan.direction.label} transfer, but this "
+                                f"handler moves {self.direction.label}")
+        except SpecError:
+            self._buffer_pool.append(buffers)
+            raise
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
         start, end = (self._event_pool.pop() if self._event_pool
                       else self._streams.new_timing_event() for _ in range(2))
         submitted, token = self._enqueue(job_id, plan, stream, start, end)
-        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, submitted, token)
+        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, buffers, submitted,
+                              token)
         self._transfers.append(transfer_)
         self._by_job[job_id] = transfer_
         return submitted
@@ -150,6 +158,7 @@ class SingleDirectionOffloadingHandler:
         del self._by_job[transfer.job_id]
         self._stream_pool.append(transfer.stream)
         self._event_pool += (transfer.start_event, transfer.end_event)
+        self._buffer_pool.append(transfer.buffers)
         if self._stats is not None:
             self._stats.record_transfer(self.direction, transfer.num_bytes, seconds, success)
         return TransferResult(transfer.job_id, success, transfer.num_bytes, seconds,
@@ -188,6 +197,7 @@ class SingleDirectionOffloadingHandler:
             self.backend.close()
             self._stream_pool.clear()
             self._event_pool.clear()
+            self._buffer_pool.clear()
         return results
 
 

@@ -87,6 +87,14 @@ class _GroupWork:
     gpu_ids: np.ndarray
     cpu_rows: np.ndarray
     sub_pages: np.ndarray | None  # None when block_size_factor == 1
+    run_pages: np.ndarray | None = None  # pages per descriptor once runs are fused; None = 1
+
+    def fuse(self, joins: np.ndarray) -> _GroupWork:
+        """The same pages as one descriptor per run ((n-1,) flags shared by every tensor)."""
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        lengths = np.diff(np.append(starts, self.gpu_ids.size)).astype(_U64)
+        subs = None if self.sub_pages is None else self.sub_pages[starts]
+        return _GroupWork(self.group, self.gpu_ids[starts], self.cpu_rows[starts], subs, lengths)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -138,6 +146,30 @@ def _check_unique(ids: np.ndarray, side: str, group: int) -> None:
     if repeats.size:
         raise SpecError(f"destination {side} block id {int(repeats[0])} appears more than once "
                         f"in group {group}: a page would be written twice")
+
+
+class PlanBuffers:
+    """Reusable output arrays for one plan in flight.
+
+    A fresh 16384-descriptor plan is three 128 KiB arrays; glibc maps those with mmap
+    and every call then pays page faults that cost several times the planning itself
+    (measured: 60 us with reused memory, 300+ us without). Handlers pool these like
+    streams: one per transfer in flight, returned when the transfer finished.
+    """
+
+    def __init__(self, capacity: int = 0):
+        self._arrays = tuple(np.empty(capacity, dtype=_U64) for _ in range(3))
+
+    @property
+    def capacity(self) -> int:
+        return self._arrays[0].size
+
+    def take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Three writable uint64 views of ``count`` elements (grown when too small)."""
+        if count > self.capacity:
+            self._arrays = tuple(np.empty(max(count, 2 * self.capacity), dtype=_U64)
+                                 for _ in range(3))
+        return tuple(a[:count] for a in self._arrays)  # type: ignore[return-value]
 
 
 class TransferPlanner:
@@ -201,9 +233,11 @@ class TransferPlanner:
     def num_groups(self) -> int:
         return len(self._groups)
 
-    def plan(self, transfer: TransferSpec, merge: bool = True) -> CopyPlan:
+    def plan(self, transfer: TransferSpec, merge: bool = True, out: PlanBuffers | None = None
+             ) -> CopyPlan:
         """The descriptors of ``transfer``, merged unless ``merge=False``; raises
-        SpecError naming what is wrong before anything is returned."""
+        SpecError naming what is wrong before anything is returned. With ``out`` the
+        plan's arrays are views of those buffers (valid until they are reused)."""
         src_spec, dst_spec = transfer
         if isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
             direction, gpu_spec, cpu_spec = Direction.GPU_TO_CPU, src_spec, dst_spec
@@ -213,21 +247,30 @@ class TransferPlanner:
             raise SpecError(f"a transfer pairs a GPU and a CPU spec (either order); got "
                             f"({type(src_spec).__name__}, {type(dst_spec).__name__})")
         work = self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+        within: list[np.ndarray | None] = [None] * len(work)
+        if merge:  # fuse runs per block where every tensor of the group agrees
+            for i, w in enumerate(work):
+                joins = w.within_joins()
+                if joins is not None and joins.ndim == 1:
+                    work[i] = w.fuse(joins)
+                else:
+                    within[i] = joins
         total = sum(w.num_descriptors for w in work)
-        gpu_addr, cpu_addr, sizes = (np.empty(total, dtype=_U64) for _ in range(3))
-        at, within = 0, []
+        gpu_addr, cpu_addr, sizes = (out or PlanBuffers()).take(total)
+        at = 0
         for w in work:
-            g, shape = w.group, w.shape
+            g, shape, end = w.group, w.shape, at + w.num_descriptors
             cpu_offsets = w.cpu_rows.astype(_U64) * g.cpu_stride
             if w.sub_pages is not None:
                 cpu_offsets = cpu_offsets + w.sub_pages * g.page_bytes
             np.add(g.gpu_base, w.gpu_ids.astype(_U64) * g.gpu_stride,
-                   out=gpu_addr[at:at + w.num_descriptors].reshape(shape))
-            np.add(g.cpu_base, cpu_offsets, out=cpu_addr[at:at + w.num_descriptors].reshape(shape))
-            sizes[at:at + w.num_descriptors].reshape(shape)[...] = g.page_bytes
-            if merge:
-                within.append(w.within_joins())
-            at += w.num_descriptors
+                   out=gpu_addr[at:end].reshape(shape))
+            np.add(g.cpu_base, cpu_offsets, out=cpu_addr[at:end].reshape(shape))
+            if w.run_pages is None:
+                sizes[at:end].reshape(shape)[...] = g.page_bytes
+            else:
+                np.multiply(g.page_bytes, w.run_pages, out=sizes[at:end].reshape(shape))
+            at = end
         if merge:
             ends = self._row_ends(tuple(w.shape for w in work))
             gpu_addr, cpu_addr, sizes = _merge(gpu_addr, cpu_addr, sizes, work, within, ends)
@@ -288,4 +331,8 @@ def _merge(gpu_addr: np.ndarray, cpu_addr: np.ndarray, sizes: np.ndarray,
         at += rows * cols
     joins[ends] = end_joins
     starts = np.flatnonzero(np.concatenate(([True], ~joins[:-1])))
-    return gpu_addr[starts], cpu_addr[starts], np.add.reduceat(sizes, starts)
+    count = starts.size  # compact in place: starts[i] >= i, and take/reduceat buffer overlaps
+    np.add.reduceat(sizes, starts, out=sizes[:count])
+    np.take(gpu_addr, starts, out=gpu_addr[:count])
+    np.take(cpu_addr, starts, out=cpu_addr[:count])
+    return gpu_addr[:count], cpu_addr[:count], sizes[:count]
