@@ -263,3 +263,13 @@ def test_worker_cannot_unlink(region, instance_name):
         worker.close(unlink=True)
     worker.close()
     assert os.path.exists(region.path)
+
+
+def test_a_writer_killed_mid_update_does_not_wedge_the_next_one(region):
+    stats = region.stats(0)
+    stats._words[0] += 1  # as if a worker died between the two sequence bumps
+    with pytest.raises(TimeoutError, match="mid-update"):
+        stats.snapshot()
+    stats.mark_attached(1234, 0)  # the restarted worker's first write
+    snap = stats.snapshot()
+    assert snap.pid == 1234 and snap.attach_count == 1

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from tiercache.config import format_bytes, load_config
+from tiercache.config import Config, format_bytes, load_config
 from tiercache.errors import TiercacheError
 from tiercache.header import RegionState
 from tiercache.hostmem import process_alive
@@ -51,6 +51,23 @@ def _region_names(args: argparse.Namespace) -> list[str] | None:
     return None
 
 
+def _print_index(socket_path: str) -> None:
+    from tiercache.client import Client
+    from tiercache.errors import CoordinatorGoneError
+
+    try:
+        with Client(socket_path, timeout_s=2.0) as client:
+            s = client.stats()
+    except CoordinatorGoneError as e:
+        print(f"  index: not reachable at {socket_path} ({e})")
+        return
+    print(f"  index: {s.ready_blocks} ready, {s.writing_blocks} writing, {s.loading_blocks} "
+          f"loading, {s.free_blocks} free of {s.capacity_blocks} ({s.occupancy:.0%} used); "
+          f"{s.lookups} lookups, {s.hit_blocks} hit / {s.miss_blocks} missed blocks, "
+          f"{s.stored_blocks} stored, {s.evicted_blocks} evicted, {s.store_rejections} "
+          "store rejections")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from tiercache.region import SharedOffloadRegion, list_regions
 
@@ -73,6 +90,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  geometry: {layout.describe()}")
         if info.state != RegionState.READY:
             continue
+        if listing.live:  # without --config the socket is assumed at its default path
+            config = load_config(args.config) if args.config else Config(name=listing.name)
+            _print_index(config.socket_path)
         region = SharedOffloadRegion.attach(listing.name)
         try:
             for rank in range(layout.world_size):

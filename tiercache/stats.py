@@ -159,6 +159,8 @@ class RankStats:
     def _update(self, sets: dict[int, int], adds: dict[int, int] | None = None) -> None:
         with self._lock:
             w = self._words
+            if w[_SEQ] % 2:  # the previous writer of this rank died mid-update
+                w[_SEQ] += 1
             w[_SEQ] += 1
             for index, value in sets.items():
                 w[index] = value

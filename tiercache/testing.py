@@ -28,6 +28,7 @@ class CoordinatorProcess:
         self.config = config
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tiercache-coord-")
         self.workdir = Path(workdir or self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / f"{config.name}.toml"
         self.config_path.write_text(config_to_toml(config))
         self.log_path = self.workdir / f"{config.name}.log"
@@ -47,7 +48,8 @@ class CoordinatorProcess:
         return self.proc.pid
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -1,0 +1,114 @@
+"""`tiercache serve | status | clean` as a user runs them: real processes, real signals."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiercache.client import Client
+from tiercache.errors import CoordinatorGoneError
+from tiercache.region import list_regions
+from tiercache.testing import CoordinatorProcess
+
+
+def tiercache(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiercache", *args], capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_serve_reports_each_step_answers_status_and_cleans_up_on_sigterm(make_config, tmp_path):
+    cfg = make_config()
+    coord = CoordinatorProcess(cfg, tmp_path)
+    out = coord.output()
+    for step in ("allocated", "pre-faulted with 2 threads in", "control socket", "metrics: http",
+                 "ready in"):
+        assert step in out
+    status = tiercache("status", "--config", str(coord.config_path))
+    assert status.returncode == 0, status.stderr
+    assert f"region {cfg.name}" in status.stdout and "live" in status.stdout
+    assert "state ready, generation 1" in status.stdout
+    assert "rank 1: no worker" in status.stdout
+    assert "index: 0 ready, 0 writing, 0 loading, 16 free of 16" in status.stdout
+    assert os.stat(cfg.socket_path).st_mode & 0o777 == 0o600
+    assert coord.stop() == 0
+    assert "stopped; region and socket removed" in coord.output()
+    assert not os.path.exists(f"/dev/shm/tiercache-{cfg.name}")
+    assert not os.path.exists(cfg.socket_path)
+    coord.cleanup()
+
+
+def test_sigint_stops_like_ctrl_c(make_config, tmp_path):
+    coord = CoordinatorProcess(make_config(), tmp_path)
+    coord.proc.send_signal(signal.SIGINT)
+    assert coord.proc.wait(30) == 0
+    assert "SIGINT: shutting down" in coord.output()
+    assert not os.path.exists(coord.config.socket_path)
+    coord.cleanup()
+
+
+def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(make_config,
+                                                                             tmp_path):
+    cfg = make_config()
+    with CoordinatorProcess(cfg, tmp_path / "a") as first:
+        result = tiercache("serve", "--config", str(first.config_path))
+        assert result.returncode == 1
+        assert f"belongs to a live coordinator (pid {first.pid})" in result.stderr
+        with Client(cfg) as client:
+            assert client.lookup([b"k"]) == 0
+
+
+def test_sigkilled_coordinator_is_reclaimed_by_serve_and_clients_reconnect(make_config, tmp_path):
+    cfg = make_config()
+    first = CoordinatorProcess(cfg, tmp_path / "a")
+    client = Client(cfg, timeout_s=5)
+    out = client.prepare_store([b"a", b"b"])
+    assert out is not None
+    first.kill()
+    with pytest.raises(CoordinatorGoneError):
+        client.lookup([b"a"])
+    status = tiercache("status", "--name", cfg.name)
+    assert "STALE" in status.stdout
+    with CoordinatorProcess(cfg, tmp_path / "b") as second:
+        assert "re-adopted stale region" in second.output()
+        assert "generation 2" in second.output()
+        assert client.lookup([b"a"]) == 0  # a fresh index: nothing survives the old one
+        assert client.prepare_store([b"a"]) is not None
+    client.close()
+    first.cleanup()
+
+
+def test_clean_removes_stale_regions_and_never_a_live_one(make_config, tmp_path):
+    dead_cfg, live_cfg = make_config(), make_config(name=make_config().name + "x",
+                                                    control_socket=str(tmp_path / "live.sock"))
+    dead = CoordinatorProcess(dead_cfg, tmp_path / "dead")
+    dead.kill()
+    with CoordinatorProcess(live_cfg, tmp_path / "live"):
+        dry = tiercache("clean", "--dry-run")
+        assert f"would remove stale region /dev/shm/tiercache-{dead_cfg.name}" in dry.stdout
+        assert os.path.exists(f"/dev/shm/tiercache-{dead_cfg.name}")
+        result = tiercache("clean")
+        assert result.returncode == 0
+        assert f"removed stale region /dev/shm/tiercache-{dead_cfg.name}" in result.stdout
+        assert f"kept live region /dev/shm/tiercache-{live_cfg.name}" in result.stdout
+        names = {r.name: r.live for r in list_regions()}
+        assert dead_cfg.name not in names and names[live_cfg.name] is True
+    dead.cleanup()
+
+
+def test_bad_config_is_one_clear_error_and_nothing_is_created(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[instance]\nname = "x"\n[region]\ncapacity = "lots"\n')
+    result = tiercache("serve", "--config", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "tiercache: error: region.capacity = 'lots': expected a byte count or a size such as "
+        "'256MiB', '8GiB', '1.5GB' (units: b, kib, mib, gib, tib, kb, mb, gb, tb)"]
+    assert not os.path.exists("/dev/shm/tiercache-x")
+
+
+def test_status_without_regions_and_for_a_missing_name():
+    result = tiercache("status", "--name", "surely-not-there")
+    assert result.returncode == 1 and "no tiercache region named surely-not-there" in result.stdout
