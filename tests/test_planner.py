@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tiercache.errors import LayoutMismatchError, SpecError
 from tiercache.layout import RegionLayout
 from tiercache.pages import PageArray
-from tiercache.planner import TransferPlanner, merge_runs
+from tiercache.planner import TransferPlanner
+from tiercache.runs import merge_runs
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.stats import Direction
 

@@ -15,122 +15,21 @@ count, ids inside both sides, no destination block written twice in a group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from tiercache.backends.base import CopyPlan
 from tiercache.errors import LayoutMismatchError, SpecError
+from tiercache.page_groups import GroupPages, GroupWork
 from tiercache.pages import PageArray
+from tiercache.runs import merge_at_row_ends
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from tiercache.stats import Direction
 
 _U64 = np.uint64
 _ENDS_CACHE_ENTRIES = 1024  # distinct (group shape) tuples remembered; small arrays each
 
-
-def _column(values: Sequence[int]) -> np.ndarray:
-    return np.array(values, dtype=_U64).reshape(-1, 1)
-
-
-def _compact(values: Sequence[int]) -> np.ndarray | np.uint64:
-    """A scalar when every tensor of the group agrees (one pass instead of k), else a column."""
-    return _U64(values[0]) if len(set(values)) == 1 else _column(values)
-
-
-def _compact_flags(flags: Sequence[bool]) -> np.ndarray | np.bool_:
-    return np.bool_(flags[0]) if len(set(flags)) == 1 else np.array(flags).reshape(-1, 1)
-
-
-@dataclass(frozen=True, eq=False)
-class _GroupPages:
-    """One group's page geometry: base columns (k, 1), strides and page sizes as a scalar
-    when uniform across the group's k tensors, else as columns."""
-
-    tensors: tuple[int, ...]
-    gpu_base: np.ndarray
-    gpu_stride: np.ndarray | np.uint64
-    cpu_base: np.ndarray
-    cpu_stride: np.ndarray | np.uint64
-    page_bytes: np.ndarray | np.uint64
-    gpu_dense: np.ndarray | np.bool_  # GPU stride == page: consecutive ids are adjacent
-    cpu_dense: np.ndarray | np.bool_  # CPU stride == block_size_factor * page
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-
-    @classmethod
-    def of(cls, tensors: tuple[int, ...], gpu: Sequence[PageArray], cpu: Sequence[PageArray],
-           factor: int) -> _GroupPages:
-        pages = [gpu[t].page_bytes for t in tensors]
-        gstrides = [gpu[t].block_stride_bytes for t in tensors]
-        cstrides = [cpu[t].block_stride_bytes for t in tensors]
-        return cls(
-            tensors=tensors,
-            gpu_base=_column([gpu[t].base_address for t in tensors]),
-            gpu_stride=_compact(gstrides),
-            cpu_base=_column([cpu[t].base_address for t in tensors]),
-            cpu_stride=_compact(cstrides),
-            page_bytes=_compact(pages),
-            gpu_dense=_compact_flags([s == p for s, p in zip(gstrides, pages)]),
-            cpu_dense=_compact_flags([s == factor * p for s, p in zip(cstrides, pages)]),
-            num_gpu_blocks=min(gpu[t].num_blocks for t in tensors),
-            num_cpu_blocks=min(cpu[t].num_blocks for t in tensors),
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class _GroupWork:
-    """One non-empty group of one transfer: its GPU ids and, per GPU page, the CPU block
-    id and the sub-page inside it."""
-
-    group: _GroupPages
-    gpu_ids: np.ndarray
-    cpu_rows: np.ndarray
-    sub_pages: np.ndarray | None  # None when block_size_factor == 1
-    run_pages: np.ndarray | None = None  # pages per descriptor once runs are fused; None = 1
-
-    def fuse(self, joins: np.ndarray) -> _GroupWork:
-        """The same pages as one descriptor per run ((n-1,) flags shared by every tensor)."""
-        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-        lengths = np.diff(np.append(starts, self.gpu_ids.size)).astype(_U64)
-        subs = None if self.sub_pages is None else self.sub_pages[starts]
-        return _GroupWork(self.group, self.gpu_ids[starts], self.cpu_rows[starts], subs, lengths)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return len(self.group.tensors), self.gpu_ids.size
-
-    @property
-    def num_descriptors(self) -> int:
-        return len(self.group.tensors) * self.gpu_ids.size
-
-    def within_joins(self) -> np.ndarray | None:
-        """Flags, (n-1,) or (k, n-1): page i and i+1 of a tensor are adjacent on both
-        sides; None when no pair is. Derived from the n ids, not the k*n addresses."""
-        g, ids = self.group, self.gpu_ids
-        next_gpu = ids[1:] == ids[:-1] + 1
-        if not np.any(g.gpu_dense) or not next_gpu.any():
-            return None
-        rows = self.cpu_rows
-        across = next_gpu & (rows[1:] == rows[:-1] + 1)  # last sub-page, then next row's first
-        joins = (g.gpu_dense & g.cpu_dense) & across if np.any(g.cpu_dense) and across.any() \
-            else None
-        if self.sub_pages is not None:
-            inside = g.gpu_dense & (next_gpu & (self.sub_pages[1:] != 0))  # same row
-            joins = inside if joins is None else joins | inside
-        return joins
-
-
-def merge_runs(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fuse neighbouring descriptors that continue each other on both sides."""
-    if sizes.size < 2:
-        return src, dst, sizes
-    joins = (src[:-1] + sizes[:-1] == src[1:]) & (dst[:-1] + sizes[:-1] == dst[1:])
-    if not joins.any():
-        return src, dst, sizes
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
+__all__ = ["PlanBuffers", "TransferPlanner"]
 
 
 def _check_ids(ids: np.ndarray, limit: int, side: str, group: int) -> None:
@@ -214,7 +113,8 @@ class TransferPlanner:
                                               f"[{g}]); each tensor belongs to at most one")
                 seen.add(t)
         self._ends_cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-        self._groups = tuple(_GroupPages.of(g, self.gpu_pages, self.cpu_pages, block_size_factor) for g in groups)
+        self._groups = tuple(GroupPages.of(g, self.gpu_pages, self.cpu_pages, block_size_factor)
+                             for g in groups)
 
     def _row_ends(self, shapes: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Index of each tensor row's last descriptor, but the very last (cached per shape)."""
@@ -259,28 +159,20 @@ class TransferPlanner:
         gpu_addr, cpu_addr, sizes = (out or PlanBuffers()).take(total)
         at = 0
         for w in work:
-            g, shape, end = w.group, w.shape, at + w.num_descriptors
-            cpu_offsets = w.cpu_rows.astype(_U64) * g.cpu_stride
-            if w.sub_pages is not None:
-                cpu_offsets = cpu_offsets + w.sub_pages * g.page_bytes
-            np.add(g.gpu_base, w.gpu_ids.astype(_U64) * g.gpu_stride,
-                   out=gpu_addr[at:end].reshape(shape))
-            np.add(g.cpu_base, cpu_offsets, out=cpu_addr[at:end].reshape(shape))
-            if w.run_pages is None:
-                sizes[at:end].reshape(shape)[...] = g.page_bytes
-            else:
-                np.multiply(g.page_bytes, w.run_pages, out=sizes[at:end].reshape(shape))
+            end = at + w.num_descriptors
+            w.write(gpu_addr[at:end], cpu_addr[at:end], sizes[at:end])
             at = end
         if merge:
-            ends = self._row_ends(tuple(w.shape for w in work))
-            gpu_addr, cpu_addr, sizes = _merge(gpu_addr, cpu_addr, sizes, work, within, ends)
+            shapes = tuple(w.shape for w in work)
+            gpu_addr, cpu_addr, sizes = merge_at_row_ends(gpu_addr, cpu_addr, sizes, shapes,
+                                                          within, self._row_ends(shapes))
         src, dst = (gpu_addr, cpu_addr) if direction is Direction.GPU_TO_CPU else (cpu_addr, gpu_addr)
         for array in (src, dst, sizes):
             array.setflags(write=False)
         return CopyPlan(src=src, dst=dst, sizes=sizes, direction=direction)
 
     def _validate(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool
-                  ) -> list[_GroupWork]:
+                  ) -> list[GroupWork]:
         if gpu_spec.num_groups != self.num_groups:
             raise SpecError(f"GPU spec has {gpu_spec.num_groups} KV-cache group(s) (group_sizes "
                             f"{list(gpu_spec.group_sizes)}); this rank has {self.num_groups} "
@@ -305,34 +197,9 @@ class TransferPlanner:
             _check_ids(cids, group.num_cpu_blocks, "CPU", g)
             _check_unique(cids if store else gids, "CPU" if store else "GPU", g)
             if factor == 1:
-                work.append(_GroupWork(group, gids, cids, None))
+                work.append(GroupWork(group, gids, cids, None))
             else:
                 logical = np.arange(skip, skip + n)
-                work.append(_GroupWork(group, gids, cids[logical // factor],
+                work.append(GroupWork(group, gids, cids[logical // factor],
                                        (logical % factor).astype(_U64)))
         return work
-
-
-def _merge(gpu_addr: np.ndarray, cpu_addr: np.ndarray, sizes: np.ndarray,
-           work: list[_GroupWork], within: list[np.ndarray | None], ends: np.ndarray
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``merge_runs`` without scanning every descriptor: joins inside a tensor's row come
-    from ``_GroupWork.within_joins``; only the row ends are checked on addresses."""
-    end_joins = ((gpu_addr[ends] + sizes[ends] == gpu_addr[ends + 1])
-                 & (cpu_addr[ends] + sizes[ends] == cpu_addr[ends + 1]))
-    if all(j is None for j in within) and not end_joins.any():
-        return gpu_addr, cpu_addr, sizes
-    joins = np.zeros(sizes.size, dtype=bool)  # joins[p]: descriptor p continues into p + 1
-    at = 0
-    for w, flags in zip(work, within):
-        rows, cols = w.shape
-        if flags is not None:
-            joins[at:at + rows * cols].reshape(rows, cols)[:, :-1] = flags
-        at += rows * cols
-    joins[ends] = end_joins
-    starts = np.flatnonzero(np.concatenate(([True], ~joins[:-1])))
-    count = starts.size  # compact in place: starts[i] >= i, and take/reduceat buffer overlaps
-    np.add.reduceat(sizes, starts, out=sizes[:count])
-    np.take(gpu_addr, starts, out=gpu_addr[:count])
-    np.take(cpu_addr, starts, out=cpu_addr[:count])
-    return gpu_addr[:count], cpu_addr[:count], sizes[:count]
