@@ -146,9 +146,6 @@ def test_staged_layout_rejects_bad_input():
     one = np.array([0], dtype=np.uint64)
     with pytest.raises(BackendError, match="chunk_bytes = 1000"):
         plan_staging(one, one, np.array([16], dtype=np.uint64), 1000)
-    with pytest.raises(BackendError, match="overlap"):
-        plan_staging(np.array([0, 8], dtype=np.uint64), np.array([0, 64], dtype=np.uint64),
-                     np.array([16, 16], dtype=np.uint64), 4096)
     empty = plan_staging(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
                          4096)
     assert empty.num_chunks == 0
@@ -164,3 +161,18 @@ def test_host_order_matches_a_stable_argsort(seed):
     order = _host_order(host)
     assert order is not None and np.array_equal(order, np.argsort(host, kind="stable"))
     assert _host_order(np.sort(host)) is None
+
+
+def test_staged_layout_with_reused_scratch_equals_fresh():
+    from tiercache.backends.staging import Scratch
+
+    rng = np.random.default_rng(3)
+    scratch = Scratch()
+    for num_blocks, shuffle in ((12, True), (5, False), (20, True), (3, True)):
+        host, gpu, sizes, _, _ = _random_plan(rng, num_blocks, [4096, 8192, 4096], 0, shuffle)
+        fresh = plan_staging(host, gpu, sizes, 16384)
+        reused = plan_staging(host, gpu, sizes, 16384, scratch=scratch)
+        for a, b in ((fresh.pieces, reused.pieces), (fresh.dmas, reused.dmas)):
+            for field in ("address", "slot_offset", "num_bytes", "first"):
+                assert np.array_equal(getattr(a, field), getattr(b, field)), field
+        assert np.array_equal(fresh.piece_chunk, reused.piece_chunk)

@@ -143,7 +143,8 @@ class GpuRig:
         return {"store": store, "load": load}
 
     # ------------------------------------------------------------ timing
-    def time_gpu(self, submit: Callable[[], object], stream, reps: int, warm: int = 2) -> float:
+    def time_gpu(self, submit: Callable[[], object], stream, reps: int, warm: int = 2,
+                 stat: Callable = np.median) -> float:
         torch = self.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         seconds = []
@@ -155,10 +156,11 @@ class GpuRig:
             del token
             if rep >= warm:
                 seconds.append(start.elapsed_time(end) / 1e3)
-        return float(np.median(seconds))
+        return float(stat(seconds))
 
     def time_both(self, submit_store: Callable[[object], object],
-                  submit_load: Callable[[object], object], reps: int, warm: int = 2) -> float:
+                  submit_load: Callable[[object], object], reps: int, warm: int = 2,
+                  stat: Callable = np.median) -> float:
         torch = self.torch
         s1, s2 = self.streams[0], self.streams[1]
         start = torch.cuda.Event(enable_timing=True)
@@ -176,9 +178,11 @@ class GpuRig:
             del t1, t2
             if rep >= warm:
                 seconds.append(max(start.elapsed_time(e1), start.elapsed_time(e2)) / 1e3)
-        return float(np.median(seconds))
+        return float(stat(seconds))
 
     def ceiling(self, reps: int) -> dict[str, float]:
+        """Best of ``2 * reps`` (the ceiling is what the link can do; backends get medians)."""
+        reps = 2 * reps
         n = self.transfer_bytes
         h, h2 = self.host[:n], self.host[n:2 * n]
         d, d2 = self.gpu[:n], self.gpu[n:2 * n]
@@ -189,11 +193,13 @@ class GpuRig:
             with torch.cuda.stream(stream):
                 fn()
 
-        h2d = n / self.time_gpu(lambda: on(s1, lambda: d.copy_(h, non_blocking=True)), s1, reps)
-        d2h = n / self.time_gpu(lambda: on(s1, lambda: h.copy_(d, non_blocking=True)), s1, reps)
+        h2d = n / self.time_gpu(lambda: on(s1, lambda: d.copy_(h, non_blocking=True)), s1, reps,
+                                stat=min)
+        d2h = n / self.time_gpu(lambda: on(s1, lambda: h.copy_(d, non_blocking=True)), s1, reps,
+                                stat=min)
         both = 2 * n / self.time_both(
             lambda s: on(s, lambda: h2.copy_(d2, non_blocking=True)),
-            lambda s: on(s, lambda: d.copy_(h, non_blocking=True)), reps)
+            lambda s: on(s, lambda: d.copy_(h, non_blocking=True)), reps, stat=min)
         self.ceiling_gbps = {"gpu_to_cpu": d2h / 1e9, "cpu_to_gpu": h2d / 1e9, "both": both / 1e9}
         return self.ceiling_gbps
 

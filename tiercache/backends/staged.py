@@ -37,7 +37,7 @@ import torch
 from tiercache.backends.base import CopyBackend, CopyPlan
 from tiercache.backends.ce import CeBackend, plan_arrays
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
-from tiercache.backends.staging import StagingLayout, plan_staging
+from tiercache.backends.staging import Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, DescriptorTable, upload_table
 from tiercache.errors import BackendError
 from tiercache.stats import BackendCode, Direction
@@ -87,6 +87,7 @@ class StagedBackend(CopyBackend):
         self._ready = [ev() for _ in range(self.num_slots)]
         self._start, self._done = ev(), ev()
         self._cursor = 0
+        self._scratch = Scratch()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
 
@@ -100,7 +101,8 @@ class StagedBackend(CopyBackend):
         src, dst, sizes = plan_arrays(plan)
         store = plan.direction == Direction.GPU_TO_CPU
         host, gpu = (dst, src) if store else (src, dst)
-        layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes)
+        layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes,
+                              self._scratch)
         drv = self.driver
         drv.event_record(self._start, handle)
         drv.stream_wait_event(self._dma, self._start)
@@ -124,7 +126,8 @@ class StagedBackend(CopyBackend):
         slots = (self._cursor + np.arange(layout.num_chunks)) % self.num_slots
         slot_base = np.uint64(self._ring_base) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
         p, d = layout.pieces, layout.dmas
-        piece_stage = np.repeat(slot_base, np.diff(p.first)) + p.slot_offset
+        piece_stage = np.take(slot_base, layout.piece_chunk.view(np.int64))
+        piece_stage += p.slot_offset
         dma_stage = np.repeat(slot_base, np.diff(d.first)) + d.slot_offset
         drv, dma = self.driver, self._dma
         with torch.cuda.stream(stream):

@@ -34,6 +34,8 @@ import numpy as np
 from tiercache.errors import BackendError
 
 RUN_ALIGN = 256
+_U64 = np.uint64
+_EMPTY = np.zeros(0, dtype=_U64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +69,7 @@ class StagingLayout:
     pieces: Segments  # GPU page bytes <-> slot
     dmas: Segments  # slot <-> host run bytes
     direct: Direct
+    piece_chunk: np.ndarray  # chunk of each piece (uint64)
 
     @property
     def max_slot_bytes(self) -> int:
@@ -77,28 +80,56 @@ class StagingLayout:
         return int(ends.max())
 
 
-_U64 = np.uint64
-_EMPTY = np.zeros(0, dtype=_U64)
+class Scratch:
+    """Reusable arrays for ``plan_staging`` (one per backend, one transfer at a time).
+
+    Fresh 128 KiB numpy arrays cost page faults on every call (16 k descriptors: most
+    of a millisecond); these grow once and are reused. A layout built with a scratch is
+    valid until the next call with the same scratch.
+    """
+
+    _NAMES_U64 = ("keys", "host", "gpu", "sizes", "end", "packed", "chunk", "offset", "index")
+    _NAMES_BOOL = ("starts_run", "starts_seg")
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        if n > self.capacity:
+            self.capacity = max(n, 2 * self.capacity)
+            self.arrays = {name: np.empty(self.capacity, dtype=_U64) for name in self._NAMES_U64}
+            self.arrays.update({name: np.empty(self.capacity, dtype=bool)
+                                for name in self._NAMES_BOOL})
+            self.arrays["arange"] = np.arange(self.capacity, dtype=_U64)
+        return {name: a[:n] for name, a in self.arrays.items()}
 
 
-def _host_order(host: np.ndarray) -> np.ndarray | None:
-    """Permutation to ascending host addresses; None when already ascending."""
+def _host_order(host: np.ndarray, work: dict[str, np.ndarray] | None = None
+                ) -> np.ndarray | None:
+    """Permutation (int64) to ascending host addresses; None when already ascending."""
     if host.size < 2 or bool(np.all(host[1:] > host[:-1])):
         return None
     low = host.min()
     index_bits = max(int(host.size - 1).bit_length(), 1)
-    granule = int(np.bitwise_or.reduce(host - low)) or 1
+    keys = np.subtract(host, low, out=None if work is None else work["keys"])
+    granule = int(np.bitwise_or.reduce(keys)) or 1
     shift = (granule & -granule).bit_length() - 1  # common alignment of the offsets
     span = int(host.max() - low) >> shift
     if span.bit_length() + index_bits > 64:
         return np.argsort(host, kind="stable")
-    keys = ((host - low) >> _U64(shift)) << _U64(index_bits) | np.arange(host.size, dtype=_U64)
+    np.right_shift(keys, _U64(shift), out=keys)
+    np.left_shift(keys, _U64(index_bits), out=keys)
+    np.bitwise_or(keys, np.arange(host.size, dtype=_U64) if work is None else work["arange"],
+                  out=keys)
     keys.sort()  # one sort of packed keys: several times faster than argsort
-    return (keys & _U64((1 << index_bits) - 1)).astype(np.intp)
+    np.bitwise_and(keys, _U64((1 << index_bits) - 1), out=keys)
+    return keys.view(np.int64)
 
 
 def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_bytes: int,
-                 direct_bytes: int | None = None) -> StagingLayout:
+                 direct_bytes: int | None = None, scratch: Scratch | None = None
+                 ) -> StagingLayout:
     """Lay a transfer out in chunks of ``chunk_bytes``.
 
     ``host[i]``/``gpu[i]`` are the two ends of descriptor i (whatever the direction),
@@ -109,46 +140,46 @@ def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_byt
                            f"{RUN_ALIGN}")
     host, gpu, sizes = (np.asarray(a, dtype=_U64) for a in (host, gpu, sizes))
     direct = Direct(_EMPTY, _EMPTY, _EMPTY)
-    if direct_bytes is not None and sizes.size and bool((sizes >= direct_bytes).any()):
+    if direct_bytes is not None and sizes.size and int(sizes.max()) >= direct_bytes:
         big = sizes >= direct_bytes
         direct = Direct(host[big], gpu[big], sizes[big])
         host, gpu, sizes = host[~big], gpu[~big], sizes[~big]
     if sizes.size == 0:
         empty = Segments(_EMPTY, _EMPTY, _EMPTY, np.zeros(1, np.int64))
-        return StagingLayout(chunk_bytes, 0, 0, empty, empty, direct)
-    if int(sizes.min()) == 0:
-        raise BackendError("descriptor sizes must be > 0, got 0")
-    order = _host_order(host)
+        return StagingLayout(chunk_bytes, 0, 0, empty, empty, direct, _EMPTY)
+    n = int(sizes.size)
+    w = (scratch or Scratch()).take(n)
+    order = _host_order(host, w)
     if order is not None:
-        host, gpu, sizes = host[order], gpu[order], sizes[order]
-    end = host + sizes
-    if bool((end[:-1] > host[1:]).any()):
-        i = int(np.flatnonzero(end[:-1] > host[1:])[0])
-        raise BackendError(f"host ranges overlap: {int(host[i]):#x}+{int(sizes[i])} and "
-                           f"{int(host[i + 1]):#x}")
-    starts_run = np.empty(host.size, dtype=bool)
+        host = np.take(host, order, out=w["host"])
+        gpu = np.take(gpu, order, out=w["gpu"])
+        sizes = np.take(sizes, order, out=w["sizes"])
+    end = np.add(host, sizes, out=w["end"])  # the plan's ranges never overlap (CopyPlan)
+    starts_run = w["starts_run"]
     starts_run[0] = True
     np.not_equal(end[:-1], host[1:], out=starts_run[1:])
 
-    packed = np.cumsum(sizes)
-    packed -= sizes  # exclusive: where each descriptor starts in the packed stream
+    packed = np.cumsum(sizes, out=w["packed"])
+    np.subtract(packed, sizes, out=packed)  # exclusive: where each descriptor starts
     if (int(host[0]) | int(np.bitwise_or.reduce(sizes))) % RUN_ALIGN or \
             int(np.bitwise_or.reduce(host[starts_run])) % RUN_ALIGN:
         packed = _padded(host, sizes, starts_run)
 
-    chunk_of = packed // _U64(chunk_bytes)
+    chunk_of = np.floor_divide(packed, _U64(chunk_bytes), out=w["chunk"])
     num_chunks = int(chunk_of[-1]) + 1
     first = np.searchsorted(chunk_of, np.arange(num_chunks + 1, dtype=_U64)).astype(np.int64)
-    chunk_base = chunk_of * _U64(chunk_bytes)
-    pieces = Segments(gpu, packed - chunk_base, sizes, first)
+    offset = np.multiply(chunk_of, _U64(chunk_bytes), out=w["offset"])
+    np.subtract(packed, offset, out=offset)  # inside the chunk's slot
+    pieces = Segments(gpu, offset, sizes, first)
 
-    starts_seg = starts_run.copy()
+    starts_seg = w["starts_seg"]
+    np.copyto(starts_seg, starts_run)
     starts_seg[first[:-1]] = True
     seg = np.flatnonzero(starts_seg)
-    dmas = Segments(host[seg], packed[seg] - chunk_base[seg], np.add.reduceat(sizes, seg),
+    dmas = Segments(host[seg], offset[seg], np.add.reduceat(sizes, seg),
                     np.searchsorted(seg, first).astype(np.int64))
     return StagingLayout(chunk_bytes, num_chunks, int(np.count_nonzero(starts_run)), pieces,
-                         dmas, direct)
+                         dmas, direct, chunk_of)
 
 
 def _padded(host: np.ndarray, sizes: np.ndarray, starts_run: np.ndarray) -> np.ndarray:
