@@ -31,14 +31,6 @@ def pytest_sessionstart(session):
     remove_stale(name_prefix="test-")  # left by an earlier, killed run (no coordinator holds them)
 
 
-def _is_resource_tracker(proc: psutil.Process) -> bool:
-    """multiprocessing's own helper: every ``spawn`` starts it once per interpreter; not a leak."""
-    try:
-        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _is_mp_helper(proc: psutil.Process) -> bool:
     """multiprocessing's resource tracker / forkserver live for the whole session."""
     try:
@@ -53,7 +45,7 @@ def no_leaks():
     before = _test_entries()
     yield
     me = psutil.Process()
-    children = [c for c in me.children(recursive=True) if not _is_resource_tracker(c)]
+    children = [c for c in me.children(recursive=True) if not _is_mp_helper(c)]
     for child in children:
         child.kill()
     psutil.wait_procs(children, timeout=5)
