@@ -168,19 +168,13 @@ class PayloadWriter:
         n = len(keys)
         if n > MAX_KEYS_PER_CALL:
             raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
-        try:
-            lengths = [len(k) for k in keys]
-            self._parts.append(struct.pack(f"<I{n}H", n, *lengths))
-        except (TypeError, struct.error):
-            _check_wire_keys(keys)
-            raise
+        if not set(map(type, keys)) <= {bytes}:
+            _check_wire_keys(keys)  # raises, naming the key
+        lengths = list(map(len, keys))
         if n and max(lengths) > MAX_KEY_BYTES:
-            _check_wire_keys(keys)
-        try:
-            self._parts.append(b"".join(keys))
-        except TypeError:
-            _check_wire_keys(keys)
-            raise
+            _check_wire_keys(keys)  # raises, naming the key
+        self._parts.append(struct.pack(f"<I{n}H", n, *lengths))
+        self._parts.append(b"".join(keys))
         return self
 
     def ids(self, ids: np.ndarray) -> PayloadWriter:
@@ -320,7 +314,7 @@ def decode_stats(reader: PayloadReader) -> ManagerStats:
 
 def encode_error(exc: errors.TiercacheError | Exception) -> bytes:
     code = next((_CODE_OF[c] for c in type(exc).__mro__ if c in _CODE_OF), 1)
-    message = str(exc) if code != 1 else f"{type(exc).__name__}: {exc}"
+    message = str(exc) if isinstance(exc, errors.TiercacheError) else f"{type(exc).__name__}: {exc}"
     return PayloadWriter().u32(code).text(message).build()
 
 
