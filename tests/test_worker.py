@@ -129,9 +129,10 @@ def test_attach_by_name_round_trips_and_detaches(served):
     caches = _caches(config)
     for t, cache in enumerate(caches):
         cache[3].fill_(t + 1)
-    with attach(config.name, 1, caches, pinning=PinningPolicy.REQUIRED) as worker:
+    with attach(config.name, 1, caches, pinning=PinningPolicy.ALLOW_UNPINNED) as worker:
         assert worker.backends == {G2C: BackendCode.CPU, C2G: BackendCode.CPU}
         assert worker.pin_state is PinState.UNPINNED  # host caches: nothing to pin for
+        assert region.stats(1).snapshot().pin_state is PinState.UNPINNED
         worker.transfer_async(1, (GPULoadStoreSpec([3]), CPULoadStoreSpec([15])))
         worker.wait([1])  # the two directions are independent: order them here
         worker.transfer_async(2, (CPULoadStoreSpec([15]), GPULoadStoreSpec([4])))
@@ -168,6 +169,16 @@ def test_attach_refusals_leave_the_rank_untouched(served, make_config, change, e
         attach(target, change.get("rank", 0), caches, backend=change.get("backend"))
     snap = region.stats(0).snapshot()
     assert (snap.pid, snap.attach_count) == (0, 0)
+
+
+def test_required_pinning_refuses_host_caches_clearly(served):
+    from tiercache.errors import PinUnavailableError
+
+    config, region = served
+    with pytest.raises(PinUnavailableError, match="refuses to run unpinned"):
+        attach(config.name, 0, _caches(config), pinning=PinningPolicy.REQUIRED)
+    snap = region.stats(0).snapshot()
+    assert snap.pin_state is PinState.FAILED and snap.pid == 0  # refused, and not attached
 
 
 def test_a_rank_can_attach_again_after_close(served):

@@ -24,6 +24,7 @@ from tiercache.backends import (
     BackendContext, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
+from tiercache.errors import PinUnavailableError
 from tiercache.config import BackendKind, Config, PinningPolicy, RegionConfig
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.handlers import CpuGpuOffloadingHandlers, TransferResult
@@ -169,8 +170,15 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
 
 def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
          device: torch.device) -> PinState:
-    """Pin for the caches' GPU (raises under REQUIRED); host caches need no pinning."""
+    """Pin for the caches' GPU (raises under REQUIRED). Host caches cannot use pinned memory:
+    REQUIRED refuses them, ALLOW_UNPINNED runs with state UNPINNED exported."""
     if device.type == "cpu":
+        if policy is PinningPolicy.REQUIRED:
+            region.stats(rank).set_pin(PinState.FAILED)
+            raise PinUnavailableError(
+                f"rank {rank}: the caches are host tensors, so there is no GPU to pin the slice "
+                "for; region.pinning = 'required' refuses to run unpinned (use GPU caches, or "
+                "region.pinning = 'allow_unpinned' on CPU-only hosts)")
         region.stats(rank).set_pin(PinState.UNPINNED)
         return PinState.UNPINNED
     index = torch.cuda.current_device() if device.index is None else device.index
