@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -22,91 +19,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.config import ExporterConfig
 from tiercache.errors import ConfigError
-from tiercache.header import HeaderInfo, RegionHeader, RegionState
+from tiercache.header import HeaderInfo, RegionState
 from tiercache.hostmem import process_start_ns
-from tiercache.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.metrics import METRIC_NAMES, TiercacheCollector, encode_text, start_exporter
-from tiercache.stats import BackendCode, Direction, PinState, RankStats
+from tiercache.stats import BackendCode, Direction, PinState
+
+from metrics_support import (
+    FakeManagerStats, FakeRegion, attach_self, promtool_check, registry_of,
+)
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
-
-
-class FakeRegion:
-    """The header and stats blocks of a region over a bytearray (no data slices)."""
-
-    def __init__(self, world_size: int = 2, num_blocks: int = 8):
-        self.layout = RegionLayout(world_size, num_blocks, (4096, 8192))
-        self.buffer = bytearray(self.layout.header_bytes)
-        self.header = RegionHeader(memoryview(self.buffer)[:HEADER_FIXED_BYTES])
-        self.header.write(self.layout, generation=3, owner_pid=os.getpid(),
-                          owner_start_ns=process_start_ns(os.getpid()), created_ns=0)
-        self.header.set_state(RegionState.READY)
-
-    def info(self) -> HeaderInfo:
-        return self.header.read()
-
-    def stats(self, rank: int) -> RankStats:
-        return RankStats(self.buffer, self.layout.stats_offset(rank), rank)
-
-    def set_seq(self, rank: int, value: int) -> None:
-        """Word 0 of a stats block is its sequence lock (see tiercache.stats)."""
-        struct.pack_into("<Q", self.buffer, self.layout.stats_offset(rank), value)
-
-    def seq(self, rank: int) -> int:
-        return struct.unpack_from("<Q", self.buffer, self.layout.stats_offset(rank))[0]
-
-
-@dataclass(frozen=True)
-class FakeManagerStats:
-    lookups: int = 7
-    hit_blocks: int = 11
-    miss_blocks: int = 5
-    stored_blocks: int = 20
-    loaded_blocks: int = 11
-    store_rejections: int = 2
-    evicted_blocks: int = 4
-    failed_store_blocks: int = 1
-    capacity_blocks: int = 8
-    free_blocks: int = 2
-    writing_blocks: int = 1
-    ready_blocks: int = 4
-    loading_blocks: int = 1
-
-    @property
-    def occupancy(self) -> float:
-        return (self.capacity_blocks - self.free_blocks) / self.capacity_blocks
-
-
-def attach_self(region: FakeRegion, rank: int) -> RankStats:
-    view = region.stats(rank)
-    view.mark_attached(os.getpid(), process_start_ns(os.getpid()))
-    return view
-
-
-def registry_of(collector: TiercacheCollector) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return registry
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple, float]:
     """One collect: ``(name, *sorted label pairs) -> value``."""
     return {(s.name, *sorted(s.labels.items())): s.value
             for family in registry.collect() for s in family.samples}
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool is not installed: install Debian's prometheus package "
-                    "(`make prometheus`); the metrics lint cannot run without it")
-    return path
-
-
-def promtool_check(exposition: bytes) -> None:
-    run = subprocess.run([promtool(), "check", "metrics"], input=exposition,
-                         capture_output=True, timeout=60)
-    assert run.returncode == 0, (run.stdout + run.stderr).decode()
 
 
 # ---------------------------------------------------------------- values
@@ -270,7 +198,8 @@ def test_describe_does_not_read_shared_state():
 
     collector = TiercacheCollector(Unreadable())
     registry = registry_of(collector)  # auto_describe: would call collect() without describe()
-    assert {m.name for m in collector.describe()} >= {"tiercache_worker_up", "tiercache_region_bytes"}
+    described = {m.name for m in collector.describe()}
+    assert described >= {"tiercache_worker_up", "tiercache_region_bytes"}
     with pytest.raises(AssertionError, match="read at registration"):
         generate_latest(registry)
 
@@ -384,7 +313,8 @@ def test_exporter_serves_and_closes():
             assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             body = resp.read()
         promtool_check(body)
-        assert 'tiercache_transfer_bytes_total{rank="0",direction="gpu_to_cpu"} 4096' in body.decode()
+        sample = 'tiercache_transfer_bytes_total{rank="0",direction="gpu_to_cpu"} 4096'
+        assert sample in body.decode()
         request = urllib.request.Request(exporter.url, headers={"Accept-Encoding": "gzip"})
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert resp.headers["Content-Encoding"] == "gzip"
