@@ -345,14 +345,16 @@ def serve_forever(socket_path: str, num_blocks: int, policy: str = "lru",
 
     ``ready_event`` (e.g. a ``multiprocessing.Event``) is set once clients may connect.
     """
-    stop_signals = {signal.SIGTERM, signal.SIGINT}
-    # Block them before the server thread exists, so only sigwait below receives them.
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    stop = threading.Event()
+    # A Python-level handler runs in the main thread whichever thread the kernel picked
+    # (numpy's BLAS threads exist before we could block signals for sigwait).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop.set())
     server = ControlServer(OffloadingManager(num_blocks, policy, enable_events), socket_path)
     server.start()
     try:
         if ready_event is not None:
             ready_event.set()
-        signal.sigwait(stop_signals)
+        stop.wait()
     finally:
         server.close()
