@@ -364,7 +364,8 @@ def _number(value: float) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection
+    disable_nagle_algorithm = True  # headers and body go out as separate writes
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
