@@ -14,6 +14,7 @@ Not a test: the numbers go to docs/benchmarks.md ("Observability (issue 5)").
 from __future__ import annotations
 
 import argparse
+import http.client
 import multiprocessing as mp
 import os
 import re
@@ -21,13 +22,16 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from prometheus_server import JOB, PrometheusServer  # noqa: E402  (the tests' helper)
 
-from tiercache.config import BackendKind, Config, ExporterConfig, KVGeometry, RegionConfig  # noqa: E402
+from tiercache.config import (  # noqa: E402
+    BackendKind, Config, ExporterConfig, KVGeometry, RegionConfig,
+)
 from tiercache.testing import CoordinatorProcess  # noqa: E402
 
 WORLD_SIZE = 8
@@ -75,13 +79,19 @@ def summary(values_s: list[float]) -> str:
 
 
 def client_gets(url: str, count: int) -> tuple[list[float], int]:
-    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+    """GETs over one kept-alive connection, gzip accepted: what Prometheus does."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     times, size = [], 0
-    for _ in range(count):
-        start = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            size = len(resp.read())
-        times.append(time.perf_counter() - start)
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            conn.request("GET", parts.path, headers={"Accept-Encoding": "gzip"})
+            with conn.getresponse() as resp:
+                size = len(resp.read())
+            times.append(time.perf_counter() - start)
+    finally:
+        conn.close()
     return times, size
 
 
