@@ -20,8 +20,8 @@ from tiercache.control import ControlServer, serve_forever
 from tiercache.errors import ControlSocketError, CoordinatorGoneError, ProtocolError
 from tiercache.manager import OffloadingManager
 from tiercache.protocol import (
-    MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader, PayloadReader,
-    PayloadWriter, Status, Verb, decode_error, frame,
+    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader,
+    PayloadReader, PayloadWriter, Status, Verb, decode_error, frame,
 )
 
 SPAWN = mp.get_context("spawn")
@@ -193,16 +193,16 @@ def test_bad_frame_closes_only_that_connection(servers, socket_path, bad_bytes):
 def test_malformed_payload_is_answered_with_an_error_then_closed(servers, socket_path):
     servers(socket_path)
     sock = raw_connection(socket_path)
-    payload = struct.pack("<I2H", 2, 1, 1) + b"a"  # two keys announced, one byte sent
+    payload = struct.pack("<IH", 2, 1) + b"a"  # two 1-byte keys announced, one byte sent
     sock.sendall(frame(Verb.LOOKUP, 42, payload))
     reply = b""
-    while len(reply) < FrameHeader.SIZE:
+    while len(reply) < HEADER_BYTES:
         reply += sock.recv(1 << 16)
     header = FrameHeader.unpack(reply)
-    while len(reply) < FrameHeader.SIZE + header.payload_bytes:
+    while len(reply) < HEADER_BYTES + header.payload_bytes:
         reply += sock.recv(1 << 16)
     assert (header.verb, header.status, header.request_id) == (Verb.LOOKUP, Status.ERROR, 42)
-    error = decode_error(PayloadReader(reply[FrameHeader.SIZE:]))
+    error = decode_error(PayloadReader(reply[HEADER_BYTES:]))
     assert isinstance(error, ProtocolError) and "truncated" in str(error)
     assert closed_by_peer(sock)
     sock.close()
@@ -212,7 +212,7 @@ def test_truncated_frame_held_open_does_not_stall_others(servers, socket_path):
     servers(socket_path)
     stalled = raw_connection(socket_path)
     whole = frame(Verb.LOOKUP, 1, keys_payload(sc.k(1, 2, 3)))
-    stalled.sendall(whole[:FrameHeader.SIZE + 5])  # the rest never comes
+    stalled.sendall(whole[:HEADER_BYTES + 5])  # the rest never comes
     with Client(socket_path) as other:
         sc.store(other, 1)
         assert other.lookup(sc.k(1)) == 1

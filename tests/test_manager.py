@@ -214,6 +214,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len({slot.slot_id for slot in slots.values()}) == len(slots)
         assert all(0 <= slot.slot_id < 5 for slot in slots.values())
         assert all((slot.state is SlotState.LOADING) == (slot.loads > 0) for slot in slots.values())
+        assert self.m._readable_keys == {key for key, slot in slots.items()
+                                         if slot.state is not SlotState.WRITING}
 
     @invariant()
     def events_replay_to_the_readable_set(self):

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tiercache import errors
 from tiercache.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.protocol import (
-    ERROR_CODES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION,
-    FrameHeader, PayloadReader, PayloadWriter, Status, Verb, decode_error, decode_events,
+    ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
+    PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, PayloadReader, PayloadWriter, Status, Verb, decode_error, decode_events,
     decode_stats, decode_store_output, encode_error, encode_events, encode_stats,
     encode_store_output, frame,
 )
@@ -28,7 +28,7 @@ def raw_header(magic=MAGIC, version=PROTOCOL_VERSION, verb=1, status=0, request_
 
 def test_header_layout_is_the_documented_one():
     data = frame(Verb.PREPARE_STORE, 0xDEADBEEF, b"abc", Status.ERROR)
-    assert len(FrameHeader.STRUCT.pack(MAGIC, 1, 1, 0, 0, 0, 0)) == FrameHeader.SIZE == 16
+    assert HEADER_BYTES == 16
     assert data[0:4] == b"TCKV" and data[4] == PROTOCOL_VERSION
     assert data[5] == Verb.PREPARE_STORE and data[6] == Status.ERROR and data[7] == 0
     assert data[8:12] == (0xDEADBEEF).to_bytes(4, "little")
@@ -80,11 +80,21 @@ def test_writer_refuses_what_the_wire_cannot_carry():
         PayloadWriter().keys([bytearray(b"a")])
 
 
+def test_keys_of_one_width_carry_no_per_key_lengths():
+    same = PayloadWriter().keys([b"ab", b"cd", b"ef"]).build()
+    assert same == struct.pack("<IH", 3, 2) + b"abcdef"
+    mixed = PayloadWriter().keys([b"ab", b"c"]).build()
+    assert mixed == struct.pack("<IHHH", 2, VARIABLE_WIDTH, 2, 1) + b"abc"
+    assert PayloadReader(struct.pack("<IH", 3, 0)).keys() == [b"", b"", b""]
+
+
 @pytest.mark.parametrize(("payload", "message"), [
     (b"", "truncated"),
-    (struct.pack("<I", 2) + struct.pack("<2H", 1, 1) + b"a", "truncated"),
-    (struct.pack("<I", MAX_KEYS_PER_CALL + 1), f"at most {MAX_KEYS_PER_CALL}"),
-    (struct.pack("<IH", 1, MAX_KEY_BYTES + 1) + b"x" * (MAX_KEY_BYTES + 1), "a key of"),
+    (struct.pack("<IH", 2, 4) + b"abcd", "truncated"),
+    (struct.pack("<IHHH", 2, VARIABLE_WIDTH, 1, 1) + b"a", "truncated"),
+    (struct.pack("<IH", MAX_KEYS_PER_CALL + 1, 1), f"at most {MAX_KEYS_PER_CALL}"),
+    (struct.pack("<IH", 1, MAX_KEY_BYTES + 1) + b"x" * (MAX_KEY_BYTES + 1), "keys of"),
+    (struct.pack("<IHHH", 2, VARIABLE_WIDTH, 1, MAX_KEY_BYTES + 1) + b"x" * 300, "a key of"),
 ])
 def test_reader_refuses_malformed_key_lists(payload, message):
     with pytest.raises(errors.ProtocolError, match=message):

@@ -19,8 +19,8 @@ from tiercache.config import Config
 from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
 from tiercache.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.protocol import (
-    MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
-    decode_error, decode_events, decode_stats, decode_store_output, frame,
+    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
+    PayloadWriter, Status, Verb, decode_error, decode_events, decode_stats, decode_store_output, frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -177,18 +177,26 @@ class Client:
             self._sock = None
         self._inbuf = bytearray()
 
-    def _read_frame(self, sock: socket.socket) -> tuple[FrameHeader, bytes]:
-        self._fill(sock, FrameHeader.SIZE)
-        header = FrameHeader.unpack(self._inbuf)
-        end = FrameHeader.SIZE + header.payload_bytes
-        self._fill(sock, end)
-        body = bytes(self._inbuf[FrameHeader.SIZE:end])
-        del self._inbuf[:end]
-        return header, body
-
-    def _fill(self, sock: socket.socket, num_bytes: int) -> None:
-        while len(self._inbuf) < num_bytes:
-            chunk = sock.recv(max(_RECV_BYTES, num_bytes - len(self._inbuf)))
+    def _read_frame(self, sock: socket.socket) -> tuple[FrameHeader, bytes | memoryview]:
+        buf = self._inbuf
+        if not buf:  # usual case: the whole answer arrives in one piece
+            chunk = sock.recv(_RECV_BYTES)
             if not chunk:
                 raise EOFError("connection closed by the coordinator")
-            self._inbuf += chunk
+            if len(chunk) >= HEADER_BYTES:
+                header = FrameHeader.unpack(chunk)
+                if len(chunk) == HEADER_BYTES + header.payload_bytes:
+                    return header, memoryview(chunk)[HEADER_BYTES:]
+            buf += chunk
+        while True:
+            if len(buf) >= HEADER_BYTES:
+                header = FrameHeader.unpack(buf)
+                end = HEADER_BYTES + header.payload_bytes
+                if len(buf) >= end:
+                    body = bytes(buf[HEADER_BYTES:end])
+                    del buf[:end]
+                    return header, body
+            chunk = sock.recv(max(_RECV_BYTES, end - len(buf) if len(buf) >= HEADER_BYTES else 0))
+            if not chunk:
+                raise EOFError("connection closed by the coordinator")
+            buf += chunk

@@ -15,6 +15,7 @@ import selectors
 import signal
 import socket
 import stat
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,8 @@ from typing import Any
 from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
 from tiercache.manager import ManagerStats, OffloadingManager
 from tiercache.protocol import (
-    MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
-    encode_error, encode_events, encode_stats, encode_store_output, frame,
+    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
+    PayloadWriter, Status, Verb, encode_error, encode_events, encode_stats, encode_store_output, frame,
 )
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ CLOSE_TIMEOUT_S = 10.0
 
 Handler = Callable[[OffloadingManager, PayloadReader], bytes]
 _EMPTY = b""
+_U32 = struct.Struct("<I")
 
 
 def _keys_then(reader: PayloadReader) -> list[bytes]:
@@ -43,7 +45,7 @@ def _keys_then(reader: PayloadReader) -> list[bytes]:
 
 
 def _lookup(m: OffloadingManager, r: PayloadReader) -> bytes:
-    return PayloadWriter().u32(m.lookup(_keys_then(r))).build()
+    return _U32.pack(m.lookup(_keys_then(r)))
 
 
 def _prepare_load(m: OffloadingManager, r: PayloadReader) -> bytes:
@@ -100,12 +102,14 @@ assert set(HANDLERS) == set(Verb), "every verb needs a handler"
 
 
 class _Connection:
-    __slots__ = ("sock", "inbuf", "outbuf")
+    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.inbuf = bytearray()
+        self.inbuf = bytearray()  # the start of a frame still incomplete
+        self.need_bytes = 0  # how long inbuf must get before it is worth parsing again
         self.outbuf = bytearray()
+        self.events = selectors.EVENT_READ  # what the selector watches for
 
 
 class ControlServer:
@@ -279,13 +283,19 @@ class ControlServer:
         if not data:
             self._drop(selector, conn, "peer closed")
             return
-        inbuf = conn.inbuf
-        inbuf += data
-        hsize = FrameHeader.SIZE
+        if conn.inbuf:  # the rest of a frame that arrives in pieces
+            conn.inbuf += data
+            if len(conn.inbuf) < conn.need_bytes:
+                return
+            data = bytes(conn.inbuf)
+        view = memoryview(data)
+        hsize = HEADER_BYTES
         consumed = 0
-        while len(inbuf) - consumed >= hsize:
+        responses: list[bytes] = []
+        trusted = True
+        while trusted and len(view) - consumed >= hsize:
             try:
-                header = FrameHeader.unpack(memoryview(inbuf)[consumed:consumed + hsize])
+                header = FrameHeader.unpack(view[consumed:consumed + hsize])
                 if header.status is not Status.OK:
                     raise ProtocolError(f"a request frame with status {header.status.name}")
             except ProtocolError as e:
@@ -293,21 +303,21 @@ class ControlServer:
                 self._drop(selector, conn, str(e))
                 return
             end = consumed + hsize + header.payload_bytes
-            if len(inbuf) < end:
+            if len(view) < end:
+                conn.need_bytes = end - consumed
                 break
-            payload = bytes(inbuf[consumed + hsize:end])
+            response, trusted = self._dispatch(header, view[consumed + hsize:end])
+            responses.append(response)
             consumed = end
-            response, trusted = self._dispatch(header, payload)
-            conn.outbuf += response
-            if not trusted:
-                self._flush(selector, conn)
-                if conn.sock.fileno() >= 0:
-                    self._drop(selector, conn, "malformed payload")
-                return
-        del inbuf[:consumed]
+        if len(view) - consumed < hsize:
+            conn.need_bytes = hsize
+        conn.inbuf = bytearray(view[consumed:]) if trusted else bytearray()
+        conn.outbuf += b"".join(responses)
         self._flush(selector, conn)
+        if not trusted and conn.sock.fileno() >= 0:
+            self._drop(selector, conn, "malformed payload")
 
-    def _dispatch(self, header: FrameHeader, payload: bytes) -> tuple[bytes, bool]:
+    def _dispatch(self, header: FrameHeader, payload: memoryview) -> tuple[bytes, bool]:
         """The response frame, and whether the stream can still be trusted."""
         try:
             body = HANDLERS[header.verb](self._manager, PayloadReader(payload))
@@ -335,8 +345,9 @@ class ControlServer:
             del out[:sent]
         # While answers are queued, read nothing more: a client that never reads cannot grow us.
         events = selectors.EVENT_WRITE if out else selectors.EVENT_READ
-        if selector.get_key(conn.sock).events != events:
+        if conn.events != events:
             selector.modify(conn.sock, events, conn)
+            conn.events = events
 
 
 def serve_forever(socket_path: str, num_blocks: int, policy: str = "lru",

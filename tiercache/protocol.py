@@ -7,10 +7,12 @@ and request id. Payloads are built from a few little-endian primitives (see
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, fields
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +28,7 @@ MAX_KEY_BYTES = 256
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 # The largest payload (a PREPARE_STORE answer) must fit in a frame.
 assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 8 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
+assert MAX_KEY_BYTES < 0xFFFF  # VARIABLE_WIDTH is never a real width
 
 
 class Verb(IntEnum):
@@ -67,6 +70,8 @@ class Status(IntEnum):
     ERROR = 1  # payload: u32 error code, str message (see ERROR_CODES)
 
 
+_HEADER = struct.Struct("<4sBBBBII")
+
 # Exceptions that cross the wire, by code; the client re-raises the same class.
 ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
     1: errors.TiercacheError,  # anything unexpected on the coordinator's side
@@ -80,8 +85,7 @@ ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
 
-@dataclass(frozen=True)
-class FrameHeader:
+class FrameHeader(NamedTuple):
     """The 16-byte header in front of every frame, little-endian::
 
         offset  size  field
@@ -103,16 +107,13 @@ class FrameHeader:
     request_id: int
     payload_bytes: int
 
-    STRUCT = struct.Struct("<4sBBBBII")
-    SIZE = STRUCT.size
-
     def pack(self) -> bytes:
-        return self.STRUCT.pack(MAGIC, PROTOCOL_VERSION, self.verb, self.status, 0,
-                                self.request_id, self.payload_bytes)
+        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.verb, self.status, 0,
+                            self.request_id, self.payload_bytes)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
-        magic, version, verb, status, _, request_id, size = cls.STRUCT.unpack_from(data)
+        magic, version, verb, status, _, request_id, size = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise errors.ProtocolError(f"bad frame magic {bytes(magic)!r}; expected {MAGIC!r}")
         if version != PROTOCOL_VERSION:
@@ -121,25 +122,41 @@ class FrameHeader:
             )
         if size > MAX_FRAME_BYTES:
             raise errors.ProtocolError(f"frame payload of {size} bytes; at most {MAX_FRAME_BYTES}")
-        try:
-            return cls(Verb(verb), Status(status), request_id, size)
-        except ValueError as e:
-            raise errors.ProtocolError(f"bad frame header: {e}") from None
+        if verb not in _VERBS or status not in _STATUSES:
+            raise errors.ProtocolError(f"bad frame header: verb {verb}, status {status}; allowed "
+                                       f"verbs {sorted(_VERBS)}, statuses {sorted(_STATUSES)}")
+        return cls(_VERBS[verb], _STATUSES[status], request_id, size)
+
+
+_VERBS = {int(v): v for v in Verb}
+_STATUSES = {int(s): s for s in Status}
+HEADER_BYTES = _HEADER.size
 
 
 def frame(verb: Verb, request_id: int, payload: bytes, status: Status = Status.OK) -> bytes:
-    return FrameHeader(verb, status, request_id, len(payload)).pack() + payload
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, verb, status, 0, request_id, len(payload)) + payload
 
 
 # ---------------------------------------------------------------- payload primitives
 
-_U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
+_U8, _U32 = struct.Struct("<B"), struct.Struct("<I")
+_KEYS_HEAD = struct.Struct("<IH")
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_keys(n: int, width: int) -> struct.Struct:
+    """Splits n keys of one width in C (a call usually repeats the last call's shape)."""
+    return struct.Struct(f"{width}s" * n)
+
+VARIABLE_WIDTH = 0xFFFF
 
 
 class PayloadWriter:
     """Builds a payload from primitives.
 
-    ``keys``: u32 n, then n x u16 key length, then the key bytes back to back.
+    ``keys``: u32 n, u16 width, then, only when width is ``VARIABLE_WIDTH``, n x u16
+    key lengths; then the key bytes back to back. Keys of one length (block hashes
+    usually are) need no per-key lengths: width is that length.
     ``ids``: u32 n, then n x i64. ``str``: u32 n, then n bytes of UTF-8.
     """
 
@@ -170,10 +187,14 @@ class PayloadWriter:
             raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
         if not set(map(type, keys)) <= {bytes}:
             _check_wire_keys(keys)  # raises, naming the key
-        lengths = list(map(len, keys))
-        if n and max(lengths) > MAX_KEY_BYTES:
+        widths = set(map(len, keys))
+        if widths and max(widths) > MAX_KEY_BYTES:
             _check_wire_keys(keys)  # raises, naming the key
-        self._parts.append(struct.pack(f"<I{n}H", n, *lengths))
+        if len(widths) <= 1:
+            self._parts.append(_KEYS_HEAD.pack(n, widths.pop() if widths else 0))
+        else:
+            self._parts.append(_KEYS_HEAD.pack(n, VARIABLE_WIDTH))
+            self._parts.append(struct.pack(f"<{n}H", *map(len, keys)))
         self._parts.append(b"".join(keys))
         return self
 
@@ -232,13 +253,19 @@ class PayloadReader:
             raise errors.ProtocolError(f"payload text is not UTF-8: {e}") from None
 
     def keys(self) -> list[bytes]:
-        n = self.u32()
+        n, width = _KEYS_HEAD.unpack(self._take(_KEYS_HEAD.size))
         if n > MAX_KEYS_PER_CALL:
             raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
+        if width != VARIABLE_WIDTH:
+            if width > MAX_KEY_BYTES:
+                raise errors.ProtocolError(f"keys of {width} bytes; at most {MAX_KEY_BYTES}")
+            if width == 0:
+                return [b""] * n
+            return list(_fixed_keys(n, width).unpack(self._take(n * width)))
         lengths = struct.unpack(f"<{n}H", self._take(2 * n))
-        blob = bytes(self._take(sum(lengths)))
         if n and max(lengths) > MAX_KEY_BYTES:
             raise errors.ProtocolError(f"a key of {max(lengths)} bytes; at most {MAX_KEY_BYTES}")
+        blob = bytes(self._take(sum(lengths)))
         keys = []
         pos = 0
         for length in lengths:
