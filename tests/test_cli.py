@@ -23,14 +23,14 @@ def test_serve_reports_each_step_answers_status_and_cleans_up_on_sigterm(make_co
     cfg = make_config()
     coord = CoordinatorProcess(cfg, tmp_path)
     out = coord.output()
-    for step in ("allocated", "pre-faulted with 2 threads in", "control socket", "metrics: http",
+    for step in ("allocated", "pre-faulted the header in", "its own slice with 2 threads", "control socket", "metrics: http",
                  "ready in"):
         assert step in out
     status = tiercache("status", "--config", str(coord.config_path))
     assert status.returncode == 0, status.stderr
     assert f"region {cfg.name}" in status.stdout and "live" in status.stdout
     assert "state ready, generation 1" in status.stdout
-    assert "rank 1: no worker" in status.stdout
+    assert "rank 1: no worker" in status.stdout and "pre-faulted in 0.00 s" in status.stdout
     assert "index: 0 ready, 0 writing, 0 loading, 16 free of 16" in status.stdout
     assert os.stat(cfg.socket_path).st_mode & 0o777 == 0o600
     assert coord.stop() == 0

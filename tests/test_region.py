@@ -273,3 +273,17 @@ def test_a_writer_killed_mid_update_does_not_wedge_the_next_one(region):
     stats.mark_attached(1234, 0)  # the restarted worker's first write
     snap = stats.snapshot()
     assert snap.pid == 1234 and snap.attach_count == 1
+
+
+def test_worker_prefaults_only_its_own_slice_and_records_the_time(region, instance_name):
+    worker = SharedOffloadRegion.attach(instance_name, 1)
+    try:
+        seconds = worker.prefault_slice(3)
+        assert seconds > 0
+        assert worker.stats(1).snapshot().prefault_seconds == pytest.approx(seconds, abs=1e-6)
+        assert worker.stats(0).snapshot().prefault_seconds == 0
+        assert not worker.rank_array(1).any()  # populating keeps the (zero) bytes
+    finally:
+        worker.close()
+    with pytest.raises(Exception, match="needs a region attached with a rank"):
+        SharedOffloadRegion.attach(instance_name).prefault_slice(2)

@@ -132,7 +132,9 @@ def test_attach_by_name_round_trips_and_detaches(served):
     with attach(config.name, 1, caches, pinning=PinningPolicy.ALLOW_UNPINNED) as worker:
         assert worker.backends == {G2C: BackendCode.CPU, C2G: BackendCode.CPU}
         assert worker.pin_state is PinState.UNPINNED  # host caches: nothing to pin for
-        assert region.stats(1).snapshot().pin_state is PinState.UNPINNED
+        snap = region.stats(1).snapshot()
+        assert snap.pin_state is PinState.UNPINNED
+        assert snap.prefault_seconds > 0  # the worker pre-faulted its own slice
         worker.transfer_async(1, (GPULoadStoreSpec([3]), CPULoadStoreSpec([15])))
         worker.wait([1])  # the two directions are independent: order them here
         worker.transfer_async(2, (CPULoadStoreSpec([15]), GPULoadStoreSpec([4])))

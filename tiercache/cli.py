@@ -104,8 +104,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"{s.directions[d].transfers_ok} ok/{s.directions[d].transfers_failed} failed"
                     f" ({s.backends[d].label})"
                     for d in Direction)
-                print(f"  rank {rank}: {worker}, attached {s.attach_count}x, pin "
-                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; {moved}")
+                print(f"  rank {rank}: {worker}, attached {s.attach_count}x, pre-faulted in "
+                      f"{s.prefault_seconds:.2f} s, pin {s.pin_state.label} "
+                      f"{format_bytes(s.pinned_bytes)} in {s.pin_seconds:.2f} s; {moved}")
         finally:
             region.close()
     return 0
@@ -161,8 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PASSTHROUGH_COMMANDS = ("bench", "demo")  # parse their own arguments
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # REMAINDER does not take arguments that start with '-' (`demo --config F`), so
+    # everything after a pass-through command word is handed over as it was typed.
+    args, unknown = parser.parse_known_args(argv)
+    if args.command in PASSTHROUGH_COMMANDS:
+        args.rest = argv[argv.index(args.command) + 1:]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     try:

@@ -73,6 +73,10 @@ def _populate(address: int, length: int, view: np.ndarray, offset: int) -> None:
     if _libc.madvise(address + offset, length, MADV_POPULATE_WRITE) == 0:
         return
     err = ctypes.get_errno()
+    if err in (errno.ENOMEM, errno.EFAULT):  # what would have been a SIGBUS on first touch
+        raise InsufficientMemoryError(
+            f"cannot populate {length} bytes at offset {offset} of the region: "
+            f"{os.strerror(err)} (/dev/shm or host memory ran out)")
     if err != errno.EINVAL:
         raise RegionError(f"madvise(MADV_POPULATE_WRITE) over {length} bytes at offset {offset} "
                           f"failed: {os.strerror(err)}")

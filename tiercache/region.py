@@ -1,12 +1,18 @@
 """The rank-partitioned shared-memory region in /dev/shm.
 
 Lifecycle: the coordinator ``create``\\ s the region (space checks, O_CREAT|O_EXCL 0600,
-fallocate, parallel pre-fault, header written with READY last) and holds an exclusive
+fallocate, header written with READY last) and holds an exclusive
 ``flock`` on it for as long as it lives, so "is the owner alive?" is one non-blocking
 lock attempt that the kernel answers correctly even after SIGKILL. Workers ``attach``
-by name and rank, validate the header, map the region and pin only their slice. A
-region whose lock is free is stale: ``create`` re-adopts it when its geometry matches
-(workers' mappings and pins stay valid) and otherwise replaces it; ``remove_stale``
+by name and rank, validate the header, map the region and pin only their slice. Each worker
+pre-faults its own slice in parallel threads (``prefault_slice``) before pinning it:
+page tables are per process, so pre-faulting in the coordinator only filled the
+coordinator's (measured on an H100 VM, 16 GiB: +3.5-4.4 s, and registration still had
+to fault every page; see docs/benchmarks.md). fallocate stays in the coordinator: it is
+the reservation that makes READY a promise (no SIGBUS later), paid once per coordinator
+lifetime and skipped on re-adoption. A region whose lock is free is stale: ``create``
+re-adopts it when its geometry matches (workers' mappings and pins stay valid) and
+otherwise replaces it; ``remove_stale``
 (``tiercache clean``) unlinks it. Workers never unlink.
 
 Views are made from the mapping's address (not the buffer protocol), so ``close`` never
@@ -54,7 +60,7 @@ class SetupTimes:
 
     check_s: float = 0.0
     allocate_s: float = 0.0
-    prefault_s: float = 0.0
+    header_prefault_s: float = 0.0
     adopted: bool = False
     replaced_stale: bool = False
 
@@ -115,13 +121,12 @@ class SharedOffloadRegion:
                                 owner_start_ns=process_start_ns(os.getpid()),
                                 created_ns=time.time_ns())
             t_alloc = time.perf_counter()
-            log_step(f"allocated {format_bytes(layout.total_bytes)} at {path} "
+            log_step(f"allocated {format_bytes(layout.total_bytes)} at {path} (fallocate) "
                      f"in {t_alloc - t_check:.2f} s")
-            ranges = layout.prefault_ranges(config.region.prefault_threads)
-            prefault_s = prefault(region.base_address, region._bytes, ranges,
-                                  config.region.prefault_threads)
-            log_step(f"pre-faulted with {config.region.prefault_threads} threads "
-                     f"in {prefault_s:.2f} s")
+            prefault_s = prefault(region.base_address, region._bytes,
+                                  [(0, layout.header_bytes)], 1)
+            log_step(f"pre-faulted the header in {prefault_s:.3f} s; each worker pre-faults "
+                     f"its own slice with {config.region.prefault_threads} threads at attach")
             region.header.set_state(RegionState.READY)
         except BaseException:
             if region is not None:
@@ -239,6 +244,19 @@ class SharedOffloadRegion:
 
     def slice_address(self, rank: int) -> int:
         return self.base_address + self.layout.slice_offset(rank)
+
+    # ------------------------------------------------------------------ preparing
+    def prefault_slice(self, num_threads: int) -> float:
+        """Pre-fault this worker's slice in its own page tables, ``num_threads`` in parallel
+        (MADV_POPULATE_WRITE: a shortage is an InsufficientMemoryError here, never a SIGBUS
+        later); returns seconds and records them in the rank's stats block."""
+        if self.rank is None:
+            raise RegionError("prefault_slice() needs a region attached with a rank")
+        ranges = self.layout.prefault_ranges(num_threads, self.layout.slice_offset(self.rank),
+                                             self.layout.slice_used_bytes)
+        seconds = prefault(self.base_address, self._bytes, ranges, num_threads)
+        self.stats(self.rank).set_prefault(seconds)
+        return seconds
 
     # ------------------------------------------------------------------ pinning
     def pin(self, policy: PinningPolicy, device: int = 0) -> PinState:

@@ -20,7 +20,8 @@ Word layout (index = byte offset / 8)::
     7     backend_c2g      BackendCode of the cpu_to_gpu handler
     8     pinned_bytes     bytes registered with the GPU driver
     9     pin_ns           time the registration took, ns
-    10-15 reserved
+    10    prefault_ns      time the worker took to pre-fault its slice at attach, ns
+    11-15 reserved
     16..  direction gpu_to_cpu, then cpu_to_gpu, DIRECTION_WORDS each:
           +0 bytes_total, +1 busy_ns_total (GPU-timed), +2 transfers_ok, +3 transfers_failed,
           +4 .. duration histogram counts (len(DURATION_BUCKETS_S) + 1, last is +Inf),
@@ -47,7 +48,7 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4096 * 4**k for k in range(12))  # 4 KiB .. 16 GiB
 
 _SEQ, _PID, _PID_START, _ATTACH, _HEARTBEAT, _PIN_STATE, _BACKEND_G2C, _BACKEND_C2G = range(8)
-_PINNED_BYTES, _PIN_NS = 8, 9
+_PINNED_BYTES, _PIN_NS, _PREFAULT_NS = 8, 9, 10
 _DIR_BASE = 16
 _N_DUR = len(DURATION_BUCKETS_S) + 1
 _N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
@@ -114,6 +115,7 @@ class RankStatsSnapshot:
     backends: tuple[BackendCode, BackendCode]  # indexed by Direction
     pinned_bytes: int
     pin_seconds: float
+    prefault_seconds: float
     directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
 
 
@@ -152,6 +154,7 @@ class RankStats:
             pin_state=PinState(int(w[_PIN_STATE])),
             backends=(BackendCode(int(w[_BACKEND_G2C])), BackendCode(int(w[_BACKEND_C2G]))),
             pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
+            prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
             directions=(dirs[0], dirs[1]),
         )
 
@@ -171,7 +174,7 @@ class RankStats:
 
     def mark_attached(self, pid: int, pid_start_ns: int) -> None:
         self._update({_PID: pid, _PID_START: pid_start_ns, _PIN_STATE: PinState.NONE,
-                      _PINNED_BYTES: 0, _PIN_NS: 0}, adds={_ATTACH: 1})
+                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0}, adds={_ATTACH: 1})
 
     def mark_detached(self) -> None:
         self._update({_PID: 0, _PID_START: 0, _PIN_STATE: PinState.NONE, _PINNED_BYTES: 0,
@@ -179,6 +182,9 @@ class RankStats:
 
     def set_pin(self, state: PinState, pinned_bytes: int = 0, seconds: float = 0.0) -> None:
         self._update({_PIN_STATE: state, _PINNED_BYTES: pinned_bytes, _PIN_NS: int(seconds * 1e9)})
+
+    def set_prefault(self, seconds: float) -> None:
+        self._update({_PREFAULT_NS: int(seconds * 1e9)})
 
     def set_backend(self, direction: Direction, backend: BackendCode) -> None:
         self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})

@@ -121,6 +121,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
            pinning: PinningPolicy | None = None,
            device: torch.device | str | None = None,
            ready_timeout_s: float = 0.0,
+           prefault_threads: int | None = None,
            shm_dir: str = SHM_DIR) -> Worker:
     """Attach ``rank`` of a region and build its handlers over ``gpu_caches``.
 
@@ -129,7 +130,9 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     backend ``auto``, the config's default pinning policy). ``backend`` and ``pinning``
     override either. ``group_tensors[g]`` lists the region tensors of KV-cache group g
     (default: one group of all). ``device`` is needed only when ``gpu_caches`` holds no
-    tensor. ``auto`` over CPU tensors is the ``cpu`` backend.
+    tensor. ``auto`` over CPU tensors is the ``cpu`` backend. The slice is pre-faulted
+    with ``prefault_threads`` threads (default: the config's ``region.prefault_threads``)
+    before it is pinned.
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
     region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
@@ -146,7 +149,11 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         region.close()
         raise
     region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    if prefault_threads is None:
+        prefault_threads = (config_or_name.region.prefault_threads
+                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
     try:
+        region.prefault_slice(prefault_threads)
         pin_state = _pin(region, rank, policy, torch_device)
     except BaseException:
         _release(region, rank, pin_failed=True)
