@@ -25,7 +25,7 @@ from tiercache.protocol import (
 from tiercache.specs import CPULoadStoreSpec
 
 DEFAULT_TIMEOUT_S = 10.0
-_RECV_BYTES = 256 << 10
+_RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 _REQUEST_ID_MOD = 1 << 32
 
 
@@ -189,14 +189,15 @@ class Client:
                     return header, memoryview(chunk)[HEADER_BYTES:]
             buf += chunk
         while True:
+            need_bytes = HEADER_BYTES
             if len(buf) >= HEADER_BYTES:
                 header = FrameHeader.unpack(buf)
-                end = HEADER_BYTES + header.payload_bytes
-                if len(buf) >= end:
-                    body = bytes(buf[HEADER_BYTES:end])
-                    del buf[:end]
+                need_bytes = HEADER_BYTES + header.payload_bytes
+                if len(buf) >= need_bytes:
+                    body = bytes(buf[HEADER_BYTES:need_bytes])
+                    del buf[:need_bytes]
                     return header, body
-            chunk = sock.recv(max(_RECV_BYTES, end - len(buf) if len(buf) >= HEADER_BYTES else 0))
+            chunk = sock.recv(max(_RECV_BYTES, need_bytes - len(buf)))
             if not chunk:
                 raise EOFError("connection closed by the coordinator")
             buf += chunk

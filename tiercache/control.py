@@ -29,7 +29,7 @@ from tiercache.protocol import (
 
 log = logging.getLogger(__name__)
 
-RECV_BYTES = 256 << 10
+RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 LISTEN_BACKLOG = 128
 CLOSE_TIMEOUT_S = 10.0
 
