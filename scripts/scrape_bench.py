@@ -135,7 +135,8 @@ def main() -> int:
                 body = urllib.request.urlopen(url, timeout=10).read()
                 samples = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
                 print(f"{WORLD_SIZE} ranks, {samples} samples, {len(body)} bytes "
-                      f"(text), {os.cpu_count()} CPUs")
+                      f"(text), {os.cpu_count()} CPUs, load average before the workers "
+                      f"spin {os.getloadavg()[0]:.1f}")
                 for phase in ("idle", "8 workers copying"):
                     if phase != "idle":
                         for pipe in pipes:
