@@ -12,7 +12,8 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiercache.metrics import TiercacheCollector, encode_text
+from tiercache.exporter import encode_text
+from tiercache.metrics import TiercacheCollector
 from tiercache.stats import Direction, PinState
 
 import dashboard_queries as dq
