@@ -17,21 +17,25 @@ from tiercache.config import Config, KVGeometry, PinningPolicy, RegionConfig
 from tiercache.region import SharedOffloadRegion
 
 
-def ceiling(num_bytes: int = 1 << 30) -> dict:
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+def copy_gbps(host, dev, reps: int) -> dict:
+    """Median GB/s of one host<->device copy each way, timed with events on a side stream."""
     s = torch.cuda.Stream()
     out = {}
     for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
         times = []
-        for _ in range(5):
+        for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(s):
                 a.record(); dst.copy_(src, non_blocking=True); b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
-        out[name] = num_bytes / sorted(times)[len(times) // 2] / 1e9
+        out[name] = host.numel() / sorted(times)[len(times) // 2] / 1e9
     return out
+
+
+def ceiling(num_bytes: int = 1 << 30) -> dict:
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return copy_gbps(host, torch.empty(num_bytes, dtype=torch.uint8, device="cuda"), 5)
 
 
 def worker(name: str, rank: int, threads: int, q) -> None:
@@ -44,18 +48,7 @@ def worker(name: str, rank: int, threads: int, q) -> None:
     region.pin(PinningPolicy.REQUIRED)
     t_pin = time.perf_counter() - t1
     rows = torch.from_numpy(region.rank_array(rank).reshape(-1)[: 1 << 30])
-    dev = torch.empty(rows.numel(), dtype=torch.uint8, device="cuda")
-    s = torch.cuda.Stream()
-    rates = {}
-    for direction, dst, src in (("h2d", dev, rows), ("d2h", rows, dev)):
-        times = []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(s):
-                a.record(); dst.copy_(src, non_blocking=True); b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        rates[direction] = rows.numel() / sorted(times)[1] / 1e9
+    rates = copy_gbps(rows, torch.empty(rows.numel(), dtype=torch.uint8, device="cuda"), 3)
     t2 = time.perf_counter()
     del rows
     region.close()
