@@ -115,6 +115,7 @@ def test_pin_state_backend_and_region_gauges():
     pinned.set_pin(PinState.PINNED, pinned_bytes=region.layout.slice_bytes, seconds=0.25)
     pinned.set_backend(G2C, BackendCode.CE)
     pinned.set_backend(C2G, BackendCode.KERNEL)
+    pinned.set_prefault(0.5)
     unpinned = attach_self(region, 1)
     unpinned.set_pin(PinState.UNPINNED)
     unpinned.set_backend(G2C, BackendCode.CPU)
@@ -126,6 +127,8 @@ def test_pin_state_backend_and_region_gauges():
     assert value("tiercache_pinned_bytes", {"rank": "0"}) == region.layout.slice_bytes
     assert value("tiercache_pinned_bytes", {"rank": "1"}) == 0
     assert value("tiercache_pin_duration_seconds", {"rank": "0"}) == 0.25
+    assert value("tiercache_prefault_duration_seconds", {"rank": "0"}) == 0.5
+    assert value("tiercache_prefault_duration_seconds", {"rank": "1"}) == 0
     for state in PinState:
         assert value("tiercache_pin_state", {"rank": "0", "state": state.label}) == (
             1 if state is PinState.PINNED else 0)

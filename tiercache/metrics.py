@@ -96,6 +96,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tiercache_pin_state",
     "tiercache_pinned_bytes",
     "tiercache_pin_duration_seconds",
+    "tiercache_prefault_duration_seconds",
     "tiercache_transfer_backend_info",
     "tiercache_transfer_bytes_total",
     "tiercache_transfer_seconds_total",
@@ -193,6 +194,7 @@ class TiercacheCollector(Collector):
             f.pin_state.add_metric([rank, state.label], 1 if snap.pin_state == state else 0)
         f.pinned_bytes.add_metric([rank], snap.pinned_bytes)
         f.pin_seconds.add_metric([rank], snap.pin_seconds)
+        f.prefault_seconds.add_metric([rank], snap.prefault_seconds)
         for direction in Direction:
             d = snap.directions[direction]
             labels = [rank, direction.label]
@@ -270,6 +272,9 @@ class _Families:
         self.pin_seconds = GaugeMetricFamily(
             "tiercache_pin_duration_seconds", "Time the rank's pinning (registration) took.",
             labels=rank)
+        self.prefault_seconds = GaugeMetricFamily(
+            "tiercache_prefault_duration_seconds",
+            "Time the rank's worker took to pre-fault its slice at attach.", labels=rank)
         self.backend = GaugeMetricFamily(
             "tiercache_transfer_backend_info",
             "Copy backend of the rank's handler per direction; the value is always 1.",
@@ -303,7 +308,7 @@ class _Families:
                     self.region_ranks, self.region_state, self.region_generation,
                     self.worker_up, self.attaches, self.heartbeat, self.read_failures,
                     self.region_pinned, self.pin_state, self.pinned_bytes, self.pin_seconds,
-                    self.backend, self.transfer_bytes, self.transfer_seconds, self.transfers,
+                    self.prefault_seconds, self.backend, self.transfer_bytes, self.transfer_seconds, self.transfers,
                     self.duration, self.size)
         if self._include_index:
             yield from self.index_counters
