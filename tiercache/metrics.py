@@ -308,8 +308,8 @@ class _Families:
                     self.region_ranks, self.region_state, self.region_generation,
                     self.worker_up, self.attaches, self.heartbeat, self.read_failures,
                     self.region_pinned, self.pin_state, self.pinned_bytes, self.pin_seconds,
-                    self.prefault_seconds, self.backend, self.transfer_bytes, self.transfer_seconds, self.transfers,
-                    self.duration, self.size)
+                    self.prefault_seconds, self.backend, self.transfer_bytes,
+                    self.transfer_seconds, self.transfers, self.duration, self.size)
         if self._include_index:
             yield from self.index_counters
             yield from (self.index_capacity, self.index_blocks, self.occupancy)
