@@ -210,7 +210,7 @@ def test_worker_up_follows_a_real_process_through_sigkill():
     try:
         region.stats(0).mark_attached(child.pid, process_start_ns(child.pid))
         # rank 1: our own pid but another start time -> a reused pid, not its worker
-        region.stats(1).mark_attached(os.getpid(), process_start_ns(os.getpid()) - 3600 * 10**9)
+        region.stats(1).mark_attached(os.getpid(), process_start_ns(os.getpid()) + 10**7)
         # rank 2: never attached (pid 0)
         reg = registry_of(TiercacheCollector(region))
 

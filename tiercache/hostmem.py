@@ -93,22 +93,33 @@ def prefault(address: int, view: np.ndarray, ranges: list[tuple[int, int]], num_
     return time.perf_counter() - start
 
 
-def process_start_ns(pid: int) -> int:
-    """Start time of ``pid`` in ns (psutil), 0 if it does not exist."""
+_NS_PER_TICK = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in ns after boot) from /proc/<pid>/stat, None if gone.
+
+    The start time is counted in clock ticks since boot by the kernel, so it is exact and
+    does not move when the wall clock is stepped (psutil's create_time does)."""
     try:
-        return int(psutil.Process(pid).create_time() * 1e9)
-    except psutil.Error:
-        return 0
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()  # comm may hold spaces and parentheses
+    return fields[0].decode(), int(fields[19]) * _NS_PER_TICK
+
+
+def process_start_ns(pid: int) -> int:
+    """Start time of ``pid`` in ns after boot, 0 if it does not exist."""
+    stat = _proc_stat(pid)
+    return 0 if stat is None else stat[1]
 
 
 def process_alive(pid: int, start_ns: int) -> bool:
-    """True if ``pid`` runs, is not a zombie and started at ``start_ns`` (± 10 ms)."""
-    if pid <= 0:
+    """True if ``pid`` runs, is not a zombie and (when ``start_ns`` is given) is the same
+    process that started at ``start_ns``, not a later one that reuses the pid."""
+    stat = _proc_stat(pid) if pid > 0 else None
+    if stat is None or stat[0] in ("Z", "X"):
         return False
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return start_ns == 0 or abs(int(proc.create_time() * 1e9) - start_ns) < 10_000_000
-    except psutil.Error:
-        return False
+    return start_ns == 0 or stat[1] == start_ns

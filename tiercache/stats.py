@@ -12,7 +12,7 @@ Word layout (index = byte offset / 8)::
     word  field            meaning
     0     seq              sequence lock (odd while the writer is mid-update)
     1     pid              pid of the attached worker, 0 when none
-    2     pid_start_ns     that process's start time (psutil create_time, ns): pid reuse check
+    2     pid_start_ns     that process's start time, ns after boot (tiercache.hostmem): pid reuse check
     3     attach_count     how many times a worker attached this rank
     4     heartbeat_ns     wall-clock ns of the writer's last update
     5     pin_state        PinState code
@@ -55,7 +55,7 @@ _N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
 DIRECTION_WORDS = 4 + _N_DUR + _N_SIZE
 _WORDS = _DIR_BASE + 2 * DIRECTION_WORDS
 assert _WORDS * 8 <= STATS_BLOCK_BYTES
-_READ_RETRIES = 10_000
+_READ_TIMEOUT_S = 0.002  # a write takes microseconds; longer means its writer died mid-update
 
 
 class Direction(IntEnum):
@@ -129,14 +129,16 @@ class RankStats:
 
     # ---------------------------------------------------------------- reader side
     def snapshot(self) -> RankStatsSnapshot:
-        for _ in range(_READ_RETRIES):
+        deadline = time.monotonic() + _READ_TIMEOUT_S
+        while True:
             before = int(self._words[_SEQ])
             if before % 2 == 0:
                 words = self._words.copy()
                 if int(self._words[_SEQ]) == before:
                     return self._decode(words)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} stats block stayed mid-update (seq {before})")
             time.sleep(0)
-        raise TimeoutError(f"rank {self.rank} stats block stayed mid-update (seq {before})")
 
     def _decode(self, w: np.ndarray) -> RankStatsSnapshot:
         dirs = []
