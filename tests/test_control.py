@@ -17,7 +17,7 @@ import index_scenarios as sc
 from tiercache.client import Client
 from tiercache.config import RegionConfig
 from tiercache.control import ControlServer, serve_forever
-from tiercache.errors import ControlSocketError, CoordinatorGoneError, ProtocolError
+from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
 from tiercache.manager import OffloadingManager
 from tiercache.protocol import (
     HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader,
@@ -151,7 +151,9 @@ def test_a_live_socket_is_not_taken_over(servers, socket_path, tmp_path):
 
 
 def test_in_process_server_closes_cleanly(socket_path):
-    server = ControlServer(OffloadingManager(4), socket_path)
+    with pytest.raises(ConfigError, match="poll_before_sleep_s = 1"):
+        ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=1)
+    server = ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=0)
     server.start()
     client = Client(socket_path)
     client.ping()

@@ -17,10 +17,11 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
+from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
 from tiercache.manager import ManagerStats, OffloadingManager
 from tiercache.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 LISTEN_BACKLOG = 128
 CLOSE_TIMEOUT_S = 10.0
+# After serving, keep polling this long before sleeping in epoll_wait: a sleeping core
+# takes ~50 µs to wake on the 2-core VM we measured (a 16-byte echo between two processes:
+# 108 µs p50 blocking, 13 µs with this poll). It costs CPU only while calls keep coming.
+POLL_BEFORE_SLEEP_S = 50e-6
 
 Handler = Callable[[OffloadingManager, PayloadReader], bytes]
 _EMPTY = b""
@@ -115,9 +120,14 @@ class _Connection:
 class ControlServer:
     """Serves ``manager`` on the Unix socket ``socket_path`` (mode 0600) until ``close()``."""
 
-    def __init__(self, manager: OffloadingManager, socket_path: str | os.PathLike[str]):
+    def __init__(self, manager: OffloadingManager, socket_path: str | os.PathLike[str],
+                 poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S):
+        if not 0 <= poll_before_sleep_s <= 0.01:
+            raise ConfigError(
+                f"poll_before_sleep_s = {poll_before_sleep_s!r}: allowed 0 .. 0.01 s")
         self._manager = manager
         self._path = os.fspath(socket_path)
+        self._poll_before_sleep_s = poll_before_sleep_s
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
@@ -237,11 +247,21 @@ class ControlServer:
 
     # ------------------------------------------------------------------ the loop
 
+    def _wait(self, selector: selectors.BaseSelector) -> list[tuple[selectors.SelectorKey, int]]:
+        """Poll for up to ``poll_before_sleep_s``, then sleep in the kernel (why: see
+        ``POLL_BEFORE_SLEEP_S``)."""
+        ready = selector.select(0)
+        if not ready and self._poll_before_sleep_s > 0:
+            deadline = time.perf_counter() + self._poll_before_sleep_s
+            while not ready and time.perf_counter() < deadline:
+                ready = selector.select(0)
+        return ready or selector.select()
+
     def _serve(self) -> None:
         selector = self._selector
         assert selector is not None
         while True:
-            for key, mask in selector.select():
+            for key, mask in self._wait(selector):
                 source = key.data
                 if source is self._wake_r:
                     return
