@@ -24,6 +24,9 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   │                           repeated in one prepare_store         (also ValueError)
     │   └── StateError              a call out of order: double complete, load of a
     │                               block being written, ref-count underflow
+    ├── JobError                    the completion loop misused: a job begun while a rank
+    │                               is down, a repeated job id or ack
+    ├── WorkerError                 a worker process failed to start or stopped answering
     ├── ProtocolError               a malformed, oversized or unexpected frame
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
     └── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
@@ -99,6 +102,14 @@ class InvalidKeyError(ManagerError, ValueError):
 
 class StateError(ManagerError):
     """A call out of order for a block's state (double complete, underflow, ...)."""
+
+
+class JobError(TiercacheError):
+    """The completion loop (``tiercache.jobs``) used against its contract."""
+
+
+class WorkerError(TiercacheError):
+    """A worker process (one rank of an engine) failed to start or stopped answering."""
 
 
 class ProtocolError(TiercacheError):

@@ -221,6 +221,12 @@ class CpuGpuOffloadingHandlers:
                     for d in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU))
         return cls(g2c, c2g, streams)
 
+    @property
+    def streams(self) -> StreamPlatform | None:
+        """The platform the handlers order on (its ``current_stream()`` is the compute
+        stream every transfer waits for); ``None`` after ``shutdown``."""
+        return self._streams
+
     def handler(self, direction: Direction) -> SingleDirectionOffloadingHandler:
         return self.gpu_to_cpu_handler if direction is Direction.GPU_TO_CPU \
             else self.cpu_to_gpu_handler
