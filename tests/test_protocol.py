@@ -13,8 +13,8 @@ from tiercache import errors
 from tiercache.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
-    PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, PayloadReader, PayloadWriter, Status, Verb, decode_error, decode_events,
-    decode_stats, decode_store_output, encode_error, encode_events, encode_stats,
+    PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
+    decode_error, decode_events, decode_stats, decode_store_output, encode_error, encode_events, encode_stats,
     encode_store_output, frame,
 )
 from tiercache.specs import CPULoadStoreSpec

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| in-process | policy | keys/s |\n|---|---|---|")
     for policy in ("lru", "arc"):
         r = bench_index(policy)
-        print(f"| lookup + touch, {r.batch_keys}-key batches | {policy} | {r.keys_per_s / 1e6:.2f} M |")
+        print(f"| lookup + touch, {r.batch_keys}-key batches | {policy} "
+              f"| {r.keys_per_s / 1e6:.2f} M |")
     print("\n| control plane, 64-key lookup | clients | calls/s | p50 | p99 | p99.9 | max |")
     print("|---|---|---|---|---|---|---|")
     runs = [(1, None), (args.clients, args.interval_ms / 1e3), (args.clients, None)]

@@ -20,7 +20,8 @@ from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneErr
 from tiercache.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
-    PayloadWriter, Status, Verb, decode_error, decode_events, decode_stats, decode_store_output, frame,
+    PayloadWriter, Status, Verb, decode_error, decode_events, decode_stats, decode_store_output,
+    frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -68,7 +69,8 @@ class Client:
         ids = reader.ids()
         reader.done()
         if len(ids) != len(keys):
-            raise ProtocolError(f"prepare_load: asked for {len(keys)} keys, got {len(ids)} slot ids")
+            raise ProtocolError(
+                f"prepare_load: asked for {len(keys)} keys, got {len(ids)} slot ids")
         return CPULoadStoreSpec(ids)
 
     def touch(self, keys: Sequence[bytes]) -> None:

@@ -25,7 +25,8 @@ from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, Tie
 from tiercache.manager import ManagerStats, OffloadingManager
 from tiercache.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
-    PayloadWriter, Status, Verb, encode_error, encode_events, encode_stats, encode_store_output, frame,
+    PayloadWriter, Status, Verb, encode_error, encode_events, encode_stats, encode_store_output,
+    frame,
 )
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ class ControlServer:
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._listener, selectors.EVENT_READ, self._listener)
             self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
-            self._thread = threading.Thread(target=self._serve, name="tiercache-control", daemon=True)
+            self._thread = threading.Thread(target=self._serve, name="tiercache-control",
+                                            daemon=True)
             self._thread.start()
         except BaseException:
             self._release()

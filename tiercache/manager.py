@@ -99,7 +99,8 @@ def check_keys(keys: Sequence[bytes], verb: str) -> None:
         return
     for key in keys:
         if type(key) is not bytes:
-            raise InvalidKeyError(f"{verb}: key {key!r} is {type(key).__name__}; keys must be bytes")
+            raise InvalidKeyError(
+                f"{verb}: key {key!r} is {type(key).__name__}; keys must be bytes")
 
 
 def _require_unique(keys: Sequence[bytes], verb: str) -> None:
@@ -264,7 +265,8 @@ class OffloadingManager:
         """Events since the last call, oldest first; with ``max_keys``, at most that many
         keys in all (a larger event is split), the rest stay for the next call."""
         if not self._events_enabled:
-            raise StateError("take_events: events are off; build the manager with enable_events=True")
+            raise StateError(
+                "take_events: events are off; build the manager with enable_events=True")
         if max_keys is not None and max_keys < 1:
             raise ManagerError(f"take_events: max_keys = {max_keys}; must be >= 1 or None")
         with self._lock:
@@ -279,8 +281,9 @@ class OffloadingManager:
                     taken.append(self._events.pop(0))
                     budget -= len(event.keys)
                 else:
-                    taken.append(OffloadingEvent(event.keys[:budget], event.removed, event.medium))
-                    self._events[0] = OffloadingEvent(event.keys[budget:], event.removed, event.medium)
+                    head, rest = event.keys[:budget], event.keys[budget:]
+                    taken.append(OffloadingEvent(head, event.removed, event.medium))
+                    self._events[0] = OffloadingEvent(rest, event.removed, event.medium)
                     budget = 0
             return taken
 

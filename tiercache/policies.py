@@ -67,7 +67,8 @@ POLICIES: dict[str, type[EvictionPolicy]] = {}
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     """Class decorator: make a policy available by its ``name``."""
     if cls.name in POLICIES:
-        raise ValueError(f"eviction policy {cls.name!r} is already registered by {POLICIES[cls.name]}")
+        raise ValueError(
+            f"eviction policy {cls.name!r} is already registered by {POLICIES[cls.name]}")
     POLICIES[cls.name] = cls
     return cls
 

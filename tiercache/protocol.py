@@ -134,7 +134,8 @@ HEADER_BYTES = _HEADER.size
 
 
 def frame(verb: Verb, request_id: int, payload: bytes, status: Status = Status.OK) -> bytes:
-    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, verb, status, 0, request_id, len(payload)) + payload
+    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, verb, status, 0, request_id, len(payload))
+    return header + payload
 
 
 # ---------------------------------------------------------------- payload primitives
@@ -305,7 +306,8 @@ def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
     ids = reader.ids()
     evicted = tuple(reader.keys())
     if len(ids) != len(keys):
-        raise errors.ProtocolError(f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
+        raise errors.ProtocolError(
+            f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
     return PrepareStoreOutput(keys, CPULoadStoreSpec(ids), evicted)
 
 
