@@ -5,8 +5,11 @@ g, GPU page i of the group (i = 0..n-1, n = ``group_sizes[g]``) pairs with CPU b
 ``cpu_ids[(skip + i) // F]``, sub-page ``(skip + i) % F``, where F is the
 block_size_factor and ``skip = block_indices[g] % F`` (a load may start mid CPU block);
 the group consumes ``ceil((n + skip) / F)`` CPU ids. Descriptors are laid out group by
-group, tensor by tensor, then in page order, so consecutive pages that are adjacent
-on both sides sit next to each other and merge into one descriptor.
+group, each group as rows (``GroupWork.shape``): in host-address order where the
+geometry allows it cheaply (F = 1: pages sorted by CPU row; tensors sharing rows are
+written page by page), which spares ``staged`` a sort of every descriptor. Pages that
+continue each other on both sides are fused from the ids; neighbours where rows meet
+are checked on addresses (``runs.merge_at_row_ends``).
 
 Everything is checked before a plan is returned: medium pairing, group count, CPU id
 count, ids inside both sides, no destination block written twice in a group.
@@ -39,12 +42,19 @@ def _check_ids(ids: np.ndarray, limit: int, side: str, group: int) -> None:
                         f"allowed 0..{limit - 1}")
 
 
-def _check_unique(ids: np.ndarray, side: str, group: int) -> None:
-    ordered = np.sort(ids)
+def _check_unique(ordered: np.ndarray, side: str, group: int) -> None:
+    """``ordered``: the destination ids, sorted."""
     repeats = ordered[1:][ordered[1:] == ordered[:-1]]
     if repeats.size:
         raise SpecError(f"destination {side} block id {int(repeats[0])} appears more than once "
                         f"in group {group}: a page would be written twice")
+
+
+def _row_order(cpu_ids: np.ndarray) -> np.ndarray | None:
+    """Permutation to ascending CPU rows (stable); None when they already ascend."""
+    if cpu_ids.size < 2 or bool(np.all(cpu_ids[1:] > cpu_ids[:-1])):
+        return None
+    return np.argsort(cpu_ids, kind="stable")
 
 
 class PlanBuffers:
@@ -147,20 +157,16 @@ class TransferPlanner:
             raise SpecError(f"a transfer pairs a GPU and a CPU spec (either order); got "
                             f"({type(src_spec).__name__}, {type(dst_spec).__name__})")
         work = self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
-        within: list[np.ndarray | None] = [None] * len(work)
-        if merge:  # fuse runs per block where every tensor of the group agrees
-            for i, w in enumerate(work):
-                joins = w.within_joins()
-                if joins is not None and joins.ndim == 1:
-                    work[i] = w.fuse(joins)
-                else:
-                    within[i] = joins
+        if merge:  # fuse runs of pages where every tensor of the group agrees
+            work = [w.fused() for w in work]
         total = sum(w.num_descriptors for w in work)
         gpu_addr, cpu_addr, sizes = (out or PlanBuffers()).take(total)
-        at = 0
+        at, within = 0, []
         for w in work:
             end = at + w.num_descriptors
             w.write(gpu_addr[at:end], cpu_addr[at:end], sizes[at:end])
+            if merge:
+                within.append(w.row_joins(gpu_addr[at:end], sizes[at:end]))
             at = end
         if merge:
             shapes = tuple(w.shape for w in work)
@@ -195,11 +201,15 @@ class TransferPlanner:
             gpu_at, cpu_at = gpu_at + n, cpu_at + count
             _check_ids(gids, group.num_gpu_blocks, "GPU", g)
             _check_ids(cids, group.num_cpu_blocks, "CPU", g)
-            _check_unique(cids if store else gids, "CPU" if store else "GPU", g)
-            if factor == 1:
+            if factor == 1:  # pages in ascending CPU row: host order (module docstring)
+                order = _row_order(cids)
+                if order is not None:
+                    gids, cids = gids[order], cids[order]
+                _check_unique(cids if store else np.sort(gids), "CPU" if store else "GPU", g)
                 work.append(GroupWork(group, gids, cids, None))
-            else:
-                logical = np.arange(skip, skip + n)
-                work.append(GroupWork(group, gids, cids[logical // factor],
-                                       (logical % factor).astype(_U64)))
+                continue
+            _check_unique(np.sort(cids if store else gids), "CPU" if store else "GPU", g)
+            logical = np.arange(skip, skip + n)
+            work.append(GroupWork(group, gids, cids[logical // factor],
+                                   (logical % factor).astype(_U64)))
         return work
