@@ -1,16 +1,19 @@
 """A prefix-reuse workload: requests that share prompt prefixes, reused Zipf-like.
 
-Each request is one of ``num_prefixes`` shared prefixes (a system prompt, a document,
-a conversation so far), drawn with probability proportional to ``1 / (i + 1) ** zipf_s``,
-followed by a suffix of fresh blocks that no other request has. Block keys are chained
-hashes, as engines compute them (a block's key covers every token before it), so a
-prefix block has the same key in every request that shares it and a suffix block is
-new. Deterministic for a seed.
+A request either starts a conversation — one of ``num_prefixes`` shared prefixes (a
+system prompt, a document), drawn with probability proportional to
+``1 / (i + 1) ** zipf_s`` — or, with probability ``continue_p``, is the next turn of
+one of the last ``recent_requests`` requests (its whole context again). Either way a
+suffix of fresh blocks follows. Block keys are chained hashes, as engines compute them
+(a block's key covers every token before it), so a shared block has the same key in
+every request that shares it, and the suffix blocks of one turn are the prefix of the
+next. A request never exceeds ``max_request_blocks``. Deterministic for a seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,6 +37,9 @@ class WorkloadSpec:
     max_prefix_blocks: int = 24
     min_suffix_blocks: int = 1
     max_suffix_blocks: int = 8
+    continue_p: float = 0.3
+    recent_requests: int = 16
+    max_request_blocks: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,20 +51,25 @@ class WorkloadSpec:
                                 (self.min_suffix_blocks, self.max_suffix_blocks, "suffix")):
             if not 0 <= low <= high:
                 raise ConfigError(f"{what} blocks {low}..{high}: need 0 <= min <= max")
-        if self.max_prefix_blocks + self.max_suffix_blocks < 1:
-            raise ConfigError("a request needs at least one block (max prefix + suffix >= 1)")
-
-    @property
-    def max_request_blocks(self) -> int:
-        return self.max_prefix_blocks + self.max_suffix_blocks
+        if self.max_suffix_blocks < 1:
+            raise ConfigError(f"max_suffix_blocks = {self.max_suffix_blocks}: must be >= 1 "
+                              "(every request brings a new block)")
+        if self.max_request_blocks < self.max_prefix_blocks + self.max_suffix_blocks:
+            raise ConfigError(f"max_request_blocks = {self.max_request_blocks}: must be >= "
+                              f"max prefix + max suffix = "
+                              f"{self.max_prefix_blocks + self.max_suffix_blocks}")
+        if not 0 <= self.continue_p <= 1:
+            raise ConfigError(f"continue_p = {self.continue_p}: allowed 0..1")
+        if self.recent_requests < 1:
+            raise ConfigError(f"recent_requests = {self.recent_requests}: must be >= 1")
 
 
 @dataclass(frozen=True)
 class Request:
     index: int
-    prefix: int  # which shared prefix (0 is the most popular)
-    keys: tuple[bytes, ...]  # the prefix's keys, then the suffix's
-    num_prefix_blocks: int
+    prefix: int  # which shared prefix its conversation started from (0: most popular)
+    keys: tuple[bytes, ...]  # the context's keys (prefix or earlier turn), then the suffix's
+    num_context_blocks: int
 
 
 class PrefixWorkload:
@@ -75,6 +86,7 @@ class PrefixWorkload:
         self._prefixes = [self._chain(chain_key(root, b"prefix-%d" % p), int(n), b"p")
                           for p, n in enumerate(lengths)]
         self._next_index = 0
+        self._recent: deque[Request] = deque(maxlen=spec.recent_requests)
 
     @staticmethod
     def _chain(first: bytes, count: int, tag: bytes) -> tuple[bytes, ...]:
@@ -91,14 +103,23 @@ class PrefixWorkload:
         spec = self.spec
         index = self._next_index
         self._next_index += 1
-        prefix = int(self._rng.choice(spec.num_prefixes, p=self._probabilities))
-        keys = self._prefixes[prefix]
-        num_suffix = int(self._rng.integers(spec.min_suffix_blocks, spec.max_suffix_blocks + 1))
-        if not keys and num_suffix == 0:
-            num_suffix = 1
+        num_suffix = int(self._rng.integers(max(1, spec.min_suffix_blocks),
+                                            spec.max_suffix_blocks + 1))
+        earlier = None
+        if self._recent and self._rng.random() < spec.continue_p:
+            earlier = self._recent[int(self._rng.integers(len(self._recent)))]
+            if len(earlier.keys) + num_suffix > spec.max_request_blocks:
+                earlier = None  # the conversation outgrew the context: start a new one
+        if earlier is not None:
+            prefix, keys = earlier.prefix, earlier.keys
+        else:
+            prefix = int(self._rng.choice(spec.num_prefixes, p=self._probabilities))
+            keys = self._prefixes[prefix]
         parent = keys[-1] if keys else chain_key(b"", b"root-%d" % prefix)
         suffix = self._chain(chain_key(parent, b"request-%d" % index), num_suffix, b"s")
-        return Request(index, prefix, keys + suffix, len(keys))
+        request = Request(index, prefix, keys + suffix, len(keys))
+        self._recent.append(request)
+        return request
 
     def requests(self, count: int | None) -> Iterator[Request]:
         """``count`` requests (``None``: without end)."""
