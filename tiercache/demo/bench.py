@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from tiercache.errors import JobError, WorkerError
 from tiercache.stats import Direction
 from tiercache.demo.content import key_seeds
 from tiercache.demo.engine import DemoEngine
-from tiercache.demo.wire import Report
+from tiercache.demo.wire import Command, Op, Report
 from tiercache.demo.workload import chain_key
 
 BENCH_TIMEOUT_S = 600.0
@@ -37,10 +39,20 @@ def _rates(reports: list[Report]) -> dict[str, Any]:
             "gbps": total / window_s / GB, "per_rank": per_rank}
 
 
-def _phase(engine: DemoEngine, ranks: list[int], direction: Direction, cpu_ids, seeds,
-           repetitions: int) -> list[Report]:
-    engine.send_bench(ranks, direction, cpu_ids, seeds, repetitions)
-    reports = engine.collect_bench(len(ranks), BENCH_TIMEOUT_S)
+def _phase(engine: DemoEngine, ranks: list[int], direction: Direction, cpu_ids: np.ndarray,
+           seeds: np.ndarray, repetitions: int) -> list[Report]:
+    """``repetitions`` transfers of every block on each of ``ranks`` at once."""
+    factor = engine.factor
+    gpu_ids = (np.arange(len(cpu_ids), dtype=np.int64)[:, None] * factor
+               + np.arange(factor, dtype=np.int64)).reshape(-1)
+    command = Command(Op.BENCH, engine.allocate_job_ids(repetitions),
+                      np.asarray(cpu_ids, np.int64), gpu_ids, seeds, direction, repetitions)
+    gone = engine.pool.send(ranks, command)
+    if gone:
+        raise WorkerError(f"bench: the worker(s) of rank(s) {gone} are gone")
+    engine.wait_for(lambda: len(engine.bench_reports) >= len(ranks), BENCH_TIMEOUT_S,
+                    f"bench reports of {len(ranks)} rank(s)")
+    reports = engine.take_bench_reports()
     t = engine.totals
     for r in reports:
         if not r.success:

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_connections
 from typing import TypeVar
 
 import numpy as np
@@ -32,7 +31,7 @@ from tiercache.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
 from tiercache.layout import RegionLayout
 from tiercache.region import SharedOffloadRegion
 from tiercache.stats import Direction
-from tiercache.demo.channel import RankChannel
+from tiercache.demo.pool import RankPool
 from tiercache.demo.content import key_seeds
 from tiercache.demo.rank import RankOptions
 from tiercache.demo.report import Totals
@@ -66,13 +65,13 @@ class DemoEngine:
         self.options = options
         self.world_size = config.world_size
         self.factor = config.kv.block_size_factor
-        self.region = SharedOffloadRegion.attach(config.name, layout=RegionLayout.from_config(config),
-                                                 timeout_s=options.ready_timeout_s)
+        self.region = SharedOffloadRegion.attach(
+            config.name, layout=RegionLayout.from_config(config), timeout_s=options.ready_timeout_s)
         self.client = Client(config, timeout_s=client_timeout_s)
         self.monitor = RankMonitor(self.region, self.world_size)
         self.tracker = JobTracker(self.world_size)
         self.totals = Totals(self.world_size)
-        self.channels: list[RankChannel | None] = [None] * self.world_size
+        self.pool = RankPool(config, options)
         self.outcomes: dict[int, JobOutcome] = {}  # finished jobs, for callers that look
         self.bench_reports: list[Report] = []
         self._baseline = [self.region.stats(r).snapshot() for r in range(self.world_size)]
@@ -85,20 +84,12 @@ class DemoEngine:
     # ---------------------------------------------------------------- workers
     def start(self, timeout_s: float = ATTACH_TIMEOUT_S) -> None:
         """Spawn every rank's worker and wait until all are attached and seen alive."""
-        for rank in range(self.world_size):
-            self.channels[rank] = RankChannel(self.config, rank, self.options)
-        for channel in self.channels:
-            assert channel is not None
-            channel.wait_attached(timeout_s)
+        self.pool.spawn_all(timeout_s)
         self._await_ranks_up(timeout_s)
 
     def restart_rank(self, rank: int, timeout_s: float = ATTACH_TIMEOUT_S) -> None:
         """Replace ``rank``'s worker (reaping the old one) and wait until the new one is up."""
-        old = self.channels[rank]
-        if old is not None:
-            old.kill()
-        self.channels[rank] = channel = RankChannel(self.config, rank, self.options)
-        channel.wait_attached(timeout_s)
+        self.pool.spawn(rank, timeout_s)
         self.totals.rank_restarts += 1
         self._await_ranks_up(timeout_s)
 
@@ -114,22 +105,14 @@ class DemoEngine:
             self.pump(POLL_S)
 
     def worker_pids(self) -> list[int]:
-        return [c.pid if c is not None else 0 for c in self.channels]
+        return self.pool.pids()
 
     def stall(self, ranks: Sequence[int]) -> None:
         """Fault injection: block these ranks' compute streams (their transfers wait)."""
-        for rank in ranks:
-            self._channel(rank).send(Command(Op.STALL))
+        self.pool.send(ranks, Command(Op.STALL))
 
     def release(self, ranks: Sequence[int]) -> None:
-        for rank in ranks:
-            self._channel(rank).send(Command(Op.RELEASE))
-
-    def _channel(self, rank: int) -> RankChannel:
-        channel = self.channels[rank]
-        if channel is None:
-            raise WorkerError(f"rank {rank} has no worker")
-        return channel
+        self.pool.send(ranks, Command(Op.RELEASE))
 
     # ---------------------------------------------------------------- requests
     def run(self, request: Request, timeout_s: float = 60.0) -> Submission:
@@ -144,7 +127,7 @@ class DemoEngine:
         down = self.tracker.down_ranks()
         if down:
             raise JobError(f"rank(s) {down} are down; requests wait until they re-attach")
-        if any(c is not None and c.outstanding for c in self.channels):
+        if self.pool.outstanding():
             raise JobError("the previous request's transfers are still in flight; wait_idle() "
                            "first (their GPU blocks are reused)")
         keys = request.keys
@@ -173,17 +156,14 @@ class DemoEngine:
 
     def _start_job(self, kind: JobKind, keys: Sequence[bytes], cpu_ids: np.ndarray,
                    positions: Sequence[int]) -> int:
-        job_id = self._next_job_id
-        self._next_job_id += 1
+        job_id = self.allocate_job_ids(1)
         first = np.asarray(positions, dtype=np.int64) * self.factor
         gpu_ids = (first[:, None] + np.arange(self.factor, dtype=np.int64)).reshape(-1)
         self.tracker.begin(job_id, kind, keys)
         self._job_epoch[job_id] = self._epoch
         command = Command(Op.STORE if kind is JobKind.STORE else Op.LOAD, job_id,
                           np.asarray(cpu_ids, np.int64), gpu_ids, key_seeds(keys))
-        for channel in self.channels:
-            assert channel is not None
-            channel.send(command)  # a dead worker's part is lost via the monitor
+        self.pool.broadcast(command)  # a dead worker's part is lost via the monitor
         return job_id
 
     def _index(self, call: Callable[..., _T], *args) -> _T:
@@ -216,13 +196,8 @@ class DemoEngine:
     # ---------------------------------------------------------------- the loop
     def pump(self, timeout_s: float) -> None:
         """Read reports for up to ``timeout_s``, refresh liveness, complete finished jobs."""
-        conns = [c.connection for c in self.channels if c is not None and c.open]
-        if conns:
-            wait_connections(conns, timeout_s)
-        for channel in self.channels:
-            if channel is not None:
-                for report in channel.receive():
-                    self._account(report)
+        for report in self.pool.reports(timeout_s):
+            self._account(report)
         if time.monotonic() >= self._next_sync:
             self.sync()
         self._complete(self.tracker.take_finished())
@@ -250,9 +225,7 @@ class DemoEngine:
         for rank in changed:
             if self.tracker.incarnations[rank] is None:
                 log.warning("rank %d is down; its in-flight jobs fail", rank)
-                channel = self.channels[rank]
-                if channel is not None:
-                    channel.outstanding.clear()  # nobody will report them
+                self.pool.forget_outstanding(rank)
 
     def _complete(self, outcomes: list[JobOutcome]) -> None:
         for i, outcome in enumerate(outcomes):
@@ -274,8 +247,7 @@ class DemoEngine:
                 self.totals.stored_blocks += len(outcome.keys)
 
     def is_idle(self) -> bool:
-        return not self.tracker.num_pending and not any(
-            c is not None and c.open and c.outstanding for c in self.channels)
+        return not self.tracker.num_pending and not self.pool.outstanding()
 
     def wait_idle(self, timeout_s: float) -> None:
         """Until every job is completed and every live worker has reported all it was sent."""
@@ -285,7 +257,7 @@ class DemoEngine:
             if left <= 0:
                 raise TimeoutError(f"jobs still pending after {timeout_s} s: tracker "
                                    f"{self.tracker.num_pending}, per rank "
-                                   f"{[sorted(c.outstanding) if c else None for c in self.channels]}")
+                                   f"{self.pool.outstanding()}")
             self.pump(min(POLL_S, left))
 
     def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -296,21 +268,13 @@ class DemoEngine:
                 raise TimeoutError(f"{what}: not within {timeout_s} s")
             self.pump(POLL_S)
 
-    # ---------------------------------------------------------------- bench plumbing
-    def send_bench(self, ranks: Sequence[int], direction: Direction, cpu_ids: np.ndarray,
-                   seeds: np.ndarray, repetitions: int) -> None:
-        gpu_ids = (np.arange(len(cpu_ids), dtype=np.int64)[:, None] * self.factor
-                   + np.arange(self.factor, dtype=np.int64)).reshape(-1)
-        job_id = self._next_job_id
-        self._next_job_id += repetitions
-        command = Command(Op.BENCH, job_id, np.asarray(cpu_ids, np.int64), gpu_ids, seeds,
-                          direction, repetitions)
-        for rank in ranks:
-            if not self._channel(rank).send(command):
-                raise WorkerError(f"rank {rank} is gone; the bench needs every rank")
+    def allocate_job_ids(self, count: int) -> int:
+        """Reserve ``count`` consecutive job ids; returns the first."""
+        first = self._next_job_id
+        self._next_job_id += count
+        return first
 
-    def collect_bench(self, count: int, timeout_s: float) -> list[Report]:
-        self.wait_for(lambda: len(self.bench_reports) >= count, timeout_s, "bench reports")
+    def take_bench_reports(self) -> list[Report]:
         taken, self.bench_reports = self.bench_reports, []
         return taken
 
@@ -330,18 +294,9 @@ class DemoEngine:
 
     def close(self) -> None:
         """Drain and close every worker, then the client and the region view."""
-        errors: list[BaseException] = []
-        for rank, channel in enumerate(self.channels):
-            if channel is None:
-                continue
-            try:
-                for report in channel.close():
-                    if report.op is Op.DONE:
-                        self._account(report)
-            except WorkerError as e:
-                errors.append(e)
-            self.channels[rank] = None
-        self.client.close()
-        self.region.close()
-        if errors:
-            raise errors[0]
+        try:
+            for report in self.pool.close():
+                self._account(report)
+        finally:
+            self.client.close()
+            self.region.close()

@@ -58,7 +58,8 @@ class RankSession:
 
     def __init__(self, config: Config, rank: int, options: RankOptions):
         self.rank = rank
-        self.device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
+        on_gpu = options.device == "cuda"
+        self.device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
