@@ -150,8 +150,8 @@ class JobTracker:
         if down:
             raise JobError(f"job {job_id}: rank(s) {down} are down; a job needs all "
                            f"{self.world_size} ranks up")
-        self._jobs[job_id] = _Job(job_id, kind, tuple(keys),
-                                  tuple(inc for inc in self._incarnations if inc is not None),
+        incarnations = tuple(inc for inc in self._incarnations if inc is not None)  # all up
+        self._jobs[job_id] = _Job(job_id, kind, tuple(keys), incarnations,
                                   pending=set(range(self.world_size)), failed=set(), lost=set())
 
     def ack(self, rank: int, incarnation: int, job_id: int, success: bool) -> bool:

@@ -100,10 +100,18 @@ class CoordinatorLink:
             _say(f"joined the live coordinator of {config.name!r} (pid {self.pid})")
         else:
             self.spawned = True
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self._tmp.cleanup()
+                raise
 
     def start(self) -> None:
-        self.process = CoordinatorProcess(self.config, self._tmp.name)
+        try:
+            self.process = CoordinatorProcess(self.config, self._tmp.name)
+        except RuntimeError as e:  # serve exited: its log names the reason
+            raise CoordinatorGoneError(f"the coordinator the demo started did not come up: "
+                                       f"{e}") from e
         self.pid = self.process.pid
         metrics = [line for line in self.process.output().splitlines() if "metrics:" in line]
         _say(f"started a coordinator (pid {self.pid}){': ' + metrics[0] if metrics else ''}")
@@ -132,8 +140,8 @@ class CoordinatorLink:
             if self.process is not None:
                 code = self.process.stop()
                 if code != 0:
-                    raise WorkerError(f"the demo's coordinator exited with {code}:\n"
-                                      f"{self.process.output()}")
+                    raise CoordinatorGoneError(f"the demo's coordinator exited with {code}:\n"
+                                               f"{self.process.output()}")
         finally:
             self._tmp.cleanup()
 
@@ -206,13 +214,15 @@ def _run(config: Config, options: RankOptions, spec: WorkloadSpec, args, link: C
             if not args.quiet:
                 progress.tick()
         engine.wait_idle(REQUEST_TIMEOUT_S)
+        if not args.quiet:
+            progress.done()
         bench = None
         if args.bench and not stop.is_set():
             from tiercache.demo.bench import run_bench
 
+            _say(f"bench: {args.bench_blocks} blocks per transfer, {args.bench_reps} "
+                 "repetitions, rank 0 alone then every rank at once")
             bench = run_bench(engine, args.bench_blocks, args.bench_reps)
-        if not args.quiet:
-            progress.done()
         extra = {
             "device": options.device, "interrupted": stop.is_set(),
             "coordinator": "spawned" if link.spawned else "joined",
