@@ -98,7 +98,7 @@ def test_sigkilled_coordinator_transfers_finish_clients_see_it_gone_and_reconnec
 
             with CoordinatorProcess(config, tmp_path / "second") as second:
                 out = second.output()
-                assert "re-adopted stale region" in out and "generation 2" in out
+                assert "re-adopted stale region" in out and "generation 2" in out, out
                 url = metrics_url(second)
                 for r in workload.requests(25):  # the client reconnects by itself
                     engine.run(r)
