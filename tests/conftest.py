@@ -26,9 +26,16 @@ def _test_entries() -> set[str]:
 
 
 def pytest_sessionstart(session):
-    from tiercache.region import remove_stale
+    """Remove stale regions that earlier, killed pytest sessions left (never those of a
+    session still running: its pid is in the name)."""
+    from tiercache.region import list_regions, remove_stale
 
-    remove_stale(name_prefix="test-")  # left by an earlier, killed run (no coordinator holds them)
+    for listing in list_regions():
+        parts = listing.name.split("-")
+        if listing.live or parts[0] != "test" or not parts[1].isdigit():
+            continue
+        if not psutil.pid_exists(int(parts[1])):
+            remove_stale(name_prefix=listing.name)
 
 
 def _is_mp_helper(proc: psutil.Process) -> bool:

@@ -18,6 +18,7 @@ from tiercache.errors import RegionNotFoundError, RegionNotReadyError
 from tiercache.region import SharedOffloadRegion
 
 DEFAULT_START_TIMEOUT_S = 60.0
+READY_MARKER = "tiercache: ready in "  # the line `serve` prints once it serves
 
 
 class CoordinatorProcess:
@@ -36,6 +37,7 @@ class CoordinatorProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiercache", "serve", "--config", str(self.config_path)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C meant for the caller must not stop it first
         )
         try:
             self.wait_ready(timeout_s)
@@ -59,7 +61,7 @@ class CoordinatorProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tiercache serve exited with {self.proc.returncode}:\n"
                                    f"{self.output()}")
-            if "ready in" in self.output():
+            if READY_MARKER in self.output():
                 return
             time.sleep(0.02)
         raise TimeoutError(f"tiercache serve not ready after {timeout_s} s:\n{self.output()}")
@@ -86,7 +88,7 @@ class CoordinatorProcess:
         self.stop()
         from tiercache.region import remove_stale
 
-        remove_stale()
+        remove_stale(name_prefix=self.config.name)
         try:
             os.unlink(self.config.socket_path)
         except FileNotFoundError:
