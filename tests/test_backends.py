@@ -54,7 +54,7 @@ def _run_store(layout, gpu_mem: np.ndarray, host_mem: np.ndarray, num_slots: int
         slot = ring[k % num_slots]
         slot[:] = POISON
         p, d = layout.pieces, layout.dmas
-        for a, o, n in zip(p.address[p.chunk(k)], p.slot_offset[p.chunk(k)], p.num_bytes[p.chunk(k)]):
+        for a, o, n in zip(p.gpu[p.chunk(k)], p.slot_offset(k), p.num_bytes[p.chunk(k)]):
             slot[int(o):int(o + n)] = gpu_mem[int(a):int(a + n)]
         for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
             host_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
@@ -71,7 +71,7 @@ def _run_load(layout, host_mem: np.ndarray, gpu_mem: np.ndarray, num_slots: int)
         p, d = layout.pieces, layout.dmas
         for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
             slot[int(o):int(o + n)] = host_mem[int(a):int(a + n)]
-        for a, o, n in zip(p.address[p.chunk(k)], p.slot_offset[p.chunk(k)], p.num_bytes[p.chunk(k)]):
+        for a, o, n in zip(p.gpu[p.chunk(k)], p.slot_offset(k), p.num_bytes[p.chunk(k)]):
             gpu_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
 
 
@@ -89,6 +89,7 @@ def _reference(src_mem, dst_mem, src, dst, sizes):
     ([8192], 0, 256 * 5, None, False),                # consecutive rows merge into long runs
     ([512, 1536], 4096, 1 << 20, None, True),         # whole transfer in one chunk
     ([65536, 4096, 4096], 0, 16384, 65536, True),     # large pages bypass the ring
+    ([1000, 3000, 17], 300, 256, None, True),         # chunks smaller than pages: no empty chunk
 ])
 def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, direct_bytes, shuffle):
     rng = np.random.default_rng(sum(page_bytes) + row_pad + chunk_bytes)
@@ -100,6 +101,10 @@ def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, direc
     assert staged + int(layout.direct.num_bytes.sum()) == int(sizes.sum())
     assert int(layout.dmas.num_bytes.sum()) == staged
     assert layout.max_slot_bytes <= chunk_bytes + int(sizes.max())
+    p, d = layout.pieces, layout.dmas
+    assert np.all(np.diff(p.first) > 0) and np.all(np.diff(d.first) > 0)  # no empty chunk
+    assert all(int(p.slot_offset(k)[0]) < RUN_ALIGN and int(p.slot_offset(k).max()) < chunk_bytes
+               for k in range(layout.num_chunks))
     if direct_bytes is not None:
         assert int(layout.direct.num_bytes.min()) >= direct_bytes
         assert int(layout.pieces.num_bytes.max()) < direct_bytes
@@ -137,7 +142,9 @@ def test_staged_layout_keeps_alignment_of_pieces():
     host, gpu, sizes, _, _ = _random_plan(rng, 16, [4096, 2048, 6144], 512, True)
     gpu = gpu + np.uint64(1 << 20)
     layout = plan_staging(host, gpu, sizes, chunk_bytes=10240)
-    for arr in (layout.pieces.address, layout.pieces.slot_offset, layout.pieces.num_bytes,
+    p = layout.pieces
+    offsets = np.concatenate([p.slot_offset(k) for k in range(layout.num_chunks)])
+    for arr in (p.gpu, offsets, p.num_bytes,
                 layout.dmas.address, layout.dmas.slot_offset, layout.dmas.num_bytes):
         assert int(np.bitwise_or.reduce(arr)) % 16 == 0
 
@@ -172,7 +179,7 @@ def test_staged_layout_with_reused_scratch_equals_fresh():
         host, gpu, sizes, _, _ = _random_plan(rng, num_blocks, [4096, 8192, 4096], 0, shuffle)
         fresh = plan_staging(host, gpu, sizes, 16384)
         reused = plan_staging(host, gpu, sizes, 16384, scratch=scratch)
-        for a, b in ((fresh.pieces, reused.pieces), (fresh.dmas, reused.dmas)):
-            for field in ("address", "slot_offset", "num_bytes", "first"):
-                assert np.array_equal(getattr(a, field), getattr(b, field)), field
-        assert np.array_equal(fresh.piece_chunk, reused.piece_chunk)
+        for field in ("gpu", "packed", "num_bytes", "first", "chunk_start"):
+            assert np.array_equal(getattr(fresh.pieces, field), getattr(reused.pieces, field))
+        for field in ("address", "slot_offset", "num_bytes", "first"):
+            assert np.array_equal(getattr(fresh.dmas, field), getattr(reused.dmas, field))

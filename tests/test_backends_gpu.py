@@ -95,10 +95,13 @@ def _apply(src: np.ndarray, dst: np.ndarray, src_off, dst_off, sizes) -> np.ndar
 
 
 def _roundtrip(name: str, pages: list[int], num_blocks: int, row_pad: int, merge: bool,
-               buffers, seed: int) -> None:
+               buffers, seed: int, host_order: bool = False) -> None:
     gpu, host = buffers
     rng = np.random.default_rng(seed)
     g_off, h_off, sizes = _plan_offsets(rng, pages, num_blocks, row_pad, merge)
+    if host_order:  # the planner's order: staged takes it without sorting
+        order = np.argsort(h_off)
+        g_off, h_off, sizes = g_off[order], h_off[order], sizes[order]
     stream = torch.cuda.Stream()
     gbase, hbase = np.uint64(gpu.data_ptr()), np.uint64(host.data_ptr())
 
@@ -146,6 +149,16 @@ def _roundtrip(name: str, pages: list[int], num_blocks: int, row_pad: int, merge
 def test_backend_is_byte_exact(name, pages, num_blocks, row_pad, merge, buffers):
     _roundtrip(name, pages, num_blocks, row_pad, merge, buffers,
                seed=hash((name, tuple(pages), num_blocks)) % (1 << 31))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("pages,num_blocks,row_pad", [
+    ([32768] * 8, 24, 0),                  # whole rows: one DMA per row
+    ([1000, 3000, 24], 16, 200),           # odd sizes, padded rows: runs need alignment padding
+])
+def test_backend_is_byte_exact_in_host_order(name, pages, num_blocks, row_pad, buffers):
+    _roundtrip(name, pages, num_blocks, row_pad, False, buffers,
+               seed=hash((name, tuple(pages), "host")) % (1 << 31), host_order=True)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -230,39 +243,41 @@ def test_auto_chooses_a_copy_engine_path_and_says_why(buffers):
         backend.close()
 
 
-def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cpu_blocks: int):
-    """Both handlers over tensors of pages in ``gpu`` and region-like rows in ``host``
-    (block_size_factor 2)."""
+def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cpu_blocks: int,
+              factor: int):
+    """Both handlers over tensors of pages in ``gpu`` and region-like rows in ``host``."""
     from tiercache.handlers import CpuGpuOffloadingHandlers
     from tiercache.layout import RegionLayout
     from tiercache.pages import PageArray
     from tiercache.planner import TransferPlanner
     from tiercache.streams import CudaStreams
 
-    layout = RegionLayout(1, cpu_blocks, (page,) * tensors, block_size_factor=2)
+    layout = RegionLayout(1, cpu_blocks, (page,) * tensors, block_size_factor=factor)
     gpu_pages = [PageArray(gpu.data_ptr() + t * gpu_blocks * page, gpu_blocks, page, page)
                  for t in range(tensors)]
     cpu_pages = [PageArray(host.data_ptr() + layout.page_offsets[t], cpu_blocks,
-                           layout.row_stride, page, pages_per_block=2) for t in range(tensors)]
-    planner = TransferPlanner(gpu_pages, cpu_pages, block_size_factor=2)
+                           layout.row_stride, page, pages_per_block=factor)
+                 for t in range(tensors)]
+    planner = TransferPlanner(gpu_pages, cpu_pages, block_size_factor=factor)
     backends = {d: _build(name, d) for d in Direction}
     handlers = CpuGpuOffloadingHandlers.build(planner, backends, CudaStreams("cuda:0"))
     return handlers, layout
 
 
-def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int):
+def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
     """(gpu offset, host offset) of every page the transfer moves."""
     pairs = []
     for t in range(tensors):
         for i, g in enumerate(gpu_ids):
-            cpu_block, sub = cpu_ids[i // 2], i % 2
+            cpu_block, sub = cpu_ids[i // factor], i % factor
             pairs.append((t * 64 * page + g * page,
                           cpu_block * layout.row_stride + layout.page_offsets[t] + sub * page))
     return pairs
 
 
 @pytest.mark.parametrize("name", ["ce", "kernel", "staged", "staged-small"])
-def test_handlers_order_transfers_after_queued_compute(name, buffers):
+@pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
+def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
     blocks sees the loaded data; a store submitted after queued writes stores them."""
     from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -270,10 +285,11 @@ def test_handlers_order_transfers_after_queued_compute(name, buffers):
     gpu, host = buffers
     tensors, page = 4, 32768
     rng = np.random.default_rng(21)
-    handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32)
+    handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
+                                 factor=factor)
     gpu_ids = rng.permutation(64)[:16].tolist()
-    cpu_ids = rng.permutation(32)[:8].tolist()
-    pairs = _page_pairs(layout, gpu_ids, cpu_ids, tensors, page)
+    cpu_ids = rng.permutation(32)[:16 // factor].tolist()
+    pairs = _page_pairs(layout, gpu_ids, cpu_ids, tensors, page, factor)
     compute = torch.cuda.Stream()
 
     host_data = rng.integers(0, 256, HOST_BYTES, dtype=np.uint8)

@@ -8,13 +8,21 @@ backend code it records in the rank's stats block):
 2. Every GPU page ≥ ``LARGE_PAGE_BYTES``: ``ce`` — the copy engines reach the PCIe
    ceiling on such units by themselves, and need no staging memory.
 3. Otherwise time the candidates that leave the SMs to the model — ``ce`` and
-   ``staged`` — on scratch memory shaped like this rank's pages and host rows
-   (``CALIBRATION_BYTES``, a few ms), and take the fastest.
+   ``staged`` — on scratch memory shaped like this rank's pages and host rows (in the
+   planner's host order). Both figures are *marginal*: what a ``CALIBRATION_BYTES``
+   transfer adds over one a quarter that size (a single small transfer overweights
+   fixed per-transfer costs). A candidate whose submission holds the calling thread
+   for more than ``HOST_SHARE_LIMIT`` of the transfer's time is passed over: that
+   thread drives the model and the other direction (``ce`` on 32 KiB pages moves at
+   the PCIe ceiling but walks ~0.5 µs of driver time per page, ~9 ms of a 10 ms
+   transfer; both directions at once then reach only 0.64 of the ceiling). Among the
+   rest, the higher rate wins.
 
 When ``staged`` wins, plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors still go
 to ``ce``: staging costs ~0.1–0.2 ms of fixed host work per transfer (layout, table,
-launch), more than the driver's ~0.7 µs per descriptor on a small plan, and one block
-(64 pages) then completes in ~75 µs instead of ~200 (H100, 32 KiB pages).
+launch) and two cross-stream hops, more than the driver's ~0.5 µs per descriptor on a
+small plan; one block (64 pages) then completes in ~60–70 µs instead of ~200–300
+(H100, 32 KiB pages).
 
 ``kernel`` is never chosen here: it holds SMs for the whole transfer (a concurrent
 matmul was measured to lose half its speed); configure it by name where latency
@@ -45,6 +53,7 @@ LARGE_PAGE_BYTES = 1 << 20
 CALIBRATION_BYTES = 32 << 20  # per candidate and repetition: ~0.6 ms of PCIe
 CALIBRATION_REPS = 3
 SMALL_PLAN_DESCRIPTORS = 256
+HOST_SHARE_LIMIT = 0.25  # of a transfer's GPU time the submitting thread may be held
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,8 @@ def _candidates(device: int, driver: CudaDriver) -> list[Candidate]:
 
 class _Scratch:
     """GPU pages and pinned host rows shaped like the rank's (same page sizes, same page
-    offsets inside a host row), enough blocks for ``CALIBRATION_BYTES``."""
+    offsets inside a host row), enough blocks for ``CALIBRATION_BYTES``. Descriptors are
+    block by block in ascending host rows, tensors by row offset: the planner's order."""
 
     def __init__(self, context, device: torch.device):
         gpu_page = [p.page_bytes for p in context.gpu_pages]
@@ -114,34 +124,72 @@ class _Scratch:
         rng = np.random.default_rng(0)
         gpu_blocks = rng.permutation(2 * self.num_blocks)[: self.num_blocks].astype(np.uint64)
         rows = rng.permutation(2 * self.num_blocks)[: self.num_blocks].astype(np.uint64)
-        gpu_off = np.cumsum([0] + gpu_page[:-1]).astype(np.uint64)
-        gpu_addr = np.uint64(self.gpu.data_ptr()) + gpu_blocks[None, :] * np.uint64(block_bytes) \
-            + gpu_off[:, None]
-        host_addr = np.uint64(self.host.data_ptr()) + rows[None, :] * np.uint64(row_stride) \
-            + np.asarray(offsets, dtype=np.uint64)[:, None]
+        rows.sort()
+        by_offset = np.argsort(offsets, kind="stable")
+        gpu_off = np.cumsum([0] + gpu_page[:-1]).astype(np.uint64)[by_offset]
+        gpu_addr = np.uint64(self.gpu.data_ptr()) + gpu_blocks[:, None] * np.uint64(block_bytes) \
+            + gpu_off[None, :]
+        host_addr = np.uint64(self.host.data_ptr()) + rows[:, None] * np.uint64(row_stride) \
+            + np.asarray(offsets, dtype=np.uint64)[by_offset][None, :]
         self.gpu_addr = gpu_addr.ravel()
         self.host_addr = host_addr.ravel()
-        self.sizes = np.repeat(np.minimum(gpu_page, host_page), self.num_blocks).astype(np.uint64)
+        sizes = np.minimum(gpu_page, host_page)[by_offset].astype(np.uint64)
+        self.sizes = np.tile(sizes, self.num_blocks)
+        self.num_tensors = len(gpu_page)
 
-    def plan(self, direction: Direction) -> CopyPlan:
+    def plan(self, direction: Direction, num_blocks: int) -> CopyPlan:
+        """The first ``num_blocks`` blocks (at most ``self.num_blocks``)."""
+        n = num_blocks * self.num_tensors
+        gpu, host, sizes = self.gpu_addr[:n], self.host_addr[:n], self.sizes[:n]
         if direction == Direction.GPU_TO_CPU:
-            return CopyPlan(self.gpu_addr, self.host_addr, self.sizes, direction)
-        return CopyPlan(self.host_addr, self.gpu_addr, self.sizes, direction)
+            return CopyPlan(gpu, host, sizes, direction)
+        return CopyPlan(host, gpu, sizes, direction)
 
 
-def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Stream) -> float:
-    """Median seconds of one transfer, GPU-timed, after one warm-up."""
+def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Stream
+                  ) -> tuple[float, float]:
+    """Median seconds of one transfer, GPU-timed, and of its ``copy_async`` call on the
+    host, after one warm-up."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    seconds = []
+    seconds, host_seconds = [], []
     for rep in range(CALIBRATION_REPS + 1):
         start.record(stream)
+        t0 = time.perf_counter()
         token = backend.copy_async(plan, stream)
+        host_s = time.perf_counter() - t0
         end.record(stream)
         end.synchronize()
         del token
         if rep:
             seconds.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(seconds))
+            host_seconds.append(host_s)
+    return float(np.median(seconds)), float(np.median(host_seconds))
+
+
+@dataclass(frozen=True)
+class _Measured:
+    name: str
+    rate_bps: float  # marginal bytes per GPU second
+    host_share: float  # marginal host seconds per GPU second
+    backend: CopyBackend
+
+    @property
+    def preference(self) -> tuple[bool, float]:
+        """Sort key: light on the host first, then fastest."""
+        return self.host_share > HOST_SHARE_LIMIT, -self.rate_bps
+
+
+def _measure(name: str, backend: CopyBackend, small: CopyPlan, large: CopyPlan,
+             stream: torch.cuda.Stream) -> _Measured:
+    """What ``large`` adds over ``small`` (fixed per-transfer costs cancel); the plain
+    figures of ``large`` when timing noise hides the difference."""
+    t_small, h_small = _time_backend(backend, small, stream)
+    t_large, h_large = _time_backend(backend, large, stream)
+    if t_large <= t_small:
+        return _Measured(name, large.num_bytes / t_large, h_large / t_large, backend)
+    extra_s = t_large - t_small
+    return _Measured(name, (large.num_bytes - small.num_bytes) / extra_s,
+                     max(h_large - h_small, 0.0) / extra_s, backend)
 
 
 def choose(context) -> tuple[AutoChoice, CopyBackend]:
@@ -165,27 +213,28 @@ def choose(context) -> tuple[AutoChoice, CopyBackend]:
     started = time.perf_counter()
     try:
         scratch = _Scratch(context, torch_device)
-        plan = scratch.plan(direction)
+        large = scratch.plan(direction, scratch.num_blocks)
+        small = scratch.plan(direction, max(1, scratch.num_blocks // 4))
         stream = torch.cuda.Stream(device=torch_device)
-        rates: list[tuple[str, float, CopyBackend]] = []
-        for name, build in _candidates(device, driver):
-            backend = build()
-            seconds = _time_backend(backend, plan, stream)
-            rates.append((name, plan.num_bytes / seconds / 1e9, backend))
+        measured = [_measure(name, build(), small, large, stream)
+                    for name, build in _candidates(device, driver)]
     except (RuntimeError, BackendError) as e:
         raise BackendError(f"auto: calibration for {direction.label} failed: {e}") from e
-    rates.sort(key=lambda r: -r[1])
-    best_name, best_rate, best = rates[0]
-    for _, _, other in rates[1:]:
-        other.close()
+    measured.sort(key=lambda m: m.preference)
+    best = measured[0]
+    for other in measured[1:]:
+        other.backend.close()
     elapsed_ms = (time.perf_counter() - started) * 1e3
-    summary = ", ".join(f"{n} {r:.1f}" for n, r, _ in rates)
-    reason = (f"fastest SM-free path at {smallest} B pages: {summary} GB/s "
-              f"({scratch.sizes.size} pages, {elapsed_ms:.0f} ms calibration)")
-    if best_name == "staged":
+    summary = ", ".join(f"{m.name} {m.rate_bps / 1e9:.1f} GB/s (host {m.host_share:.0%})"
+                        for m in measured)
+    reason = (f"fastest SM-free path holding the host <= {HOST_SHARE_LIMIT:.0%} of a transfer "
+              f"at {smallest} B pages: {summary}, marginal ({large.num_descriptors} pages, "
+              f"{elapsed_ms:.0f} ms calibration)")
+    if best.name == "staged":
         reason += f"; plans of <= {SMALL_PLAN_DESCRIPTORS} descriptors on ce"
-    return (AutoChoice(direction, best_name, reason,
-                       tuple((n, round(r, 2)) for n, r, _ in rates)), best)
+    return (AutoChoice(direction, best.name, reason,
+                       tuple((m.name, round(m.rate_bps / 1e9, 2)) for m in measured)),
+            best.backend)
 
 
 def create(context) -> AutoBackend:

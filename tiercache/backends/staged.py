@@ -21,9 +21,16 @@ backend's own stream::
 
 The DMA stream first waits for everything already on ``stream``, and ``stream`` finally
 waits for the last DMA, so the transfer is ordered on ``stream`` like any other
-backend's. Slot events outlive transfers: a slot is reused only after its last user,
+backend's. (One DMA stream per slot was tried: no clear gain per direction, and more
+streams made the both-ways collapse described in docs/benchmarks.md more frequent.) Slot events outlive transfers: a slot is reused only after its last user,
 whatever transfer that was. Descriptors of ``direct_bytes`` or more skip the ring (one
 DMA each). Host bytes outside the plan's descriptors are never written (``staging``).
+
+Host cost (it delays the first DMA, and every chunk costs a kernel launch, ~12 µs, and a
+batch call, ~10 µs for 8 DMAs, on the H100 machine): the layout is ~10 numpy passes when
+the plan is in host order (the planner's), the descriptor table is uploaded once, and
+two slots of 32 MiB keep the copy engines busy (packing a chunk takes tens of µs, moving
+it over PCIe ~0.6 ms).
 """
 
 from __future__ import annotations
@@ -35,15 +42,15 @@ import numpy as np
 import torch
 
 from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.backends.ce import CeBackend, plan_arrays
+from tiercache.backends.ce import CeBackend, DescriptorArrays, plan_arrays
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
-from tiercache.backends.staging import Scratch, StagingLayout, plan_staging
-from tiercache.backends.triton_copy import CopyKernel, DescriptorTable, upload_table
+from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
+from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.errors import BackendError
 from tiercache.stats import BackendCode, Direction
 
-DEFAULT_CHUNK_BYTES = 16 << 20  # ~0.3 ms of PCIe per chunk
-DEFAULT_NUM_SLOTS = 3
+DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk
+DEFAULT_NUM_SLOTS = 2
 DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling unaided
 PACK_PROGRAMS_PER_SM = 2
 
@@ -73,7 +80,8 @@ class StagedBackend(CopyBackend):
         self.chunk_bytes = int(chunk_bytes)
         self.direct_bytes = int(direct_bytes)
         self.num_slots = int(num_slots)
-        self.slot_bytes = self.chunk_bytes + self.direct_bytes
+        # slots start RUN_ALIGN-aligned, so packed offsets keep the plan's alignment in any slot
+        self.slot_bytes = -(-(self.chunk_bytes + self.direct_bytes) // RUN_ALIGN) * RUN_ALIGN
         self.load_order = load_order  # host sources of loads: nothing writes them meanwhile
         self._ce = CeBackend(int(device), driver)
         self.driver = self._ce.driver
@@ -123,43 +131,41 @@ class StagedBackend(CopyBackend):
         if layout.max_slot_bytes > self.slot_bytes:  # plan_staging guarantees otherwise
             raise BackendError(f"staging chunk needs {layout.max_slot_bytes} bytes, slots "
                                f"hold {self.slot_bytes}")
-        slots = (self._cursor + np.arange(layout.num_chunks)) % self.num_slots
-        slot_base = np.uint64(self._ring_base) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
         p, d = layout.pieces, layout.dmas
-        piece_stage = np.take(slot_base, layout.piece_chunk.view(np.int64))
-        piece_stage += p.slot_offset
-        dma_stage = np.repeat(slot_base, np.diff(d.first)) + d.slot_offset
-        drv, dma = self.driver, self._dma
+        num_chunks = layout.num_chunks
+        slots = [(self._cursor + k) % self.num_slots for k in range(num_chunks)]
+        slot_base = np.array([self._ring_base + s * self.slot_bytes for s in slots], np.uint64)
+        stage = np.repeat(slot_base, np.diff(d.first)) + d.slot_offset  # DMAs' slot ends
+        dmas = DescriptorArrays.of(stage, d.address, d.num_bytes) if store else \
+            DescriptorArrays.of(d.address, stage, d.num_bytes)
+        # piece i of chunk k sits at packed[i] - chunk_start[k] in its slot: one shift per chunk
+        shifts = [int(b) - int(c) for b, c in zip(slot_base.tolist(), p.chunk_start.tolist())]
+        pieces, dma_first = p.first.tolist(), d.first.tolist()
+        drv, ce, dma = self.driver, self._ce, self._dma
         with torch.cuda.stream(stream):
             if store:
-                table = upload_table(p.address, piece_stage, p.num_bytes, stream)
+                table = upload_table(p.gpu, p.packed, p.num_bytes, stream)
             else:
-                table = upload_table(piece_stage, p.address, p.num_bytes, stream)
-            for k in range(layout.num_chunks):
-                s = int(slots[k])
-                dk = d.chunk(k)
+                table = upload_table(p.packed, p.gpu, p.num_bytes, stream)
+            for k, s in enumerate(slots):
+                first, count = pieces[k], pieces[k + 1] - pieces[k]
                 if store:
                     drv.stream_wait_event(handle, self._free[s])
-                    self._pack(table, p.chunk(k))
+                    self._kernel.launch(table, first, count, dst_shift=shifts[k])
                     drv.event_record(self._ready[s], handle)
                     drv.stream_wait_event(dma, self._ready[s])
-                    self._ce.submit(dma_stage[dk], d.address[dk], d.num_bytes[dk],
-                                    SrcAccessOrder.STREAM, dma)
+                    ce.submit_range(dmas, dma_first[k], dma_first[k + 1], SrcAccessOrder.STREAM,
+                                    dma)
                     drv.event_record(self._free[s], dma)
                 else:
                     drv.stream_wait_event(dma, self._free[s])
-                    self._ce.submit(d.address[dk], dma_stage[dk], d.num_bytes[dk],
-                                    self.load_order, dma)
+                    ce.submit_range(dmas, dma_first[k], dma_first[k + 1], self.load_order, dma)
                     drv.event_record(self._ready[s], dma)
                     drv.stream_wait_event(handle, self._ready[s])
-                    self._pack(table, p.chunk(k))
+                    self._kernel.launch(table, first, count, src_shift=shifts[k])
                     drv.event_record(self._free[s], handle)
-        self._cursor = int((self._cursor + layout.num_chunks) % self.num_slots)
-        return (piece_stage, dma_stage, table)
-
-    def _pack(self, table: DescriptorTable, part: slice) -> None:
-        if part.stop > part.start:
-            self._kernel.launch(table, part.start, part.stop - part.start)
+        self._cursor = (self._cursor + num_chunks) % self.num_slots
+        return (dmas, table)
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:

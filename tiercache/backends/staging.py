@@ -1,28 +1,33 @@
 """How ``staged`` lays one transfer out in its staging ring: pure numpy, no CUDA.
 
-The host side of a plan (destinations of a store, sources of a load) is sorted and cut
-into *runs*: maximal ranges of host bytes that descriptors cover back to back. Each run
-gets a place in a *packed stream* whose bytes follow the run's host bytes exactly, so
-one copy-engine DMA moves a whole run between staging and host memory and never
-touches a host byte outside the plan (padding between pages stays untouched).
-Every run starts at an address congruent to its host address modulo ``RUN_ALIGN``,
-so packing keeps the plan's alignment (16-byte accesses stay 16-byte).
+The host side of a plan (destinations of a store, sources of a load) is cut into
+*runs*: maximal ranges of host bytes that neighbouring descriptors cover back to back.
+Descriptors are placed one after another in a *packed stream* in plan order, so each
+run's bytes follow its host bytes exactly: one copy-engine DMA moves a whole run between
+staging and host memory and never touches a host byte outside the plan (padding between
+pages stays untouched). Every run starts at an address congruent to its host address
+modulo ``RUN_ALIGN``, so packing keeps the plan's alignment (16-byte accesses stay 16-byte).
+
+Runs are only as long as the plan's order lets them be: the planner emits host order
+(``tiercache.page_groups``), and a plan that is not in ascending host order is sorted
+first (one sort of packed (address, index) keys; ~0.1-0.3 ms for 16 k descriptors).
 
 Chunk k holds the descriptors whose packed start lies in ``[k * chunk_bytes,
-(k + 1) * chunk_bytes)``; descriptors are never split, so a slot is ``chunk_bytes``
-plus the largest staged descriptor. Each chunk has its *pieces* (one per descriptor:
-GPU page bytes <-> slot offset, the GPU-local pack/unpack) and its *DMAs* (the runs,
-cut where a chunk starts: slot offset <-> host bytes, the copy-engine part)::
+(k + 1) * chunk_bytes)`` (empty windows dropped); descriptors are never split, so a
+slot is ``chunk_bytes`` plus the largest staged descriptor. Per chunk there are
+*pieces* (one per descriptor: GPU page bytes <-> slot, the GPU-local pack/unpack) and
+*DMAs* (the runs, cut where a chunk starts: slot <-> host bytes, the copy-engine part)::
 
     packed:  |run 0 ..........|run 1 .......|pad|run 2 ...
     chunks:  |chunk 0 (pages starting here) |chunk 1 ...
 
+A piece's place in its slot is ``packed[i] - chunk_start[k]``: the pack kernel adds one
+per-chunk shift instead of the host computing a slot address per descriptor.
 Descriptors of at least ``direct_bytes`` are not staged at all: the copy engines move
 such units at the PCIe ceiling by themselves (``direct``).
 
-Cost matters here (it is host time before the first byte moves): a dozen numpy passes
-over the descriptors; host order is restored with one sort of packed (address, index)
-keys when the planner's order (tensor by tensor) is not host order already.
+Cost matters here (it is host time before the first byte moves): on a plan already in
+host order this is ~10 numpy passes over the descriptors.
 """
 
 from __future__ import annotations
@@ -39,11 +44,31 @@ _EMPTY = np.zeros(0, dtype=_U64)
 
 
 @dataclass(frozen=True, eq=False)
-class Segments:
-    """Copies between a slot and one side, grouped by chunk: entries
-    ``first[k]:first[k+1]`` belong to chunk k; ``slot_offset`` is inside the slot."""
+class Pieces:
+    """The GPU-local half: descriptor i moves ``num_bytes[i]`` between GPU address
+    ``gpu[i]`` and offset ``packed[i] - chunk_start[k]`` of chunk k's slot, for i in
+    ``first[k]:first[k+1]``."""
 
-    address: np.ndarray  # uint64, GPU side (pieces) or host side (DMAs)
+    gpu: np.ndarray  # uint64
+    packed: np.ndarray  # uint64, ascending
+    num_bytes: np.ndarray  # uint64
+    first: np.ndarray  # int64, num_chunks + 1 boundaries
+    chunk_start: np.ndarray  # uint64, packed offset where each chunk's slot begins
+
+    def chunk(self, k: int) -> slice:
+        return slice(int(self.first[k]), int(self.first[k + 1]))
+
+    def slot_offset(self, k: int) -> np.ndarray:
+        """Offsets inside chunk k's slot of its pieces (what the pack kernel computes)."""
+        return self.packed[self.chunk(k)] - self.chunk_start[k]
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The copy-engine half: ``num_bytes[j]`` between host ``address[j]`` and offset
+    ``slot_offset[j]`` of its chunk's slot; entries ``first[k]:first[k+1]`` are chunk k's."""
+
+    address: np.ndarray  # uint64
     slot_offset: np.ndarray  # uint64
     num_bytes: np.ndarray  # uint64
     first: np.ndarray  # int64, num_chunks + 1 boundaries
@@ -64,20 +89,23 @@ class Direct:
 @dataclass(frozen=True, eq=False)
 class StagingLayout:
     chunk_bytes: int
-    num_chunks: int
     num_runs: int
-    pieces: Segments  # GPU page bytes <-> slot
+    pieces: Pieces  # GPU page bytes <-> slot
     dmas: Segments  # slot <-> host run bytes
     direct: Direct
-    piece_chunk: np.ndarray  # chunk of each piece (uint64)
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.pieces.first.size) - 1
 
     @property
     def max_slot_bytes(self) -> int:
         """Bytes a slot must hold (a chunk's last piece may run past ``chunk_bytes``)."""
-        if self.pieces.num_bytes.size == 0:
+        p = self.pieces
+        if self.num_chunks == 0:
             return 0
-        ends = self.pieces.slot_offset + self.pieces.num_bytes
-        return int(ends.max())
+        last = p.first[1:] - 1  # packed is ascending without overlap: the last piece ends last
+        return int((p.packed[last] + p.num_bytes[last] - p.chunk_start).max())
 
 
 class Scratch:
@@ -88,7 +116,7 @@ class Scratch:
     valid until the next call with the same scratch.
     """
 
-    _NAMES_U64 = ("keys", "host", "gpu", "sizes", "end", "packed", "chunk", "offset", "index")
+    _NAMES_U64 = ("keys", "host", "gpu", "sizes", "end", "packed")
     _NAMES_BOOL = ("starts_run", "starts_seg")
 
     def __init__(self) -> None:
@@ -127,13 +155,19 @@ def _host_order(host: np.ndarray, work: dict[str, np.ndarray] | None = None
     return keys.view(np.int64)
 
 
+def _empty_layout(chunk_bytes: int, direct: Direct) -> StagingLayout:
+    none = np.zeros(1, np.int64)
+    return StagingLayout(chunk_bytes, 0, Pieces(_EMPTY, _EMPTY, _EMPTY, none, _EMPTY),
+                         Segments(_EMPTY, _EMPTY, _EMPTY, none), direct)
+
+
 def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_bytes: int,
                  direct_bytes: int | None = None, scratch: Scratch | None = None
                  ) -> StagingLayout:
     """Lay a transfer out in chunks of ``chunk_bytes``.
 
     ``host[i]``/``gpu[i]`` are the two ends of descriptor i (whatever the direction),
-    ``sizes[i]`` its bytes (uint64 arrays). Host ranges must not overlap.
+    ``sizes[i]`` its bytes (uint64 arrays). Host ranges a store writes must not overlap.
     """
     if chunk_bytes < RUN_ALIGN or chunk_bytes % RUN_ALIGN:
         raise BackendError(f"chunk_bytes = {chunk_bytes}: must be a positive multiple of "
@@ -145,8 +179,7 @@ def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_byt
         direct = Direct(host[big], gpu[big], sizes[big])
         host, gpu, sizes = host[~big], gpu[~big], sizes[~big]
     if sizes.size == 0:
-        empty = Segments(_EMPTY, _EMPTY, _EMPTY, np.zeros(1, np.int64))
-        return StagingLayout(chunk_bytes, 0, 0, empty, empty, direct, _EMPTY)
+        return _empty_layout(chunk_bytes, direct)
     n = int(sizes.size)
     w = (scratch or Scratch()).take(n)
     order = _host_order(host, w)
@@ -154,32 +187,37 @@ def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_byt
         host = np.take(host, order, out=w["host"])
         gpu = np.take(gpu, order, out=w["gpu"])
         sizes = np.take(sizes, order, out=w["sizes"])
-    end = np.add(host, sizes, out=w["end"])  # the plan's ranges never overlap (CopyPlan)
+    end = np.add(host, sizes, out=w["end"])
     starts_run = w["starts_run"]
     starts_run[0] = True
     np.not_equal(end[:-1], host[1:], out=starts_run[1:])
 
-    packed = np.cumsum(sizes, out=w["packed"])
-    np.subtract(packed, sizes, out=packed)  # exclusive: where each descriptor starts
-    if (int(host[0]) | int(np.bitwise_or.reduce(sizes))) % RUN_ALIGN or \
-            int(np.bitwise_or.reduce(host[starts_run])) % RUN_ALIGN:
+    packed = w["packed"]  # exclusive prefix sum: where each descriptor starts
+    packed[0] = 0
+    np.cumsum(sizes[:-1], out=packed[1:])
+    size_bits = int(np.bitwise_or.reduce(sizes))
+    if (size_bits | int(np.bitwise_or.reduce(host))) % RUN_ALIGN and \
+            (size_bits | int(np.bitwise_or.reduce(host[starts_run]))) % RUN_ALIGN:
         packed = _padded(host, sizes, starts_run)
 
-    chunk_of = np.floor_divide(packed, _U64(chunk_bytes), out=w["chunk"])
-    num_chunks = int(chunk_of[-1]) + 1
-    first = np.searchsorted(chunk_of, np.arange(num_chunks + 1, dtype=_U64)).astype(np.int64)
-    offset = np.multiply(chunk_of, _U64(chunk_bytes), out=w["offset"])
-    np.subtract(packed, offset, out=offset)  # inside the chunk's slot
-    pieces = Segments(gpu, offset, sizes, first)
+    windows = int(packed[-1]) // chunk_bytes + 1
+    first = np.unique(np.searchsorted(packed, np.arange(windows + 1, dtype=_U64)
+                                      * _U64(chunk_bytes)).astype(np.int64))
+    chunk_start = packed[first[:-1]]
+    pieces = Pieces(gpu, packed, sizes, first, chunk_start)
 
-    starts_seg = w["starts_seg"]
+    starts_seg = w["starts_seg"]  # a DMA per run, cut where a chunk begins
     np.copyto(starts_seg, starts_run)
     starts_seg[first[:-1]] = True
     seg = np.flatnonzero(starts_seg)
-    dmas = Segments(host[seg], offset[seg], np.add.reduceat(sizes, seg),
-                    np.searchsorted(seg, first).astype(np.int64))
-    return StagingLayout(chunk_bytes, num_chunks, int(np.count_nonzero(starts_run)), pieces,
-                         dmas, direct, chunk_of)
+    last = np.empty_like(seg)
+    last[:-1] = seg[1:] - 1
+    last[-1] = n - 1
+    seg_first = np.searchsorted(seg, first).astype(np.int64)
+    seg_chunk_start = np.repeat(chunk_start, np.diff(seg_first))
+    dmas = Segments(host[seg], packed[seg] - seg_chunk_start,
+                    packed[last] + sizes[last] - packed[seg], seg_first)
+    return StagingLayout(chunk_bytes, int(np.count_nonzero(starts_run)), pieces, dmas, direct)
 
 
 def _padded(host: np.ndarray, sizes: np.ndarray, starts_run: np.ndarray) -> np.ndarray:

@@ -8,7 +8,9 @@ unpack its staging buffer.
 The table is one int64 tensor ``[3, table_stride]`` (row 0 sources, row 1
 destinations, row 2 byte counts), built in pinned host memory and copied to the GPU
 on the caller's stream (no host sync); a launch covers descriptors
-``[first, first + count)`` of it. Each program strides over descriptors (a persistent
+``[first, first + count)`` of it and adds ``src_shift``/``dst_shift`` to every source
+and destination (``staged`` keeps slot-relative offsets in the table and passes the
+slot's address per launch). Each program strides over descriptors (a persistent
 grid of at most ``num_programs``); inside a descriptor it moves ``BLOCK`` elements per
 step. The element is the widest access every address and size allows: 16 bytes
 (two int64 with a 16-byte alignment hint, so loads and stores are ``v2.b64``), else 8,
@@ -30,14 +32,15 @@ MAX_ACCESS_BYTES = 16
 _THREAD_BYTES_PER_STEP = 128  # bytes each thread moves per step: 8 x 16-byte accesses in flight
 
 
-@triton.jit(do_not_specialize=["table_stride", "first", "count"])
-def _copy_descriptors(table, table_stride, first, count, DTYPE: tl.constexpr,
-                      ELEM_BYTES: tl.constexpr, ALIGN_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["table_stride", "first", "count", "src_shift", "dst_shift"])
+def _copy_descriptors(table, table_stride, first, count, src_shift, dst_shift,
+                      DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, ALIGN_BYTES: tl.constexpr,
+                      BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     for i in range(first + pid, first + count, step):
-        src = tl.load(table + i).to(tl.pointer_type(DTYPE))
-        dst = tl.load(table + table_stride + i).to(tl.pointer_type(DTYPE))
+        src = (tl.load(table + i) + src_shift).to(tl.pointer_type(DTYPE))
+        dst = (tl.load(table + table_stride + i) + dst_shift).to(tl.pointer_type(DTYPE))
         num = tl.load(table + 2 * table_stride + i) // ELEM_BYTES
         src = tl.multiple_of(src, ALIGN_BYTES)
         dst = tl.multiple_of(dst, ALIGN_BYTES)
@@ -104,15 +107,18 @@ class CopyKernel:
     def block_elements(self, access: int) -> int:
         return self.num_warps * 32 * _THREAD_BYTES_PER_STEP // _ELEMENT[access][1]
 
-    def launch(self, table: DescriptorTable, first: int = 0, count: int | None = None) -> None:
-        """Enqueue the copy of descriptors ``[first, first + count)`` on the current stream."""
+    def launch(self, table: DescriptorTable, first: int = 0, count: int | None = None,
+               src_shift: int = 0, dst_shift: int = 0) -> None:
+        """Enqueue the copy of descriptors ``[first, first + count)`` on the current stream,
+        ``src_shift``/``dst_shift`` bytes added to their sources/destinations (multiples of
+        the table's ``access_bytes``)."""
         count = table.num_descriptors - first if count is None else count
         if count <= 0:
             return
         dtype, elem_bytes = _ELEMENT[table.access_bytes]
         grid = (min(self.num_programs, count),)
         _copy_descriptors[grid](table.device, table.num_descriptors, first, count,
-                                DTYPE=dtype, ELEM_BYTES=elem_bytes,
+                                src_shift, dst_shift, DTYPE=dtype, ELEM_BYTES=elem_bytes,
                                 ALIGN_BYTES=table.access_bytes,
                                 BLOCK=self.block_elements(table.access_bytes),
                                 num_warps=self.num_warps)
