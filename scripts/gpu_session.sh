@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# One device call for the transfer engine: GPU tests, probe, benchmark. Logs under $OUT.
+# One device call for the transfer engine: GPU tests, probes, benchmark. Logs under $OUT.
+#   STEPS="tests bench baseline" scripts/gpu_session.sh
+# baseline: the same benchmark on another checkout of the package (BASELINE_DIR, e.g. a
+# `git archive <rev> tiercache` unpacked into an ignored folder), for before/after
+# figures from one machine.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c 'import torch, triton, numpy; print(torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)' | tee -a "$OUT/machine.txt"
 STEPS=${STEPS:-"tests probe bench"}
+BENCH_ARGS=${BENCH_ARGS:-"--matmul --reps 7"}
+BASELINE_ARGS=${BASELINE_ARGS:-"--page-kib 32 --backend auto staged ce --reps 7"}
 for step in $STEPS; do
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     probe) timeout 200 python3 scripts/transfer_probe.py 2>&1 | tee "$OUT/probe.log" | grep -v '^\[' ;;
-    bench) timeout 400 python3 -m tiercache.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;
+    staged-probe) for mode in main ce both; do timeout 150 python3 scripts/staged_probe.py $mode 2>&1 | tee -a "$OUT/staged_probe.log" | grep RESULT; done ;;
+    bench) timeout 400 python3 -m tiercache.bench $BENCH_ARGS --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;
+    baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
   esac
 done

@@ -68,8 +68,8 @@ print(f"RESULT 2MiB-units both 1+1 streams: {nbytes / t / 1e9:.1f} GB/s", flush=
 
 # D2D batch 16384 x 32 KiB pages -> contiguous staging
 w = Workload.for_page(32 * KIB)
-plans = rig.plans(w)
-g, h, s = plans["store"]
+store = rig.plans(w).store
+g, h, s = store.src, store.dst, store.sizes
 stage = torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
 stage_addr = np.uint64(stage.data_ptr()) + np.arange(g.size, dtype=np.uint64) * np.uint64(32 * KIB)
 for nstreams in (1, 2, 4):

@@ -5,13 +5,15 @@ Default workload: a Llama-3-8B-like rank — 64 tensors (32 layers x K, V) of 32
 pages, 256 blocks per transfer (16384 pages, 512 MiB) — and the page-size sweep keeps
 512 MiB per transfer (16 KiB: 512 blocks; 64 KiB: 128; 2 MiB: one cross-layer tensor,
 256 blocks). Host memory is pinned and laid out in region rows (``RegionLayout``);
-GPU and host block ids are random, so nothing merges by luck.
+GPU and host block ids are random, so nothing merges by luck. Plans come from the real
+``TransferPlanner`` (its descriptor order is what ``staged`` sees in production).
 
 Figures (every rate also as a ratio to the same-run ceiling):
   * per page size x backend: store (gpu_to_cpu), load (cpu_to_gpu), both at once;
   * ``--matmul``: a bf16 matmul's speed beside continuous both-ways copies;
   * one block (64 pages) latency, GPU-timed, against 1.5 x wire time + 20 µs;
-  * host-side submit time of one 16384-page transfer.
+  * host-side submit time of one 16384-page transfer (``copy_async``), and the
+    planner's time for it.
 ``--backend cpu`` measures the cpu backend against one large memmove (any machine).
 """
 
@@ -28,6 +30,9 @@ import numpy as np
 
 from tiercache.backends.base import CopyPlan
 from tiercache.layout import RegionLayout
+from tiercache.pages import PageArray
+from tiercache.planner import PlanBuffers, TransferPlanner
+from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from tiercache.stats import Direction
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -77,6 +82,20 @@ class Progress:
 
 
 @dataclass
+class RigPlans:
+    """One workload's planner over the rig's buffers, a store and a disjoint load (spec
+    and plan), and one-block specs for the latency figure."""
+
+    planner: TransferPlanner
+    store_spec: TransferSpec
+    load_spec: TransferSpec
+    store: CopyPlan
+    load: CopyPlan
+    one_store_spec: TransferSpec
+    one_load_spec: TransferSpec
+
+
+@dataclass
 class Report:
     machine: str
     ceiling: dict[str, float] = field(default_factory=dict)  # GB/s
@@ -88,18 +107,12 @@ class Report:
 
 def _plan_arrays(gpu_base: np.ndarray, gpu_stride: int, host_base: int, layout: RegionLayout,
                  gpu_blocks: np.ndarray, host_rows: np.ndarray, page_bytes: int):
-    """Tensor-major descriptors (as a per-tensor planner emits them): (gpu, host, sizes)."""
+    """Tensor-major descriptors for the cpu backend (order does not matter to it)."""
     gpu = (gpu_base[:, None] + gpu_blocks[None, :].astype(np.uint64) * np.uint64(gpu_stride)).ravel()
     offsets = np.asarray(layout.page_offsets, dtype=np.uint64)
     host = (np.uint64(host_base) + host_rows[None, :].astype(np.uint64) * np.uint64(layout.row_stride)
             + offsets[:, None]).ravel()
     return gpu, host, np.full(gpu.size, page_bytes, dtype=np.uint64)
-
-
-def _plan(direction: Direction, gpu: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> CopyPlan:
-    if direction == Direction.GPU_TO_CPU:
-        return CopyPlan(gpu, host, sizes, direction)
-    return CopyPlan(host, gpu, sizes, direction)
 
 
 def _fmt_rate(gbps: float, ceiling: float) -> str:
@@ -125,22 +138,24 @@ class GpuRig:
         self.streams = [torch.cuda.Stream(device=self.device) for _ in range(3)]
         self.ceiling_gbps: dict[str, float] = {}
 
-    def plans(self, w: Workload, seed: int = 0) -> dict[str, tuple]:
-        """Descriptor arrays for a store set and a disjoint load set."""
+    def plans(self, w: Workload, seed: int = 0) -> RigPlans:
+        """The planner over per-layer GPU tensors and region rows; a store set and a
+        disjoint load set of random blocks."""
         rng = np.random.default_rng(seed)
-        layout = RegionLayout(1, 4 * w.blocks_per_transfer, (w.page_bytes,) * w.num_tensors)
-        gpu_tensor_bytes = 2 * w.blocks_per_transfer * w.page_bytes
-        gpu_base = np.uint64(self.gpu.data_ptr()) + np.arange(w.num_tensors, dtype=np.uint64) \
-            * np.uint64(gpu_tensor_bytes)
-        host_base = self.host.data_ptr()
-        gpu_blocks = rng.permutation(2 * w.blocks_per_transfer)
-        rows = rng.permutation(4 * w.blocks_per_transfer)
-        b = w.blocks_per_transfer
-        store = _plan_arrays(gpu_base, w.page_bytes, host_base, layout, gpu_blocks[:b], rows[:b],
-                             w.page_bytes)
-        load = _plan_arrays(gpu_base, w.page_bytes, host_base, layout, gpu_blocks[b:2 * b],
-                            rows[b:2 * b], w.page_bytes)
-        return {"store": store, "load": load}
+        b, page = w.blocks_per_transfer, w.page_bytes
+        layout = RegionLayout(1, 4 * b, (page,) * w.num_tensors)
+        gpu_pages = [PageArray(self.gpu.data_ptr() + t * 2 * b * page, 2 * b, page, page)
+                     for t in range(w.num_tensors)]
+        cpu_pages = [PageArray(self.host.data_ptr() + layout.page_offsets[t], 4 * b,
+                               layout.row_stride, page) for t in range(w.num_tensors)]
+        planner = TransferPlanner(gpu_pages, cpu_pages, 1)
+        gpu_blocks = rng.permutation(2 * b)
+        rows = rng.permutation(4 * b)
+        store = (GPULoadStoreSpec(gpu_blocks[:b]), CPULoadStoreSpec(rows[:b]))
+        load = (CPULoadStoreSpec(rows[b:2 * b]), GPULoadStoreSpec(gpu_blocks[b:2 * b]))
+        return RigPlans(planner, store, load, planner.plan(store), planner.plan(load),
+                        (GPULoadStoreSpec(gpu_blocks[:1]), CPULoadStoreSpec(rows[:1])),
+                        (CPULoadStoreSpec(rows[b:b + 1]), GPULoadStoreSpec(gpu_blocks[b:b + 1])))
 
     # ------------------------------------------------------------ timing
     def time_gpu(self, submit: Callable[[], object], stream, reps: int, warm: int = 2,
@@ -156,7 +171,7 @@ class GpuRig:
             del token
             if rep >= warm:
                 seconds.append(start.elapsed_time(end) / 1e3)
-        return float(stat(seconds))
+        return stat(seconds)
 
     def time_both(self, submit_store: Callable[[object], object],
                   submit_load: Callable[[object], object], reps: int, warm: int = 2,
@@ -178,7 +193,7 @@ class GpuRig:
             del t1, t2
             if rep >= warm:
                 seconds.append(max(start.elapsed_time(e1), start.elapsed_time(e2)) / 1e3)
-        return float(stat(seconds))
+        return stat(seconds)
 
     def ceiling(self, reps: int) -> dict[str, float]:
         """Best of ``2 * reps`` (the ceiling is what the link can do; backends get medians)."""
@@ -248,8 +263,7 @@ def _auto_backend(direction: Direction, rig: GpuRig, w: Workload, host_stride: i
 def _bench_workload(rig: GpuRig, w: Workload, backends: list[str], reps: int, report: Report,
                     progress: Progress) -> None:
     plans = rig.plans(w)
-    store_plan = _plan(Direction.GPU_TO_CPU, *plans["store"])
-    load_plan = _plan(Direction.CPU_TO_GPU, plans["load"][0], plans["load"][1], plans["load"][2])
+    store_plan, load_plan = plans.store, plans.load
     ceil = report.ceiling
     layout = RegionLayout(1, 4 * w.blocks_per_transfer, (w.page_bytes,) * w.num_tensors)
     for name in backends:
@@ -262,12 +276,15 @@ def _bench_workload(rig: GpuRig, w: Workload, backends: list[str], reps: int, re
             seconds = rig.time_gpu(lambda: backend.copy_async(plan, s), s, reps)
             row[key] = plan.num_bytes / seconds / 1e9
             progress.step(f"{w.label()} {name} {key}", _fmt_rate(row[key], ceil[key]))
-        seconds = rig.time_both(lambda st: store_b.copy_async(store_plan, st),
-                                lambda st: load_b.copy_async(load_plan, st), reps)
-        row["both"] = 2 * store_plan.num_bytes / seconds / 1e9
-        progress.step(f"{w.label()} {name} both", _fmt_rate(row["both"], ceil["both"]))
+        both = sorted(rig.time_both(lambda st: store_b.copy_async(store_plan, st),
+                                    lambda st: load_b.copy_async(load_plan, st), reps, stat=list))
+        both_bytes = store_plan.num_bytes + load_plan.num_bytes
+        row["both"] = both_bytes / float(np.median(both)) / 1e9
+        row["both_min"], row["both_max"] = both_bytes / both[-1] / 1e9, both_bytes / both[0] / 1e9
+        progress.step(f"{w.label()} {name} both", _fmt_rate(row["both"], ceil["both"])
+                      + f" [{row['both_min']:.1f}..{row['both_max']:.1f}]")
         if w.page_bytes == 32 * KIB and w.num_tensors == DEFAULT_TENSORS:
-            row.update(_latency_and_submit(rig, w, store_b, load_b, store_plan, reps))
+            row.update(_latency_and_submit(rig, plans, store_b, load_b, reps))
             progress.step(f"{w.label()} {name} latency/submit",
                           f"1 block {row['latency_us']:.0f} us (target {row['latency_target_us']:.0f}), "
                           f"submit {row['submit_us']:.0f} us")
@@ -276,28 +293,29 @@ def _bench_workload(rig: GpuRig, w: Workload, backends: list[str], reps: int, re
         load_b.close()
 
 
-def _latency_and_submit(rig: GpuRig, w: Workload, store_b, load_b, store_plan: CopyPlan,
-                        reps: int) -> dict:
+def _latency_and_submit(rig: GpuRig, plans: RigPlans, store_b, load_b, reps: int) -> dict:
     s = rig.streams[0]
-    pages = w.num_tensors  # one block: one page per tensor
-    one = CopyPlan(store_plan.src[::w.blocks_per_transfer][:pages].copy(),
-                   store_plan.dst[::w.blocks_per_transfer][:pages].copy(),
-                   store_plan.sizes[:pages].copy(), Direction.GPU_TO_CPU)
+    one = plans.planner.plan(plans.one_store_spec)  # one block: one page per tensor
+    one_load = plans.planner.plan(plans.one_load_spec)
     lat = rig.time_gpu(lambda: store_b.copy_async(one, s), s, max(reps, 20), warm=5)
-    one_load = CopyPlan(one.dst, one.src, one.sizes, Direction.CPU_TO_GPU)
     lat_load = rig.time_gpu(lambda: load_b.copy_async(one_load, s), s, max(reps, 20), warm=5)
     wire_s = one.num_bytes / (min(rig.ceiling_gbps.values()) * 1e9)
-    submit = []
+    submit, planning = [], []
+    buffers = PlanBuffers()
     for _ in range(max(reps, 10)):
         s.synchronize()
         t0 = time.perf_counter()
-        token = store_b.copy_async(store_plan, s)
-        submit.append(time.perf_counter() - t0)
+        plan = plans.planner.plan(plans.store_spec, out=buffers)
+        t1 = time.perf_counter()
+        token = store_b.copy_async(plan, s)
+        submit.append(time.perf_counter() - t1)
+        planning.append(t1 - t0)
         s.synchronize()
         del token
     return {"latency_us": lat * 1e6, "latency_load_us": lat_load * 1e6,
             "latency_target_us": (1.5 * wire_s + 20e-6) * 1e6,
-            "submit_us": float(np.median(submit)) * 1e6}
+            "submit_us": float(np.median(submit)) * 1e6,
+            "plan_us": float(np.median(planning)) * 1e6}
 
 
 
@@ -395,8 +413,7 @@ def _run_gpu(args) -> Report:
     if args.matmul:
         w = Workload.for_page(32 * KIB, max_tensors=args.tensors)
         plans = rig.plans(w, seed=1)
-        sp = _plan(Direction.GPU_TO_CPU, *plans["store"])
-        lp = _plan(Direction.CPU_TO_GPU, *plans["load"])
+        sp, lp = plans.store, plans.load
         layout = RegionLayout(1, 4 * w.blocks_per_transfer, (w.page_bytes,) * w.num_tensors)
         for name in args.matmul_backends:
             sb = _make_backend(name, Direction.GPU_TO_CPU, rig, w, layout.row_stride)
@@ -477,10 +494,11 @@ def format_report(report: Report) -> str:
     lat = [r for r in report.rows if "latency_us" in r]
     if lat:
         lines += ["", f"{'backend':14s} {'1-block store us':>17s} {'load us':>8s} {'target us':>10s} "
-                      f"{'submit 16k us':>14s}"]
+                      f"{'submit 16k us':>14s} {'plan 16k us':>12s}"]
         for r in lat:
             lines.append(f"{r['backend']:14s} {r['latency_us']:17.0f} {r['latency_load_us']:8.0f} "
-                         f"{r['latency_target_us']:10.0f} {r['submit_us']:14.0f}")
+                         f"{r['latency_target_us']:10.0f} {r['submit_us']:14.0f} "
+                         f"{r['plan_us']:12.0f}")
     mm = [r for r in report.rows if r.get("mode") == "matmul"]
     if mm:
         lines += ["", f"{'matmul beside':14s} {'solo TFLOP/s':>12s} {'beside':>8s} {'ratio':>6s} "
