@@ -29,10 +29,11 @@ DMA each). Host bytes outside the plan's descriptors are never written (``stagin
 Host cost (it delays the first DMA, and every chunk costs a kernel launch, ~12 µs, and a
 batch call, ~10 µs for 8 DMAs, on the H100 machine): the layout is ~10 numpy passes when
 the plan is in host order (the planner's), the descriptor table is uploaded once, and
-four slots of 16 MiB keep the copy engines busy (packing a chunk takes tens of µs, moving
-it over PCIe ~0.3 ms). Depth matters more than slot size once several ranks share the
-host: on 2 x H200 with both ranks storing at once, 2 x 32 MiB slots reached 0.77 of
-2 x one rank, 4 x 16 MiB 0.99 (docs/benchmarks.md, "End to end on 2 GPUs").
+four slots of 32 MiB keep the copy engines busy (packing a chunk takes tens of µs, moving
+it over PCIe ~0.6 ms). Depth is what several ranks sharing the host need: on 2 x H200
+with both ranks storing at once, 2 x 32 MiB slots reached 0.77 of 2 x one rank, 4 x 16
+MiB and 4 x 32 MiB 0.99; on one H100 rank 4 x 32 MiB matches 2 x 32 MiB within run-to-run
+noise while 4 x 16 MiB lost 0.02 and doubled submit time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.errors import BackendError
 from tiercache.stats import BackendCode, Direction
 
-DEFAULT_CHUNK_BYTES = 16 << 20  # ~0.3 ms of PCIe per chunk
-DEFAULT_NUM_SLOTS = 4  # 64 MiB of GPU memory per direction, as 2 x 32 MiB was
+DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
+DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction
 DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling unaided
 PACK_PROGRAMS_PER_SM = 2
 
