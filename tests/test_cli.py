@@ -112,3 +112,20 @@ def test_bad_config_is_one_clear_error_and_nothing_is_created(tmp_path):
 def test_status_without_regions_and_for_a_missing_name():
     result = tiercache("status", "--name", "surely-not-there")
     assert result.returncode == 1 and "no tiercache region named surely-not-there" in result.stdout
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_index_events_are_served_when_the_config_enables_them(make_config, tmp_path, events):
+    from tiercache.errors import StateError
+
+    cfg = make_config(index_events=events)
+    with CoordinatorProcess(cfg, tmp_path), Client(cfg) as client:
+        out = client.prepare_store([b"k1", b"k2"])
+        client.complete_store(list(out.keys_to_store))
+        if events:
+            taken = client.take_events()
+            assert [sorted(e.keys) for e in taken] == [[b"k1", b"k2"]]
+            assert client.take_events() == []
+        else:
+            with pytest.raises(StateError, match="events"):
+                client.take_events()

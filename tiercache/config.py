@@ -152,6 +152,7 @@ class Config:
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.policies registry)
+    index_events: bool = False  # keep stored/removed events for take_events()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -194,7 +195,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "transfer": {"backend": str},
     "exporter": {"address": str, "port": int, "enabled": bool},
     "control": {"socket": str},
-    "index": {"policy": str},
+    "index": {"policy": str, "events": bool},
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list"}
 
@@ -287,6 +288,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
                          "transfer.backend"),
         "control_socket": raw.get("control", {}).get("socket", ""),
         "index_policy": raw.get("index", {}).get("policy", "lru"),
+        "index_events": raw.get("index", {}).get("events", False),
     }
     if "kv" in raw:
         kwargs["kv"] = _kv_from(raw["kv"])
@@ -329,7 +331,7 @@ def config_to_toml(config: Config) -> str:
         "transfer": {"backend": config.backend.value},
         "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
         "control": {"socket": config.control_socket},
-        "index": {"policy": config.index_policy},
+        "index": {"policy": config.index_policy, "events": config.index_events},
     }
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())

@@ -39,7 +39,8 @@ class Coordinator:
         try:
             self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = self.region.layout
-            self.manager = OffloadingManager(layout.num_blocks, policy=cfg.index_policy)
+            self.manager = OffloadingManager(layout.num_blocks, policy=cfg.index_policy,
+                                             enable_events=cfg.index_events)
             self.control = ControlServer(self.manager, cfg.socket_path)
             self.control.start()
             if cfg.exporter.enabled:
