@@ -74,7 +74,6 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(name, r, args.threads, q)) for r in range(2)]
-    t1 = time.perf_counter()
     for p in procs:
         p.start()
     ranks = sorted((q.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
@@ -92,7 +91,7 @@ def main() -> None:
         "ready_plus_pinned_gibps": total / ready_pinned / (1 << 30),
     }
     print(json.dumps(result, indent=1))
-    print(f"\n| step | seconds |\n|---|---|")
+    print("\n| step | seconds |\n|---|---|")
     print(f"| fallocate {total / (1 << 30):.1f} GiB | {times.allocate_s:.2f} |")
     print(f"| create total (checks + fallocate + header; READY) | {t_ready:.2f} |")
     for r in ranks:

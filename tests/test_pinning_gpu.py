@@ -3,7 +3,6 @@ process; failures roll back; pinned memory round-trips bytes exactly."""
 
 import multiprocessing as mp
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

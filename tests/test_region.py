@@ -4,12 +4,11 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
+from tiercache.config import PinningPolicy, RegionConfig
 from tiercache.errors import (
     InsufficientMemoryError, LayoutMismatchError, PinError, RankError, RegionExistsError,
     RegionNotFoundError, RegionNotReadyError,
@@ -156,7 +155,7 @@ def test_stale_region_of_same_geometry_is_readopted_keeping_its_bytes(make_confi
 
 
 def test_stale_region_of_other_geometry_is_replaced(make_config):
-    cfg = _kill_a_creator(make_config)
+    _kill_a_creator(make_config)
     bigger = make_config(region=RegionConfig(capacity_bytes=None, num_blocks=32, prefault_threads=2))
     messages = []
     region = SharedOffloadRegion.create(bigger, log_step=messages.append)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from tiercache.config import Config, format_bytes, load_config
 from tiercache.errors import TiercacheError
 from tiercache.header import RegionState
 from tiercache.hostmem import process_alive
+from tiercache.signals import stop_on_signals
 from tiercache.stats import Direction
 
 EXIT_ERROR = 1
@@ -26,14 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tiercache.coordinator import Coordinator
 
     config = load_config(args.config)
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        _say(f"{signal.Signals(signum).name}: shutting down")
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = stop_on_signals(_say, "shutting down")
     coordinator = Coordinator(config, say=_say)
     try:
         coordinator.start()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from tiercache.config import BackendKind, Config, load_config
 from tiercache.errors import ConfigError, CoordinatorGoneError, LayoutMismatchError, WorkerError
 from tiercache.layout import RegionLayout
 from tiercache.region import list_regions
+from tiercache.signals import stop_on_signals
 from tiercache.testing import CoordinatorProcess
 from tiercache.demo.engine import ATTACH_TIMEOUT_S, DemoEngine
 from tiercache.demo.rank import RankOptions
@@ -157,14 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args.bench_blocks = args.bench_blocks or min(2048, layout.num_blocks // 2)
     gpu_blocks = max(spec.max_request_blocks, args.bench_blocks if args.bench else 0)
     options = RankOptions(device, gpu_blocks * config.kv.block_size_factor, args.backend)
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        _say(f"{signal.Signals(signum).name}: finishing the current request, then stopping")
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = stop_on_signals(_say, "finishing the current request, then stopping")
     link = CoordinatorLink(config)
     try:
         doc = _run(config, options, spec, args, link, stop)
