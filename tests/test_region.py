@@ -286,3 +286,20 @@ def test_worker_prefaults_only_its_own_slice_and_records_the_time(region, instan
         worker.close()
     with pytest.raises(Exception, match="needs a region attached with a rank"):
         SharedOffloadRegion.attach(instance_name).prefault_slice(2)
+
+
+def test_close_releases_everything_even_when_unpinning_fails(make_config):
+    region = SharedOffloadRegion.create(make_config())
+    fd = region._fd
+
+    class FailingPinner:
+        def unpin(self):
+            raise PinError("cuMemHostUnregister failed (simulated)")
+
+    region._pinner = FailingPinner()
+    with pytest.raises(PinError, match="simulated"):
+        region.close()
+    assert not os.path.exists(region.path)  # the owner still unlinked it
+    with pytest.raises(OSError):
+        os.fstat(fd)  # and closed its descriptor
+    region.close()  # idempotent afterwards

@@ -309,20 +309,22 @@ class SharedOffloadRegion:
         """Unpin, unmap and close. The owner unlinks (state CLOSING first) unless told not to."""
         if self._fd < 0:
             return
-        self.unpin()
         unlink = self.is_owner if unlink is None else unlink
         if unlink and not self.is_owner:
             raise RegionError("only the coordinator that owns a region unlinks it")
-        if unlink:
-            self.header.set_state(RegionState.CLOSING)
-        self._release_mapping()
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            self.unpin()  # a failure is raised, but only after everything below is released
+        finally:
+            if unlink:
+                self.header.set_state(RegionState.CLOSING)
+            self._release_mapping()
+            if unlink:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> SharedOffloadRegion:
         return self
