@@ -56,6 +56,11 @@ def test_parse_size_rejects(bad):
     ({"kv": {"page_bytes": "4KiB", "num_layers": 2}}, r"either page_bytes"),
     ({"kv": {"page_bytes": [4096, 8192], "num_tensors": 3}}, r"kv.num_tensors = 3 but kv.page_bytes lists 2"),
     ({"kv": {"page_bytes": 4096, "block_size_factor": 0}}, r"kv.block_size_factor = 0: must be >= 1"),
+    ({"kv": {"page_bytes": 4096, "num_tensors": -2}}, r"kv.num_tensors = -2: must be >= 1"),
+    ({"kv": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "int8",
+             "num_tensors": 5}}, r"kv.num_tensors = 5 goes with kv.page_bytes"),
+    ({"kv": {"page_bytes": 4096, "kv_tensors_per_layer": 1}},
+     r"kv.kv_tensors_per_layer = 1 belongs to the model shape"),
     ({"exporter": {"port": 70000}}, r"exporter.port = 70000: allowed 0..65535"),
     ({"index": {"policy": "fifo"}}, r"index.policy = 'fifo': allowed 'lru', 'arc'"),
 ])

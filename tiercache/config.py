@@ -233,6 +233,14 @@ def _kv_from(raw: dict[str, Any]) -> KVGeometry:
     if explicit and shaped:
         raise ConfigError("kv: give either page_bytes (+ num_tensors) or the model shape "
                           "(num_layers, num_kv_heads, head_dim, dtype), not both")
+    if "num_tensors" in raw and raw["num_tensors"] < 1:
+        raise ConfigError(f"kv.num_tensors = {raw['num_tensors']}: must be >= 1")
+    if explicit and "kv_tensors_per_layer" in raw:
+        raise ConfigError(f"kv.kv_tensors_per_layer = {raw['kv_tensors_per_layer']} belongs to the "
+                          "model shape; with kv.page_bytes give kv.num_tensors instead")
+    if not explicit and "num_tensors" in raw:
+        raise ConfigError(f"kv.num_tensors = {raw['num_tensors']} goes with kv.page_bytes; with the "
+                          "model shape there are num_layers x kv_tensors_per_layer tensors")
     block_tokens = raw.get("block_tokens", 16)
     factor = raw.get("block_size_factor", 1)
     if explicit:
