@@ -11,7 +11,7 @@ import pytest
 from tiercache.config import PinningPolicy, RegionConfig
 from tiercache.errors import (
     InsufficientMemoryError, LayoutMismatchError, PinError, RankError, RegionExistsError,
-    RegionNotFoundError, RegionNotReadyError,
+    RegionError, RegionNotFoundError, RegionNotReadyError,
 )
 from tiercache.header import RegionState
 from tiercache.layout import RegionLayout
@@ -284,8 +284,12 @@ def test_worker_prefaults_only_its_own_slice_and_records_the_time(region, instan
         assert not worker.rank_array(1).any()  # populating keeps the (zero) bytes
     finally:
         worker.close()
-    with pytest.raises(Exception, match="needs a region attached with a rank"):
-        SharedOffloadRegion.attach(instance_name).prefault_slice(2)
+    unranked = SharedOffloadRegion.attach(instance_name)
+    try:
+        with pytest.raises(RegionError, match="needs a region attached with a rank"):
+            unranked.prefault_slice(2)
+    finally:
+        unranked.close()
 
 
 def test_close_releases_everything_even_when_unpinning_fails(make_config):
