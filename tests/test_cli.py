@@ -128,3 +128,38 @@ def test_index_events_are_served_when_the_config_enables_them(make_config, tmp_p
         else:
             with pytest.raises(StateError, match="events"):
                 client.take_events()
+
+
+def test_status_reports_a_stats_block_left_mid_update_instead_of_a_traceback(make_config):
+    from tiercache.region import SharedOffloadRegion
+
+    cfg = make_config()
+    region = SharedOffloadRegion.create(cfg)
+    try:
+        region.stats(1)._words[0] += 1  # its writer died between the two sequence bumps
+        result = tiercache("status", "--name", cfg.name)
+        assert result.returncode == 0, result.stderr
+        assert "rank 1: stats block left mid-update" in result.stdout
+        assert "rank 0: no worker" in result.stdout
+    finally:
+        region.close()
+
+
+def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_config, monkeypatch):
+    from tiercache.coordinator import Coordinator
+
+    coordinator = Coordinator(make_config(), say=lambda _: None)
+    coordinator.start()
+    region, exporter = coordinator.region, coordinator.exporter
+    real_close = exporter.close
+
+    def stuck_close():
+        real_close()
+        raise TimeoutError("a scrape did not finish")
+
+    monkeypatch.setattr(exporter, "close", stuck_close)
+    with pytest.raises(TimeoutError):
+        coordinator.close()
+    assert not os.path.exists(region.path)  # unlinked ...
+    assert region._mmap is not None  # ... but still mapped for the scrape that may read it
+    region._release_mapping()

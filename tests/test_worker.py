@@ -183,6 +183,21 @@ def test_required_pinning_refuses_host_caches_clearly(served):
     assert snap.pin_state is PinState.FAILED and snap.pid == 0  # refused, and not attached
 
 
+def test_a_prefault_failure_does_not_claim_pinning_failed(served, monkeypatch):
+    from tiercache.errors import InsufficientMemoryError
+
+    config, region = served
+
+    def no_memory(self, num_threads):
+        raise InsufficientMemoryError("cannot populate: /dev/shm ran out")
+
+    monkeypatch.setattr(SharedOffloadRegion, "prefault_slice", no_memory)
+    with pytest.raises(InsufficientMemoryError):
+        attach(config.name, 0, _caches(config), pinning=PinningPolicy.ALLOW_UNPINNED)
+    snap = region.stats(0).snapshot()
+    assert snap.pin_state is PinState.NONE and snap.pid == 0
+
+
 def test_a_rank_can_attach_again_after_close(served):
     config, region = served
     for round_ in range(2):

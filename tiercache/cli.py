@@ -88,7 +88,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         region = SharedOffloadRegion.attach(listing.name)
         try:
             for rank in range(layout.world_size):
-                s = region.stats(rank).snapshot()
+                try:
+                    s = region.stats(rank).snapshot()
+                except TimeoutError:
+                    print(f"  rank {rank}: stats block left mid-update (its worker died while "
+                          "writing; the next worker of this rank repairs it)")
+                    continue
                 up = process_alive(s.pid, s.pid_start_ns)
                 worker = f"worker pid {s.pid} {'up' if up else 'DOWN'}" if s.pid else "no worker"
                 moved = ", ".join(

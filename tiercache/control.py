@@ -168,6 +168,10 @@ class ControlServer:
             self._wake_w.send(b"x")
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
+                try:  # the thread may still use its sockets; the path at least must go
+                    os.unlink(self._path)
+                except FileNotFoundError:
+                    pass
                 raise ControlSocketError(
                     f"control server thread did not stop within {CLOSE_TIMEOUT_S} s"
                 )

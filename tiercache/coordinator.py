@@ -64,15 +64,20 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        errors: list[BaseException] = []
-        for service in (self.exporter, self.control, self.region):
-            if service is None:
+        errors: dict[str, BaseException] = {}
+        for name, close in (("exporter", self.exporter and self.exporter.close),
+                            ("control", self.control and self.control.close),
+                            # a scrape the exporter could not drain may still read the
+                            # mapping: then unlink the region but keep it mapped
+                            ("region", self.region and (
+                                lambda: self.region.close(unmap="exporter" not in errors)))):
+            if not close:
                 continue
             try:
-                service.close()
+                close()
             except Exception as e:  # keep tearing down the rest; re-raised below
-                log.exception("closing %s failed", type(service).__name__)
-                errors.append(e)
+                log.exception("closing the %s failed", name)
+                errors[name] = e
         if errors:
-            raise errors[0]
+            raise next(iter(errors.values()))
         self.say("stopped; region and socket removed")

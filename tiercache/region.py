@@ -98,12 +98,9 @@ class SharedOffloadRegion:
         layout = RegionLayout.from_config(config)
         path = os.path.join(shm_dir, config.shm_name)
         t0 = time.perf_counter()
-        adopted = cls._adopt_if_stale(path, layout, log_step)
+        adopted, replaced = cls._adopt_or_remove_stale(path, layout, log_step)
         if adopted is not None:
             return adopted
-        replaced = os.path.exists(path)
-        if replaced:  # stale with another geometry (or never finished): replace it
-            os.unlink(path)
         check_space(layout.total_bytes, shm_dir, config.region.check_host_memory)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -139,12 +136,15 @@ class SharedOffloadRegion:
         return region
 
     @classmethod
-    def _adopt_if_stale(cls, path: str, layout: RegionLayout,
-                        log_step: Callable[[str], None]) -> SharedOffloadRegion | None:
+    def _adopt_or_remove_stale(cls, path: str, layout: RegionLayout,
+                               log_step: Callable[[str], None]
+                               ) -> tuple[SharedOffloadRegion | None, bool]:
+        """(the re-adopted region or None, whether a stale region of another geometry was
+        removed). Raises RegionExistsError if a live coordinator holds ``path``."""
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            return None
+            return None, False
         if not _lock_free(fd):
             owner = _peek_owner(fd)
             os.close(fd)
@@ -157,15 +157,20 @@ class SharedOffloadRegion:
                 else f"state {info.state.label}")
             log_step(f"replacing stale region {path} (owner pid "
                      f"{info.owner_pid if info else '?'} is gone; {why})")
-            os.close(fd)  # releases our lock; create() unlinks and starts afresh
-            return None
-        region = cls(path, fd, layout, rank=None, owner=True)
+            os.unlink(path)  # while we hold its lock: nobody can have adopted it meanwhile
+            os.close(fd)
+            return None, True
+        try:
+            region = cls(path, fd, layout, rank=None, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
         region.header.set_owner(generation=info.generation + 1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()))
         log_step(f"re-adopted stale region {path} (owner pid {info.owner_pid} is gone; same "
                  f"geometry; generation {info.generation + 1}); its pages stay allocated")
         region.setup_times = SetupTimes(adopted=True)
-        return region
+        return region, False
 
     # ------------------------------------------------------------------ attach
     @classmethod
@@ -305,8 +310,10 @@ class SharedOffloadRegion:
             self._mmap.close()
             self._mmap = None
 
-    def close(self, unlink: bool | None = None) -> None:
-        """Unpin, unmap and close. The owner unlinks (state CLOSING first) unless told not to."""
+    def close(self, unlink: bool | None = None, unmap: bool = True) -> None:
+        """Unpin, unmap and close. The owner unlinks (state CLOSING first) unless told not to.
+        ``unmap=False`` keeps the mapping (until the process exits) for when another thread
+        may still read it, e.g. a scrape the exporter could not drain."""
         if self._fd < 0:
             return
         unlink = self.is_owner if unlink is None else unlink
@@ -317,7 +324,8 @@ class SharedOffloadRegion:
         finally:
             if unlink:
                 self.header.set_state(RegionState.CLOSING)
-            self._release_mapping()
+            if unmap:
+                self._release_mapping()
             if unlink:
                 try:
                     os.unlink(self.path)

@@ -154,6 +154,10 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
                             if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
     try:
         region.prefault_slice(prefault_threads)
+    except BaseException:
+        _release(region, rank)  # pinning was never tried: the pin state stays as it was
+        raise
+    try:
         pin_state = _pin(region, rank, policy, torch_device)
     except BaseException:
         _release(region, rank, pin_failed=True)
