@@ -7,7 +7,6 @@ import os
 import shutil
 import struct
 import subprocess
-from dataclasses import dataclass
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -15,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from tiercache.header import HeaderInfo, RegionHeader, RegionState
 from tiercache.hostmem import process_start_ns
 from tiercache.layout import HEADER_FIXED_BYTES, RegionLayout
+from tiercache.manager import ManagerStats
 from tiercache.metrics import TiercacheCollector
 from tiercache.stats import RankStats
 
@@ -44,25 +44,12 @@ class FakeRegion:
         return struct.unpack_from("<Q", self.buffer, self.layout.stats_offset(rank))[0]
 
 
-@dataclass(frozen=True)
-class FakeManagerStats:
-    lookups: int = 7
-    hit_blocks: int = 11
-    miss_blocks: int = 5
-    stored_blocks: int = 20
-    loaded_blocks: int = 11
-    store_rejections: int = 2
-    evicted_blocks: int = 4
-    failed_store_blocks: int = 1
-    capacity_blocks: int = 8
-    free_blocks: int = 2
-    writing_blocks: int = 1
-    ready_blocks: int = 4
-    loading_blocks: int = 1
-
-    @property
-    def occupancy(self) -> float:
-        return (self.capacity_blocks - self.free_blocks) / self.capacity_blocks
+def sample_manager_stats() -> ManagerStats:
+    """Index counters as the real ManagerStats, a distinct value in every field."""
+    return ManagerStats(lookups=7, hit_blocks=11, miss_blocks=5, stored_blocks=20,
+                        loaded_blocks=11, store_rejections=2, evicted_blocks=4,
+                        failed_store_blocks=1, capacity_blocks=8, free_blocks=2,
+                        writing_blocks=1, ready_blocks=4, loading_blocks=1)
 
 
 def attach_self(region: FakeRegion, rank: int) -> RankStats:
@@ -77,12 +64,17 @@ def registry_of(collector: TiercacheCollector) -> CollectorRegistry:
     return registry
 
 
-def promtool() -> str:
-    path = shutil.which("promtool")
+def require_tool(name: str, needed_for: str) -> str:
+    """The path of Debian prometheus's ``name``; a clear failure (not a skip) without it."""
+    path = shutil.which(name)
     if path is None:
-        pytest.fail("promtool is not installed: install Debian's prometheus package "
-                    "(`make prometheus`); the metrics lint cannot run without it")
+        pytest.fail(f"{name} is not installed: install Debian's prometheus package "
+                    f"(`make prometheus`); {needed_for} cannot run without it")
     return path
+
+
+def promtool() -> str:
+    return require_tool("promtool", "the metrics lint")
 
 
 def promtool_check(exposition: bytes) -> None:

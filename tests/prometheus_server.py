@@ -5,7 +5,6 @@ temporary TSDB, one scrape job; queried over its HTTP API. ``stop()`` always run
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -14,7 +13,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
+from metrics_support import require_tool
 
 POLL_S = 0.2
 START_TIMEOUT_S = 60.0
@@ -23,11 +22,7 @@ JOB = "tiercache"
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.fail("the prometheus server is not installed: install Debian's prometheus "
-                    "package (`make prometheus`); the end-to-end metrics test needs it")
-    return path
+    return require_tool("prometheus", "the end-to-end metrics test")
 
 
 def free_port() -> int:

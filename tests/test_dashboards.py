@@ -17,7 +17,7 @@ from tiercache.metrics import TiercacheCollector
 from tiercache.stats import Direction, PinState
 
 import dashboard_queries as dq
-from metrics_support import FakeManagerStats, FakeRegion, attach_self, promtool
+from metrics_support import sample_manager_stats, FakeRegion, attach_self, promtool
 
 GRID_COLUMNS = 24
 DASHBOARDS = [(path.name, dq.load(path)) for path in dq.dashboard_files()]
@@ -139,7 +139,7 @@ def _exposition() -> tuple[set[str], set[str]]:
         view = attach_self(region, rank)
         view.set_pin(PinState.PINNED, 1 << 20, 0.1)
         view.record_transfer(Direction.GPU_TO_CPU, 4096, 1e-4, success=True)
-    text = encode_text(TiercacheCollector(region, FakeManagerStats).collect()).decode()
+    text = encode_text(TiercacheCollector(region, sample_manager_stats).collect()).decode()
     samples, labels = set(), {"instance", "job"}  # added by Prometheus at scrape time
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -19,7 +19,7 @@ from tiercache.metrics import TiercacheCollector
 from tiercache.stats import Direction, PinState
 
 from metrics_support import (
-    FakeManagerStats, FakeRegion, attach_self, promtool_check, registry_of,
+    sample_manager_stats, FakeRegion, attach_self, promtool_check, registry_of,
 )
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
@@ -36,7 +36,7 @@ def test_encode_text_matches_prometheus_client():
     view = attach_self(region, 1)
     view.set_pin(PinState.PINNED, 1 << 30, 1.5)
     view.record_transfer(C2G, 123456, 0.0123, success=True)
-    collector = TiercacheCollector(region, manager_stats=FakeManagerStats)
+    collector = TiercacheCollector(region, manager_stats=sample_manager_stats)
     ours = encode_text(collector.collect()).decode()
     theirs = generate_latest(registry_of(collector)).decode()
     assert _families(ours) == _families(theirs)
@@ -45,7 +45,7 @@ def test_encode_text_matches_prometheus_client():
 def test_exporter_serves_and_closes():
     region = FakeRegion(world_size=2)
     attach_self(region, 0).record_transfer(G2C, 4096, 1e-3, success=True)
-    exporter = start_exporter(ExporterConfig(port=0), TiercacheCollector(region, FakeManagerStats))
+    exporter = start_exporter(ExporterConfig(port=0), TiercacheCollector(region, sample_manager_stats))
     try:
         assert exporter.port > 0
         with urllib.request.urlopen(exporter.url, timeout=10) as resp:
@@ -73,10 +73,10 @@ def test_failing_scrape_is_a_500_and_the_exporter_keeps_serving():
     region = FakeRegion()
     broken = {"on": True}
 
-    def manager_stats() -> FakeManagerStats:
+    def manager_stats() -> sample_manager_stats:
         if broken["on"]:
             raise RuntimeError("index unavailable")
-        return FakeManagerStats()
+        return sample_manager_stats()
 
     exporter = start_exporter(ExporterConfig(port=0), TiercacheCollector(region, manager_stats))
     try:

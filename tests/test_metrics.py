@@ -20,7 +20,7 @@ from tiercache.metrics import METRIC_NAMES, TiercacheCollector
 from tiercache.stats import BackendCode, Direction, PinState
 
 from metrics_support import (
-    FakeManagerStats, FakeRegion, attach_self, promtool_check, registry_of,
+    sample_manager_stats, FakeRegion, attach_self, promtool_check, registry_of,
 )
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
@@ -155,7 +155,7 @@ def test_pin_state_backend_and_region_gauges():
 
 def test_index_counters_and_gauges_come_from_manager_stats():
     region = FakeRegion()
-    stats = FakeManagerStats()
+    stats = sample_manager_stats()
     reg = registry_of(TiercacheCollector(region, manager_stats=lambda: stats))
     value = reg.get_sample_value
     assert value("tiercache_index_lookups_total") == 7
@@ -181,7 +181,7 @@ def test_metric_names_list_every_exported_family():
     region = FakeRegion()
     attach_self(region, 0)
     text = generate_latest(registry_of(
-        TiercacheCollector(region, manager_stats=FakeManagerStats))).decode()
+        TiercacheCollector(region, manager_stats=sample_manager_stats))).decode()
     exported = set()
     for family in text_string_to_metric_families(text):
         exported.add(family.name + "_total" if family.type == "counter" else family.name)
@@ -280,5 +280,5 @@ def test_promtool_accepts_the_exposition():
     view = attach_self(region, 0)
     view.record_transfer(G2C, 65536, 3e-4, success=True)
     view.record_transfer(C2G, 65536, 0, success=False)
-    collector = TiercacheCollector(region, manager_stats=FakeManagerStats)
+    collector = TiercacheCollector(region, manager_stats=sample_manager_stats)
     promtool_check(encode_text(collector.collect()))
