@@ -163,3 +163,17 @@ def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_confi
     assert not os.path.exists(region.path)  # unlinked ...
     assert region._mmap is not None  # ... but still mapped for the scrape that may read it
     region._release_mapping()
+
+
+def test_status_into_a_closed_pipe_exits_quietly(make_config):
+    from tiercache.region import SharedOffloadRegion
+
+    cfg = make_config(world_size=8)
+    region = SharedOffloadRegion.create(cfg)
+    try:
+        result = subprocess.run(f"{sys.executable} -m tiercache status | head -1", shell=True,
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout.startswith("region ")
+        assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    finally:
+        region.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tiercache.config import Config, format_bytes, load_config
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except TiercacheError as e:
         print(f"tiercache: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `tiercache status | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
