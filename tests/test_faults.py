@@ -158,3 +158,55 @@ def test_sigterm_stops_the_demo_cleanly_and_leaves_nothing(make_config, tmp_path
     assert not os.path.exists(config.socket_path)
     for pid in doc["worker_pids"] + [doc["coordinator_pid"]]:
         assert not psutil.pid_exists(pid), f"pid {pid} outlived the demo"
+
+
+def _wait_after(path, marker: str, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait until ``text`` appears in the output after the first ``marker``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        content = path.read_text()
+        at = content.find(marker)
+        if at >= 0 and text in content[at + len(marker):]:
+            return content
+        assert proc.poll() is None, f"demo exited with {proc.returncode}:\n{content}"
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not after {marker!r} within {timeout_s} s:\n{path.read_text()}")
+
+
+def test_the_demo_itself_restarts_a_killed_worker_and_its_killed_coordinator(make_config,
+                                                                           tmp_path):
+    import re
+
+    config = e2e_config(make_config, 2)
+    config_path = tmp_path / "demo.toml"
+    config_path.write_text(config_to_toml(config))
+    log_path, json_path = tmp_path / "demo.log", tmp_path / "summary.json"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercache", "demo", "--config", str(config_path),
+             "--requests", "0", "--json", str(json_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            out = _wait_for_line(log_path, "requests ", proc, WAIT_S)
+            worker = int(re.search(r"rank 1: worker pid (\d+)", out).group(1))
+            coordinator = int(re.search(r"started a coordinator \(pid (\d+)\)", out).group(1))
+            os.kill(worker, signal.SIGKILL)
+            restarted = "rank 1's worker is gone; restarting it"
+            _wait_after(log_path, restarted, "requests ", proc, WAIT_S)  # and it goes on
+            os.kill(coordinator, signal.SIGKILL)
+            replaced = "the coordinator is gone; starting a new one"
+            _wait_after(log_path, replaced, "requests ", proc, WAIT_S)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT_S) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    doc = json.loads(json_path.read_text())
+    assert doc["rank_restarts"] == 1 and doc["coordinator_gone"] >= 1
+    assert doc["mismatched_blocks"] == 0 and doc["checked_blocks"] > 0
+    assert doc["coordinator_pid"] != coordinator and worker not in doc["worker_pids"]
+    assert not os.path.exists(f"/dev/shm/{config.shm_name}")
+    assert not os.path.exists(config.socket_path)
+    for pid in doc["worker_pids"] + [doc["coordinator_pid"]]:
+        assert not psutil.pid_exists(pid), f"pid {pid} outlived the demo"

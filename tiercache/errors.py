@@ -24,8 +24,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   │                           repeated in one prepare_store         (also ValueError)
     │   └── StateError              a call out of order: double complete, load of a
     │                               block being written, ref-count underflow
-    ├── JobError                    the completion loop misused: a job begun while a rank
-    │                               is down, a repeated job id or ack
+    ├── JobError                    the completion loop misused: a repeated job id or ack
+    │   └── RanksDownError          a job begun while a rank is down (restart it, retry)
     ├── WorkerError                 a worker process failed to start or stopped answering
     ├── ProtocolError               a malformed, oversized or unexpected frame
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
@@ -106,6 +106,14 @@ class StateError(ManagerError):
 
 class JobError(TiercacheError):
     """The completion loop (``tiercache.jobs``) used against its contract."""
+
+
+class RanksDownError(JobError):
+    """A job cannot begin while these ranks are down; restart them and retry."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"rank(s) {ranks} are down; requests wait until they re-attach")
+        self.ranks = ranks
 
 
 class WorkerError(TiercacheError):

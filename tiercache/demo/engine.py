@@ -26,7 +26,7 @@ import numpy as np
 
 from tiercache.client import Client
 from tiercache.config import Config
-from tiercache.errors import CoordinatorGoneError, JobError, WorkerError
+from tiercache.errors import CoordinatorGoneError, JobError, RanksDownError, WorkerError
 from tiercache.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
 from tiercache.layout import RegionLayout
 from tiercache.region import SharedOffloadRegion
@@ -126,7 +126,7 @@ class DemoEngine:
         self.sync()
         down = self.tracker.down_ranks()
         if down:
-            raise JobError(f"rank(s) {down} are down; requests wait until they re-attach")
+            raise RanksDownError(down)
         if self.pool.outstanding():
             raise JobError("the previous request's transfers are still in flight; wait_idle() "
                            "first (their GPU blocks are reused)")

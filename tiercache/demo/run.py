@@ -21,7 +21,9 @@ import time
 from typing import Any
 
 from tiercache.config import BackendKind, Config, load_config
-from tiercache.errors import ConfigError, CoordinatorGoneError, LayoutMismatchError, WorkerError
+from tiercache.errors import (
+    ConfigError, CoordinatorGoneError, LayoutMismatchError, RanksDownError, WorkerError,
+)
 from tiercache.layout import RegionLayout
 from tiercache.region import list_regions
 from tiercache.signals import stop_on_signals
@@ -193,17 +195,21 @@ def _run(config: Config, options: RankOptions, spec: WorkloadSpec, args, link: C
         for request in workload.requests(args.requests or None):
             if stop.is_set():
                 break
-            for rank in engine.tracker.down_ranks():
-                if respawns == 0:
-                    raise WorkerError(f"rank {rank}'s worker died and --respawn is used up")
-                respawns -= 1
-                _say(f"rank {rank}'s worker is gone; restarting it")
-                engine.restart_rank(rank)
-            try:
-                engine.run(request, REQUEST_TIMEOUT_S)
-            except CoordinatorGoneError:
-                engine.wait_idle(REQUEST_TIMEOUT_S)
-                link.recover(engine.client.ping, args.coordinator_wait)
+            while True:  # a worker may die between any check and the submit: retry then
+                for rank in engine.tracker.down_ranks():
+                    if respawns == 0:
+                        raise WorkerError(f"rank {rank}'s worker died and --respawn is used up")
+                    respawns -= 1
+                    _say(f"rank {rank}'s worker is gone; restarting it")
+                    engine.restart_rank(rank)
+                try:
+                    engine.run(request, REQUEST_TIMEOUT_S)
+                except RanksDownError:
+                    continue
+                except CoordinatorGoneError:
+                    engine.wait_idle(REQUEST_TIMEOUT_S)
+                    link.recover(engine.client.ping, args.coordinator_wait)
+                break
             if not args.quiet:
                 progress.tick()
         engine.wait_idle(REQUEST_TIMEOUT_S)
