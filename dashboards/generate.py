@@ -6,7 +6,7 @@
 Edit the panels here, not in the JSON. Every query filters on ``$instance`` (and
 per-rank queries on ``$rank``), uses ``$__rate_interval`` in every ``rate`` and
 ``$__range`` only in whole-range ``increase`` tiles, and names only metrics that
-``tiercache.metrics`` exports; ``tests/test_dashboards.py`` checks all of it, and
+``tiercache.metrics.collector`` exports; ``tests/test_dashboards.py`` checks all of it, and
 ``tests/test_prometheus_e2e.py`` runs every query against a real Prometheus.
 """
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from tiercache.config import Config, KVGeometry, PinningPolicy, RegionConfig
-from tiercache.region import SharedOffloadRegion
+from tiercache.region.shared import SharedOffloadRegion
 
 
 def copy_gbps(host, dev, reps: int) -> dict:

@@ -8,9 +8,9 @@ import multiprocessing as mp
 import os
 import time
 
-from tiercache.hostmem import fallocate, prefault
-from tiercache.layout import RegionLayout
-from tiercache.pinning import HostPinner
+from tiercache.region.hostmem import fallocate, prefault
+from tiercache.region.layout import RegionLayout
+from tiercache.region.pinning import HostPinner
 
 import numpy as np
 import ctypes

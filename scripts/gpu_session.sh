@@ -17,7 +17,7 @@ for step in $STEPS; do
     tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     probe) timeout 200 python3 scripts/transfer_probe.py 2>&1 | tee "$OUT/probe.log" | grep -v '^\[' ;;
     staged-probe) for mode in main ce both; do timeout 150 python3 scripts/staged_probe.py $mode 2>&1 | tee -a "$OUT/staged_probe.log" | grep RESULT; done ;;
-    bench) timeout 400 python3 -m tiercache.bench $BENCH_ARGS --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;
-    baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
+    bench) timeout 400 python3 -m tiercache.tools.bench $BENCH_ARGS --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;
+    baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.tools.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
   esac
 done

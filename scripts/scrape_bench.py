@@ -32,7 +32,7 @@ from prometheus_server import JOB, PrometheusServer  # noqa: E402  (the tests' h
 from tiercache.config import (  # noqa: E402
     BackendKind, Config, ExporterConfig, KVGeometry, RegionConfig,
 )
-from tiercache.testing import CoordinatorProcess  # noqa: E402
+from tiercache.service.process import CoordinatorProcess  # noqa: E402
 
 WORLD_SIZE = 8
 NUM_BLOCKS = 64
@@ -44,7 +44,7 @@ def worker_main(config: Config, rank: int, conn) -> None:
     import torch
 
     from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-    from tiercache.worker import attach
+    from tiercache.transfer.worker import attach
 
     gpu = [torch.zeros((GPU_BLOCKS, p), dtype=torch.uint8) for p in config.kv.page_bytes]
     worker = attach(config, rank, gpu, ready_timeout_s=60)

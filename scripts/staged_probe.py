@@ -20,7 +20,7 @@ from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
 from tiercache.backends.staging import Scratch, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, _copy_descriptors, upload_table
-from tiercache.bench import KIB, MIB, GpuRig, Workload
+from tiercache.tools.bench import KIB, MIB, GpuRig, Workload
 
 
 def host_us(fn, n=200, warm=20, sync=None):

@@ -14,7 +14,7 @@ import torch
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
 from tiercache.backends.staging import plan_staging
-from tiercache.bench import GpuRig, Workload, KIB, MIB
+from tiercache.tools.bench import GpuRig, Workload, KIB, MIB
 
 rig = GpuRig(0, 512 * MIB)
 drv = CudaDriver()

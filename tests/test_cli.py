@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from tiercache.client import Client
+from tiercache.index.client import Client
 from tiercache.errors import CoordinatorGoneError
-from tiercache.region import list_regions
-from tiercache.testing import CoordinatorProcess
+from tiercache.region.shared import list_regions
+from tiercache.service.process import CoordinatorProcess
 
 
 def tiercache(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
@@ -131,7 +131,7 @@ def test_index_events_are_served_when_the_config_enables_them(make_config, tmp_p
 
 
 def test_status_reports_a_stats_block_left_mid_update_instead_of_a_traceback(make_config):
-    from tiercache.region import SharedOffloadRegion
+    from tiercache.region.shared import SharedOffloadRegion
 
     cfg = make_config()
     region = SharedOffloadRegion.create(cfg)
@@ -146,7 +146,7 @@ def test_status_reports_a_stats_block_left_mid_update_instead_of_a_traceback(mak
 
 
 def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_config, monkeypatch):
-    from tiercache.coordinator import Coordinator
+    from tiercache.service.coordinator import Coordinator
 
     coordinator = Coordinator(make_config(), say=lambda _: None)
     coordinator.start()
@@ -166,7 +166,7 @@ def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_confi
 
 
 def test_status_into_a_closed_pipe_exits_quietly(make_config):
-    from tiercache.region import SharedOffloadRegion
+    from tiercache.region.shared import SharedOffloadRegion
 
     cfg = make_config(world_size=8)
     region = SharedOffloadRegion.create(cfg)

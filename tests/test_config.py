@@ -102,6 +102,6 @@ def test_readme_config_reference_lists_exactly_the_allowed_keys():
 
 def test_index_policies_match_the_policy_registry():
     from tiercache.config import INDEX_POLICIES
-    from tiercache import policies
+    from tiercache.index import policies
 
     assert set(INDEX_POLICIES) == set(policies.POLICIES)

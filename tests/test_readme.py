@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from tiercache.testing import CoordinatorProcess
+from tiercache.service.process import CoordinatorProcess
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "load_config": "tiercache.config",
     "Config": "tiercache.config",
-    "SharedOffloadRegion": "tiercache.region",
+    "SharedOffloadRegion": "tiercache.region.shared",
     "GPULoadStoreSpec": "tiercache.specs",
     "CPULoadStoreSpec": "tiercache.specs",
-    "SingleDirectionOffloadingHandler": "tiercache.handlers",
-    "CpuGpuOffloadingHandlers": "tiercache.handlers",
-    "TransferResult": "tiercache.handlers",
-    "OffloadingManager": "tiercache.manager",
-    "PrepareStoreOutput": "tiercache.manager",
-    "OffloadingEvent": "tiercache.manager",
-    "Client": "tiercache.client",
-    "attach": "tiercache.worker",
+    "SingleDirectionOffloadingHandler": "tiercache.transfer.handlers",
+    "CpuGpuOffloadingHandlers": "tiercache.transfer.handlers",
+    "TransferResult": "tiercache.transfer.handlers",
+    "OffloadingManager": "tiercache.index.manager",
+    "PrepareStoreOutput": "tiercache.index.manager",
+    "OffloadingEvent": "tiercache.index.manager",
+    "Client": "tiercache.index.client",
+    "attach": "tiercache.transfer.worker",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -9,10 +9,10 @@ import sys
 
 from tiercache.config import Config, format_bytes, load_config
 from tiercache.errors import TiercacheError
-from tiercache.header import RegionState
-from tiercache.hostmem import process_alive
-from tiercache.signals import stop_on_signals
-from tiercache.stats import Direction
+from tiercache.region.header import RegionState
+from tiercache.region.hostmem import process_alive
+from tiercache.service.signals import stop_on_signals
+from tiercache.region.stats import Direction
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -23,7 +23,7 @@ def _say(message: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tiercache.coordinator import Coordinator
+    from tiercache.service.coordinator import Coordinator
 
     config = load_config(args.config)
     stop = stop_on_signals(_say, "shutting down")
@@ -45,7 +45,7 @@ def _region_names(args: argparse.Namespace) -> list[str] | None:
 
 
 def _print_index(socket_path: str) -> None:
-    from tiercache.client import Client
+    from tiercache.index.client import Client
     from tiercache.errors import CoordinatorGoneError
 
     try:
@@ -62,7 +62,7 @@ def _print_index(socket_path: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tiercache.region import SharedOffloadRegion, list_regions
+    from tiercache.region.shared import SharedOffloadRegion, list_regions
 
     wanted = _region_names(args)
     listings = [r for r in list_regions() if wanted is None or r.name in wanted]
@@ -111,7 +111,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from tiercache.region import list_regions, remove_stale
+    from tiercache.region.shared import list_regions, remove_stale
 
     removed = remove_stale(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -126,13 +126,13 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tiercache.bench import main as bench_main
+    from tiercache.tools.bench import main as bench_main
 
     return bench_main(args.rest)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tiercache.demo import main as demo_main
+    from tiercache.tools.demo import main as demo_main
 
     return demo_main(args.rest)
 

@@ -25,7 +25,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
-INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.policies by a test
+INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 
 
@@ -151,7 +151,7 @@ class Config:
     backend: BackendKind = BackendKind.AUTO
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path
-    index_policy: str = "lru"  # eviction policy of the cache index (tiercache.policies registry)
+    index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
     index_events: bool = False  # keep stored/removed events for take_events()
 
     def __post_init__(self) -> None:

@@ -105,7 +105,7 @@ class StateError(ManagerError):
 
 
 class JobError(TiercacheError):
-    """The completion loop (``tiercache.jobs``) used against its contract."""
+    """The completion loop (``tiercache.index.jobs``) used against its contract."""
 
 
 class RanksDownError(JobError):

@@ -8,7 +8,7 @@ GPU tensors have one page per block (``pages_per_block = 1``); a rank's slice of
 region has ``block_size_factor`` GPU-sized sub-pages per CPU block, back to back.
 ``block_stride_bytes`` may exceed the page (padded pages, rows holding other tensors'
 pages, K and V halves of one allocation); only ``page_bytes`` are ever copied.
-How torch tensors become PageArrays: ``tiercache.kv_caches``.
+How torch tensors become PageArrays: ``tiercache.transfer.kv_caches``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ silently. ``AUTO`` picks per direction and returns the chosen backend, whose ``c
 What a backend's ``copy_async(plan, stream)`` receives as ``stream``: the stream object
 of the kind's platform (``STREAM_PLATFORMS``): a ``torch.cuda.Stream`` on the caches'
 device for the GPU kinds (raw handle: ``stream.cuda_stream``; never the legacy default
-stream), a ``tiercache.host_streams.HostStream`` for ``cpu``. Empty plans are never
+stream), a ``tiercache.backends.host_streams.HostStream`` for ``cpu``. Empty plans are never
 passed to a backend.
 """
 
@@ -24,8 +24,8 @@ from tiercache.backends.base import CopyBackend, CopyPlan
 from tiercache.config import BackendKind
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
-from tiercache.stats import Direction
-from tiercache.streams import StreamPlatform
+from tiercache.region.stats import Direction
+from tiercache.backends.streams import StreamPlatform
 
 # The hooks: "module:callable" per kind. GPU kinds live in modules of their own.
 BACKEND_FACTORIES: dict[BackendKind, str] = {
@@ -37,11 +37,11 @@ BACKEND_FACTORIES: dict[BackendKind, str] = {
 }
 # "module:callable(device) -> StreamPlatform" per kind.
 STREAM_PLATFORMS: dict[BackendKind, str] = {
-    BackendKind.CPU: "tiercache.host_streams:HostStreams",
-    BackendKind.CE: "tiercache.streams:CudaStreams",
-    BackendKind.KERNEL: "tiercache.streams:CudaStreams",
-    BackendKind.STAGED: "tiercache.streams:CudaStreams",
-    BackendKind.AUTO: "tiercache.streams:CudaStreams",
+    BackendKind.CPU: "tiercache.backends.host_streams:HostStreams",
+    BackendKind.CE: "tiercache.backends.streams:CudaStreams",
+    BackendKind.KERNEL: "tiercache.backends.streams:CudaStreams",
+    BackendKind.STAGED: "tiercache.backends.streams:CudaStreams",
+    BackendKind.AUTO: "tiercache.backends.streams:CudaStreams",
 }
 HOST_KINDS = frozenset({BackendKind.CPU})  # kinds whose both sides are host memory
 

@@ -45,7 +45,7 @@ from tiercache.backends.ce import CeBackend, device_index
 from tiercache.backends.driver import CudaDriver
 from tiercache.backends.staged import StagedBackend
 from tiercache.errors import BackendError
-from tiercache.stats import Direction
+from tiercache.region.stats import Direction
 
 log = logging.getLogger(__name__)
 

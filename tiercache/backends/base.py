@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.stats import BackendCode, Direction
+from tiercache.region.stats import BackendCode, Direction
 
 
 @dataclass(frozen=True, eq=False)

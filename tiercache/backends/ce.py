@@ -33,7 +33,7 @@ from tiercache.backends.driver import (
     CUDA_SUCCESS, CudaDriver, MemcpyAttributes, SrcAccessOrder, stream_handle,
 )
 from tiercache.errors import BackendError
-from tiercache.stats import BackendCode, Direction
+from tiercache.region.stats import BackendCode, Direction
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import ctypes
 from tiercache.backends import BackendContext
 from tiercache.backends.base import CopyBackend, CopyPlan
 from tiercache.errors import BackendError
-from tiercache.host_streams import HostStream
-from tiercache.stats import BackendCode
+from tiercache.backends.host_streams import HostStream
+from tiercache.region.stats import BackendCode
 
 
 def _execute(plan: CopyPlan) -> None:

@@ -22,7 +22,7 @@ from tiercache.backends.ce import plan_arrays
 from tiercache.backends.driver import stream_handle
 from tiercache.backends.triton_copy import CopyKernel, DescriptorTable, upload_table
 from tiercache.errors import BackendError
-from tiercache.stats import BackendCode
+from tiercache.region.stats import BackendCode
 
 DEFAULT_NUM_PROGRAMS = 32  # enough bytes in flight to fill PCIe (16 CTAs reach 0.93)
 

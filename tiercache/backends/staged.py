@@ -50,7 +50,7 @@ from tiercache.backends.driver import CudaDriver, SrcAccessOrder
 from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.errors import BackendError
-from tiercache.stats import BackendCode, Direction
+from tiercache.region.stats import BackendCode, Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
 DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction

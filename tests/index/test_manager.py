@@ -1,0 +1,237 @@
+"""The cache index in-process: the shared narrated scenarios, then what only the
+manager itself can show (policy internals, invariants under random use, threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import index_scenarios as sc
+from index_scenarios import k, store
+from tiercache.errors import ConfigError, ManagerError, StateError, UnknownKeyError
+from tiercache.index.manager import OffloadingEvent, OffloadingManager, SlotState
+
+
+@pytest.mark.parametrize(("policy", "name"), sc.CASES)
+def test_scenario(policy, name):
+    sc.run(OffloadingManager(sc.CAPACITY_BLOCKS, policy, enable_events=True), policy, name)
+
+
+def test_arc_lists_follow_promotion_and_ghosts():
+    m = OffloadingManager(2, "arc")
+    arc = m.policy
+    store(m, 1)
+    store(m, 2)
+    assert arc.lists() == {"t1": tuple(k(1, 2)), "t2": (), "b1": (), "b2": ()}
+    m.touch(k(1))  # a second use promotes to T2
+    assert arc.lists()["t1"] == tuple(k(2)) and arc.lists()["t2"] == tuple(k(1))
+    store(m, 3)  # T1 (1 block) > p (0): its least recent block becomes a ghost
+    assert arc.lists() == {"t1": tuple(k(3)), "t2": tuple(k(1)), "b1": tuple(k(2)), "b2": ()}
+    assert arc.target_t1_blocks == 0
+    store(m, 2)  # a B1 ghost comes back: p grows, and 2 goes straight to T2
+    assert arc.target_t1_blocks == 1
+    assert arc.lists()["t2"][-1] == k(2)[0]
+
+
+def test_arc_touch_skips_blocks_being_written():
+    m = OffloadingManager(4, "arc")
+    m.prepare_store(k(1))
+    m.touch(k(1))  # the storing request itself: not a second use
+    m.complete_store(k(1))
+    assert m.policy.lists()["t1"] == tuple(k(1))
+    m.touch(k(1))
+    assert m.policy.lists()["t2"] == tuple(k(1))
+
+
+def test_arc_ghost_lists_stay_within_the_directory_bound():
+    m = OffloadingManager(2, "arc")
+    for i in range(3, 40):
+        store(m, i)
+        if i % 3 == 0:
+            m.touch(k(i))
+        lists = m.policy.lists()
+        assert len(lists["t1"]) + len(lists["b1"]) <= 2
+        assert sum(len(v) for v in lists.values()) <= 4
+
+
+def test_failed_store_leaves_no_ghost():
+    m = OffloadingManager(2, "arc")
+    out = m.prepare_store(k(1))
+    m.complete_store(list(out.keys_to_store), success=False)
+    assert m.policy.lists() == {"t1": (), "t2": (), "b1": (), "b2": ()}
+
+
+def test_take_events_bounded_batches_split_events_in_order():
+    m = OffloadingManager(8, enable_events=True)
+    store(m, 1, 2, 3)
+    store(m, 4)
+    assert m.take_events(max_keys=2) == [OffloadingEvent(tuple(k(1, 2)), removed=False)]
+    assert m.take_events(max_keys=2) == [OffloadingEvent(tuple(k(3)), removed=False),
+                                         OffloadingEvent(tuple(k(4)), removed=False)]
+    assert m.take_events(max_keys=2) == []
+    with pytest.raises(ManagerError, match="max_keys = 0"):
+        m.take_events(max_keys=0)
+
+
+def test_events_off_is_an_error_not_an_empty_list():
+    m = OffloadingManager(2)
+    store(m, 1)
+    with pytest.raises(StateError, match="enable_events=True"):
+        m.take_events()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_num_blocks_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match=f"num_blocks = {bad!r}"):
+        OffloadingManager(bad)
+
+
+def test_unknown_policy_names_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"policy = 'mru': allowed 'arc', 'lru'"):
+        OffloadingManager(4, policy="mru")
+
+
+def test_threads_share_one_manager_consistently():
+    m = OffloadingManager(64, "arc")
+    errors: list[BaseException] = []
+
+    def worker(base: int) -> None:
+        try:
+            for i in range(300):
+                keys = k(*(base + 1000 * i + j for j in range(4)))
+                out = m.prepare_store(keys)
+                if out is not None:
+                    m.complete_store(list(out.keys_to_store))
+                hits = m.lookup(keys)
+                m.touch(keys)
+                try:
+                    m.prepare_load(keys[:hits])
+                except UnknownKeyError:  # another thread evicted them in between: allowed
+                    continue
+                m.complete_load(keys[:hits])
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t * 10**6,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    s = m.stats()
+    assert s.free_blocks + s.writing_blocks + s.ready_blocks + s.loading_blocks == 64
+    assert s.stored_blocks == s.evicted_blocks + s.ready_blocks
+
+
+# ---------------------------------------------------------------- random use keeps invariants
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random calls; a model of which keys are written/ready/loading must match the index."""
+
+    policy = "lru"
+
+    def __init__(self):
+        super().__init__()
+        self.m = OffloadingManager(5, self.policy, enable_events=True)
+        self.writing: set[bytes] = set()
+        self.ready: set[bytes] = set()
+        self.loads: dict[bytes, int] = {}
+        self.stored_minus_removed: set[bytes] = set()
+
+    keys = st.lists(st.integers(0, 9).map(lambda i: b"%d" % i), min_size=0, max_size=4,
+                    unique=True)
+
+    @rule(keys=keys)
+    def prepare_store(self, keys):
+        held = self.writing | self.ready
+        out = self.m.prepare_store(keys)
+        new = [key for key in keys if key not in held]
+        if out is None:
+            evictable = {key for key in self.ready if not self.loads.get(key) and key not in keys}
+            assert len(new) - (5 - len(held)) > len(evictable)
+            return
+        assert list(out.keys_to_store) == new
+        assert set(out.evicted_keys) <= self.ready - set(keys)
+        assert not any(self.loads.get(key) for key in out.evicted_keys)
+        self.ready -= set(out.evicted_keys)
+        self.writing |= set(new)
+
+    @precondition(lambda self: self.writing)
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data, success):
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.writing)), min_size=1, unique=True))
+        self.m.complete_store(keys, success)
+        self.writing -= set(keys)
+        if success:
+            self.ready |= set(keys)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def prepare_load(self, data):
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=3))
+        self.m.prepare_load(keys)
+        for key in keys:
+            self.loads[key] = self.loads.get(key, 0) + 1
+
+    @precondition(lambda self: any(self.loads.values()))
+    @rule(data=st.data())
+    def complete_load(self, data):
+        key = data.draw(st.sampled_from(sorted(k for k, n in self.loads.items() if n)))
+        self.m.complete_load([key])
+        self.loads[key] -= 1
+
+    @rule(keys=keys)
+    def touch_and_lookup(self, keys):
+        self.m.touch(keys)
+        expected = 0
+        for key in keys:
+            if key not in self.ready:
+                break
+            expected += 1
+        assert self.m.lookup(keys) == expected
+
+    @rule()
+    def reset(self):
+        self.m.reset()
+        self.writing.clear()
+        self.ready.clear()
+        self.loads.clear()
+
+    @invariant()
+    def gauges_match_the_model(self):
+        s = self.m.stats()
+        loading = {key for key, n in self.loads.items() if n}
+        assert s.writing_blocks == len(self.writing)
+        assert s.loading_blocks == len(loading)
+        assert s.ready_blocks == len(self.ready - loading)
+        assert s.free_blocks == 5 - len(self.writing) - len(self.ready)
+        slots = self.m._slots  # the index's own records: one slot per key, none shared
+        assert len({slot.slot_id for slot in slots.values()}) == len(slots)
+        assert all(0 <= slot.slot_id < 5 for slot in slots.values())
+        assert all((slot.state is SlotState.LOADING) == (slot.loads > 0) for slot in slots.values())
+        assert self.m._readable_keys == {key for key, slot in slots.items()
+                                         if slot.state is not SlotState.WRITING}
+
+    @invariant()
+    def events_replay_to_the_readable_set(self):
+        for event in self.m.take_events():
+            if event.removed:
+                self.stored_minus_removed -= set(event.keys)
+            else:
+                self.stored_minus_removed |= set(event.keys)
+        assert self.stored_minus_removed == self.ready
+
+
+class ARCMachine(ManagerMachine):
+    policy = "arc"
+
+
+TestLRUMachine = ManagerMachine.TestCase
+TestLRUMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestARCMachine = ARCMachine.TestCase
+TestARCMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,147 @@
+"""Wire format: round trips of every payload, and every way a frame can be wrong."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiercache import errors
+from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.protocol import (
+    ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
+    PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
+    decode_error, decode_events, decode_stats, decode_store_output, encode_error, encode_events, encode_stats,
+    encode_store_output, frame,
+)
+from tiercache.specs import CPULoadStoreSpec
+
+keys_strategy = st.lists(st.binary(min_size=0, max_size=MAX_KEY_BYTES), max_size=50)
+
+
+def raw_header(magic=MAGIC, version=PROTOCOL_VERSION, verb=1, status=0, request_id=7, size=0):
+    return struct.pack("<4sBBBBII", magic, version, verb, status, 0, request_id, size)
+
+
+def test_header_layout_is_the_documented_one():
+    data = frame(Verb.PREPARE_STORE, 0xDEADBEEF, b"abc", Status.ERROR)
+    assert HEADER_BYTES == 16
+    assert data[0:4] == b"TCKV" and data[4] == PROTOCOL_VERSION
+    assert data[5] == Verb.PREPARE_STORE and data[6] == Status.ERROR and data[7] == 0
+    assert data[8:12] == (0xDEADBEEF).to_bytes(4, "little")
+    assert data[12:16] == (3).to_bytes(4, "little") and data[16:] == b"abc"
+    header = FrameHeader.unpack(data)
+    assert header == FrameHeader(Verb.PREPARE_STORE, Status.ERROR, 0xDEADBEEF, 3)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"magic": b"HTTP"}, "bad frame magic"),
+    ({"version": 2}, "protocol version 2 is not supported"),
+    ({"size": MAX_FRAME_BYTES + 1}, f"at most {MAX_FRAME_BYTES}"),
+    ({"verb": 0}, "bad frame header"),
+    ({"verb": 200}, "bad frame header"),
+    ({"status": 9}, "bad frame header"),
+])
+def test_bad_headers_are_protocol_errors(fields, message):
+    with pytest.raises(errors.ProtocolError, match=message):
+        FrameHeader.unpack(raw_header(**fields))
+
+
+@given(keys_strategy)
+def test_keys_round_trip(keys):
+    reader = PayloadReader(PayloadWriter().keys(keys).build())
+    assert reader.keys() == keys
+    reader.done()
+
+
+def test_ids_and_scalars_round_trip():
+    ids = np.array([5, 0, 2**40], dtype=np.int64)
+    data = PayloadWriter().u8(3).u32(70000).ids(ids).text("héllo").u64s([1, 2**63]).build()
+    reader = PayloadReader(data)
+    assert reader.u8() == 3 and reader.u32() == 70000
+    assert reader.ids().tolist() == ids.tolist()
+    assert reader.text() == "héllo" and reader.u64s(2) == (1, 2**63)
+    reader.done()
+
+
+def test_writer_refuses_what_the_wire_cannot_carry():
+    with pytest.raises(errors.ProtocolError, match=f"at most {MAX_KEYS_PER_CALL}"):
+        PayloadWriter().keys([b"k"] * (MAX_KEYS_PER_CALL + 1))
+    with pytest.raises(errors.InvalidKeyError, match=f"{MAX_KEY_BYTES + 1} bytes"):
+        PayloadWriter().keys([b"a", b"x" * (MAX_KEY_BYTES + 1)])
+    with pytest.raises(errors.InvalidKeyError, match="70000 bytes"):
+        PayloadWriter().keys([b"x" * 70000])  # beyond u16 too
+    with pytest.raises(errors.InvalidKeyError, match="key 3 is int"):
+        PayloadWriter().keys([b"a", 3])
+    with pytest.raises(errors.InvalidKeyError, match="bytearray"):
+        PayloadWriter().keys([bytearray(b"a")])
+
+
+def test_keys_of_one_width_carry_no_per_key_lengths():
+    same = PayloadWriter().keys([b"ab", b"cd", b"ef"]).build()
+    assert same == struct.pack("<IH", 3, 2) + b"abcdef"
+    mixed = PayloadWriter().keys([b"ab", b"c"]).build()
+    assert mixed == struct.pack("<IHHH", 2, VARIABLE_WIDTH, 2, 1) + b"abc"
+    assert PayloadReader(struct.pack("<IH", 3, 0)).keys() == [b"", b"", b""]
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (b"", "truncated"),
+    (struct.pack("<IH", 2, 4) + b"abcd", "truncated"),
+    (struct.pack("<IHHH", 2, VARIABLE_WIDTH, 1, 1) + b"a", "truncated"),
+    (struct.pack("<IH", MAX_KEYS_PER_CALL + 1, 1), f"at most {MAX_KEYS_PER_CALL}"),
+    (struct.pack("<IH", 1, MAX_KEY_BYTES + 1) + b"x" * (MAX_KEY_BYTES + 1), "keys of"),
+    (struct.pack("<IHHH", 2, VARIABLE_WIDTH, 1, MAX_KEY_BYTES + 1) + b"x" * 300, "a key of"),
+])
+def test_reader_refuses_malformed_key_lists(payload, message):
+    with pytest.raises(errors.ProtocolError, match=message):
+        PayloadReader(payload).keys()
+
+
+def test_reader_refuses_trailing_bytes_and_bad_text():
+    reader = PayloadReader(PayloadWriter().keys([b"a"]).build() + b"\0")
+    reader.keys()
+    with pytest.raises(errors.ProtocolError, match="1 unexpected trailing bytes"):
+        reader.done()
+    with pytest.raises(errors.ProtocolError, match="UTF-8"):
+        PayloadReader(struct.pack("<I", 1) + b"\xff").text()
+
+
+def test_store_output_round_trips_including_none():
+    out = PrepareStoreOutput((b"3", b"4"), CPULoadStoreSpec([2, 0]), (b"1",))
+    back = decode_store_output(PayloadReader(encode_store_output(out)))
+    assert back.keys_to_store == out.keys_to_store and back.evicted_keys == out.evicted_keys
+    assert back.store_spec.block_ids.tolist() == [2, 0]
+    assert decode_store_output(PayloadReader(encode_store_output(None))) is None
+
+
+def test_store_output_with_mismatched_ids_is_refused():
+    bad = PayloadWriter().u8(1).keys([b"a", b"b"]).ids(np.array([1])).keys([]).build()
+    with pytest.raises(errors.ProtocolError, match="2 keys but 1 slot ids"):
+        decode_store_output(PayloadReader(bad))
+    with pytest.raises(errors.ProtocolError, match="flag 7"):
+        decode_store_output(PayloadReader(b"\x07"))
+
+
+def test_events_and_stats_round_trip():
+    events = [OffloadingEvent((b"1", b"2"), removed=False), OffloadingEvent((b"9",), removed=True)]
+    assert decode_events(PayloadReader(encode_events(events))) == events
+    stats = ManagerStats(*range(1, 14))
+    back = decode_stats(PayloadReader(encode_stats(stats)))
+    assert back == stats and back.occupancy == stats.occupancy
+
+
+@pytest.mark.parametrize("cls", list(ERROR_CODES.values()))
+def test_errors_come_back_as_the_same_class(cls):
+    back = decode_error(PayloadReader(encode_error(cls("the message"))))
+    assert type(back) is cls and str(back) == "the message"
+
+
+def test_unexpected_errors_travel_as_the_base_class_with_their_type():
+    back = decode_error(PayloadReader(encode_error(RuntimeError("boom"))))
+    assert type(back) is errors.TiercacheError and str(back) == "RuntimeError: boom"
+    unknown = PayloadWriter().u32(999).text("x").build()
+    assert isinstance(decode_error(PayloadReader(unknown)), errors.ProtocolError)

@@ -1,0 +1,258 @@
+"""Narrated cache-index scenarios, run against an ``OffloadingManager`` in-process
+(tests/test_manager.py) and against a ``Client`` of a server in another process
+(tests/test_control.py). Every scenario starts from an empty index of
+``CAPACITY_BLOCKS`` slots with events on; keys are integer-like (``b"7"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tiercache.errors import InvalidKeyError, StateError, UnknownKeyError
+from tiercache.index.manager import OffloadingEvent, PrepareStoreOutput
+
+CAPACITY_BLOCKS = 4
+
+
+def k(*ints: int) -> list[bytes]:
+    return [b"%d" % i for i in ints]
+
+
+def store(cache, *ints: int) -> PrepareStoreOutput:
+    """prepare_store + successful complete_store; returns the prepare output."""
+    out = cache.prepare_store(k(*ints))
+    assert out is not None, f"no room to store {ints}"
+    cache.complete_store(list(out.keys_to_store))
+    return out
+
+
+def ids(out_or_spec) -> list[int]:
+    spec = getattr(out_or_spec, "store_spec", out_or_spec)
+    return spec.block_ids.tolist()
+
+
+def stored(*ints: int) -> OffloadingEvent:
+    return OffloadingEvent(tuple(k(*ints)), removed=False)
+
+
+def removed(*ints: int) -> OffloadingEvent:
+    return OffloadingEvent(tuple(k(*ints)), removed=True)
+
+
+# ---------------------------------------------------------------- both policies
+
+def store_then_hit(cache, policy: str) -> None:
+    # Two blocks are reserved in the first free slots, but are not hits until written.
+    out = cache.prepare_store(k(1, 2))
+    assert out.keys_to_store == tuple(k(1, 2)) and ids(out) == [0, 1] and out.evicted_keys == ()
+    assert cache.lookup(k(1, 2)) == 0
+    with pytest.raises(StateError, match="still being written"):
+        cache.prepare_load(k(1))
+    s = cache.stats()
+    assert (s.writing_blocks, s.free_blocks, s.occupancy) == (2, 2, 0.5)
+    # Once written they are hits; lookup counts only the leading run.
+    cache.complete_store(k(1, 2))
+    assert cache.lookup(k(1, 2, 3)) == 2
+    assert cache.lookup(k(3, 1)) == 0
+    s = cache.stats()
+    assert (s.lookups, s.hit_blocks, s.miss_blocks, s.stored_blocks) == (3, 2, 5, 2)
+    assert (s.capacity_blocks, s.free_blocks, s.ready_blocks, s.writing_blocks) == (4, 2, 2, 0)
+    # Loads get slot ids co-indexed with the keys, in the order asked.
+    assert ids(cache.prepare_load(k(2, 1))) == [1, 0]
+    cache.complete_load(k(2, 1))
+    # Keys already held are skipped; nothing to store is not a refusal.
+    out = cache.prepare_store(k(1, 2))
+    assert out is not None and out.keys_to_store == () and ids(out) == []
+
+
+def least_recent_goes_first(cache, policy: str) -> None:
+    for i in (1, 2, 3, 4):
+        store(cache, i)
+    cache.touch(k(1))  # 1 is now the most recent (for ARC: promoted to T2)
+    assert store(cache, 5).evicted_keys == tuple(k(2))
+    assert store(cache, 6, 7).evicted_keys == tuple(k(3, 4))
+    assert cache.lookup(k(1)) == 1 and cache.lookup(k(5, 6, 7)) == 3
+    assert cache.stats().evicted_blocks == 3
+
+
+def prefix_tail_goes_first(cache, policy: str) -> None:
+    # Within one call keys[0] ends most recent: a prefix loses its tail before its head.
+    store(cache, 1, 2, 3, 4)
+    assert store(cache, 5).evicted_keys == tuple(k(4))
+    assert store(cache, 6).evicted_keys == tuple(k(3))
+    cache.touch(k(7, 2, 1))  # 7 is not held and is ignored; 1 and 2 are now the most recent
+    assert store(cache, 8).evicted_keys == tuple(k(5))
+    assert store(cache, 9).evicted_keys == tuple(k(6))
+
+
+def same_call_keys_protected(cache, policy: str) -> None:
+    store(cache, 1, 2)  # 2 is older than 1
+    cache.touch(k(1))
+    # 2 is the oldest, but it belongs to this very call: 1 goes instead.
+    out = cache.prepare_store(k(2, 3, 4, 5))
+    assert out.keys_to_store == tuple(k(3, 4, 5)) and out.evicted_keys == tuple(k(1))
+    cache.complete_store(list(out.keys_to_store))
+    assert cache.lookup(k(2, 3, 4, 5)) == 4
+
+
+def loading_and_pending_blocks_protected(cache, policy: str) -> None:
+    for i in (1, 2, 3, 4):
+        store(cache, i)
+    assert ids(cache.prepare_load(k(1, 2))) == [0, 1]
+    cache.prepare_load(k(1))  # a second reader of 1
+    s = cache.stats()
+    assert (s.loading_blocks, s.ready_blocks, s.loaded_blocks) == (2, 2, 3)
+    # Three new blocks need three victims; only 3 and 4 may go: refused, nothing changed.
+    before = cache.stats()
+    assert cache.prepare_store(k(5, 6, 7)) is None
+    after = cache.stats()
+    assert after.store_rejections == before.store_rejections + 1
+    assert (after.free_blocks, after.ready_blocks, after.loading_blocks) == (0, 2, 2)
+    assert cache.lookup(k(1, 2, 3, 4)) == 4
+    # Two fit, and the blocks being written are protected in turn.
+    out = cache.prepare_store(k(5, 6))
+    assert out.evicted_keys == tuple(k(3, 4))
+    assert cache.prepare_store(k(7)) is None
+    # One load of 2 ends: 2 may go; 1 still has a reader.
+    cache.complete_load(k(1, 2))
+    assert cache.prepare_store(k(7)).evicted_keys == tuple(k(2))
+    cache.complete_load(k(1))
+    cache.complete_store(list(out.keys_to_store))
+    cache.complete_store(k(7))
+    assert store(cache, 8).evicted_keys == tuple(k(1))
+    s = cache.stats()
+    assert (s.loading_blocks, s.writing_blocks, s.ready_blocks, s.store_rejections) == (0, 0, 4, 2)
+
+
+def more_than_capacity_refused(cache, policy: str) -> None:
+    assert cache.prepare_store(k(1, 2, 3, 4, 5)) is None
+    s = cache.stats()
+    assert (s.free_blocks, s.store_rejections, s.writing_blocks) == (4, 1, 0)
+    assert cache.prepare_store(k(1, 2, 3, 4)) is not None
+
+
+def failed_store_frees_slots(cache, policy: str) -> None:
+    for i in (1, 2, 3, 4):
+        store(cache, i)
+    out = cache.prepare_store(k(5))
+    assert out.evicted_keys == tuple(k(1)) and ids(out) == [0]
+    cache.complete_store(k(5), success=False)
+    s = cache.stats()
+    assert (s.free_blocks, s.failed_store_blocks, s.stored_blocks) == (1, 1, 4)
+    assert cache.lookup(k(5)) == 0 and cache.lookup(k(1)) == 0  # the victim stays gone
+    with pytest.raises(UnknownKeyError):
+        cache.complete_store(k(5))
+    # The freed slot is reused without evicting anyone.
+    out = cache.prepare_store(k(5))
+    assert out.evicted_keys == () and ids(out) == [0]
+    # Already-ready keys cannot be "failed": the call is refused as a whole.
+    with pytest.raises(StateError):
+        cache.complete_store(k(5, 2), success=False)
+    assert cache.stats().writing_blocks == 1
+    cache.complete_store(k(5), success=False)
+    assert cache.lookup(k(2, 3, 4)) == 3
+
+
+def events(cache, policy: str) -> None:
+    store(cache, 1, 2)
+    store(cache, 3, 4)
+    assert store(cache, 5).evicted_keys == tuple(k(2))
+    out = cache.prepare_store(k(6))
+    cache.complete_store(list(out.keys_to_store), success=False)  # failed: never reported
+    assert cache.take_events() == [stored(1, 2), stored(3, 4), removed(2), stored(5), removed(1)]
+    assert cache.take_events() == []
+
+
+def misuse_is_refused(cache, policy: str) -> None:
+    store(cache, 1, 2)
+    with pytest.raises(UnknownKeyError, match="b'9'"):
+        cache.complete_store(k(9))
+    with pytest.raises(StateError, match="not writing"):
+        cache.complete_store(k(1))  # a double complete
+    with pytest.raises(StateError, match="0 load"):
+        cache.complete_load(k(1))  # would underflow
+    with pytest.raises(UnknownKeyError, match="b'9'"):
+        cache.prepare_load(k(1, 9))
+    assert cache.stats().loading_blocks == 0  # the refused call pinned nothing
+    cache.prepare_load(k(1))
+    with pytest.raises(StateError):
+        cache.complete_load(k(1, 1))  # one load in flight, two completes
+    assert cache.stats().loading_blocks == 1
+    cache.complete_load(k(1))
+    with pytest.raises(InvalidKeyError, match="more than once"):
+        cache.prepare_store(k(3, 3))
+    with pytest.raises(InvalidKeyError, match="int"):
+        cache.lookup([b"1", 2])
+    with pytest.raises(InvalidKeyError, match="str"):
+        cache.prepare_store(["3"])
+    s = cache.stats()
+    assert (s.ready_blocks, s.free_blocks, s.writing_blocks) == (2, 2, 0)
+
+
+def reset_forgets_everything(cache, policy: str) -> None:
+    store(cache, 1, 2)
+    cache.prepare_store(k(3))
+    cache.prepare_load(k(1))
+    cache.reset()
+    s = cache.stats()
+    assert (s.free_blocks, s.ready_blocks, s.writing_blocks, s.loading_blocks) == (4, 0, 0, 0)
+    assert s.stored_blocks == 2  # counters are lifetime totals
+    assert cache.lookup(k(1, 2)) == 0
+    with pytest.raises(UnknownKeyError):
+        cache.complete_store(k(3))
+    with pytest.raises(UnknownKeyError):
+        cache.complete_load(k(1))
+    assert ids(store(cache, 4)) == [0]
+    assert cache.take_events() == [stored(1, 2), removed(1, 2), stored(4)]
+
+
+def scan_vs_reuse(cache, policy: str) -> None:
+    # 1 and 2 are used twice, then a scan of one-time blocks passes through.
+    store(cache, 1)
+    store(cache, 2)
+    cache.touch(k(1))
+    cache.touch(k(2))
+    store(cache, 3)
+    store(cache, 4)
+    first_victim = {"lru": k(1), "arc": k(3)}[policy]  # ARC keeps the reused blocks
+    assert store(cache, 5).evicted_keys == tuple(first_victim)
+
+
+# ---------------------------------------------------------------- ARC only
+
+def arc_ghost_hits_adapt_target(cache, policy: str) -> None:
+    store(cache, 1)
+    store(cache, 2)
+    cache.touch(k(1))
+    cache.touch(k(2))  # T2 = [1, 2]
+    store(cache, 3)
+    store(cache, 4)  # T1 = [3, 4]
+    assert store(cache, 5).evicted_keys == tuple(k(3))  # p = 0: T1 gives way; B1 = [3]
+    # 3 comes back: T1 was too small, p grows to 1, T1 (2 > 1) still gives way.
+    assert store(cache, 3).evicted_keys == tuple(k(4))
+    # 4 comes back: p = 2 > |T1| = 1, so now T2's least recent block goes.
+    assert store(cache, 4).evicted_keys == tuple(k(1))
+    assert store(cache, 6).evicted_keys == tuple(k(2))
+    # 1 comes back from B2: T2 was too small, p drops to 1 and T1 gives way again.
+    assert store(cache, 1).evicted_keys == tuple(k(5))
+    assert cache.lookup(k(3)) == cache.lookup(k(4)) == cache.lookup(k(1)) == 1
+
+
+Scenario = Callable[[object, str], None]
+
+BOTH: dict[str, Scenario] = {f.__name__: f for f in (
+    store_then_hit, least_recent_goes_first, prefix_tail_goes_first, same_call_keys_protected,
+    loading_and_pending_blocks_protected, more_than_capacity_refused, failed_store_frees_slots,
+    events, misuse_is_refused, reset_forgets_everything, scan_vs_reuse,
+)}
+ARC_ONLY: dict[str, Scenario] = {arc_ghost_hits_adapt_target.__name__: arc_ghost_hits_adapt_target}
+USES_EVENTS = {"events", "reset_forgets_everything"}
+
+CASES = [(policy, name) for name in BOTH for policy in ("lru", "arc")] + [
+    ("arc", name) for name in ARC_ONLY]
+
+
+def run(cache, policy: str, name: str) -> None:
+    (BOTH.get(name) or ARC_ONLY[name])(cache, policy)

@@ -1,0 +1,31 @@
+"""Entry points that tests spawn in child processes (multiprocessing ``spawn`` imports this
+module by name, so it sits on the test ``pythonpath``)."""
+
+from __future__ import annotations
+
+import os
+
+from tiercache.region.shared import SharedOffloadRegion
+
+
+def write_rank_pattern(name: str, rank: int, value: int, done) -> None:
+    """Child: attach ``rank``, fill its whole slice with ``value``, then signal ``done``."""
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    region.rank_array(rank)[:] = value
+    stats = region.stats(rank)
+    stats.mark_attached(os.getpid(), 0)
+    region.close()
+    done.set()
+
+
+def attach_and_hold(name: str, rank: int, attached, release) -> None:
+    """Child: attach ``rank``, mark it attached, signal, wait (to be SIGKILLed or released)."""
+    from tiercache.region.hostmem import process_start_ns
+
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    region.rank_array(rank)[0, :16] = rank + 1
+    attached.set()
+    release.wait(60)
+    region.stats(rank).mark_detached()
+    region.close()

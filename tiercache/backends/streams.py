@@ -1,0 +1,75 @@
+"""Streams and timing events that order transfers: one interface, two platforms.
+
+The handlers speak the subset of torch.cuda's stream/event API listed in ``Stream``
+and ``Event``; ``CudaStreams`` hands out the real torch.cuda objects, and
+``tiercache.backends.host_streams.HostStreams`` hands out host-thread look-alikes for the ``cpu``
+backend. The handler code is the same for both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+
+class Event(Protocol):
+    """A marker in a stream (torch.cuda.Event semantics, created with timing enabled)."""
+
+    def record(self, stream: Any) -> None: ...  # marks the point after work enqueued so far
+
+    def query(self) -> bool: ...  # True once the stream passed the latest record
+
+    def synchronize(self) -> None: ...  # block the calling thread until query() is True
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds from self to end
+
+
+class Stream(Protocol):
+    """An in-order work queue (torch.cuda.Stream semantics)."""
+
+    def wait_event(self, event: Any) -> None: ...  # later work starts after event's record
+
+    def wait_stream(self, stream: Any) -> None: ...  # later work starts after stream's work
+
+
+class StreamPlatform(ABC):
+    """Creates the streams and events a handler orders its transfers with.
+
+    ``current_stream()`` is the compute stream the model writes KV on: every transfer
+    waits for the work enqueued there before it starts. Failures of work on a stream
+    surface as exceptions from ``Event.query``/``Event.synchronize``.
+    """
+
+    @abstractmethod
+    def new_stream(self) -> Stream:
+        """A fresh stream (the handler pools them: one per transfer in flight)."""
+
+    @abstractmethod
+    def new_timing_event(self) -> Event:
+        """A fresh event with timing enabled."""
+
+    @abstractmethod
+    def current_stream(self) -> Stream:
+        """The compute stream of the calling thread."""
+
+    def close(self) -> None:
+        """Release what the platform created; called after every transfer has finished."""
+
+
+class CudaStreams(StreamPlatform):
+    """torch.cuda streams and events on one device (what the GPU backends receive)."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+
+    def new_stream(self) -> Stream:
+        return self._torch.cuda.Stream(device=self.device)
+
+    def new_timing_event(self) -> Event:
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def current_stream(self) -> Stream:
+        return self._torch.cuda.current_stream(self.device)

@@ -1,0 +1,1 @@
+"""The cache index and its control plane: manager, eviction policies, wire protocol, server, client."""

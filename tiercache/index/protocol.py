@@ -1,0 +1,356 @@
+"""The control-plane wire protocol: length-prefixed binary frames over a Unix socket.
+
+Each call is one request frame answered by one response frame with the same verb
+and request id. Payloads are built from a few little-endian primitives (see
+``FrameHeader`` for the header and ``Verb`` for each payload); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Sequence
+from dataclasses import astuple, fields
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+
+from tiercache import errors
+from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.specs import CPULoadStoreSpec
+
+MAGIC = b"TCKV"
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
+MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
+MAX_KEY_BYTES = 256
+MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+# The largest payload (a PREPARE_STORE answer) must fit in a frame.
+assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 8 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
+assert MAX_KEY_BYTES < 0xFFFF  # VARIABLE_WIDTH is never a real width
+
+
+class Verb(IntEnum):
+    """What each verb carries (``keys`` and ``ids`` are described in ``PayloadWriter``)::
+
+        verb                request                 response
+        1  LOOKUP           keys                    u32 hits
+        2  PREPARE_LOAD     keys                    ids (slot ids, co-indexed with the keys)
+        3  TOUCH            keys                    (empty)
+        4  COMPLETE_LOAD    keys                    (empty)
+        5  PREPARE_STORE    keys                    u8 0 (= None), or u8 1, keys to store,
+                                                    ids, evicted keys
+        6  COMPLETE_STORE   u8 success, keys        (empty)
+        7  TAKE_EVENTS      (empty)                 u32 n, n x (u8 removed, str medium, keys);
+                                                    at most MAX_KEYS_PER_CALL keys in all, so
+                                                    a full answer means: ask again
+        8  RESET            (empty)                 (empty)
+        9  STATS            (empty)                 u64 per ManagerStats field, in field order
+        10 PING             (empty)                 (empty)
+
+    An ERROR response (``Status.ERROR``) carries u32 error code (``ERROR_CODES``) and
+    str message instead.
+    """
+
+    LOOKUP = 1
+    PREPARE_LOAD = 2
+    TOUCH = 3
+    COMPLETE_LOAD = 4
+    PREPARE_STORE = 5
+    COMPLETE_STORE = 6
+    TAKE_EVENTS = 7
+    RESET = 8
+    STATS = 9
+    PING = 10
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1  # payload: u32 error code, str message (see ERROR_CODES)
+
+
+_HEADER = struct.Struct("<4sBBBBII")
+
+# Exceptions that cross the wire, by code; the client re-raises the same class.
+ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
+    1: errors.TiercacheError,  # anything unexpected on the coordinator's side
+    2: errors.ManagerError,
+    3: errors.UnknownKeyError,
+    4: errors.StateError,
+    5: errors.InvalidKeyError,
+    6: errors.ProtocolError,
+    7: errors.ConfigError,
+}
+_CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
+
+
+class FrameHeader(NamedTuple):
+    """The 16-byte header in front of every frame, little-endian::
+
+        offset  size  field
+        0       4     magic           b"TCKV"
+        4       1     version         PROTOCOL_VERSION (1)
+        5       1     verb            ``Verb``
+        6       1     status          ``Status`` (requests: 0)
+        7       1     reserved        0
+        8       4     request_id      u32, echoed by the response
+        12      4     payload_bytes   u32, <= MAX_FRAME_BYTES; the payload follows
+
+    A header with the wrong magic or version, or an oversized length, means the
+    stream cannot be trusted: the reader raises ``ProtocolError`` and the connection
+    is closed.
+    """
+
+    verb: Verb
+    status: Status
+    request_id: int
+    payload_bytes: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.verb, self.status, 0,
+                            self.request_id, self.payload_bytes)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
+        magic, version, verb, status, _, request_id, size = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise errors.ProtocolError(f"bad frame magic {bytes(magic)!r}; expected {MAGIC!r}")
+        if version != PROTOCOL_VERSION:
+            raise errors.ProtocolError(
+                f"protocol version {version} is not supported; this side speaks {PROTOCOL_VERSION}"
+            )
+        if size > MAX_FRAME_BYTES:
+            raise errors.ProtocolError(f"frame payload of {size} bytes; at most {MAX_FRAME_BYTES}")
+        if verb not in _VERBS or status not in _STATUSES:
+            raise errors.ProtocolError(f"bad frame header: verb {verb}, status {status}; allowed "
+                                       f"verbs {sorted(_VERBS)}, statuses {sorted(_STATUSES)}")
+        return cls(_VERBS[verb], _STATUSES[status], request_id, size)
+
+
+_VERBS = {int(v): v for v in Verb}
+_STATUSES = {int(s): s for s in Status}
+HEADER_BYTES = _HEADER.size
+
+
+def frame(verb: Verb, request_id: int, payload: bytes, status: Status = Status.OK) -> bytes:
+    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, verb, status, 0, request_id, len(payload))
+    return header + payload
+
+
+# ---------------------------------------------------------------- payload primitives
+
+_U8, _U32 = struct.Struct("<B"), struct.Struct("<I")
+_KEYS_HEAD = struct.Struct("<IH")
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_keys(n: int, width: int) -> struct.Struct:
+    """Splits n keys of one width in C (a call usually repeats the last call's shape)."""
+    return struct.Struct(f"{width}s" * n)
+
+VARIABLE_WIDTH = 0xFFFF
+
+
+class PayloadWriter:
+    """Builds a payload from primitives.
+
+    ``keys``: u32 n, u16 width, then, only when width is ``VARIABLE_WIDTH``, n x u16
+    key lengths; then the key bytes back to back. Keys of one length (block hashes
+    usually are) need no per-key lengths: width is that length.
+    ``ids``: u32 n, then n x i64. ``str``: u32 n, then n bytes of UTF-8.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def u8(self, value: int) -> PayloadWriter:
+        self._parts.append(_U8.pack(value))
+        return self
+
+    def u32(self, value: int) -> PayloadWriter:
+        self._parts.append(_U32.pack(value))
+        return self
+
+    def u64s(self, values: Sequence[int]) -> PayloadWriter:
+        self._parts.append(struct.pack(f"<{len(values)}Q", *values))
+        return self
+
+    def text(self, value: str) -> PayloadWriter:
+        data = value.encode()
+        self._parts.append(_U32.pack(len(data)))
+        self._parts.append(data)
+        return self
+
+    def keys(self, keys: Sequence[bytes]) -> PayloadWriter:
+        n = len(keys)
+        if n > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
+        if not set(map(type, keys)) <= {bytes}:
+            _check_wire_keys(keys)  # raises, naming the key
+        widths = set(map(len, keys))
+        if widths and max(widths) > MAX_KEY_BYTES:
+            _check_wire_keys(keys)  # raises, naming the key
+        if len(widths) <= 1:
+            self._parts.append(_KEYS_HEAD.pack(n, widths.pop() if widths else 0))
+        else:
+            self._parts.append(_KEYS_HEAD.pack(n, VARIABLE_WIDTH))
+            self._parts.append(struct.pack(f"<{n}H", *map(len, keys)))
+        self._parts.append(b"".join(keys))
+        return self
+
+    def ids(self, ids: np.ndarray) -> PayloadWriter:
+        arr = np.ascontiguousarray(ids, dtype="<i8")
+        self._parts.append(_U32.pack(arr.size))
+        self._parts.append(arr.tobytes())
+        return self
+
+    def build(self) -> bytes:
+        return b"".join(self._parts)
+
+
+def _check_wire_keys(keys: Sequence[bytes]) -> None:
+    for key in keys:
+        if type(key) is not bytes:
+            raise errors.InvalidKeyError(f"key {key!r} is {type(key).__name__}; keys must be bytes")
+        if len(key) > MAX_KEY_BYTES:
+            raise errors.InvalidKeyError(
+                f"key of {len(key)} bytes ({key[:16]!r}...); the control plane carries at most "
+                f"{MAX_KEY_BYTES} bytes per key"
+            )
+
+
+class PayloadReader:
+    """Reads what ``PayloadWriter`` wrote; any shortfall or leftover is a ``ProtocolError``."""
+
+    def __init__(self, data: bytes | memoryview):
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def _take(self, num_bytes: int) -> memoryview:
+        end = self._pos + num_bytes
+        if end > len(self._data):
+            raise errors.ProtocolError(
+                f"payload truncated: needs {end} bytes, has {len(self._data)}"
+            )
+        view = self._data[self._pos:end]
+        self._pos = end
+        return view
+
+    def u8(self) -> int:
+        return self._take(1)[0]
+
+    def u32(self) -> int:
+        return _U32.unpack(self._take(4))[0]
+
+    def u64s(self, n: int) -> tuple[int, ...]:
+        return struct.unpack(f"<{n}Q", self._take(8 * n))
+
+    def text(self) -> str:
+        raw = self._take(self.u32())
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as e:
+            raise errors.ProtocolError(f"payload text is not UTF-8: {e}") from None
+
+    def keys(self) -> list[bytes]:
+        n, width = _KEYS_HEAD.unpack(self._take(_KEYS_HEAD.size))
+        if n > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
+        if width != VARIABLE_WIDTH:
+            if width > MAX_KEY_BYTES:
+                raise errors.ProtocolError(f"keys of {width} bytes; at most {MAX_KEY_BYTES}")
+            if width == 0:
+                return [b""] * n
+            return list(_fixed_keys(n, width).unpack(self._take(n * width)))
+        lengths = struct.unpack(f"<{n}H", self._take(2 * n))
+        if n and max(lengths) > MAX_KEY_BYTES:
+            raise errors.ProtocolError(f"a key of {max(lengths)} bytes; at most {MAX_KEY_BYTES}")
+        blob = bytes(self._take(sum(lengths)))
+        keys = []
+        pos = 0
+        for length in lengths:
+            keys.append(blob[pos:pos + length])
+            pos += length
+        return keys
+
+    def ids(self) -> np.ndarray:
+        n = self.u32()
+        if n > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"{n} slot ids in one call; at most {MAX_KEYS_PER_CALL}")
+        return np.frombuffer(self._take(8 * n), dtype="<i8").astype(np.int64)
+
+    def done(self) -> None:
+        if self._pos != len(self._data):
+            raise errors.ProtocolError(
+                f"payload has {len(self._data) - self._pos} unexpected trailing bytes"
+            )
+
+
+# ---------------------------------------------------------------- verb payloads
+
+def encode_store_output(out: PrepareStoreOutput | None) -> bytes:
+    if out is None:
+        return PayloadWriter().u8(0).build()
+    return (PayloadWriter().u8(1).keys(out.keys_to_store).ids(out.store_spec.block_ids)
+            .keys(out.evicted_keys).build())
+
+
+def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
+    flag = reader.u8()
+    if flag == 0:
+        return None
+    if flag != 1:
+        raise errors.ProtocolError(f"prepare_store answer flag {flag}; expected 0 or 1")
+    keys = tuple(reader.keys())
+    ids = reader.ids()
+    evicted = tuple(reader.keys())
+    if len(ids) != len(keys):
+        raise errors.ProtocolError(
+            f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
+    return PrepareStoreOutput(keys, CPULoadStoreSpec(ids), evicted)
+
+
+def encode_events(events: Sequence[OffloadingEvent]) -> bytes:
+    writer = PayloadWriter().u32(len(events))
+    for event in events:
+        writer.u8(int(event.removed)).text(event.medium).keys(event.keys)
+    return writer.build()
+
+
+def decode_events(reader: PayloadReader) -> list[OffloadingEvent]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} events in one answer; at most {MAX_KEYS_PER_CALL}")
+    events = []
+    for _ in range(n):
+        removed = bool(reader.u8())
+        medium = reader.text()
+        events.append(OffloadingEvent(tuple(reader.keys()), removed, medium))
+    return events
+
+
+_NUM_STATS_FIELDS = len(fields(ManagerStats))
+
+
+def encode_stats(stats: ManagerStats) -> bytes:
+    return PayloadWriter().u64s(astuple(stats)).build()
+
+
+def decode_stats(reader: PayloadReader) -> ManagerStats:
+    return ManagerStats(*reader.u64s(_NUM_STATS_FIELDS))
+
+
+def encode_error(exc: errors.TiercacheError | Exception) -> bytes:
+    code = next((_CODE_OF[c] for c in type(exc).__mro__ if c in _CODE_OF), 1)
+    message = str(exc) if isinstance(exc, errors.TiercacheError) else f"{type(exc).__name__}: {exc}"
+    return PayloadWriter().u32(code).text(message).build()
+
+
+def decode_error(reader: PayloadReader) -> errors.TiercacheError:
+    code = reader.u32()
+    message = reader.text()
+    cls = ERROR_CODES.get(code)
+    if cls is None:
+        return errors.ProtocolError(f"coordinator sent unknown error code {code}: {message}")
+    return cls(message)

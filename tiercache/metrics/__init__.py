@@ -1,0 +1,1 @@
+"""The Prometheus side: the collector over the region and index, and the HTTP exporter."""

@@ -1,0 +1,1 @@
+"""The shared-memory region: layout arithmetic, header, per-rank stats blocks, host memory and pinning."""

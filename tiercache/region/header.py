@@ -1,0 +1,109 @@
+"""The region header: identity, lifecycle state and geometry, at offset 0 of the region.
+
+Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
+
+    offset  size  field
+    0       8     magic            b"TIERCACH"
+    8       4     format_version   u32, FORMAT_VERSION
+    12      4     state            u32, RegionState (READY is written last)
+    16      16    layout_digest    RegionLayout.digest
+    32      8     generation       u64, +1 each time a coordinator (re)adopts the region
+    40      8     owner_pid        u64, the coordinator's pid
+    48      8     owner_start_ns   u64, the coordinator's process start time (pid-reuse check)
+    56      8     created_ns       u64, wall clock when the region was created
+    64      8     total_bytes      u64, size of the whole region
+    72      4     layout_len       u32, bytes of the encoded layout that follow
+    76      4     reserved
+    80      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages)
+
+Then, at ``HEADER_FIXED_BYTES + rank * STATS_BLOCK_BYTES``, one stats block per rank
+(see ``tiercache.region.stats``). The header is padded to a 2 MiB boundary (``header_bytes``).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from tiercache.errors import LayoutMismatchError
+from tiercache.region.layout import FORMAT_VERSION, HEADER_FIXED_BYTES, RegionLayout
+
+MAGIC = b"TIERCACH"
+_FIXED = struct.Struct("<8sII16sQQQQQI4x")
+_STATE_OFFSET = 12
+assert _FIXED.size == 80
+
+
+class RegionState(IntEnum):
+    EMPTY = 0  # never written (creator mid-setup)
+    CREATING = 1
+    READY = 2
+    CLOSING = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class HeaderInfo:
+    format_version: int
+    state: RegionState
+    layout_digest: bytes
+    generation: int
+    owner_pid: int
+    owner_start_ns: int
+    created_ns: int
+    total_bytes: int
+    layout: RegionLayout
+
+
+class RegionHeader:
+    """Reads and writes the fixed header over a writable buffer (the region's first page)."""
+
+    def __init__(self, buffer):
+        self._buf = buffer
+
+    def write(self, layout: RegionLayout, *, generation: int, owner_pid: int,
+              owner_start_ns: int, created_ns: int) -> None:
+        """Write everything with state CREATING; ``set_state(READY)`` comes last."""
+        encoded = layout.encode()
+        if _FIXED.size + len(encoded) > HEADER_FIXED_BYTES:
+            raise LayoutMismatchError(f"layout needs {len(encoded)} header bytes; "
+                                      f"at most {HEADER_FIXED_BYTES - _FIXED.size} fit")
+        self.set_state(RegionState.CREATING)
+        _FIXED.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, RegionState.CREATING, layout.digest,
+                         generation, owner_pid, owner_start_ns, created_ns, layout.total_bytes,
+                         len(encoded))
+        struct.pack_into(f"{len(encoded)}s", self._buf, _FIXED.size, encoded)
+
+    def set_state(self, state: RegionState) -> None:
+        struct.pack_into("<I", self._buf, _STATE_OFFSET, state)
+
+    def set_owner(self, *, generation: int, owner_pid: int, owner_start_ns: int) -> None:
+        struct.pack_into("<QQQ", self._buf, 32, generation, owner_pid, owner_start_ns)
+
+    @property
+    def state(self) -> RegionState:
+        (raw,) = struct.unpack_from("<I", self._buf, _STATE_OFFSET)
+        return RegionState(raw) if raw in RegionState._value2member_map_ else RegionState.EMPTY
+
+    def has_magic(self) -> bool:
+        return bytes(self._buf[:8]) == MAGIC
+
+    def read(self) -> HeaderInfo:
+        """Decode the header; raises LayoutMismatchError for a foreign or newer format."""
+        (magic, version, state, digest, generation, pid, start_ns, created_ns, total,
+         layout_len) = _FIXED.unpack_from(self._buf, 0)
+        if magic != MAGIC:
+            raise LayoutMismatchError(f"not a tiercache region (magic {magic!r}, want {MAGIC!r})")
+        if version != FORMAT_VERSION:
+            raise LayoutMismatchError(f"region format version {version}; this tiercache reads "
+                                      f"version {FORMAT_VERSION}")
+        layout = RegionLayout.decode(bytes(self._buf[_FIXED.size:_FIXED.size + layout_len]))
+        if layout.digest != digest or layout.total_bytes != total:
+            raise LayoutMismatchError("region header is inconsistent (digest or size does not "
+                                      "match its layout): the region is corrupt")
+        return HeaderInfo(version, RegionState(state), digest, generation, pid, start_ns,
+                          created_ns, total, layout)

@@ -1,0 +1,211 @@
+"""Per-rank stats blocks in the region header: one writer (the rank's worker), many readers.
+
+Each block is ``STATS_BLOCK_BYTES`` of little-endian, 8-byte aligned uint64 words,
+viewed as a numpy array (one aligned 8-byte store per word, so no word tears).
+Multi-word consistency comes from a sequence lock: the writer makes ``seq`` odd,
+writes, then makes it even again; a reader copies the block and retries if ``seq``
+was odd or changed. Counters live in the region, so they survive a worker restart
+and only ever go up.
+
+Word layout (index = byte offset / 8)::
+
+    word  field            meaning
+    0     seq              sequence lock (odd while the writer is mid-update)
+    1     pid              pid of the attached worker, 0 when none
+    2     pid_start_ns     that process's start time, ns after boot (tiercache.region.hostmem): pid reuse check
+    3     attach_count     how many times a worker attached this rank
+    4     heartbeat_ns     wall-clock ns of the writer's last update
+    5     pin_state        PinState code
+    6     backend_g2c      BackendCode of the gpu_to_cpu handler
+    7     backend_c2g      BackendCode of the cpu_to_gpu handler
+    8     pinned_bytes     bytes registered with the GPU driver
+    9     pin_ns           time the registration took, ns
+    10    prefault_ns      time the worker took to pre-fault its slice at attach, ns
+    11-15 reserved
+    16..  direction gpu_to_cpu, then cpu_to_gpu, DIRECTION_WORDS each:
+          +0 bytes_total, +1 busy_ns_total (GPU-timed), +2 transfers_ok, +3 transfers_failed,
+          +4 .. duration histogram counts (len(DURATION_BUCKETS_S) + 1, last is +Inf),
+          then size histogram counts (len(SIZE_BUCKETS_BYTES) + 1, last is +Inf)
+
+Histogram counts are per bucket (not cumulative); readers accumulate them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+STATS_BLOCK_BYTES = 4096
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+    1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)
+SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4096 * 4**k for k in range(12))  # 4 KiB .. 16 GiB
+
+_SEQ, _PID, _PID_START, _ATTACH, _HEARTBEAT, _PIN_STATE, _BACKEND_G2C, _BACKEND_C2G = range(8)
+_PINNED_BYTES, _PIN_NS, _PREFAULT_NS = 8, 9, 10
+_DIR_BASE = 16
+_N_DUR = len(DURATION_BUCKETS_S) + 1
+_N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
+DIRECTION_WORDS = 4 + _N_DUR + _N_SIZE
+_WORDS = _DIR_BASE + 2 * DIRECTION_WORDS
+assert _WORDS * 8 <= STATS_BLOCK_BYTES
+_READ_TIMEOUT_S = 0.002  # a write takes microseconds; longer means its writer died mid-update
+
+
+class Direction(IntEnum):
+    GPU_TO_CPU = 0  # store
+    CPU_TO_GPU = 1  # load
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class PinState(IntEnum):
+    NONE = 0  # no worker has tried to pin (or it detached)
+    PINNED = 1
+    UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
+    FAILED = 3  # pinning failed and the worker refused to run
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class BackendCode(IntEnum):
+    NONE = 0
+    CE = 1
+    KERNEL = 2
+    STAGED = 3
+    CPU = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class DirectionStats:
+    bytes_total: int
+    busy_seconds_total: float
+    transfers_ok: int
+    transfers_failed: int
+    duration_counts: tuple[int, ...]  # per bucket, last is +Inf
+    size_counts: tuple[int, ...]
+
+    @property
+    def transfers_total(self) -> int:
+        return self.transfers_ok + self.transfers_failed
+
+
+@dataclass(frozen=True)
+class RankStatsSnapshot:
+    rank: int
+    pid: int
+    pid_start_ns: int
+    attach_count: int
+    heartbeat_ns: int
+    pin_state: PinState
+    backends: tuple[BackendCode, BackendCode]  # indexed by Direction
+    pinned_bytes: int
+    pin_seconds: float
+    prefault_seconds: float
+    directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
+
+
+class RankStats:
+    """A view of one rank's stats block: ``snapshot()`` for readers, the rest for the writer."""
+
+    def __init__(self, buffer, offset: int, rank: int):
+        self.rank = rank
+        self._words = np.frombuffer(buffer, dtype="<u8", count=_WORDS, offset=offset)
+        self._lock = threading.Lock()  # the writer's threads take turns; readers never lock
+
+    # ---------------------------------------------------------------- reader side
+    def snapshot(self) -> RankStatsSnapshot:
+        deadline = time.monotonic() + _READ_TIMEOUT_S
+        while True:
+            before = int(self._words[_SEQ])
+            if before % 2 == 0:
+                words = self._words.copy()
+                if int(self._words[_SEQ]) == before:
+                    return self._decode(words)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} stats block stayed mid-update (seq {before})")
+            time.sleep(0)
+
+    def _decode(self, w: np.ndarray) -> RankStatsSnapshot:
+        dirs = []
+        for d in Direction:
+            b = _DIR_BASE + d * DIRECTION_WORDS
+            dirs.append(DirectionStats(
+                bytes_total=int(w[b]), busy_seconds_total=int(w[b + 1]) / 1e9,
+                transfers_ok=int(w[b + 2]), transfers_failed=int(w[b + 3]),
+                duration_counts=tuple(int(x) for x in w[b + 4: b + 4 + _N_DUR]),
+                size_counts=tuple(int(x) for x in w[b + 4 + _N_DUR: b + DIRECTION_WORDS]),
+            ))
+        return RankStatsSnapshot(
+            rank=self.rank, pid=int(w[_PID]), pid_start_ns=int(w[_PID_START]),
+            attach_count=int(w[_ATTACH]), heartbeat_ns=int(w[_HEARTBEAT]),
+            pin_state=PinState(int(w[_PIN_STATE])),
+            backends=(BackendCode(int(w[_BACKEND_G2C])), BackendCode(int(w[_BACKEND_C2G]))),
+            pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
+            prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
+            directions=(dirs[0], dirs[1]),
+        )
+
+    # ---------------------------------------------------------------- writer side
+    def _update(self, sets: dict[int, int], adds: dict[int, int] | None = None) -> None:
+        with self._lock:
+            w = self._words
+            if w[_SEQ] % 2:  # the previous writer of this rank died mid-update
+                w[_SEQ] += 1
+            w[_SEQ] += 1
+            for index, value in sets.items():
+                w[index] = value
+            for index, value in (adds or {}).items():
+                w[index] += value
+            w[_HEARTBEAT] = time.time_ns()
+            w[_SEQ] += 1
+
+    def mark_attached(self, pid: int, pid_start_ns: int) -> None:
+        self._update({_PID: pid, _PID_START: pid_start_ns, _PIN_STATE: PinState.NONE,
+                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0}, adds={_ATTACH: 1})
+
+    def mark_detached(self) -> None:
+        self._update({_PID: 0, _PID_START: 0, _PIN_STATE: PinState.NONE, _PINNED_BYTES: 0,
+                      _BACKEND_G2C: BackendCode.NONE, _BACKEND_C2G: BackendCode.NONE})
+
+    def set_pin(self, state: PinState, pinned_bytes: int = 0, seconds: float = 0.0) -> None:
+        self._update({_PIN_STATE: state, _PINNED_BYTES: pinned_bytes, _PIN_NS: int(seconds * 1e9)})
+
+    def set_prefault(self, seconds: float) -> None:
+        self._update({_PREFAULT_NS: int(seconds * 1e9)})
+
+    def set_backend(self, direction: Direction, backend: BackendCode) -> None:
+        self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})
+
+    def heartbeat(self) -> None:
+        self._update({})
+
+    def record_transfer(self, direction: Direction, num_bytes: int, seconds: float,
+                        success: bool) -> None:
+        """Account one finished transfer (failed ones count only in transfers_failed)."""
+        b = _DIR_BASE + direction * DIRECTION_WORDS
+        if not success:
+            self._update({}, adds={b + 3: 1})
+            return
+        dur = b + 4 + bisect.bisect_left(DURATION_BUCKETS_S, seconds)
+        size = b + 4 + _N_DUR + bisect.bisect_left(SIZE_BUCKETS_BYTES, num_bytes)
+        self._update({}, adds={b: num_bytes, b + 1: int(round(seconds * 1e9)), b + 2: 1,
+                               dur: 1, size: 1})
+
+    def release(self) -> None:
+        """Drop the view so the underlying mmap can close."""
+        self._words = None  # type: ignore[assignment]

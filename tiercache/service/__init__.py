@@ -1,0 +1,1 @@
+"""The coordinator process: serve loop, signal handling, and spawning a serve process."""

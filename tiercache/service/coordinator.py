@@ -1,0 +1,83 @@
+"""The coordinator: owns the region, the cache index behind the control socket, and the
+Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it.
+
+Start order: region (create or re-adopt, READY written last) → index → control socket →
+exporter. Shutdown runs the reverse and unlinks the region and the socket; it is
+idempotent, so a signal during start-up still leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from tiercache.config import Config, format_bytes
+from tiercache.region.shared import SharedOffloadRegion
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, config: Config, say: Callable[[str], None] = log.info):
+        self.config = config
+        self.say = say
+        self.region: SharedOffloadRegion | None = None
+        self.manager = None
+        self.control = None
+        self.exporter = None
+        self._closed = False
+
+    def start(self) -> None:
+        from tiercache.index.control import ControlServer
+        from tiercache.index.manager import OffloadingManager
+        from tiercache.metrics.collector import TiercacheCollector, start_exporter
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
+            layout = self.region.layout
+            self.manager = OffloadingManager(layout.num_blocks, policy=cfg.index_policy,
+                                             enable_events=cfg.index_events)
+            self.control = ControlServer(self.manager, cfg.socket_path)
+            self.control.start()
+            if cfg.exporter.enabled:
+                collector = TiercacheCollector(self.region, manager_stats=self.control.stats)
+                self.exporter = start_exporter(cfg.exporter, collector)
+        except BaseException:
+            self.close()
+            raise
+        self.say(f"region {self.region.path}: {layout.describe()}")
+        self.say(f"index: {layout.num_blocks} blocks, policy {cfg.index_policy}; "
+                 f"control socket {cfg.socket_path}")
+        if self.exporter is not None:
+            self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
+        self.say(f"ready in {time.perf_counter() - t0:.2f} s "
+                 f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
+
+    def serve_until(self, stop: threading.Event) -> None:
+        stop.wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        errors: dict[str, BaseException] = {}
+        for name, close in (("exporter", self.exporter and self.exporter.close),
+                            ("control", self.control and self.control.close),
+                            # a scrape the exporter could not drain may still read the
+                            # mapping: then unlink the region but keep it mapped
+                            ("region", self.region and (
+                                lambda: self.region.close(unmap="exporter" not in errors)))):
+            if not close:
+                continue
+            try:
+                close()
+            except Exception as e:  # keep tearing down the rest; re-raised below
+                log.exception("closing the %s failed", name)
+                errors[name] = e
+        if errors:
+            raise next(iter(errors.values()))
+        self.say("stopped; region and socket removed")

@@ -1,0 +1,1 @@
+"""Worker-side byte moving: KV-cache views, page groups, the planner, handlers and attach."""

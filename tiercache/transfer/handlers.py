@@ -1,0 +1,253 @@
+"""Single-direction transfer handlers: plan, order on pooled streams, copy, report.
+
+Contract of ``SingleDirectionOffloadingHandler`` (one per direction, driven by one
+thread):
+
+* ``transfer_async(job_id, (src_spec, dst_spec))`` plans first: a bad spec raises
+  ``SpecError`` and nothing is enqueued. Otherwise the transfer goes on a stream of its
+  own that waits for the compute stream (a store must not read KV still being written;
+  a load must not be overwritten by compute work queued before it) and for the previous
+  transfer of this handler (FIFO). Returns True when the copies were enqueued, False when
+  the backend refused them; either way exactly one ``TransferResult`` for the job follows.
+* ``get_finished()`` returns finished transfers in submission order (a later transfer is
+  never reported before an earlier one), each with its bytes and stream-timed seconds;
+  a backend or device failure is ``success=False``, never an exception.
+* ``wait(job_ids)`` blocks until those jobs finished (ids not in flight are ignored);
+  their results still come from ``get_finished()``.
+* ``shutdown()`` waits for every transfer, returns their results and releases the backend.
+
+Every finished transfer is accounted in the optional ``RankStats`` exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache.backends.base import CopyBackend, CopyPlan
+from tiercache.errors import BackendError, SpecError
+from tiercache.transfer.planner import PlanBuffers, TransferPlanner
+from tiercache.specs import GPULoadStoreSpec, TransferSpec
+from tiercache.region.stats import Direction, RankStats
+from tiercache.backends.streams import Event, Stream, StreamPlatform
+
+log = logging.getLogger(__name__)
+
+# What stream work raises when it failed: host streams raise BackendError, torch raises
+# RuntimeError (torch.AcceleratorError) for CUDA errors. Both become success=False.
+_DEVICE_ERRORS = (BackendError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished transfer. ``transfer_size`` is the bytes it was to move (moved when
+    ``success``); ``transfer_time`` is stream-timed seconds, 0.0 when it failed."""
+
+    job_id: int
+    success: bool
+    transfer_size: int
+    transfer_time: float
+    transfer_type: Direction
+
+    def __post_init__(self) -> None:
+        if self.transfer_size < 0 or self.transfer_time < 0:
+            raise ValueError(f"TransferResult(transfer_size={self.transfer_size}, "
+                             f"transfer_time={self.transfer_time}): both must be >= 0")
+
+
+@dataclass(eq=False)
+class _Transfer:
+    job_id: int
+    num_bytes: int
+    stream: Stream
+    start_event: Event
+    end_event: Event
+    buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
+    submitted: bool  # the backend accepted the copies
+    keep_alive: Any = field(default=None, repr=False)  # backend token: pointer arrays etc.
+    failed_on_device: bool = False
+
+
+class SingleDirectionOffloadingHandler:
+    """Moves blocks in one direction; see the module docstring for the contract."""
+
+    def __init__(self, planner: TransferPlanner, direction: Direction, backend: CopyBackend,
+                 streams: StreamPlatform, stats: RankStats | None = None):
+        self.planner = planner
+        self.direction = direction
+        self.backend = backend
+        self._streams = streams
+        self._stats = stats
+        self._transfers: deque[_Transfer] = deque()
+        self._by_job: dict[int, _Transfer] = {}
+        self._stream_pool: list[Stream] = []
+        self._event_pool: list[Event] = []
+        self._buffer_pool: list[PlanBuffers] = []
+        self._closed = False
+
+    # ---------------------------------------------------------------- submit
+    def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
+        if self._closed:
+            raise BackendError(f"{self.direction.label} handler is shut down; job {job_id} refused")
+        if job_id in self._by_job:
+            raise SpecError(f"job id {job_id} is already in flight on the "
+                            f"{self.direction.label} handler; job ids must be unique")
+        buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
+        try:
+            plan = self.planner.plan(transfer, out=buffers)
+            if plan.direction is not self.direction:
+                raise SpecError(f"job {job_id} is a {plan.direction.label} transfer, but this "
+                                f"handler moves {self.direction.label}")
+        except SpecError:
+            self._buffer_pool.append(buffers)
+            raise
+        stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
+        start, end = (self._event_pool.pop() if self._event_pool
+                      else self._streams.new_timing_event() for _ in range(2))
+        submitted, token = self._enqueue(job_id, plan, stream, start, end)
+        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, buffers, submitted,
+                              token)
+        self._transfers.append(transfer_)
+        self._by_job[job_id] = transfer_
+        return submitted
+
+    def _enqueue(self, job_id: int, plan: CopyPlan, stream: Stream, start: Event, end: Event
+                 ) -> tuple[bool, Any]:
+        previous = self._transfers[-1].end_event if self._transfers else None
+        try:
+            stream.wait_stream(self._streams.current_stream())
+            if previous is not None:
+                stream.wait_event(previous)
+            start.record(stream)
+            token = self.backend.copy_async(plan, stream) if plan.num_descriptors else None
+            return True, token
+        except _DEVICE_ERRORS as e:
+            log.error("%s job %d: the %s backend could not submit %d descriptors: %s",
+                      self.direction.label, job_id, self.backend.code.label,
+                      plan.num_descriptors, e)
+            return False, None
+        finally:
+            end.record(stream)  # later transfers order after this one whatever happened
+
+    # ---------------------------------------------------------------- complete
+    def _is_done(self, transfer: _Transfer) -> bool:
+        try:
+            return transfer.end_event.query()
+        except _DEVICE_ERRORS as e:
+            self._note_device_failure(transfer, e)
+            return True
+
+    def _note_device_failure(self, transfer: _Transfer, error: BaseException) -> None:
+        if not transfer.failed_on_device:
+            log.error("%s job %d failed on the device: %s", self.direction.label,
+                      transfer.job_id, error)
+            transfer.failed_on_device = True
+
+    def _finish(self, transfer: _Transfer) -> TransferResult:
+        success = transfer.submitted and not transfer.failed_on_device
+        seconds = 0.0
+        if success:
+            try:
+                seconds = max(transfer.start_event.elapsed_time(transfer.end_event), 0.0) / 1e3
+            except _DEVICE_ERRORS as e:
+                self._note_device_failure(transfer, e)
+                success = False
+        del self._by_job[transfer.job_id]
+        self._stream_pool.append(transfer.stream)
+        self._event_pool += (transfer.start_event, transfer.end_event)
+        self._buffer_pool.append(transfer.buffers)
+        if self._stats is not None:
+            self._stats.record_transfer(self.direction, transfer.num_bytes, seconds, success)
+        return TransferResult(transfer.job_id, success, transfer.num_bytes, seconds,
+                              self.direction)
+
+    def get_finished(self) -> list[TransferResult]:
+        results = []
+        while self._transfers and self._is_done(self._transfers[0]):
+            results.append(self._finish(self._transfers.popleft()))
+        return results
+
+    def _synchronize(self, transfer: _Transfer) -> None:
+        try:
+            transfer.end_event.synchronize()
+        except _DEVICE_ERRORS as e:
+            self._note_device_failure(transfer, e)
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            transfer = self._by_job.get(job_id)
+            if transfer is not None:
+                self._synchronize(transfer)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._transfers)
+
+    def shutdown(self) -> list[TransferResult]:
+        """Wait for every transfer, return their results, release the backend."""
+        results = []
+        while self._transfers:
+            self._synchronize(self._transfers[0])
+            results.append(self._finish(self._transfers.popleft()))
+        if not self._closed:
+            self._closed = True
+            self.backend.close()
+            self._stream_pool.clear()
+            self._event_pool.clear()
+            self._buffer_pool.clear()
+        return results
+
+
+class CpuGpuOffloadingHandlers:
+    """Both directions of one rank; owns the stream platform it was built with."""
+
+    def __init__(self, gpu_to_cpu: SingleDirectionOffloadingHandler,
+                 cpu_to_gpu: SingleDirectionOffloadingHandler,
+                 streams: StreamPlatform | None = None):
+        for handler, want in ((gpu_to_cpu, Direction.GPU_TO_CPU), (cpu_to_gpu, Direction.CPU_TO_GPU)):
+            if handler.direction is not want:
+                raise ValueError(f"expected a {want.label} handler, got {handler.direction.label}")
+        self.gpu_to_cpu_handler = gpu_to_cpu
+        self.cpu_to_gpu_handler = cpu_to_gpu
+        self._streams = streams
+
+    @classmethod
+    def build(cls, planner: TransferPlanner, backends: Mapping[Direction, CopyBackend],
+              streams: StreamPlatform, stats: RankStats | None = None) -> CpuGpuOffloadingHandlers:
+        g2c, c2g = (SingleDirectionOffloadingHandler(planner, d, backends[d], streams, stats)
+                    for d in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU))
+        return cls(g2c, c2g, streams)
+
+    @property
+    def streams(self) -> StreamPlatform | None:
+        """The platform the handlers order on (its ``current_stream()`` is the compute
+        stream every transfer waits for); ``None`` after ``shutdown``."""
+        return self._streams
+
+    def handler(self, direction: Direction) -> SingleDirectionOffloadingHandler:
+        return self.gpu_to_cpu_handler if direction is Direction.GPU_TO_CPU \
+            else self.cpu_to_gpu_handler
+
+    def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
+        """Route by the source spec: a GPU source is a store, anything else a load."""
+        store = isinstance(transfer[0], GPULoadStoreSpec)
+        return self.handler(Direction.GPU_TO_CPU if store else Direction.CPU_TO_GPU
+                            ).transfer_async(job_id, transfer)
+
+    def get_finished(self) -> list[TransferResult]:
+        return self.gpu_to_cpu_handler.get_finished() + self.cpu_to_gpu_handler.get_finished()
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        ids = list(job_ids)
+        self.gpu_to_cpu_handler.wait(ids)
+        self.cpu_to_gpu_handler.wait(ids)
+
+    def shutdown(self) -> list[TransferResult]:
+        results = self.gpu_to_cpu_handler.shutdown() + self.cpu_to_gpu_handler.shutdown()
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
+        return results

@@ -1,0 +1,225 @@
+"""A worker: one rank's region slice, pinned, with both transfer handlers over it.
+
+``attach`` does, in order: map the region by name and rank (waiting up to
+``ready_timeout_s`` for READY), check ``gpu_caches`` against the region's geometry and
+the backend against the caches' device, mark the rank attached in its stats block (pid
+and process start time), pin the slice per the pinning policy (host-only backends need
+no pinning: state UNPINNED), build the backend of each direction (recorded in the stats
+block) and the handlers. Anything failing on the way undoes what was done and raises.
+``Worker.close`` drains the handlers, unpins, marks the rank detached and unmaps.
+
+Accepted ``gpu_caches`` forms: see ``tiercache.transfer.kv_caches``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from tiercache.backends import (
+    BackendContext, create_backend, create_stream_platform, resolve_kind,
+)
+from tiercache.backends.base import CopyBackend
+from tiercache.errors import PinUnavailableError
+from tiercache.config import BackendKind, Config, PinningPolicy, RegionConfig
+from tiercache.errors import ConfigError, LayoutMismatchError
+from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
+from tiercache.region.hostmem import process_start_ns
+from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
+from tiercache.region.layout import RegionLayout
+from tiercache.pages import PageArray
+from tiercache.transfer.planner import TransferPlanner
+from tiercache.region.shared import SHM_DIR, SharedOffloadRegion
+from tiercache.specs import TransferSpec
+from tiercache.region.stats import BackendCode, Direction, PinState, RankStats
+from tiercache.backends.streams import StreamPlatform
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """An attached rank. Drive it from one thread; ``close`` (or ``with``) when done."""
+
+    def __init__(self, region: SharedOffloadRegion, rank: int, handlers: CpuGpuOffloadingHandlers,
+                 pin_state: PinState, gpu_caches: Any):
+        self.region = region
+        self.rank = rank
+        self.handlers = handlers
+        self.pin_state = pin_state
+        self._gpu_caches = gpu_caches  # the planner holds addresses: keep the memory alive
+        self._closed = False
+
+    @property
+    def stats(self) -> RankStats:
+        return self.region.stats(self.rank)
+
+    @property
+    def backends(self) -> dict[Direction, BackendCode]:
+        return {d: self.handlers.handler(d).backend.code for d in Direction}
+
+    def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
+        return self.handlers.transfer_async(job_id, transfer)
+
+    def get_finished(self) -> list[TransferResult]:
+        return self.handlers.get_finished()
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        self.handlers.wait(job_ids)
+
+    def close(self) -> list[TransferResult]:
+        """Drain (returns the results not yet collected), unpin, detach, unmap."""
+        if self._closed:
+            return []
+        self._closed = True
+        try:
+            return self.handlers.shutdown()
+        finally:
+            _release(self.region, self.rank)
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release(region: SharedOffloadRegion, rank: int, pin_failed: bool = False) -> None:
+    try:
+        region.unpin()
+        stats = region.stats(rank)
+        stats.mark_detached()
+        if pin_failed:
+            stats.set_pin(PinState.FAILED)  # nobody attached; the last attempt could not pin
+    finally:
+        region.close()
+
+
+def _settings(config_or_name: Config | str, backend: BackendKind | str | None,
+              pinning: PinningPolicy | None) -> tuple[str, RegionLayout | None, BackendKind,
+                                                      PinningPolicy]:
+    if isinstance(config_or_name, Config):
+        name, layout = config_or_name.shm_name, RegionLayout.from_config(config_or_name)
+        kind, policy = config_or_name.backend, config_or_name.region.pinning
+    else:
+        name, layout, kind, policy = config_or_name, None, BackendKind.AUTO, RegionConfig.pinning
+    if backend is not None:
+        try:
+            kind = BackendKind(backend)
+        except ValueError:
+            raise ConfigError(f"backend = {backend!r}: allowed "
+                              f"{', '.join(repr(k.value) for k in BackendKind)}") from None
+    return name, layout, kind, policy if pinning is None else pinning
+
+
+def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
+           backend: BackendKind | str | None = None,
+           group_tensors: Sequence[Sequence[int]] | None = None,
+           pinning: PinningPolicy | None = None,
+           device: torch.device | str | None = None,
+           ready_timeout_s: float = 0.0,
+           prefault_threads: int | None = None,
+           shm_dir: str = SHM_DIR) -> Worker:
+    """Attach ``rank`` of a region and build its handlers over ``gpu_caches``.
+
+    ``config_or_name``: a Config (geometry checked against the region; backend and
+    pinning policy from it) or an instance name (geometry taken from the region,
+    backend ``auto``, the config's default pinning policy). ``backend`` and ``pinning``
+    override either. ``group_tensors[g]`` lists the region tensors of KV-cache group g
+    (default: one group of all). ``device`` is needed only when ``gpu_caches`` holds no
+    tensor. ``auto`` over CPU tensors is the ``cpu`` backend. The slice is pre-faulted
+    with ``prefault_threads`` threads (default: the config's ``region.prefault_threads``)
+    before it is pinned.
+    """
+    name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
+    region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
+                                        timeout_s=ready_timeout_s, shm_dir=shm_dir)
+    try:
+        layout = region.layout
+        gpu_pages = page_arrays_of(gpu_caches, layout.page_bytes)
+        cpu_pages = page_arrays_of(region.tensor_views(rank), layout.page_bytes,
+                                   layout.block_size_factor)
+        torch_device = _device(gpu_caches, device)
+        kind = resolve_kind(kind, torch_device.type)
+        planner = TransferPlanner(gpu_pages, cpu_pages, layout.block_size_factor, group_tensors)
+    except BaseException:
+        region.close()
+        raise
+    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    if prefault_threads is None:
+        prefault_threads = (config_or_name.region.prefault_threads
+                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
+    try:
+        region.prefault_slice(prefault_threads)
+    except BaseException:
+        _release(region, rank)  # pinning was never tried: the pin state stays as it was
+        raise
+    try:
+        pin_state = _pin(region, rank, policy, torch_device)
+    except BaseException:
+        _release(region, rank, pin_failed=True)
+        raise
+    streams = None
+    try:
+        streams = create_stream_platform(kind, torch_device)
+        backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams)
+        for direction, chosen in backends.items():
+            region.stats(rank).set_backend(direction, chosen.code)
+        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, region.stats(rank))
+    except BaseException:
+        if streams is not None:
+            streams.close()
+        _release(region, rank)
+        raise
+    log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
+             {d.label: b.code.label for d, b in backends.items()}, pin_state.label)
+    return Worker(region, rank, handlers, pin_state, gpu_caches)
+
+
+def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
+         device: torch.device) -> PinState:
+    """Pin for the caches' GPU (raises under REQUIRED). Host caches cannot use pinned memory:
+    REQUIRED refuses them, ALLOW_UNPINNED runs with state UNPINNED exported."""
+    if device.type == "cpu":
+        if policy is PinningPolicy.REQUIRED:
+            region.stats(rank).set_pin(PinState.FAILED)
+            raise PinUnavailableError(
+                f"rank {rank}: the caches are host tensors, so there is no GPU to pin the slice "
+                "for; region.pinning = 'required' refuses to run unpinned (use GPU caches, or "
+                "region.pinning = 'allow_unpinned' on CPU-only hosts)")
+        region.stats(rank).set_pin(PinState.UNPINNED)
+        return PinState.UNPINNED
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return region.pin(policy, index)
+
+
+def _backends(kind: BackendKind, gpu_pages: tuple[PageArray, ...],
+              cpu_pages: tuple[PageArray, ...], device: torch.device, pin_state: PinState,
+              streams: StreamPlatform) -> dict[Direction, CopyBackend]:
+    built: dict[Direction, CopyBackend] = {}
+    try:
+        for direction in Direction:
+            context = BackendContext(direction, gpu_pages, cpu_pages, device,
+                                     pin_state is PinState.PINNED, streams)
+            built[direction] = create_backend(kind, context)
+    except BaseException:
+        for made in built.values():
+            made.close()
+        raise
+    return built
+
+
+def _device(gpu_caches: GpuCaches, device: torch.device | str | None) -> torch.device:
+    found = device_of(gpu_caches)
+    if device is not None:
+        wanted = torch.device(device)
+        if found is not None and found.type != wanted.type:
+            raise LayoutMismatchError(f"device={wanted} but gpu_caches are on {found}")
+        return found or wanted
+    if found is None:
+        raise LayoutMismatchError("gpu_caches holds only PageArrays: pass device= "
+                                  "('cuda:N', or 'cpu' for host memory)")
+    return found
