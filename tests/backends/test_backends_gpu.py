@@ -19,7 +19,7 @@ pytestmark = [
 
 from tiercache.backends.base import CopyPlan  # noqa: E402
 from tiercache.errors import BackendError  # noqa: E402
-from tiercache.region.stats import Direction  # noqa: E402
+from tiercache.specs import Direction  # noqa: E402
 
 POISON = 0xA5
 GPU_BYTES = 24 << 20
