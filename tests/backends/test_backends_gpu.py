@@ -3,7 +3,7 @@
 Each test draws fresh random data, poisons the destination, runs a plan through a
 backend and compares every byte of both buffers with the plan applied in numpy: the
 copied bytes must match and every other byte must keep its poison. Run on a GPU
-machine: ``python -m pytest -q -m gpu tests/test_backends_gpu.py``.
+machine: ``python -m pytest -q -m gpu tests/backends/test_backends_gpu.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ pytestmark = [
 ]
 
 from tiercache.backends.base import CopyPlan  # noqa: E402
+from tiercache.backends.kind import BackendKind  # noqa: E402
 from tiercache.errors import BackendError  # noqa: E402
 from tiercache.specs import Direction  # noqa: E402
 
@@ -26,28 +27,52 @@ GPU_BYTES = 24 << 20
 HOST_BYTES = 24 << 20
 
 
-def _build(name: str, direction: Direction):
+def _ce(**kwargs):
     from tiercache.backends.ce import CeBackend
+
+    return CeBackend(0, **kwargs)
+
+
+def _ce_stream():
     from tiercache.backends.driver import SrcAccessOrder
+
+    return _ce(load_access_order=SrcAccessOrder.STREAM)
+
+
+def _ce_loop():
+    from tiercache.backends.ce import CeLoopBackend
+
+    return CeLoopBackend(0)
+
+
+def _kernel():
     from tiercache.backends.kernel import KernelBackend
+
+    return KernelBackend(0, num_programs=7)
+
+
+def _staged(**kwargs):
     from tiercache.backends.staged import StagedBackend
 
-    if name == "ce":
-        return CeBackend(0)
-    if name == "ce-stream":
-        return CeBackend(0, load_access_order=SrcAccessOrder.STREAM)
-    if name == "kernel":
-        return KernelBackend(0, num_programs=7)
-    if name == "staged-small":  # small chunks: many chunks, the ring wraps several times
-        return StagedBackend(0, chunk_bytes=96 << 10, num_slots=2, direct_bytes=64 << 10)
-    if name == "staged-odd":
-        return StagedBackend(0, chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10)
-    if name == "staged":
-        return StagedBackend(0)
-    raise AssertionError(name)
+    return StagedBackend(0, **kwargs)
 
 
-BACKENDS = ["ce", "ce-stream", "kernel", "staged", "staged-small", "staged-odd"]
+# name -> factory of one backend (one per direction is built)
+BUILDERS = {
+    "ce": _ce,
+    "ce-stream": _ce_stream,
+    "ce_loop": _ce_loop,
+    "kernel": _kernel,
+    "staged": _staged,
+    # small chunks: many chunks, the ring wraps several times
+    "staged-small": lambda: _staged(chunk_bytes=96 << 10, num_slots=2, direct_bytes=64 << 10),
+    "staged-odd": lambda: _staged(chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10),
+}
+BACKENDS = list(BUILDERS)
+
+
+def _build(name: str, direction: Direction):
+    return BUILDERS[name]()
 
 
 @pytest.fixture(scope="module")
@@ -238,9 +263,51 @@ def test_auto_chooses_a_copy_engine_path_and_says_why(buffers):
         backend = create(BackendContext(direction, gpu_pages, cpu_pages, torch.device("cuda", 0),
                                         True, CudaStreams("cuda:0")))
         assert isinstance(backend, AutoBackend)
-        assert backend.choice.name in ("ce", "staged")
+        assert backend.choice.kind in (BackendKind.CE, BackendKind.STAGED)
+        assert backend.kind is backend.choice.kind  # what the stats block records
         assert "GB/s" in backend.choice.reason and len(backend.choice.rates_gbps) == 2
+        assert {kind for kind, _ in backend.choice.rates_gbps} == {BackendKind.CE,
+                                                                    BackendKind.STAGED}
         backend.close()
+
+
+def test_ce_on_a_driver_without_the_batch_api_runs_as_ce_loop_and_says_so(buffers, caplog):
+    """``ce.create`` on such a driver: CE_LOOP (the kind the stats block records), a
+    WARNING naming the direction, and byte-exact copies through the loop."""
+    from tiercache.backends import BackendContext
+    from tiercache.backends.ce import CeLoopBackend, create
+    from tiercache.backends.driver import CudaDriver
+    from tiercache.backends.streams import CudaStreams
+    from tiercache.pages import PageArray
+
+    class NoBatchDriver(CudaDriver):
+        has_batch = False  # a driver older than R570, as ce.create sees it
+
+    gpu, host = buffers
+    pages = (PageArray(gpu.data_ptr(), 8, 4096, 4096),)
+    rows = (PageArray(host.data_ptr(), 8, 4096, 4096),)
+    context = BackendContext(Direction.CPU_TO_GPU, pages, rows, torch.device("cuda", 0), True,
+                             CudaStreams("cuda:0"))
+    with caplog.at_level("WARNING", logger="tiercache.backends.ce"):
+        backend = create(context, driver=NoBatchDriver())
+    assert isinstance(backend, CeLoopBackend) and backend.kind is BackendKind.CE_LOOP
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cpu_to_gpu: backend 'ce' runs as 'ce_loop'" in \
+        warnings[0].getMessage()
+    host_data = torch.randint(0, 256, (8 * 4096,), dtype=torch.uint8)
+    host[:8 * 4096].copy_(host_data)
+    gpu.fill_(POISON)
+    stream = torch.cuda.Stream()
+    order = np.array([3, 0, 5], np.uint64)
+    plan = CopyPlan(np.uint64(host.data_ptr()) + order * np.uint64(4096),
+                    np.uint64(gpu.data_ptr()) + np.arange(3, dtype=np.uint64) * np.uint64(4096),
+                    np.full(3, 4096, np.uint64), Direction.CPU_TO_GPU)
+    token = backend.copy_async(plan, stream)
+    stream.synchronize()
+    del token
+    got = gpu[:3 * 4096].cpu().view(3, 4096)
+    for i, row in enumerate(order.tolist()):
+        assert torch.equal(got[i], host_data.view(8, 4096)[row])
 
 
 def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cpu_blocks: int,
@@ -275,7 +342,7 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
     return pairs
 
 
-@pytest.mark.parametrize("name", ["ce", "kernel", "staged", "staged-small"])
+@pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
