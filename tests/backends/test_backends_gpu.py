@@ -130,37 +130,23 @@ def _roundtrip(name: str, pages: list[int], num_blocks: int, row_pad: int, merge
     stream = torch.cuda.Stream()
     gbase, hbase = np.uint64(gpu.data_ptr()), np.uint64(host.data_ptr())
 
-    # store: GPU random, host poisoned
-    gpu_data = rng.integers(0, 256, GPU_BYTES, dtype=np.uint8)
-    gpu.copy_(torch.from_numpy(gpu_data))
-    host.fill_(POISON)
-    torch.cuda.synchronize()
-    backend = _build(name, Direction.GPU_TO_CPU)
-    plan = CopyPlan(g_off + gbase, h_off + hbase, sizes, Direction.GPU_TO_CPU)
-    token = backend.copy_async(plan, stream)
-    stream.synchronize()
-    del token
-    expected = _apply(gpu_data, np.full(HOST_BYTES, POISON, np.uint8), g_off, h_off, sizes)
-    got = host.numpy()
-    bad = np.flatnonzero(got != expected)
-    assert bad.size == 0, f"{name} store: {bad.size} bytes differ, first at {bad[0]}"
-    backend.close()
-
-    # load: host random, GPU poisoned
-    host_data = rng.integers(0, 256, HOST_BYTES, dtype=np.uint8)
-    host.copy_(torch.from_numpy(host_data))
-    gpu.fill_(POISON)
-    torch.cuda.synchronize()
-    backend = _build(name, Direction.CPU_TO_GPU)
-    plan = CopyPlan(h_off + hbase, g_off + gbase, sizes, Direction.CPU_TO_GPU)
-    token = backend.copy_async(plan, stream)
-    stream.synchronize()
-    del token
-    expected = _apply(host_data, np.full(GPU_BYTES, POISON, np.uint8), h_off, g_off, sizes)
-    got = gpu.cpu().numpy()
-    bad = np.flatnonzero(got != expected)
-    assert bad.size == 0, f"{name} load: {bad.size} bytes differ, first at {bad[0]}"
-    backend.close()
+    for direction in Direction:  # the source random, the destination poisoned
+        src_mem, dst_mem = direction.src_dst(gpu, host)
+        src_off, dst_off = direction.src_dst(g_off + gbase, h_off + hbase)
+        data = rng.integers(0, 256, src_mem.numel(), dtype=np.uint8)
+        src_mem.copy_(torch.from_numpy(data))
+        dst_mem.fill_(POISON)
+        torch.cuda.synchronize()
+        backend = _build(name, direction)
+        token = backend.copy_async(CopyPlan(src_off, dst_off, sizes, direction), stream)
+        stream.synchronize()
+        del token
+        expected = _apply(data, np.full(dst_mem.numel(), POISON, np.uint8),
+                          *direction.src_dst(g_off, h_off), sizes)
+        bad = np.flatnonzero(dst_mem.cpu().numpy() != expected)
+        assert bad.size == 0, f"{name} {direction.label}: {bad.size} bytes differ, first at " \
+                              f"{bad[0]}"
+        backend.close()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
