@@ -80,8 +80,10 @@ def ce_split_probe():
     ce = CeBackend(0, CudaDriver())
     plans = rig.plans(Workload.for_page(32 * KIB))
     s = rig.streams[0]
-    for label, plan, splits in (("1 block", plans.planner.plan(Direction.GPU_TO_CPU, plans.one_store_spec), (64, 32, 16, 8)),
-                                ("1 block load", plans.planner.plan(Direction.CPU_TO_GPU, plans.one_load_spec), (64, 32, 16, 8)),
+    one_store = plans.planner.plan(Direction.GPU_TO_CPU, plans.one_store_spec)
+    one_load = plans.planner.plan(Direction.CPU_TO_GPU, plans.one_load_spec)
+    for label, plan, splits in (("1 block", one_store, (64, 32, 16, 8)),
+                                ("1 block load", one_load, (64, 32, 16, 8)),
                                 ("16384 pages", plans.store, (16384, 1024, 256, 64)),
                                 ("16384 pages load", plans.load, (16384, 1024, 256))):
         arrays = DescriptorArrays.of(plan.src, plan.dst, plan.sizes)

@@ -147,9 +147,8 @@ class Direction(IntEnum):
         """``(gpu_spec, cpu_spec)`` of a transfer in this direction; ``SpecError`` naming
         the given types when the pair does not move this way."""
         if not self._matches(src_spec, dst_spec):
-            want = "(GPULoadStoreSpec, CPULoadStoreSpec)" if self is Direction.GPU_TO_CPU \
-                else "(CPULoadStoreSpec, GPULoadStoreSpec)"
-            raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = {want}; "
+            want = ", ".join(c.__name__ for c in self.src_dst(GPULoadStoreSpec, CPULoadStoreSpec))
+            raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = ({want}); "
                             f"got {_type_names((src_spec, dst_spec))}")
         return self.src_dst(src_spec, dst_spec)  # type: ignore[return-value]
 

@@ -190,13 +190,14 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     driver = CudaDriver()
     if not driver.has_batch:
         raise BackendError(f"auto: CUDA driver {driver.driver_version} has no "
-                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce' explicitly")
+                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' explicitly")
     if not context.host_pinned:
         return (AutoChoice(direction, BackendKind.CE, "host memory is not pinned"),
                 CeBackend(device, driver))
     smallest = min(p.page_bytes for p in context.gpu_pages)
     if smallest >= LARGE_PAGE_BYTES:
-        return (AutoChoice(direction, BackendKind.CE, f"every GPU page >= {LARGE_PAGE_BYTES >> 20} MiB "
+        return (AutoChoice(direction, BackendKind.CE,
+                           f"every GPU page >= {LARGE_PAGE_BYTES >> 20} MiB "
                            f"(smallest {smallest} B): copy engines need no staging"),
                 CeBackend(device, driver))
 
@@ -216,7 +217,8 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     for other in measured[1:]:
         other.backend.close()
     elapsed_ms = (time.perf_counter() - started) * 1e3
-    summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s (host {m.host_share:.0%})"
+    summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "
+                        f"(host {m.host_share:.0%})"
                         for m in measured)
     reason = (f"fastest SM-free path holding the host <= {HOST_SHARE_LIMIT:.0%} of a transfer "
               f"at {smallest} B pages: {summary}, marginal ({large.num_descriptors} pages, "

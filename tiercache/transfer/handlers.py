@@ -5,12 +5,13 @@ thread):
 
 * ``transfer_async(job_id, (src_spec, dst_spec))`` plans first, in the handler's own
   direction (a pair that moves the other way is a ``SpecError`` naming the given types,
-  never re-routed): a bad spec raises ``SpecError`` and nothing is enqueued. After
-  ``shutdown()`` it raises ``HandlerClosedError``. Otherwise the transfer goes on a stream of its
-  own that waits for the compute stream (a store must not read KV still being written;
-  a load must not be overwritten by compute work queued before it) and for the previous
-  transfer of this handler (FIFO). Returns True when the copies were enqueued, False when
-  the backend refused them; either way exactly one ``TransferResult`` for the job follows.
+  never re-routed): a bad spec raises ``SpecError`` and nothing is enqueued; after
+  ``shutdown()`` it raises ``HandlerClosedError``. Otherwise the transfer goes on a
+  stream of its own that waits for the compute stream (a store must not read KV still
+  being written; a load must not be overwritten by compute work queued before it) and
+  for the previous transfer of this handler (FIFO). Returns True when the copies were
+  enqueued, False when the backend refused them; either way exactly one
+  ``TransferResult`` for the job follows.
 * ``get_finished()`` returns finished transfers in submission order (a later transfer is
   never reported before an earlier one), each with its bytes and stream-timed seconds;
   a backend or device failure is ``success=False``, never an exception.
@@ -59,7 +60,7 @@ class TransferResult:
     def __post_init__(self) -> None:
         if self.transfer_size < 0 or self.transfer_time < 0:
             raise HandlerError(f"TransferResult(transfer_size={self.transfer_size}, "
-                             f"transfer_time={self.transfer_time}): both must be >= 0")
+                               f"transfer_time={self.transfer_time}): both must be >= 0")
 
 
 @dataclass(eq=False)
