@@ -32,6 +32,7 @@ def _driver():
             f"no CUDA device visible to this process (torch {torch.__version__}, "
             f"CUDA build {torch.version.cuda}); host memory cannot be pinned here"
         )
+    torch.cuda.init()  # the driver initialised before any driver call
     try:
         return torch, CudaDriver()
     except BackendError as e:
@@ -55,7 +56,6 @@ class HostPinner:
             raise PinError(f"already pinned {self.pinned_bytes} bytes; unpin() first")
         torch, driver = _driver()
         torch.cuda.set_device(self.device)
-        torch.cuda.init()
         torch.empty(1, device=f"cuda:{self.device}")  # makes the primary context current here
         start = time.perf_counter()
         for address, length in chunks:
