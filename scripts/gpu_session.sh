@@ -14,7 +14,7 @@ BENCH_ARGS=${BENCH_ARGS:-"--matmul --reps 7"}
 BASELINE_ARGS=${BASELINE_ARGS:-"--page-kib 32 --backend auto staged ce --reps 7"}
 for step in $STEPS; do
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     probe) timeout 200 python3 scripts/transfer_probe.py 2>&1 | tee "$OUT/probe.log" | grep -v '^\[' ;;
     staged-probe) for mode in main ce both; do timeout 150 python3 scripts/staged_probe.py $mode 2>&1 | tee -a "$OUT/staged_probe.log" | grep RESULT; done ;;
     bench) timeout 400 python3 -m tiercache.tools.bench $BENCH_ARGS --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;

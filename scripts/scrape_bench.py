@@ -29,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from prometheus_server import JOB, PrometheusServer  # noqa: E402  (the tests' helper)
 
+from tiercache.backends.kind import BackendKind  # noqa: E402
 from tiercache.config import (  # noqa: E402
-    BackendKind, Config, ExporterConfig, KVGeometry, RegionConfig,
+    Config, ExporterConfig, KVGeometry, RegionConfig,
 )
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 

@@ -20,7 +20,9 @@ from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
 from tiercache.backends.staging import Scratch, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, _copy_descriptors, upload_table
-from tiercache.tools.bench import KIB, MIB, GpuRig, Workload
+from tiercache.specs import Direction
+from tiercache.tools.bench.rig import GpuRig
+from tiercache.tools.bench.workloads import KIB, MIB, Workload
 
 
 def host_us(fn, n=200, warm=20, sync=None):
@@ -72,14 +74,16 @@ def ce_split_probe():
     """Does the copy engine start before cuMemcpyBatchAsync has walked every descriptor?
     One plan submitted in sub-batches of ``split`` descriptors, GPU-timed from an event
     recorded before the first call (host submit time included, as in the benchmark)."""
-    from tiercache.backends.ce import DescriptorArrays
+    from tiercache.backends.driver import DescriptorArrays
 
     rig = GpuRig(0, 512 * MIB)
     ce = CeBackend(0, CudaDriver())
     plans = rig.plans(Workload.for_page(32 * KIB))
     s = rig.streams[0]
-    for label, plan, splits in (("1 block", plans.planner.plan(plans.one_store_spec), (64, 32, 16, 8)),
-                                ("1 block load", plans.planner.plan(plans.one_load_spec), (64, 32, 16, 8)),
+    one_store = plans.planner.plan(Direction.GPU_TO_CPU, plans.one_store_spec)
+    one_load = plans.planner.plan(Direction.CPU_TO_GPU, plans.one_load_spec)
+    for label, plan, splits in (("1 block", one_store, (64, 32, 16, 8)),
+                                ("1 block load", one_load, (64, 32, 16, 8)),
                                 ("16384 pages", plans.store, (16384, 1024, 256, 64)),
                                 ("16384 pages load", plans.load, (16384, 1024, 256))):
         arrays = DescriptorArrays.of(plan.src, plan.dst, plan.sizes)

@@ -14,7 +14,8 @@ import torch
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import CudaDriver, SrcAccessOrder
 from tiercache.backends.staging import plan_staging
-from tiercache.tools.bench import GpuRig, Workload, KIB, MIB
+from tiercache.tools.bench.rig import GpuRig
+from tiercache.tools.bench.workloads import KIB, MIB, Workload
 
 rig = GpuRig(0, 512 * MIB)
 drv = CudaDriver()

@@ -12,7 +12,7 @@ from tiercache.errors import TiercacheError
 from tiercache.region.header import RegionState
 from tiercache.region.hostmem import process_alive
 from tiercache.service.signals import stop_on_signals
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2

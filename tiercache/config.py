@@ -15,6 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from tiercache.backends.kind import BackendKind
 from tiercache.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -62,16 +63,6 @@ class PinningPolicy(Enum):
 
     REQUIRED = "required"  # raise: a quietly slower path is worse than no path
     ALLOW_UNPINNED = "allow_unpinned"  # run unpinned; state 'unpinned' is exported
-
-
-class BackendKind(Enum):
-    """Copy backend per handler; see ``tiercache.backends``."""
-
-    AUTO = "auto"
-    CE = "ce"
-    KERNEL = "kernel"
-    STAGED = "staged"
-    CPU = "cpu"
 
 
 @dataclass(frozen=True)
@@ -292,8 +283,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     kwargs: dict[str, Any] = {
         "region": region,
         "exporter": exporter,
-        "backend": _enum(BackendKind, raw.get("transfer", {}).get("backend", "auto"),
-                         "transfer.backend"),
+        "backend": BackendKind.parse(raw.get("transfer", {}).get("backend", "auto"),
+                                     "transfer.backend"),
         "control_socket": raw.get("control", {}).get("socket", ""),
         "index_policy": raw.get("index", {}).get("policy", "lru"),
         "index_events": raw.get("index", {}).get("events", False),
@@ -336,7 +327,7 @@ def config_to_toml(config: Config) -> str:
                    "check_host_memory": reg.check_host_memory},
         "kv": {"page_bytes": list(kv.page_bytes), "block_size_factor": kv.block_size_factor,
                "block_tokens": kv.block_tokens},
-        "transfer": {"backend": config.backend.value},
+        "transfer": {"backend": config.backend.label},
         "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
         "control": {"socket": config.control_socket},
         "index": {"policy": config.index_policy, "events": config.index_events},

@@ -18,6 +18,9 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   └── PinUnavailableError     no CUDA here: nothing can be pinned
     ├── SpecError                   a transfer spec that cannot be planned (also ValueError)
     ├── BackendError                a copy backend cannot run here or failed to set up
+    ├── HandlerError                a transfer handler used against its contract: a handler
+    │   │                           of the wrong direction, negative result figures
+    │   └── HandlerClosedError      a transfer submitted after shutdown()
     ├── ManagerError                cache-index misuse
     │   ├── UnknownKeyError         a key the index does not hold         (also KeyError)
     │   ├── InvalidKeyError         a key that is not bytes, too long for the wire, or
@@ -83,6 +86,15 @@ class SpecError(TiercacheError, ValueError):
 
 class BackendError(TiercacheError):
     """A copy backend cannot run on this host or failed to set up."""
+
+
+class HandlerError(TiercacheError):
+    """A transfer handler (``tiercache.transfer.handlers``) used against its contract."""
+
+
+class HandlerClosedError(HandlerError):
+    """A transfer submitted to a handler after ``shutdown()``: a state error, not a
+    backend's: nothing was planned or enqueued."""
 
 
 class ManagerError(TiercacheError):

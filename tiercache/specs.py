@@ -2,14 +2,20 @@
 
 The cache index hands out ``CPULoadStoreSpec`` (slot ids in the region); the engine
 describes its side with ``GPULoadStoreSpec``. A transfer is the pair
-``(src_spec, dst_spec)``. Neither imports torch.
+``(src_spec, dst_spec)`` moving in a ``Direction``. Nothing here imports torch.
+
+The direction is decided once, where a transfer enters: by the verb
+(``Worker.submit_store`` / ``submit_load``) or, for the generic
+``transfer_async(job_id, (src, dst))``, by ``Direction.of`` from the pair's types.
+Below that it is passed down (planner, handler, ``CopyPlan``, backends), never
+inferred again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 
 import numpy as np
 
@@ -112,3 +118,51 @@ class GPULoadStoreSpec:
 
 LoadStoreSpec = CPULoadStoreSpec | GPULoadStoreSpec
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+
+
+class Direction(IntEnum):
+    """Which way a transfer moves bytes. The value indexes per-direction records (the
+    stats block's direction blocks, ``RankStatsSnapshot.directions``)."""
+
+    GPU_TO_CPU = 0  # store
+    CPU_TO_GPU = 1  # load
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def of(cls, transfer: TransferSpec) -> Direction:
+        """The direction of a ``(src_spec, dst_spec)`` pair, from its spec types; a pair
+        that is not one GPU and one CPU spec raises ``SpecError`` naming both types."""
+        if isinstance(transfer, tuple) and len(transfer) == 2:
+            for direction in cls:
+                if direction._matches(*transfer):
+                    return direction
+        raise SpecError(f"a transfer pairs a GPU and a CPU spec (either order); got "
+                        f"{_type_names(transfer)}")
+
+    def gpu_cpu(self, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec
+                ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+        """``(gpu_spec, cpu_spec)`` of a transfer in this direction; ``SpecError`` naming
+        the given types when the pair does not move this way."""
+        if not self._matches(src_spec, dst_spec):
+            want = ", ".join(c.__name__ for c in self.src_dst(GPULoadStoreSpec, CPULoadStoreSpec))
+            raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = ({want}); "
+                            f"got {_type_names((src_spec, dst_spec))}")
+        return self.src_dst(src_spec, dst_spec)  # type: ignore[return-value]
+
+    def src_dst(self, gpu_side, cpu_side):
+        """Order a (GPU side, CPU side) pair as (source, destination); the same swap
+        turns (source, destination) back into (GPU side, CPU side)."""
+        return (gpu_side, cpu_side) if self is Direction.GPU_TO_CPU else (cpu_side, gpu_side)
+
+    def _matches(self, src_spec: object, dst_spec: object) -> bool:
+        gpu, cpu = self.src_dst(src_spec, dst_spec)
+        return isinstance(gpu, GPULoadStoreSpec) and isinstance(cpu, CPULoadStoreSpec)
+
+
+def _type_names(transfer: object) -> str:
+    if not isinstance(transfer, tuple):
+        return type(transfer).__name__
+    return "(" + ", ".join(type(spec).__name__ for spec in transfer) + ")"

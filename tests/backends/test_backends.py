@@ -15,6 +15,7 @@ import pytest
 
 from tiercache.backends.staging import RUN_ALIGN, plan_staging
 from tiercache.errors import BackendError
+from tiercache.specs import Direction
 
 POISON = 0xA5
 
@@ -44,35 +45,29 @@ def _random_plan(rng: np.random.Generator, num_blocks: int, page_bytes: list[int
     return host, gpu, sizes, host_bytes, gpu_bytes
 
 
-def _run_store(layout, gpu_mem: np.ndarray, host_mem: np.ndarray, num_slots: int) -> None:
-    """Execute a store through the layout: pack pieces into a slot, DMA runs to host."""
+def _run(layout, direction: Direction, gpu_mem: np.ndarray, host_mem: np.ndarray,
+         num_slots: int) -> None:
+    """Execute a transfer through the layout. Store: pack pieces into a slot, DMA runs to
+    host; load: DMA runs into a slot, unpack pieces."""
     ring = np.full((num_slots, layout.max_slot_bytes), POISON, dtype=np.uint8)
     x = layout.direct
     for h, g, n in zip(x.host.tolist(), x.gpu.tolist(), x.num_bytes.tolist()):
-        host_mem[h:h + n] = gpu_mem[g:g + n]
+        dst, src = direction.src_dst(host_mem[h:h + n], gpu_mem[g:g + n])
+        dst[:] = src
+    p, d = layout.pieces, layout.dmas
     for k in range(layout.num_chunks):
         slot = ring[k % num_slots]
         slot[:] = POISON
-        p, d = layout.pieces, layout.dmas
-        for a, o, n in zip(p.gpu[p.chunk(k)], p.slot_offset(k), p.num_bytes[p.chunk(k)]):
-            slot[int(o):int(o + n)] = gpu_mem[int(a):int(a + n)]
-        for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
-            host_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
-
-
-def _run_load(layout, host_mem: np.ndarray, gpu_mem: np.ndarray, num_slots: int) -> None:
-    ring = np.full((num_slots, layout.max_slot_bytes), POISON, dtype=np.uint8)
-    x = layout.direct
-    for h, g, n in zip(x.host.tolist(), x.gpu.tolist(), x.num_bytes.tolist()):
-        gpu_mem[g:g + n] = host_mem[h:h + n]
-    for k in range(layout.num_chunks):
-        slot = ring[k % num_slots]
-        slot[:] = POISON
-        p, d = layout.pieces, layout.dmas
-        for a, o, n in zip(d.address[d.chunk(k)], d.slot_offset[d.chunk(k)], d.num_bytes[d.chunk(k)]):
-            slot[int(o):int(o + n)] = host_mem[int(a):int(a + n)]
-        for a, o, n in zip(p.gpu[p.chunk(k)], p.slot_offset(k), p.num_bytes[p.chunk(k)]):
-            gpu_mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
+        pieces = (gpu_mem, p.gpu[p.chunk(k)], p.slot_offset(k), p.num_bytes[p.chunk(k)])
+        dmas = (host_mem, d.address[d.chunk(k)], d.slot_offset[d.chunk(k)],
+                d.num_bytes[d.chunk(k)])
+        into_slot, out_of_slot = direction.src_dst(pieces, dmas)
+        mem, addresses, offsets, sizes = into_slot
+        for a, o, n in zip(addresses, offsets, sizes):
+            slot[int(o):int(o + n)] = mem[int(a):int(a + n)]
+        mem, addresses, offsets, sizes = out_of_slot
+        for a, o, n in zip(addresses, offsets, sizes):
+            mem[int(a):int(a + n)] = slot[int(o):int(o + n)]
 
 
 def _reference(src_mem, dst_mem, src, dst, sizes):
@@ -110,13 +105,13 @@ def test_staged_layout_moves_exact_bytes(page_bytes, row_pad, chunk_bytes, direc
         assert int(layout.pieces.num_bytes.max()) < direct_bytes
 
     expected = _reference(gpu_mem, host_mem, gpu, host, sizes)
-    _run_store(layout, gpu_mem, host_mem, num_slots=2)
+    _run(layout, Direction.GPU_TO_CPU, gpu_mem, host_mem, num_slots=2)
     assert np.array_equal(host_mem, expected)  # padding and unused rows untouched
 
     fresh_gpu = np.full(gpu_bytes, POISON, dtype=np.uint8)
     host_mem[:] = rng.integers(0, 256, host_bytes, dtype=np.uint8)
     expected_gpu = _reference(host_mem, fresh_gpu, host, gpu, sizes)
-    _run_load(layout, host_mem, fresh_gpu, num_slots=3)
+    _run(layout, Direction.CPU_TO_GPU, fresh_gpu, host_mem, num_slots=3)
     assert np.array_equal(fresh_gpu, expected_gpu)
 
 

@@ -3,7 +3,7 @@
 Each test draws fresh random data, poisons the destination, runs a plan through a
 backend and compares every byte of both buffers with the plan applied in numpy: the
 copied bytes must match and every other byte must keep its poison. Run on a GPU
-machine: ``python -m pytest -q -m gpu tests/test_backends_gpu.py``.
+machine: ``python -m pytest -q -m gpu tests/backends/test_backends_gpu.py``.
 """
 
 from __future__ import annotations
@@ -18,36 +18,61 @@ pytestmark = [
 ]
 
 from tiercache.backends.base import CopyPlan  # noqa: E402
+from tiercache.backends.kind import BackendKind  # noqa: E402
 from tiercache.errors import BackendError  # noqa: E402
-from tiercache.region.stats import Direction  # noqa: E402
+from tiercache.specs import Direction  # noqa: E402
 
 POISON = 0xA5
 GPU_BYTES = 24 << 20
 HOST_BYTES = 24 << 20
 
 
-def _build(name: str, direction: Direction):
+def _ce(**kwargs):
     from tiercache.backends.ce import CeBackend
+
+    return CeBackend(0, **kwargs)
+
+
+def _ce_stream():
     from tiercache.backends.driver import SrcAccessOrder
+
+    return _ce(load_access_order=SrcAccessOrder.STREAM)
+
+
+def _ce_loop():
+    from tiercache.backends.ce import CeLoopBackend
+
+    return CeLoopBackend(0)
+
+
+def _kernel():
     from tiercache.backends.kernel import KernelBackend
+
+    return KernelBackend(0, num_programs=7)
+
+
+def _staged(**kwargs):
     from tiercache.backends.staged import StagedBackend
 
-    if name == "ce":
-        return CeBackend(0)
-    if name == "ce-stream":
-        return CeBackend(0, load_access_order=SrcAccessOrder.STREAM)
-    if name == "kernel":
-        return KernelBackend(0, num_programs=7)
-    if name == "staged-small":  # small chunks: many chunks, the ring wraps several times
-        return StagedBackend(0, chunk_bytes=96 << 10, num_slots=2, direct_bytes=64 << 10)
-    if name == "staged-odd":
-        return StagedBackend(0, chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10)
-    if name == "staged":
-        return StagedBackend(0)
-    raise AssertionError(name)
+    return StagedBackend(0, **kwargs)
 
 
-BACKENDS = ["ce", "ce-stream", "kernel", "staged", "staged-small", "staged-odd"]
+# name -> factory of one backend (one per direction is built)
+BUILDERS = {
+    "ce": _ce,
+    "ce-stream": _ce_stream,
+    "ce_loop": _ce_loop,
+    "kernel": _kernel,
+    "staged": _staged,
+    # small chunks: many chunks, the ring wraps several times
+    "staged-small": lambda: _staged(chunk_bytes=96 << 10, num_slots=2, direct_bytes=64 << 10),
+    "staged-odd": lambda: _staged(chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10),
+}
+BACKENDS = list(BUILDERS)
+
+
+def _build(name: str, direction: Direction):
+    return BUILDERS[name]()
 
 
 @pytest.fixture(scope="module")
@@ -105,37 +130,23 @@ def _roundtrip(name: str, pages: list[int], num_blocks: int, row_pad: int, merge
     stream = torch.cuda.Stream()
     gbase, hbase = np.uint64(gpu.data_ptr()), np.uint64(host.data_ptr())
 
-    # store: GPU random, host poisoned
-    gpu_data = rng.integers(0, 256, GPU_BYTES, dtype=np.uint8)
-    gpu.copy_(torch.from_numpy(gpu_data))
-    host.fill_(POISON)
-    torch.cuda.synchronize()
-    backend = _build(name, Direction.GPU_TO_CPU)
-    plan = CopyPlan(g_off + gbase, h_off + hbase, sizes, Direction.GPU_TO_CPU)
-    token = backend.copy_async(plan, stream)
-    stream.synchronize()
-    del token
-    expected = _apply(gpu_data, np.full(HOST_BYTES, POISON, np.uint8), g_off, h_off, sizes)
-    got = host.numpy()
-    bad = np.flatnonzero(got != expected)
-    assert bad.size == 0, f"{name} store: {bad.size} bytes differ, first at {bad[0]}"
-    backend.close()
-
-    # load: host random, GPU poisoned
-    host_data = rng.integers(0, 256, HOST_BYTES, dtype=np.uint8)
-    host.copy_(torch.from_numpy(host_data))
-    gpu.fill_(POISON)
-    torch.cuda.synchronize()
-    backend = _build(name, Direction.CPU_TO_GPU)
-    plan = CopyPlan(h_off + hbase, g_off + gbase, sizes, Direction.CPU_TO_GPU)
-    token = backend.copy_async(plan, stream)
-    stream.synchronize()
-    del token
-    expected = _apply(host_data, np.full(GPU_BYTES, POISON, np.uint8), h_off, g_off, sizes)
-    got = gpu.cpu().numpy()
-    bad = np.flatnonzero(got != expected)
-    assert bad.size == 0, f"{name} load: {bad.size} bytes differ, first at {bad[0]}"
-    backend.close()
+    for direction in Direction:  # the source random, the destination poisoned
+        src_mem, dst_mem = direction.src_dst(gpu, host)
+        src_off, dst_off = direction.src_dst(g_off + gbase, h_off + hbase)
+        data = rng.integers(0, 256, src_mem.numel(), dtype=np.uint8)
+        src_mem.copy_(torch.from_numpy(data))
+        dst_mem.fill_(POISON)
+        torch.cuda.synchronize()
+        backend = _build(name, direction)
+        token = backend.copy_async(CopyPlan(src_off, dst_off, sizes, direction), stream)
+        stream.synchronize()
+        del token
+        expected = _apply(data, np.full(dst_mem.numel(), POISON, np.uint8),
+                          *direction.src_dst(g_off, h_off), sizes)
+        bad = np.flatnonzero(dst_mem.cpu().numpy() != expected)
+        assert bad.size == 0, f"{name} {direction.label}: {bad.size} bytes differ, first at " \
+                              f"{bad[0]}"
+        backend.close()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -238,9 +249,51 @@ def test_auto_chooses_a_copy_engine_path_and_says_why(buffers):
         backend = create(BackendContext(direction, gpu_pages, cpu_pages, torch.device("cuda", 0),
                                         True, CudaStreams("cuda:0")))
         assert isinstance(backend, AutoBackend)
-        assert backend.choice.name in ("ce", "staged")
+        assert backend.choice.kind in (BackendKind.CE, BackendKind.STAGED)
+        assert backend.kind is backend.choice.kind  # what the stats block records
         assert "GB/s" in backend.choice.reason and len(backend.choice.rates_gbps) == 2
+        assert {kind for kind, _ in backend.choice.rates_gbps} == {BackendKind.CE,
+                                                                    BackendKind.STAGED}
         backend.close()
+
+
+def test_ce_on_a_driver_without_the_batch_api_runs_as_ce_loop_and_says_so(buffers, caplog):
+    """``ce.create`` on such a driver: CE_LOOP (the kind the stats block records), a
+    WARNING naming the direction, and byte-exact copies through the loop."""
+    from tiercache.backends import BackendContext
+    from tiercache.backends.ce import CeLoopBackend, create
+    from tiercache.backends.driver import CudaDriver
+    from tiercache.backends.streams import CudaStreams
+    from tiercache.pages import PageArray
+
+    class NoBatchDriver(CudaDriver):
+        has_batch = False  # a driver older than R570, as ce.create sees it
+
+    gpu, host = buffers
+    pages = (PageArray(gpu.data_ptr(), 8, 4096, 4096),)
+    rows = (PageArray(host.data_ptr(), 8, 4096, 4096),)
+    context = BackendContext(Direction.CPU_TO_GPU, pages, rows, torch.device("cuda", 0), True,
+                             CudaStreams("cuda:0"))
+    with caplog.at_level("WARNING", logger="tiercache.backends.ce"):
+        backend = create(context, driver=NoBatchDriver())
+    assert isinstance(backend, CeLoopBackend) and backend.kind is BackendKind.CE_LOOP
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cpu_to_gpu: backend 'ce' runs as 'ce_loop'" in \
+        warnings[0].getMessage()
+    host_data = torch.randint(0, 256, (8 * 4096,), dtype=torch.uint8)
+    host[:8 * 4096].copy_(host_data)
+    gpu.fill_(POISON)
+    stream = torch.cuda.Stream()
+    order = np.array([3, 0, 5], np.uint64)
+    plan = CopyPlan(np.uint64(host.data_ptr()) + order * np.uint64(4096),
+                    np.uint64(gpu.data_ptr()) + np.arange(3, dtype=np.uint64) * np.uint64(4096),
+                    np.full(3, 4096, np.uint64), Direction.CPU_TO_GPU)
+    token = backend.copy_async(plan, stream)
+    stream.synchronize()
+    del token
+    got = gpu[:3 * 4096].cpu().view(3, 4096)
+    for i, row in enumerate(order.tolist()):
+        assert torch.equal(got[i], host_data.view(8, 4096)[row])
 
 
 def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cpu_blocks: int,
@@ -275,7 +328,7 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
     return pairs
 
 
-@pytest.mark.parametrize("name", ["ce", "kernel", "staged", "staged-small"])
+@pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.metrics.exporter import encode_text
 from tiercache.metrics.collector import TiercacheCollector
-from tiercache.region.stats import Direction, PinState
+from tiercache.region.stats import PinState
+from tiercache.specs import Direction
 
 import dashboard_queries as dq
 from metrics_support import sample_manager_stats, FakeRegion, attach_self, promtool

@@ -16,7 +16,8 @@ from tiercache.config import ExporterConfig
 from tiercache.errors import ConfigError
 from tiercache.metrics.exporter import encode_text, start_exporter
 from tiercache.metrics.collector import TiercacheCollector
-from tiercache.region.stats import Direction, PinState
+from tiercache.region.stats import PinState
+from tiercache.specs import Direction
 
 from metrics_support import (
     sample_manager_stats, FakeRegion, attach_self, promtool_check, registry_of,

@@ -17,7 +17,9 @@ from tiercache.metrics.exporter import encode_text
 from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.hostmem import process_start_ns
 from tiercache.metrics.collector import METRIC_NAMES, TiercacheCollector
-from tiercache.region.stats import BackendCode, Direction, PinState
+from tiercache.backends.kind import BackendKind
+from tiercache.region.stats import PinState
+from tiercache.specs import Direction
 
 from metrics_support import (
     sample_manager_stats, FakeRegion, attach_self, promtool_check, registry_of,
@@ -113,12 +115,12 @@ def test_pin_state_backend_and_region_gauges():
     region = FakeRegion(world_size=2)
     pinned = attach_self(region, 0)
     pinned.set_pin(PinState.PINNED, pinned_bytes=region.layout.slice_bytes, seconds=0.25)
-    pinned.set_backend(G2C, BackendCode.CE)
-    pinned.set_backend(C2G, BackendCode.KERNEL)
+    pinned.set_backend(G2C, BackendKind.CE)
+    pinned.set_backend(C2G, BackendKind.KERNEL)
     pinned.set_prefault(0.5)
     unpinned = attach_self(region, 1)
     unpinned.set_pin(PinState.UNPINNED)
-    unpinned.set_backend(G2C, BackendCode.CPU)
+    unpinned.set_backend(G2C, BackendKind.CPU)
     reg = registry_of(TiercacheCollector(region))
     value = reg.get_sample_value
 

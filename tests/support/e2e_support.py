@@ -14,7 +14,7 @@ from tiercache.config import Config, RegionConfig
 from tiercache.tools.demo.engine import DemoEngine
 from tiercache.tools.demo.rank import RankOptions
 from tiercache.tools.demo.workload import Request, WorkloadSpec, chain_key
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 from tiercache.service.process import CoordinatorProcess
 
 # Small requests over a region that fills: evictions (slot reuse) happen within a few

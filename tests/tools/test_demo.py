@@ -20,7 +20,7 @@ from tiercache.tools.demo.workload import PrefixWorkload, WorkloadSpec
 from tiercache.tools.demo.content import key_seeds
 from tiercache.errors import ConfigError, ProtocolError
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 from tiercache.service.process import CoordinatorProcess
 
 from e2e_support import e2e_config, metrics_url, sample, scrape

@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache.backends.base import CopyBackend, CopyPlan
+from tiercache.backends.base import CopyBackend, CopyPlan, Submitted
 from tiercache.backends.cpu import CpuCopyBackend
-from tiercache.errors import BackendError, SpecError
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.backends.host_streams import HostStreams
-from tiercache.transfer.kv_caches import page_arrays_of, split_kv
+from tiercache.backends.kind import BackendKind
+from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.layout import RegionLayout
+from tiercache.region.stats import STATS_BLOCK_BYTES, RankStats
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
+from tiercache.transfer.kv_caches import page_arrays_of, split_kv
 from tiercache.transfer.planner import TransferPlanner
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.region.stats import STATS_BLOCK_BYTES, BackendCode, Direction, RankStats
 
 NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 24, 12
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
@@ -337,29 +338,29 @@ def test_shutdown_drains_and_then_refuses(rigs):
     assert [r.job_id for r in results] == list(range(10)) and all(r.success for r in results)
     assert_world(world, expected)
     assert rig.stats.snapshot().directions[C2G].transfers_ok == 10
-    with pytest.raises(BackendError, match="shut down"):
+    with pytest.raises(HandlerClosedError, match="cpu_to_gpu handler is shut down; job 99"):
         rig.handlers.transfer_async(99, (CPULoadStoreSpec([0]), GPULoadStoreSpec([0])))
 
 
 # ---------------------------------------------------------------- failures
 
 class RefusingBackend(CopyBackend):
-    code = BackendCode.CPU
+    kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
+    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         raise BackendError("refused on purpose")
 
 
 class FaultingBackend(CopyBackend):
     """Accepts the plan, then fails on the stream (like a device fault)."""
 
-    code = BackendCode.CPU
+    kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
+    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         def fault():
             raise OSError("device fault on purpose")
         stream.launch(fault)
-        return None
+        return Submitted(())
 
 
 @pytest.mark.parametrize("bad_backend, accepted", [(RefusingBackend, False), (FaultingBackend, True)])
@@ -390,8 +391,23 @@ def test_bad_spec_raises_before_anything_is_enqueued(rigs):
     rig.handlers.transfer_async(1, (GPULoadStoreSpec([1]), CPULoadStoreSpec([0])))
     with pytest.raises(SpecError, match="job id 1 is already in flight"):
         rig.handlers.transfer_async(1, (GPULoadStoreSpec([2]), CPULoadStoreSpec([1])))
-    with pytest.raises(SpecError, match="moves cpu_to_gpu"):
-        rig.handlers.cpu_to_gpu_handler.transfer_async(5, (GPULoadStoreSpec([2]), CPULoadStoreSpec([1])))
+    with pytest.raises(SpecError, match=r"cpu_to_gpu transfer takes .* got \(GPULoadStoreSpec, "
+                                        r"CPULoadStoreSpec\)"):
+        rig.handlers.cpu_to_gpu_handler.transfer_async(5, (GPULoadStoreSpec([2]),
+                                                           CPULoadStoreSpec([1])))
+    with pytest.raises(SpecError, match=r"pairs a GPU and a CPU spec .* got \(GPULoadStoreSpec, "
+                                        r"GPULoadStoreSpec\)"):
+        rig.handlers.transfer_async(6, (GPULoadStoreSpec([2]), GPULoadStoreSpec([1])))
+    assert rig.handlers.cpu_to_gpu_handler.num_in_flight == 0
+
+
+def test_handlers_refuse_a_pairing_of_the_wrong_directions(rigs):
+    rig = rigs(make_world("separate", 1))
+    g2c, c2g = rig.handlers.gpu_to_cpu_handler, rig.handlers.cpu_to_gpu_handler
+    with pytest.raises(HandlerError, match="expected a gpu_to_cpu handler, got cpu_to_gpu"):
+        CpuGpuOffloadingHandlers(c2g, g2c)
+    with pytest.raises(HandlerError, match="transfer_size=-1"):
+        TransferResult(1, True, -1, 0.0, G2C)
 
 
 def test_stats_account_every_transfer_exactly(rigs):

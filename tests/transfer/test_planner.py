@@ -12,12 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiercache.errors import LayoutMismatchError, SpecError
-from tiercache.region.layout import RegionLayout
 from tiercache.pages import PageArray
+from tiercache.region.layout import RegionLayout
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.planner import TransferPlanner
-from tiercache.transfer.runs import merge_runs
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.region.stats import Direction
+
+from plan_reference import merge_runs
+
+G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
 
 GPU_BASE = 0x10_0000_0000
 CPU_BASE = 0x7F00_0000_0000
@@ -130,14 +132,15 @@ def transfers(draw):
 def test_plan_matches_reference_and_merging_keeps_every_byte(case):
     gpu, cpu, factor, groups, gpu_spec, cpu_spec, store = case
     planner = TransferPlanner(gpu, cpu, factor, groups)
-    spec = (gpu_spec, cpu_spec) if store else (cpu_spec, gpu_spec)
+    direction = G2C if store else C2G
+    spec = direction.src_dst(gpu_spec, cpu_spec)
     expected = reference_pages(gpu, cpu, factor, groups, gpu_spec, cpu_spec, store)
 
-    raw = planner.plan(spec, merge=False)
-    assert raw.direction == (Direction.GPU_TO_CPU if store else Direction.CPU_TO_GPU)
+    raw = planner.plan(direction, spec, merge=False)
+    assert raw.direction is direction
     assert sorted(zip(raw.src.tolist(), raw.dst.tolist(), raw.sizes.tolist())) == sorted(expected)
 
-    merged = planner.plan(spec)
+    merged = planner.plan(direction, spec)
     general = merge_runs(raw.src, raw.dst, raw.sizes)
     for fast, slow in zip((merged.src, merged.dst, merged.sizes), general):
         np.testing.assert_array_equal(fast, slow)  # the fast join test finds every run
@@ -180,8 +183,8 @@ def test_consecutive_gpu_pages_fill_whole_cpu_pages_in_one_descriptor():
     gpu, cpu = _dense_rank(num_tensors=4, page=4096, factor=4)
     planner = TransferPlanner(gpu, cpu, 4)
     spec = (GPULoadStoreSpec(range(8, 16)), CPULoadStoreSpec([5, 2]))
-    assert planner.plan(spec, merge=False).num_descriptors == 4 * 8
-    plan = planner.plan(spec)
+    assert planner.plan(G2C, spec, merge=False).num_descriptors == 4 * 8
+    plan = planner.plan(G2C, spec)
     assert plan.num_descriptors == 4 * 2  # one per (tensor, CPU block)
     assert set(plan.sizes.tolist()) == {4 * 4096}
 
@@ -189,8 +192,8 @@ def test_consecutive_gpu_pages_fill_whole_cpu_pages_in_one_descriptor():
 def test_cross_layer_layout_with_consecutive_ids_is_one_descriptor():
     page = 2 << 20  # whole block of every layer: rows are exactly one page
     gpu, cpu = _dense_rank(num_tensors=1, page=page, factor=1)
-    plan = TransferPlanner(gpu, cpu, 1).plan((CPULoadStoreSpec(range(3, 11)),
-                                              GPULoadStoreSpec(range(20, 28))))
+    plan = TransferPlanner(gpu, cpu, 1).plan(C2G, (CPULoadStoreSpec(range(3, 11)),
+                                                   GPULoadStoreSpec(range(20, 28))))
     assert plan.num_descriptors == 1 and plan.num_bytes == 8 * page
     assert int(plan.src[0]) == cpu[0].base_address + 3 * cpu[0].block_stride_bytes
 
@@ -198,7 +201,7 @@ def test_cross_layer_layout_with_consecutive_ids_is_one_descriptor():
 def test_mid_block_load_skips_leading_sub_pages():
     gpu, cpu = _dense_rank(num_tensors=1, page=256, factor=4)
     plan = TransferPlanner(gpu, cpu, 4).plan(
-        (CPULoadStoreSpec([7, 9]), GPULoadStoreSpec([40, 41, 42], block_indices=[6])))
+        C2G, (CPULoadStoreSpec([7, 9]), GPULoadStoreSpec([40, 41, 42], block_indices=[6])))
     c = cpu[0]
     row7 = c.base_address + 7 * c.block_stride_bytes
     row9 = c.base_address + 9 * c.block_stride_bytes
@@ -214,24 +217,38 @@ def planner():
     return TransferPlanner(gpu, cpu, 2, group_tensors=[[0, 1], [2]])
 
 
-@pytest.mark.parametrize("spec, message", [
-    ((GPULoadStoreSpec([1, 16], [1, 1]), CPULoadStoreSpec([0, 1])), "GPU block id 16"),
-    ((CPULoadStoreSpec([8, 1]), GPULoadStoreSpec([1, 2], [1, 1])), "CPU block id 8"),
-    ((GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([0])), "this rank has 2 groups"),
-    ((GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([0])), "need 2"),
-    ((GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([0, 1, 2])), "need 2"),
-    ((CPULoadStoreSpec([0]), GPULoadStoreSpec([3, 3], [2, 0])), "GPU block id 3 appears"),
-    ((GPULoadStoreSpec([1, 2, 3, 4], [4, 0]), CPULoadStoreSpec([5, 5])), "CPU block id 5 appears"),
-    ((GPULoadStoreSpec([1]), GPULoadStoreSpec([1])), "GPULoadStoreSpec, GPULoadStoreSpec"),
-    ((CPULoadStoreSpec([1]), CPULoadStoreSpec([1])), "CPULoadStoreSpec, CPULoadStoreSpec"),
+@pytest.mark.parametrize("direction, spec, message", [
+    (G2C, (GPULoadStoreSpec([1, 16], [1, 1]), CPULoadStoreSpec([0, 1])), "GPU block id 16"),
+    (C2G, (CPULoadStoreSpec([8, 1]), GPULoadStoreSpec([1, 2], [1, 1])), "CPU block id 8"),
+    (G2C, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([0])), "this rank has 2 groups"),
+    (G2C, (GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([0])), "need 2"),
+    (G2C, (GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([0, 1, 2])), "need 2"),
+    (C2G, (CPULoadStoreSpec([0]), GPULoadStoreSpec([3, 3], [2, 0])), "GPU block id 3 appears"),
+    (G2C, (GPULoadStoreSpec([1, 2, 3, 4], [4, 0]), CPULoadStoreSpec([5, 5])),
+     "CPU block id 5 appears"),
+    (G2C, (GPULoadStoreSpec([1]), GPULoadStoreSpec([1])),
+     r"gpu_to_cpu transfer takes .*; got \(GPULoadStoreSpec, GPULoadStoreSpec\)"),
+    (C2G, (CPULoadStoreSpec([1]), CPULoadStoreSpec([1])),
+     r"cpu_to_gpu transfer takes .*; got \(CPULoadStoreSpec, CPULoadStoreSpec\)"),
+    (G2C, (CPULoadStoreSpec([1]), GPULoadStoreSpec([1])),  # a load given as a store
+     r"= \(GPULoadStoreSpec, CPULoadStoreSpec\); got \(CPULoadStoreSpec, GPULoadStoreSpec\)"),
+    (C2G, [CPULoadStoreSpec([1]), GPULoadStoreSpec([1])], r"a \(src_spec, dst_spec\) pair"),
 ])
-def test_bad_specs_are_refused_naming_the_value(planner, spec, message):
+def test_bad_specs_are_refused_naming_the_value(planner, direction, spec, message):
     with pytest.raises(SpecError, match=message):
-        planner.plan(spec)
+        planner.plan(direction, spec)
+
+
+def test_direction_of_a_pair_is_read_from_its_types_once():
+    gpu, cpu = GPULoadStoreSpec([1]), CPULoadStoreSpec([2])
+    assert Direction.of((gpu, cpu)) is G2C and Direction.of((cpu, gpu)) is C2G
+    for bad in ((gpu, gpu), (cpu, cpu), (gpu,), "spec"):
+        with pytest.raises(SpecError, match="pairs a GPU and a CPU spec"):
+            Direction.of(bad)
 
 
 def test_same_cpu_block_in_two_groups_is_fine(planner):
-    plan = planner.plan((GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([4, 4])))
+    plan = planner.plan(G2C, (GPULoadStoreSpec([1, 2, 3], [2, 1]), CPULoadStoreSpec([4, 4])))
     assert plan.num_bytes == 3 * 512 * 2 - 512  # group 0: 2 tensors x 2 pages, group 1: 1 x 1
 
 

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from tiercache.backends.kind import BackendKind
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
-from tiercache.errors import BackendError, LayoutMismatchError, RankError, RegionNotFoundError
+from tiercache.errors import (
+    BackendError, ConfigError, LayoutMismatchError, RankError, RegionNotFoundError, SpecError,
+)
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.region.stats import BackendCode, Direction, PinState
+from tiercache.region.stats import PinState
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.worker import attach
 
 NUM_GPU_BLOCKS = 32
@@ -72,7 +75,7 @@ def test_ranks_attach_in_their_own_processes_and_stats_match_bytes_moved(make_co
             (pid,) = _expect(conn, "attached")
             snap = region.stats(rank).snapshot()
             assert (snap.pid, snap.attach_count, snap.pin_state) == (proc.pid, 1, PinState.UNPINNED)
-            assert snap.backends == (BackendCode.CPU, BackendCode.CPU)
+            assert snap.backends == (BackendKind.CPU, BackendKind.CPU)
             assert snap.pid_start_ns > 0
             conn.send(("go",))
         for rank, conn in enumerate(conns):
@@ -102,7 +105,7 @@ def test_ranks_attach_in_their_own_processes_and_stats_match_bytes_moved(make_co
             assert proc.exitcode == 0
             snap = region.stats(rank).snapshot()
             assert (snap.pid, snap.pin_state, snap.backends) == \
-                (0, PinState.NONE, (BackendCode.NONE, BackendCode.NONE))
+                (0, PinState.NONE, (BackendKind.NONE, BackendKind.NONE))
             assert snap.directions[G2C].bytes_total == 8 * page_sum  # counters outlive the worker
     finally:
         for proc in procs:
@@ -130,7 +133,7 @@ def test_attach_by_name_round_trips_and_detaches(served):
     for t, cache in enumerate(caches):
         cache[3].fill_(t + 1)
     with attach(config.name, 1, caches, pinning=PinningPolicy.ALLOW_UNPINNED) as worker:
-        assert worker.backends == {G2C: BackendCode.CPU, C2G: BackendCode.CPU}
+        assert worker.backends == {G2C: BackendKind.CPU, C2G: BackendKind.CPU}
         assert worker.pin_state is PinState.UNPINNED  # host caches: nothing to pin for
         snap = region.stats(1).snapshot()
         assert snap.pin_state is PinState.UNPINNED
@@ -146,6 +149,39 @@ def test_attach_by_name_round_trips_and_detaches(served):
     assert region.stats(0).snapshot().attach_count == 0  # the other rank is untouched
 
 
+def test_the_verbs_say_the_direction_and_refuse_specs_of_the_other(served):
+    config, region = served
+    caches = _caches(config)
+    for t, cache in enumerate(caches):
+        cache[5].fill_(t + 7)
+    with attach(config, 0, caches) as worker:
+        assert worker.submit_store(1, GPULoadStoreSpec([5]), CPULoadStoreSpec([9]))
+        worker.wait([1])
+        assert worker.submit_load(2, CPULoadStoreSpec([9]), GPULoadStoreSpec([6]))
+        assert worker.submit_load(3, CPULoadStoreSpec([9]), GPULoadStoreSpec([8]),
+                                  expedited=True)
+        worker.wait([2, 3])
+        results = {r.job_id: (r.success, r.transfer_type) for r in worker.get_finished()}
+        assert results == {1: (True, G2C), 2: (True, C2G), 3: (True, C2G)}
+        for t, cache in enumerate(caches):
+            assert torch.equal(cache[6], cache[5]) and torch.equal(cache[8], cache[5])
+        with pytest.raises(SpecError, match=r"gpu_to_cpu transfer takes \(src_spec, dst_spec\) "
+                           r"= \(GPULoadStoreSpec, CPULoadStoreSpec\); got \(CPULoadStoreSpec, "
+                           r"GPULoadStoreSpec\)"):
+            worker.submit_store(4, CPULoadStoreSpec([9]), GPULoadStoreSpec([5]))
+        with pytest.raises(SpecError, match=r"cpu_to_gpu transfer takes .*; got "
+                           r"\(GPULoadStoreSpec, CPULoadStoreSpec\)"):
+            worker.submit_load(5, GPULoadStoreSpec([5]), CPULoadStoreSpec([9]))
+        with pytest.raises(SpecError, match=r"cpu_to_gpu transfer .*; got \(CPULoadStoreSpec, "
+                           r"CPULoadStoreSpec\)"):
+            worker.submit_load(6, CPULoadStoreSpec([9]), CPULoadStoreSpec([5]), expedited=True)
+        assert worker.handlers.gpu_to_cpu_handler.num_in_flight == 0
+        assert worker.handlers.cpu_to_gpu_handler.num_in_flight == 0
+    snap = region.stats(0).snapshot()
+    assert (snap.directions[G2C].transfers_ok, snap.directions[C2G].transfers_ok) == (1, 2)
+    assert snap.directions[G2C].transfers_failed == snap.directions[C2G].transfers_failed == 0
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(rank=2), RankError, "rank 2"),
     (dict(name="nope"), RegionNotFoundError, "no region"),
@@ -153,7 +189,8 @@ def test_attach_by_name_round_trips_and_detaches(served):
     (dict(caches=2), LayoutMismatchError, "2 KV tensors given"),
     (dict(small_pages=True), LayoutMismatchError, "bytes per block"),
     (dict(backend="ce"), BackendError, "CUDA device"),
-    (dict(backend="warp"), ValueError, "allowed"),
+    (dict(backend="ce_loop"), BackendError, "CUDA device"),
+    (dict(backend="warp"), ConfigError, "backend = 'warp': allowed 'auto', 'ce', "),
 ])
 def test_attach_refusals_leave_the_rank_untouched(served, make_config, change, error, message):
     config, region = served

@@ -2,10 +2,12 @@
 
 Every backend module exposes ``create(context: BackendContext) -> CopyBackend`` (see
 ``tiercache.backends.base`` for what a backend guarantees). Modules are imported only
-when their kind is chosen, so GPU modules (cuda-bindings, triton) never load on a CPU
-host. A chosen backend that cannot run here raises ``BackendError``; nothing falls back
-silently. ``AUTO`` picks per direction and returns the chosen backend, whose ``code``
-(CE, KERNEL or STAGED) is what the stats block records.
+when their kind is chosen, so GPU modules (triton, the CUDA driver) never load on a
+CPU host. A chosen backend that cannot run here raises ``BackendError``; nothing falls back
+silently. ``AUTO`` picks per direction and returns the chosen backend, whose ``kind``
+(CE or STAGED) is what the stats block records. ``CE`` on a driver without the batch API
+runs as ``CE_LOOP``, logged at WARNING and recorded as such (visible in ``status`` and
+``/metrics``).
 
 What a backend's ``copy_async(plan, stream)`` receives as ``stream``: the stream object
 of the kind's platform (``STREAM_PLATFORMS``): a ``torch.cuda.Stream`` on the caches'
@@ -17,15 +19,12 @@ passed to a backend.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
-from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.config import BackendKind
-from tiercache.errors import BackendError
-from tiercache.pages import PageArray
-from tiercache.region.stats import Direction
+from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan
+from tiercache.backends.kind import BackendKind
 from tiercache.backends.streams import StreamPlatform
+from tiercache.errors import BackendError
 
 # The hooks: "module:callable" per kind. GPU kinds live in modules of their own.
 BACKEND_FACTORIES: dict[BackendKind, str] = {
@@ -33,6 +32,7 @@ BACKEND_FACTORIES: dict[BackendKind, str] = {
     BackendKind.CE: "tiercache.backends.ce:create",
     BackendKind.KERNEL: "tiercache.backends.kernel:create",
     BackendKind.STAGED: "tiercache.backends.staged:create",
+    BackendKind.CE_LOOP: "tiercache.backends.ce:create_loop",
     BackendKind.AUTO: "tiercache.backends.auto:create",
 }
 # "module:callable(device) -> StreamPlatform" per kind.
@@ -41,34 +41,10 @@ STREAM_PLATFORMS: dict[BackendKind, str] = {
     BackendKind.CE: "tiercache.backends.streams:CudaStreams",
     BackendKind.KERNEL: "tiercache.backends.streams:CudaStreams",
     BackendKind.STAGED: "tiercache.backends.streams:CudaStreams",
+    BackendKind.CE_LOOP: "tiercache.backends.streams:CudaStreams",
     BackendKind.AUTO: "tiercache.backends.streams:CudaStreams",
 }
 HOST_KINDS = frozenset({BackendKind.CPU})  # kinds whose both sides are host memory
-
-
-@dataclass(frozen=True)
-class BackendContext:
-    """What a backend factory is given: one direction of one rank.
-
-    ``gpu_pages[t]`` / ``cpu_pages[t]`` describe tensor t on each side (addresses,
-    strides, un-padded page bytes; ``cpu_pages[t].pages_per_block`` is the
-    block_size_factor and ``cpu_pages[t].block_stride_bytes`` the region's row stride).
-    ``device`` is the caches' torch device; ``host_pinned`` says whether the region
-    slice is registered with the driver; ``streams`` is the platform the handler uses
-    (for calibration runs at attach).
-    """
-
-    direction: Direction
-    gpu_pages: tuple[PageArray, ...]
-    cpu_pages: tuple[PageArray, ...]
-    device: Any
-    host_pinned: bool
-    streams: StreamPlatform
-
-    def __post_init__(self) -> None:
-        if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:
-            raise BackendError(f"BackendContext: {len(self.gpu_pages)} GPU and "
-                               f"{len(self.cpu_pages)} CPU page arrays; need as many, >= 1")
 
 
 def _load(target: str, kind: BackendKind) -> Any:
@@ -76,7 +52,7 @@ def _load(target: str, kind: BackendKind) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise BackendError(f"backend {kind.value!r} is not available here: cannot load "
+        raise BackendError(f"backend {kind.label!r} is not available here: cannot load "
                            f"{target} ({e})") from e
 
 
@@ -86,14 +62,17 @@ def resolve_kind(kind: BackendKind, device_type: str) -> BackendKind:
     ``AUTO`` over CPU tensors is ``CPU`` (the only kind that can move host memory on
     both sides); any other mismatch is refused.
     """
+    if kind not in BACKEND_FACTORIES:
+        raise BackendError(f"backend {kind.label!r} cannot be built; choose one of "
+                           f"{[k.label for k in BACKEND_FACTORIES]}")
     if kind is BackendKind.AUTO and device_type == "cpu":
         return BackendKind.CPU
     if kind in HOST_KINDS and device_type != "cpu":
-        raise BackendError(f"backend {kind.value!r} moves host memory only, but the KV caches "
+        raise BackendError(f"backend {kind.label!r} moves host memory only, but the KV caches "
                            f"are on {device_type!r}; choose one of "
-                           f"{[k.value for k in BackendKind if k not in HOST_KINDS]}")
+                           f"{[k.label for k in BACKEND_FACTORIES if k not in HOST_KINDS]}")
     if kind not in HOST_KINDS and device_type != "cuda":
-        raise BackendError(f"backend {kind.value!r} needs the KV caches on a CUDA device, "
+        raise BackendError(f"backend {kind.label!r} needs the KV caches on a CUDA device, "
                            f"they are on {device_type!r}; use backend 'cpu' (or 'auto')")
     return kind
 
@@ -111,6 +90,6 @@ def create_backend(kind: BackendKind, context: BackendContext) -> CopyBackend:
 
 
 __all__ = [
-    "BACKEND_FACTORIES", "STREAM_PLATFORMS", "BackendContext", "CopyBackend", "CopyPlan",
-    "create_backend", "create_stream_platform", "resolve_kind",
+    "BACKEND_FACTORIES", "STREAM_PLATFORMS", "BackendContext", "BackendKind", "CopyBackend",
+    "CopyPlan", "create_backend", "create_stream_platform", "resolve_kind",
 ]

@@ -1,7 +1,7 @@
 """``auto``: pick a backend per direction from the page sizes and a short calibration.
 
 Rules, in order (each choice carries its reason, which the worker logs and whose
-backend code it records in the rank's stats block):
+backend kind it records in the rank's stats block):
 
 1. Host memory not pinned: ``ce`` (the only GPU path that may read pageable memory;
    the pin state is exported separately).
@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.backends.ce import CeBackend, device_index
-from tiercache.backends.driver import CudaDriver
+from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.ce import CeBackend
+from tiercache.backends.driver import CudaDriver, device_index
+from tiercache.backends.kind import BackendKind
 from tiercache.backends.staged import StagedBackend
 from tiercache.errors import BackendError
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +60,16 @@ HOST_SHARE_LIMIT = 0.25  # of a transfer's GPU time the submitting thread may be
 @dataclass(frozen=True)
 class AutoChoice:
     direction: Direction
-    name: str  # the chosen backend's name, e.g. 'staged'
+    kind: BackendKind  # the chosen backend's
     reason: str
-    rates_gbps: tuple[tuple[str, float], ...] = ()  # measured candidates, best first
+    rates_gbps: tuple[tuple[BackendKind, float], ...] = ()  # measured candidates, best first
 
     def describe(self) -> str:
-        return f"{self.direction.label}: {self.name} ({self.reason})"
+        return f"{self.direction.label}: {self.kind.label} ({self.reason})"
 
 
 class AutoBackend(CopyBackend):
-    """The chosen backend, with the choice attached; ``code`` is the chosen one's.
+    """The chosen backend, with the choice attached; ``kind`` is the chosen one's.
 
     ``small``, when set, takes plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors.
     """
@@ -77,10 +78,9 @@ class AutoBackend(CopyBackend):
         self.chosen = chosen
         self.small = small
         self.choice = choice
-        self.code = chosen.code
-        self.name = choice.name
+        self.kind = chosen.kind
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
+    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         if self.small is not None and plan.num_descriptors <= SMALL_PLAN_DESCRIPTORS:
             return self.small.copy_async(plan, stream)
         return self.chosen.copy_async(plan, stream)
@@ -91,14 +91,8 @@ class AutoBackend(CopyBackend):
             self.small.close()
 
 
-Candidate = tuple[str, Callable[[], CopyBackend]]
-
-
-def _candidates(device: int, driver: CudaDriver) -> list[Candidate]:
-    return [
-        ("ce", lambda: CeBackend(device, driver)),
-        ("staged", lambda: StagedBackend(device, driver=driver)),
-    ]
+def _candidates(device: int, driver: CudaDriver) -> list[Callable[[], CopyBackend]]:
+    return [lambda: CeBackend(device, driver), lambda: StagedBackend(device, driver=driver)]
 
 
 class _Scratch:
@@ -106,7 +100,7 @@ class _Scratch:
     offsets inside a host row), enough blocks for ``CALIBRATION_BYTES``. Descriptors are
     block by block in ascending host rows, tensors by row offset: the planner's order."""
 
-    def __init__(self, context, device: torch.device):
+    def __init__(self, context: BackendContext, device: torch.device):
         gpu_page = [p.page_bytes for p in context.gpu_pages]
         host_page = [p.page_bytes for p in context.cpu_pages]
         base = context.cpu_pages[0].base_address
@@ -140,10 +134,8 @@ class _Scratch:
     def plan(self, direction: Direction, num_blocks: int) -> CopyPlan:
         """The first ``num_blocks`` blocks (at most ``self.num_blocks``)."""
         n = num_blocks * self.num_tensors
-        gpu, host, sizes = self.gpu_addr[:n], self.host_addr[:n], self.sizes[:n]
-        if direction == Direction.GPU_TO_CPU:
-            return CopyPlan(gpu, host, sizes, direction)
-        return CopyPlan(host, gpu, sizes, direction)
+        src, dst = direction.src_dst(self.gpu_addr[:n], self.host_addr[:n])
+        return CopyPlan(src, dst, self.sizes[:n], direction)
 
 
 def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Stream
@@ -168,10 +160,9 @@ def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Strea
 
 @dataclass(frozen=True)
 class _Measured:
-    name: str
+    backend: CopyBackend
     rate_bps: float  # marginal bytes per GPU second
     host_share: float  # marginal host seconds per GPU second
-    backend: CopyBackend
 
     @property
     def preference(self) -> tuple[bool, float]:
@@ -179,33 +170,34 @@ class _Measured:
         return self.host_share > HOST_SHARE_LIMIT, -self.rate_bps
 
 
-def _measure(name: str, backend: CopyBackend, small: CopyPlan, large: CopyPlan,
+def _measure(backend: CopyBackend, small: CopyPlan, large: CopyPlan,
              stream: torch.cuda.Stream) -> _Measured:
     """What ``large`` adds over ``small`` (fixed per-transfer costs cancel); the plain
     figures of ``large`` when timing noise hides the difference."""
     t_small, h_small = _time_backend(backend, small, stream)
     t_large, h_large = _time_backend(backend, large, stream)
     if t_large <= t_small:
-        return _Measured(name, large.num_bytes / t_large, h_large / t_large, backend)
+        return _Measured(backend, large.num_bytes / t_large, h_large / t_large)
     extra_s = t_large - t_small
-    return _Measured(name, (large.num_bytes - small.num_bytes) / extra_s,
-                     max(h_large - h_small, 0.0) / extra_s, backend)
+    return _Measured(backend, (large.num_bytes - small.num_bytes) / extra_s,
+                     max(h_large - h_small, 0.0) / extra_s)
 
 
-def choose(context) -> tuple[AutoChoice, CopyBackend]:
+def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     """Decide for ``context.direction``; returns the choice and the built backend."""
     direction = context.direction
     device = device_index(context.device)
     driver = CudaDriver()
     if not driver.has_batch:
         raise BackendError(f"auto: CUDA driver {driver.driver_version} has no "
-                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce' explicitly")
+                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' explicitly")
     if not context.host_pinned:
-        return (AutoChoice(direction, "ce", "host memory is not pinned"),
+        return (AutoChoice(direction, BackendKind.CE, "host memory is not pinned"),
                 CeBackend(device, driver))
     smallest = min(p.page_bytes for p in context.gpu_pages)
     if smallest >= LARGE_PAGE_BYTES:
-        return (AutoChoice(direction, "ce", f"every GPU page >= {LARGE_PAGE_BYTES >> 20} MiB "
+        return (AutoChoice(direction, BackendKind.CE,
+                           f"every GPU page >= {LARGE_PAGE_BYTES >> 20} MiB "
                            f"(smallest {smallest} B): copy engines need no staging"),
                 CeBackend(device, driver))
 
@@ -216,8 +208,8 @@ def choose(context) -> tuple[AutoChoice, CopyBackend]:
         large = scratch.plan(direction, scratch.num_blocks)
         small = scratch.plan(direction, max(1, scratch.num_blocks // 4))
         stream = torch.cuda.Stream(device=torch_device)
-        measured = [_measure(name, build(), small, large, stream)
-                    for name, build in _candidates(device, driver)]
+        measured = [_measure(build(), small, large, stream)
+                    for build in _candidates(device, driver)]
     except (RuntimeError, BackendError) as e:
         raise BackendError(f"auto: calibration for {direction.label} failed: {e}") from e
     measured.sort(key=lambda m: m.preference)
@@ -225,22 +217,23 @@ def choose(context) -> tuple[AutoChoice, CopyBackend]:
     for other in measured[1:]:
         other.backend.close()
     elapsed_ms = (time.perf_counter() - started) * 1e3
-    summary = ", ".join(f"{m.name} {m.rate_bps / 1e9:.1f} GB/s (host {m.host_share:.0%})"
+    summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "
+                        f"(host {m.host_share:.0%})"
                         for m in measured)
     reason = (f"fastest SM-free path holding the host <= {HOST_SHARE_LIMIT:.0%} of a transfer "
               f"at {smallest} B pages: {summary}, marginal ({large.num_descriptors} pages, "
               f"{elapsed_ms:.0f} ms calibration)")
-    if best.name == "staged":
+    if best.backend.kind is BackendKind.STAGED:
         reason += f"; plans of <= {SMALL_PLAN_DESCRIPTORS} descriptors on ce"
-    return (AutoChoice(direction, best.name, reason,
-                       tuple((m.name, round(m.rate_bps / 1e9, 2)) for m in measured)),
+    return (AutoChoice(direction, best.backend.kind, reason,
+                       tuple((m.backend.kind, round(m.rate_bps / 1e9, 2)) for m in measured)),
             best.backend)
 
 
-def create(context) -> AutoBackend:
+def create(context: BackendContext) -> AutoBackend:
     choice, backend = choose(context)
     log.info("transfer backend %s", choice.describe())
     small = None
-    if choice.name == "staged":
+    if isinstance(backend, StagedBackend):
         small = CeBackend(device_index(context.device), backend.driver)
     return AutoBackend(backend, choice, small)

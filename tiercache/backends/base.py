@@ -1,9 +1,9 @@
 """The copy-backend contract: what byte-moving code guarantees to the handlers.
 
 A ``CopyPlan`` is flat numpy arrays of (src address, dst address, bytes), already
-validated and merged by the planner; a backend only moves bytes. Addresses are
-process virtual addresses: GPU memory, or host memory of the region (pinned and
-UVA-mapped when the worker pinned its slice).
+validated and merged by the planner, with the direction the caller decided; a backend
+only moves bytes. Addresses are process virtual addresses: GPU memory, or host memory
+of the region (pinned and UVA-mapped when the worker pinned its slice).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.region.stats import BackendCode, Direction
+from tiercache.backends.kind import BackendKind
+from tiercache.backends.streams import StreamPlatform
+from tiercache.errors import BackendError
+from tiercache.pages import PageArray
+from tiercache.specs import Direction
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +42,40 @@ class CopyPlan:
         return int(self.sizes.sum(dtype=np.uint64))
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend factory is given: one direction of one rank.
+
+    ``gpu_pages[t]`` / ``cpu_pages[t]`` describe tensor t on each side (addresses,
+    strides, un-padded page bytes; ``cpu_pages[t].pages_per_block`` is the
+    block_size_factor and ``cpu_pages[t].block_stride_bytes`` the region's row stride).
+    ``device`` is the caches' torch device; ``host_pinned`` says whether the region
+    slice is registered with the driver; ``streams`` is the platform the handler uses
+    (for calibration runs at attach).
+    """
+
+    direction: Direction
+    gpu_pages: tuple[PageArray, ...]
+    cpu_pages: tuple[PageArray, ...]
+    device: Any
+    host_pinned: bool
+    streams: StreamPlatform
+
+    def __post_init__(self) -> None:
+        if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:
+            raise BackendError(f"BackendContext: {len(self.gpu_pages)} GPU and "
+                               f"{len(self.cpu_pages)} CPU page arrays; need as many, >= 1")
+
+
+@dataclass(frozen=True, eq=False)
+class Submitted:
+    """What ``copy_async`` returns: everything the device still reads after the call
+    (pointer arrays, descriptor tables, staging layouts), kept alive by holding this
+    until the stream has passed the copies."""
+
+    keep: tuple[Any, ...]
+
+
 class CopyBackend(ABC):
     """Moves the bytes of a plan, ordered on a stream.
 
@@ -45,16 +83,19 @@ class CopyBackend(ABC):
     returns without waiting for the device; copies start only after work already
     enqueued on ``stream`` (the handler makes the stream wait for the compute stream
     and for the previous transfer first) and finish before work enqueued after them.
-    The returned object must be kept alive by the caller until the stream has passed
-    the copies (it owns pointer arrays, staging space, etc.). On failure to submit it
-    raises ``BackendError`` and leaves nothing enqueued that it cannot account for.
+    The returned ``Submitted`` must be kept alive by the caller until the stream has
+    passed the copies. On failure to submit it raises ``BackendError`` and leaves
+    nothing enqueued that it cannot account for. Plans are never empty (the handler
+    does not call a backend for a transfer without descriptors).
+
+    ``kind`` is what the stats block records for the handler using this backend.
     """
 
-    code: BackendCode
+    kind: BackendKind
 
     @abstractmethod
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
-        """Enqueue the plan's copies on ``stream``; return a keep-alive token."""
+    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+        """Enqueue the plan's copies on ``stream``; return the keep-alive token."""
 
     def close(self) -> None:
         """Release buffers; called once after every transfer has finished."""

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import ctypes
 
-from tiercache.backends import BackendContext
-from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.errors import BackendError
+from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
 from tiercache.backends.host_streams import HostStream
-from tiercache.region.stats import BackendCode
+from tiercache.backends.kind import BackendKind
+from tiercache.errors import BackendError
 
 
 def _execute(plan: CopyPlan) -> None:
@@ -23,15 +22,15 @@ def _execute(plan: CopyPlan) -> None:
 
 
 class CpuCopyBackend(CopyBackend):
-    """memmove on a host thread; the keep-alive token is the plan itself."""
+    """memmove on a host thread; the keep-alive token holds the plan."""
 
-    code = BackendCode.CPU
+    kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: HostStream) -> CopyPlan:
+    def copy_async(self, plan: CopyPlan, stream: HostStream) -> Submitted:
         if not isinstance(stream, HostStream):
             raise BackendError(f"the cpu backend runs on a HostStream, got {type(stream).__name__}")
         stream.launch(lambda: _execute(plan))
-        return plan
+        return Submitted((plan,))
 
 
 def create(context: BackendContext) -> CpuCopyBackend:

@@ -1,9 +1,13 @@
-"""The few CUDA driver entry points the copy backends call, through ctypes.
+"""The CUDA driver entry points tiercache calls, through ctypes, and what the GPU
+backends share on top of them (descriptor arrays, device and stream entry).
 
-Why ctypes and the driver, not cuda-bindings: the copy path passes numpy arrays of
-16 k pointers per call; cuda-bindings converts Python lists (about 12 ms for 16 k
-descriptors), while a ctypes call hands the driver the arrays' own memory (zero copy,
-~1 µs, GIL released during the call).
+One binding for the package: the copy backends and the region's pinning both call
+libcuda through ctypes. Why ctypes and the driver, not cuda-bindings: the copy path
+passes numpy arrays of 16 k pointers per call, and a ctypes call hands the driver the
+arrays' own memory (zero copy, GIL released during the call) where cuda-bindings
+converts Python lists; and ctypes needs no package beyond the driver itself. The
+driver API (not the runtime) also leaves the runtime's last-error state alone, so a
+failed call here never resurfaces as a bogus error in a later torch call.
 
 ``cuMemcpyBatchAsync`` changed ABI in CUDA 13 (``failIdx`` dropped); the header
 remaps the name to ``_v2`` at compile time, so the symbol is looked up with
@@ -18,7 +22,11 @@ import ctypes
 import logging
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
+import numpy as np
+
+from tiercache.backends.base import CopyPlan
 from tiercache.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -100,6 +108,8 @@ class CudaDriver:
         if not address:
             raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyAsync")
         self._memcpy_async = _MEMCPY_ASYNC(address)
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -175,6 +185,15 @@ class CudaDriver:
         """One ``cuMemcpyAsync`` (direction from UVA); returns the CUresult."""
         return self._memcpy_async(dst, src, num_bytes, stream_handle)
 
+    # ------------------------------------------------------------ host registration
+    def mem_host_register(self, address: int, num_bytes: int) -> int:
+        """``cuMemHostRegister`` with flags 0 (on UVA systems: mapped and portable) in the
+        current context; returns the CUresult."""
+        return self._lib.cuMemHostRegister_v2(address, num_bytes, 0)
+
+    def mem_host_unregister(self, address: int) -> int:
+        """``cuMemHostUnregister``; returns the CUresult."""
+        return self._lib.cuMemHostUnregister(address)
 
     # ------------------------------------------------------------ events (no timing)
     def event_create(self) -> int:
@@ -187,14 +206,22 @@ class CudaDriver:
         self._check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
     def event_record(self, event: int, stream_handle: int) -> None:
-        rc = self._event_record(event, stream_handle)
-        if rc != CUDA_SUCCESS:
-            raise BackendError(f"cuEventRecord failed: {self.error_name(rc)}")
+        self._check(self._event_record(event, stream_handle), "cuEventRecord")
 
     def stream_wait_event(self, stream_handle: int, event: int) -> None:
-        rc = self._stream_wait_event(stream_handle, event, 0)
-        if rc != CUDA_SUCCESS:
-            raise BackendError(f"cuStreamWaitEvent failed: {self.error_name(rc)}")
+        self._check(self._stream_wait_event(stream_handle, event, 0), "cuStreamWaitEvent")
+
+    # ------------------------------------------------------------ stream entry
+    def enter(self, stream: Any, device: int) -> int:
+        """The raw handle of ``stream`` (see ``stream_handle``), with ``device``'s primary
+        context current on the calling thread (driver calls act on the current context,
+        and a fresh thread has none)."""
+        handle = stream_handle(stream)
+        if not self.has_current_context():
+            import torch
+
+            torch.cuda.set_device(device)  # makes the primary context current
+        return handle
 
 
 def stream_handle(stream) -> int:
@@ -206,3 +233,36 @@ def stream_handle(stream) -> int:
             f"copy on the legacy default stream (handle {handle:#x}) is not allowed: pass a "
             "created stream, e.g. torch.cuda.Stream(), ordered after the compute stream")
     return handle
+
+
+def device_index(device: Any) -> int:
+    """The CUDA device ordinal of a torch device ('cuda' alone means the current one)."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else int(device.index)
+
+
+def plan_arrays(plan: CopyPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ``CopyPlan``'s (src, dst, sizes) as C-contiguous uint64 (no copy when they
+    already are)."""
+    return tuple(np.ascontiguousarray(a, dtype=np.uint64)  # type: ignore[return-value]
+                 for a in (plan.src, plan.dst, plan.sizes))
+
+
+@dataclass(frozen=True, eq=False)
+class DescriptorArrays:
+    """Three C-contiguous uint64 arrays with their addresses read once, so that ranges of
+    them can be submitted without re-reading (``ndarray.ctypes`` costs ~1.5 µs each)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    src_ptr: int
+    dst_ptr: int
+    sizes_ptr: int
+
+    @classmethod
+    def of(cls, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> DescriptorArrays:
+        arrays = tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+        return cls(*arrays, *(a.ctypes.data for a in arrays))

@@ -1,15 +1,14 @@
 """``staged``: pack small GPU pages into a staging ring with a GPU-local kernel, move whole
 host runs on the copy engines (and the reverse for loads), chunk by chunk.
 
-Why: the copy engines reach the PCIe ceiling only on large units, and each descriptor
-costs the driver ~0.7 µs of host time (16 k pages: 11 ms in one ``cuMemcpyBatchAsync``,
-measured on H100). The host side of a transfer is mostly contiguous (a region row holds
-all of a block's pages back to back) while the GPU side is not (one page per layer
-tensor). Packing the GPU pages in host order, GPU-locally, turns 16 k copies of 32 KiB
-into 256 DMAs of 2 MiB. The packing runs at HBM speed (tens of times PCIe), so it holds
-SMs only briefly (a matmul beside continuous both-ways staged copies kept its speed).
-Packing on the copy engines instead (device-to-device batch) was measured at 7 GB/s for
-32 KiB pages: too slow to hide, so the packer is a kernel.
+Why: the copy engines reach the PCIe ceiling only on large units, and the driver spends
+host time on every descriptor. The host side of a transfer is mostly contiguous (a
+region row holds all of a block's pages back to back) while the GPU side is not (one
+page per layer tensor). Packing the GPU pages in host order, GPU-locally, turns
+thousands of page copies into a few hundred row-sized DMAs. The packing runs at HBM
+speed, so it holds SMs only briefly (a matmul beside continuous both-ways staged copies
+kept its speed). The packer is a kernel because device-to-device batches on the copy
+engines are too slow at page sizes to hide.
 
 Per chunk k (slot s of the ring), with ``stream`` the caller's stream and ``dma`` the
 backend's own stream::
@@ -21,36 +20,39 @@ backend's own stream::
 
 The DMA stream first waits for everything already on ``stream``, and ``stream`` finally
 waits for the last DMA, so the transfer is ordered on ``stream`` like any other
-backend's. (One DMA stream per slot was tried: no clear gain per direction, and more
-streams made the both-ways collapse described in docs/benchmarks.md more frequent.) Slot events outlive transfers: a slot is reused only after its last user,
-whatever transfer that was. Descriptors of ``direct_bytes`` or more skip the ring (one
-DMA each). Host bytes outside the plan's descriptors are never written (``staging``).
+backend's. One DMA stream per backend, not per slot: more streams gave no gain per
+direction and made the both-ways low mode more frequent. Slot events outlive transfers:
+a slot is reused only after its last user, whatever transfer that was. Descriptors of
+``direct_bytes`` or more skip the ring (one DMA each). Host bytes outside the plan's
+descriptors are never written (``staging``).
 
-Host cost (it delays the first DMA, and every chunk costs a kernel launch, ~12 µs, and a
-batch call, ~10 µs for 8 DMAs, on the H100 machine): the layout is ~10 numpy passes when
-the plan is in host order (the planner's), the descriptor table is uploaded once, and
-four slots of 32 MiB keep the copy engines busy (packing a chunk takes tens of µs, moving
-it over PCIe ~0.6 ms). Depth is what several ranks sharing the host need: on 2 x H200
-with both ranks storing at once, 2 x 32 MiB slots reached 0.77 of 2 x one rank, 4 x 16
-MiB and 4 x 32 MiB 0.99; on one H100 rank 4 x 32 MiB matches 2 x 32 MiB within run-to-run
-noise while 4 x 16 MiB lost 0.02 and doubled submit time (docs/benchmarks.md).
+Host cost delays the first DMA, and every chunk costs a kernel launch and a batch call:
+the layout is a few numpy passes when the plan is in host order (the planner's), the
+descriptor table is uploaded once, and chunks are large (``DEFAULT_CHUNK_BYTES``) so
+launches stay few. The ring is ``DEFAULT_NUM_SLOTS`` deep because several ranks share
+the host: with two slots a rank's pack -> DMA pipeline stalled whenever its DMAs slowed
+under another rank's traffic; four keep it fed, and on one rank they measure the same
+as two. Every figure behind these choices: docs/benchmarks.md ("Transfer engine", "End
+to end on 2 GPUs").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.backends.ce import CeBackend, DescriptorArrays, plan_arrays
-from tiercache.backends.driver import CudaDriver, SrcAccessOrder
+from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.ce import CeBackend
+from tiercache.backends.driver import (
+    CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
+)
+from tiercache.backends.kind import BackendKind
 from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.errors import BackendError
-from tiercache.region.stats import BackendCode, Direction
+from tiercache.specs import Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
 DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction
@@ -58,17 +60,10 @@ DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling una
 PACK_PROGRAMS_PER_SM = 2
 
 
-@dataclass(frozen=True, eq=False)
-class _Submitted:
-    layout: StagingLayout
-    arrays: tuple[Any, ...]
-
-
 class StagedBackend(CopyBackend):
     """Staging ring of ``num_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
 
-    code = BackendCode.STAGED
-    name = "staged"
+    kind = BackendKind.STAGED
 
     def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  num_slots: int = DEFAULT_NUM_SLOTS, direct_bytes: int = DEFAULT_DIRECT_BYTES,
@@ -102,16 +97,12 @@ class StagedBackend(CopyBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
 
-    @property
-    def staging_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
-
     # ------------------------------------------------------------ submit
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Any:
-        handle = self._ce._enter(stream)
+    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+        handle = self.driver.enter(stream, self._ce.device)
         src, dst, sizes = plan_arrays(plan)
-        store = plan.direction == Direction.GPU_TO_CPU
-        host, gpu = (dst, src) if store else (src, dst)
+        store = plan.direction is Direction.GPU_TO_CPU
+        gpu, host = plan.direction.src_dst(src, dst)  # the same swap: (src, dst) -> (gpu, host)
         layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes,
                               self._scratch)
         drv = self.driver
@@ -120,20 +111,17 @@ class StagedBackend(CopyBackend):
         x = layout.direct
         if x.num_bytes.size:
             order = SrcAccessOrder.STREAM if store else self.load_order
-            s_, d_ = (x.gpu, x.host) if store else (x.host, x.gpu)
-            self._ce.submit(s_, d_, x.num_bytes, order, self._dma)
-        kept: tuple[Any, ...] = (x,)
+            self._ce.submit(*plan.direction.src_dst(x.gpu, x.host), x.num_bytes, order, self._dma)
+        kept: tuple[Any, ...] = (layout, x)
         if layout.num_chunks:
             kept += self._submit_chunks(layout, store, handle, stream)
         drv.event_record(self._done, self._dma)
         drv.stream_wait_event(handle, self._done)
-        return _Submitted(layout, kept)
+        return Submitted(kept)
 
     def _submit_chunks(self, layout: StagingLayout, store: bool, handle: int,
                        stream: Any) -> tuple[Any, ...]:
-        if layout.max_slot_bytes > self.slot_bytes:  # plan_staging guarantees otherwise
-            raise BackendError(f"staging chunk needs {layout.max_slot_bytes} bytes, slots "
-                               f"hold {self.slot_bytes}")
+        assert layout.max_slot_bytes <= self.slot_bytes  # staged pieces < direct_bytes
         p, d = layout.pieces, layout.dmas
         num_chunks = layout.num_chunks
         slots = [(self._cursor + k) % self.num_slots for k in range(num_chunks)]
@@ -181,7 +169,5 @@ class StagedBackend(CopyBackend):
         self._ring = None  # type: ignore[assignment]
 
 
-def create(context) -> StagedBackend:
-    from tiercache.backends.ce import device_index
-
+def create(context: BackendContext) -> StagedBackend:
     return StagedBackend(device_index(context.device))

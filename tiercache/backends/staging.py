@@ -173,51 +173,64 @@ def plan_staging(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, chunk_byt
         raise BackendError(f"chunk_bytes = {chunk_bytes}: must be a positive multiple of "
                            f"{RUN_ALIGN}")
     host, gpu, sizes = (np.asarray(a, dtype=_U64) for a in (host, gpu, sizes))
-    direct = Direct(_EMPTY, _EMPTY, _EMPTY)
-    if direct_bytes is not None and sizes.size and int(sizes.max()) >= direct_bytes:
-        big = sizes >= direct_bytes
-        direct = Direct(host[big], gpu[big], sizes[big])
-        host, gpu, sizes = host[~big], gpu[~big], sizes[~big]
+    host, gpu, sizes, direct = _split_direct(host, gpu, sizes, direct_bytes)
     if sizes.size == 0:
         return _empty_layout(chunk_bytes, direct)
-    n = int(sizes.size)
-    w = (scratch or Scratch()).take(n)
+    w = (scratch or Scratch()).take(int(sizes.size))
     order = _host_order(host, w)
     if order is not None:
         host = np.take(host, order, out=w["host"])
         gpu = np.take(gpu, order, out=w["gpu"])
         sizes = np.take(sizes, order, out=w["sizes"])
-    end = np.add(host, sizes, out=w["end"])
-    starts_run = w["starts_run"]
+    starts_run = w["starts_run"]  # descriptor i begins a run: its host bytes follow no one's
     starts_run[0] = True
-    np.not_equal(end[:-1], host[1:], out=starts_run[1:])
-
-    packed = w["packed"]  # exclusive prefix sum: where each descriptor starts
-    packed[0] = 0
-    np.cumsum(sizes[:-1], out=packed[1:])
-    size_bits = int(np.bitwise_or.reduce(sizes))
-    if (size_bits | int(np.bitwise_or.reduce(host))) % RUN_ALIGN and \
-            (size_bits | int(np.bitwise_or.reduce(host[starts_run]))) % RUN_ALIGN:
-        packed = _padded(host, sizes, starts_run)
-
+    np.not_equal(np.add(host, sizes, out=w["end"])[:-1], host[1:], out=starts_run[1:])
+    packed = _packed_starts(host, sizes, starts_run, w["packed"])
     windows = int(packed[-1]) // chunk_bytes + 1
     first = np.unique(np.searchsorted(packed, np.arange(windows + 1, dtype=_U64)
                                       * _U64(chunk_bytes)).astype(np.int64))
-    chunk_start = packed[first[:-1]]
-    pieces = Pieces(gpu, packed, sizes, first, chunk_start)
+    pieces = Pieces(gpu, packed, sizes, first, packed[first[:-1]])
+    return StagingLayout(chunk_bytes, int(np.count_nonzero(starts_run)), pieces,
+                         _dma_segments(host, pieces, starts_run, w["starts_seg"]), direct)
 
-    starts_seg = w["starts_seg"]  # a DMA per run, cut where a chunk begins
+
+def _split_direct(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray,
+                  direct_bytes: int | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Direct]:
+    """The descriptors to stage, and those of ``direct_bytes`` or more (moved unstaged)."""
+    if direct_bytes is None or not sizes.size or int(sizes.max()) < direct_bytes:
+        return host, gpu, sizes, Direct(_EMPTY, _EMPTY, _EMPTY)
+    big = sizes >= direct_bytes
+    return host[~big], gpu[~big], sizes[~big], Direct(host[big], gpu[big], sizes[big])
+
+
+def _packed_starts(host: np.ndarray, sizes: np.ndarray, starts_run: np.ndarray,
+                   out: np.ndarray) -> np.ndarray:
+    """Where each descriptor starts in the packed stream: back to back (an exclusive
+    prefix sum), unless runs need padding to keep their host alignment (``_padded``)."""
+    out[0] = 0
+    np.cumsum(sizes[:-1], out=out[1:])
+    size_bits = int(np.bitwise_or.reduce(sizes))
+    if (size_bits | int(np.bitwise_or.reduce(host))) % RUN_ALIGN and \
+            (size_bits | int(np.bitwise_or.reduce(host[starts_run]))) % RUN_ALIGN:
+        return _padded(host, sizes, starts_run)
+    return out
+
+
+def _dma_segments(host: np.ndarray, pieces: Pieces, starts_run: np.ndarray,
+                  starts_seg: np.ndarray) -> Segments:
+    """One DMA per run, cut where a chunk begins."""
+    packed, sizes, first = pieces.packed, pieces.num_bytes, pieces.first
     np.copyto(starts_seg, starts_run)
     starts_seg[first[:-1]] = True
     seg = np.flatnonzero(starts_seg)
     last = np.empty_like(seg)
     last[:-1] = seg[1:] - 1
-    last[-1] = n - 1
+    last[-1] = sizes.size - 1
     seg_first = np.searchsorted(seg, first).astype(np.int64)
-    seg_chunk_start = np.repeat(chunk_start, np.diff(seg_first))
-    dmas = Segments(host[seg], packed[seg] - seg_chunk_start,
+    seg_chunk_start = np.repeat(pieces.chunk_start, np.diff(seg_first))
+    return Segments(host[seg], packed[seg] - seg_chunk_start,
                     packed[last] + sizes[last] - packed[seg], seg_first)
-    return StagingLayout(chunk_bytes, int(np.count_nonzero(starts_run)), pieces, dmas, direct)
 
 
 def _padded(host: np.ndarray, sizes: np.ndarray, starts_run: np.ndarray) -> np.ndarray:

@@ -46,11 +46,11 @@ from tiercache.region.layout import FORMAT_VERSION, RegionLayout
 from tiercache.region.stats import (
     DURATION_BUCKETS_S,
     SIZE_BUCKETS_BYTES,
-    Direction,
     PinState,
     RankStats,
     RankStatsSnapshot,
 )
+from tiercache.specs import Direction
 
 if TYPE_CHECKING:
     from tiercache.index.manager import ManagerStats

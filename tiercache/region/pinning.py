@@ -1,10 +1,11 @@
 """Page-locking (pinning) host memory for one GPU, per process.
 
 Registration is per process: the coordinator cannot pin for a worker, so each worker
-registers its own slice. We use the driver API (``cuMemHostRegister`` through
-cuda-bindings, flags 0: on UVA systems the memory is then mapped and portable), which
-leaves the CUDA runtime's last-error state alone — a failed ``cudaHostRegister`` would
-otherwise resurface later as a bogus error in an unrelated torch call. Chunks are cut
+registers its own slice. We use the driver API (``cuMemHostRegister``, flags 0: on UVA
+systems the memory is then mapped and portable) through the package's one CUDA binding,
+ctypes over libcuda (``tiercache.backends.driver``); the driver API leaves the CUDA
+runtime's last-error state alone — a failed ``cudaHostRegister`` would otherwise
+resurface later as a bogus error in an unrelated torch call. Chunks are cut
 by the caller (``RegionLayout.pin_chunks``: <= 64 GiB, on row boundaries); a failure
 unregisters the chunks already registered, in reverse order, and raises: pinned whole
 or not at all.
@@ -15,7 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-from tiercache.errors import PinError, PinUnavailableError
+from tiercache.backends.driver import CUDA_SUCCESS, CudaDriver
+from tiercache.errors import BackendError, PinError, PinUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +32,11 @@ def _driver():
             f"no CUDA device visible to this process (torch {torch.__version__}, "
             f"CUDA build {torch.version.cuda}); host memory cannot be pinned here"
         )
+    torch.cuda.init()  # the driver initialised before any driver call
     try:
-        from cuda.bindings import driver
-    except ImportError as e:
-        raise PinUnavailableError(
-            "cuda-bindings is not installed (pip install 'tiercache[gpu]'); it is needed to "
-            "register the region with the CUDA driver"
-        ) from e
-    return torch, driver
-
-
-def _check(driver, result, what: str) -> None:
-    err = result[0] if isinstance(result, tuple) else result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise PinError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+        return torch, CudaDriver()
+    except BackendError as e:
+        raise PinUnavailableError(f"the CUDA driver cannot be used here: {e}") from e
 
 
 class HostPinner:
@@ -64,25 +56,24 @@ class HostPinner:
             raise PinError(f"already pinned {self.pinned_bytes} bytes; unpin() first")
         torch, driver = _driver()
         torch.cuda.set_device(self.device)
-        torch.cuda.init()
         torch.empty(1, device=f"cuda:{self.device}")  # makes the primary context current here
         start = time.perf_counter()
-        try:
-            for address, length in chunks:
-                _check(driver, driver.cuMemHostRegister(address, length, 0),
-                       f"cuMemHostRegister({address:#x}, {length} bytes) on cuda:{self.device}")
-                self._registered.append((address, length))
-        except PinError:
-            self._rollback(driver)
-            raise
+        for address, length in chunks:
+            rc = driver.mem_host_register(address, length)
+            if rc != CUDA_SUCCESS:
+                self._rollback(driver)
+                raise PinError(f"cuMemHostRegister({address:#x}, {length} bytes) on "
+                               f"cuda:{self.device} failed: {driver.error_name(rc)}")
+            self._registered.append((address, length))
         return time.perf_counter() - start
 
-    def _rollback(self, driver) -> None:
+    def _rollback(self, driver: CudaDriver) -> None:
         while self._registered:
             address, _ = self._registered.pop()
-            result = driver.cuMemHostUnregister(address)
-            if result[0] != driver.CUresult.CUDA_SUCCESS:
-                log.error("rollback: cuMemHostUnregister(%#x) failed: %s", address, result[0])
+            rc = driver.mem_host_unregister(address)
+            if rc != CUDA_SUCCESS:
+                log.error("rollback: cuMemHostUnregister(%#x) failed: %s", address,
+                          driver.error_name(rc))
 
     def unpin(self) -> float:
         """Unregister everything this pinner registered (reverse order); returns seconds."""
@@ -93,9 +84,9 @@ class HostPinner:
         errors = []
         while self._registered:
             address, length = self._registered.pop()
-            result = driver.cuMemHostUnregister(address)
-            if result[0] != driver.CUresult.CUDA_SUCCESS:
-                errors.append(f"{address:#x}+{length}: {result[0]}")
+            rc = driver.mem_host_unregister(address)
+            if rc != CUDA_SUCCESS:
+                errors.append(f"{address:#x}+{length}: {driver.error_name(rc)}")
         if errors:
             raise PinError(f"cuMemHostUnregister failed for {errors}")
         return time.perf_counter() - start

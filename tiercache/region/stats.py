@@ -16,8 +16,8 @@ Word layout (index = byte offset / 8)::
     3     attach_count     how many times a worker attached this rank
     4     heartbeat_ns     wall-clock ns of the writer's last update
     5     pin_state        PinState code
-    6     backend_g2c      BackendCode of the gpu_to_cpu handler
-    7     backend_c2g      BackendCode of the cpu_to_gpu handler
+    6     backend_g2c      BackendKind code of the gpu_to_cpu handler
+    7     backend_c2g      BackendKind code of the cpu_to_gpu handler
     8     pinned_bytes     bytes registered with the GPU driver
     9     pin_ns           time the registration took, ns
     10    prefault_ns      time the worker took to pre-fault its slice at attach, ns
@@ -40,6 +40,9 @@ from enum import IntEnum
 
 import numpy as np
 
+from tiercache.backends.kind import BackendKind
+from tiercache.specs import Direction
+
 STATS_BLOCK_BYTES = 4096
 DURATION_BUCKETS_S: tuple[float, ...] = (
     1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
@@ -58,32 +61,11 @@ assert _WORDS * 8 <= STATS_BLOCK_BYTES
 _READ_TIMEOUT_S = 0.002  # a write takes microseconds; longer means its writer died mid-update
 
 
-class Direction(IntEnum):
-    GPU_TO_CPU = 0  # store
-    CPU_TO_GPU = 1  # load
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
 class PinState(IntEnum):
     NONE = 0  # no worker has tried to pin (or it detached)
     PINNED = 1
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-class BackendCode(IntEnum):
-    NONE = 0
-    CE = 1
-    KERNEL = 2
-    STAGED = 3
-    CPU = 4
 
     @property
     def label(self) -> str:
@@ -112,7 +94,7 @@ class RankStatsSnapshot:
     attach_count: int
     heartbeat_ns: int
     pin_state: PinState
-    backends: tuple[BackendCode, BackendCode]  # indexed by Direction
+    backends: tuple[BackendKind, BackendKind]  # indexed by Direction
     pinned_bytes: int
     pin_seconds: float
     prefault_seconds: float
@@ -154,7 +136,7 @@ class RankStats:
             rank=self.rank, pid=int(w[_PID]), pid_start_ns=int(w[_PID_START]),
             attach_count=int(w[_ATTACH]), heartbeat_ns=int(w[_HEARTBEAT]),
             pin_state=PinState(int(w[_PIN_STATE])),
-            backends=(BackendCode(int(w[_BACKEND_G2C])), BackendCode(int(w[_BACKEND_C2G]))),
+            backends=(BackendKind(int(w[_BACKEND_G2C])), BackendKind(int(w[_BACKEND_C2G]))),
             pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
             prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
             directions=(dirs[0], dirs[1]),
@@ -180,7 +162,7 @@ class RankStats:
 
     def mark_detached(self) -> None:
         self._update({_PID: 0, _PID_START: 0, _PIN_STATE: PinState.NONE, _PINNED_BYTES: 0,
-                      _BACKEND_G2C: BackendCode.NONE, _BACKEND_C2G: BackendCode.NONE})
+                      _BACKEND_G2C: BackendKind.NONE, _BACKEND_C2G: BackendKind.NONE})
 
     def set_pin(self, state: PinState, pinned_bytes: int = 0, seconds: float = 0.0) -> None:
         self._update({_PIN_STATE: state, _PINNED_BYTES: pinned_bytes, _PIN_NS: int(seconds * 1e9)})
@@ -188,7 +170,7 @@ class RankStats:
     def set_prefault(self, seconds: float) -> None:
         self._update({_PREFAULT_NS: int(seconds * 1e9)})
 
-    def set_backend(self, direction: Direction, backend: BackendCode) -> None:
+    def set_backend(self, direction: Direction, backend: BackendKind) -> None:
         self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})
 
     def heartbeat(self) -> None:

@@ -3,12 +3,15 @@
 Contract of ``SingleDirectionOffloadingHandler`` (one per direction, driven by one
 thread):
 
-* ``transfer_async(job_id, (src_spec, dst_spec))`` plans first: a bad spec raises
-  ``SpecError`` and nothing is enqueued. Otherwise the transfer goes on a stream of its
-  own that waits for the compute stream (a store must not read KV still being written;
-  a load must not be overwritten by compute work queued before it) and for the previous
-  transfer of this handler (FIFO). Returns True when the copies were enqueued, False when
-  the backend refused them; either way exactly one ``TransferResult`` for the job follows.
+* ``transfer_async(job_id, (src_spec, dst_spec))`` plans first, in the handler's own
+  direction (a pair that moves the other way is a ``SpecError`` naming the given types,
+  never re-routed): a bad spec raises ``SpecError`` and nothing is enqueued; after
+  ``shutdown()`` it raises ``HandlerClosedError``. Otherwise the transfer goes on a
+  stream of its own that waits for the compute stream (a store must not read KV still
+  being written; a load must not be overwritten by compute work queued before it) and
+  for the previous transfer of this handler (FIFO). Returns True when the copies were
+  enqueued, False when the backend refused them; either way exactly one
+  ``TransferResult`` for the job follows.
 * ``get_finished()`` returns finished transfers in submission order (a later transfer is
   never reported before an earlier one), each with its bytes and stream-timed seconds;
   a backend or device failure is ``success=False``, never an exception.
@@ -17,6 +20,9 @@ thread):
 * ``shutdown()`` waits for every transfer, returns their results and releases the backend.
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
+
+``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
+direction once (``Direction.of``) and hands the transfer to that direction's handler.
 """
 
 from __future__ import annotations
@@ -25,14 +31,13 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from tiercache.backends.base import CopyBackend, CopyPlan
-from tiercache.errors import BackendError, SpecError
-from tiercache.transfer.planner import PlanBuffers, TransferPlanner
-from tiercache.specs import GPULoadStoreSpec, TransferSpec
-from tiercache.region.stats import Direction, RankStats
+from tiercache.backends.base import CopyBackend, CopyPlan, Submitted
 from tiercache.backends.streams import Event, Stream, StreamPlatform
+from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
+from tiercache.region.stats import RankStats
+from tiercache.specs import Direction, TransferSpec
+from tiercache.transfer.planner import PlanBuffers, TransferPlanner
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +59,8 @@ class TransferResult:
 
     def __post_init__(self) -> None:
         if self.transfer_size < 0 or self.transfer_time < 0:
-            raise ValueError(f"TransferResult(transfer_size={self.transfer_size}, "
-                             f"transfer_time={self.transfer_time}): both must be >= 0")
+            raise HandlerError(f"TransferResult(transfer_size={self.transfer_size}, "
+                               f"transfer_time={self.transfer_time}): both must be >= 0")
 
 
 @dataclass(eq=False)
@@ -67,7 +72,7 @@ class _Transfer:
     end_event: Event
     buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
-    keep_alive: Any = field(default=None, repr=False)  # backend token: pointer arrays etc.
+    keep_alive: Submitted | None = field(default=None, repr=False)  # the backend's token
     failed_on_device: bool = False
 
 
@@ -91,16 +96,14 @@ class SingleDirectionOffloadingHandler:
     # ---------------------------------------------------------------- submit
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
         if self._closed:
-            raise BackendError(f"{self.direction.label} handler is shut down; job {job_id} refused")
+            raise HandlerClosedError(f"{self.direction.label} handler is shut down; job {job_id} "
+                                     "refused")
         if job_id in self._by_job:
             raise SpecError(f"job id {job_id} is already in flight on the "
                             f"{self.direction.label} handler; job ids must be unique")
         buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
         try:
-            plan = self.planner.plan(transfer, out=buffers)
-            if plan.direction is not self.direction:
-                raise SpecError(f"job {job_id} is a {plan.direction.label} transfer, but this "
-                                f"handler moves {self.direction.label}")
+            plan = self.planner.plan(self.direction, transfer, out=buffers)
         except SpecError:
             self._buffer_pool.append(buffers)
             raise
@@ -115,7 +118,7 @@ class SingleDirectionOffloadingHandler:
         return submitted
 
     def _enqueue(self, job_id: int, plan: CopyPlan, stream: Stream, start: Event, end: Event
-                 ) -> tuple[bool, Any]:
+                 ) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
         try:
             stream.wait_stream(self._streams.current_stream())
@@ -126,7 +129,7 @@ class SingleDirectionOffloadingHandler:
             return True, token
         except _DEVICE_ERRORS as e:
             log.error("%s job %d: the %s backend could not submit %d descriptors: %s",
-                      self.direction.label, job_id, self.backend.code.label,
+                      self.direction.label, job_id, self.backend.kind.label,
                       plan.num_descriptors, e)
             return False, None
         finally:
@@ -209,7 +212,8 @@ class CpuGpuOffloadingHandlers:
                  streams: StreamPlatform | None = None):
         for handler, want in ((gpu_to_cpu, Direction.GPU_TO_CPU), (cpu_to_gpu, Direction.CPU_TO_GPU)):
             if handler.direction is not want:
-                raise ValueError(f"expected a {want.label} handler, got {handler.direction.label}")
+                raise HandlerError(f"expected a {want.label} handler, got "
+                                   f"{handler.direction.label}")
         self.gpu_to_cpu_handler = gpu_to_cpu
         self.cpu_to_gpu_handler = cpu_to_gpu
         self._streams = streams
@@ -232,10 +236,9 @@ class CpuGpuOffloadingHandlers:
             else self.cpu_to_gpu_handler
 
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
-        """Route by the source spec: a GPU source is a store, anything else a load."""
-        store = isinstance(transfer[0], GPULoadStoreSpec)
-        return self.handler(Direction.GPU_TO_CPU if store else Direction.CPU_TO_GPU
-                            ).transfer_async(job_id, transfer)
+        """The generic entry: the direction is decided here, once, from the pair's spec
+        types (``SpecError`` naming them when they are not one GPU and one CPU spec)."""
+        return self.handler(Direction.of(transfer)).transfer_async(job_id, transfer)
 
     def get_finished(self) -> list[TransferResult]:
         return self.gpu_to_cpu_handler.get_finished() + self.cpu_to_gpu_handler.get_finished()

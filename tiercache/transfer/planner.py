@@ -11,8 +11,10 @@ written page by page), which spares ``staged`` a sort of every descriptor. Pages
 continue each other on both sides are fused from the ids; neighbours where rows meet
 are checked on addresses (``runs.merge_at_row_ends``).
 
-Everything is checked before a plan is returned: medium pairing, group count, CPU id
-count, ids inside both sides, no destination block written twice in a group.
+The caller says the direction (``plan(direction, (src_spec, dst_spec))``); the
+planner checks the pair against it and never infers it. Everything is checked before
+a plan is returned: spec types for the direction, group count, CPU id count, ids inside
+both sides, no destination block written twice in a group.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from tiercache.errors import LayoutMismatchError, SpecError
 from tiercache.transfer.page_groups import GroupPages, GroupWork
 from tiercache.pages import PageArray
 from tiercache.transfer.runs import merge_at_row_ends
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
-from tiercache.region.stats import Direction
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 
 _U64 = np.uint64
 _ENDS_CACHE_ENTRIES = 1024  # distinct (group shape) tuples remembered; small arrays each
@@ -143,19 +144,15 @@ class TransferPlanner:
     def num_groups(self) -> int:
         return len(self._groups)
 
-    def plan(self, transfer: TransferSpec, merge: bool = True, out: PlanBuffers | None = None
-             ) -> CopyPlan:
-        """The descriptors of ``transfer``, merged unless ``merge=False``; raises
-        SpecError naming what is wrong before anything is returned. With ``out`` the
-        plan's arrays are views of those buffers (valid until they are reused)."""
-        src_spec, dst_spec = transfer
-        if isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
-            direction, gpu_spec, cpu_spec = Direction.GPU_TO_CPU, src_spec, dst_spec
-        elif isinstance(src_spec, CPULoadStoreSpec) and isinstance(dst_spec, GPULoadStoreSpec):
-            direction, gpu_spec, cpu_spec = Direction.CPU_TO_GPU, dst_spec, src_spec
-        else:
-            raise SpecError(f"a transfer pairs a GPU and a CPU spec (either order); got "
-                            f"({type(src_spec).__name__}, {type(dst_spec).__name__})")
+    def plan(self, direction: Direction, transfer: TransferSpec, merge: bool = True,
+             out: PlanBuffers | None = None) -> CopyPlan:
+        """The descriptors of ``transfer`` = ``(src_spec, dst_spec)`` moving in
+        ``direction``, merged unless ``merge=False``; raises SpecError naming what is wrong
+        (a pair that does not move in ``direction`` included) before anything is returned.
+        With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
+        if not isinstance(transfer, tuple) or len(transfer) != 2:
+            raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
+        gpu_spec, cpu_spec = direction.gpu_cpu(*transfer)
         work = self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
         if merge:  # fuse runs of pages where every tensor of the group agrees
             work = [w.fused() for w in work]
@@ -172,7 +169,7 @@ class TransferPlanner:
             shapes = tuple(w.shape for w in work)
             gpu_addr, cpu_addr, sizes = merge_at_row_ends(gpu_addr, cpu_addr, sizes, shapes,
                                                           within, self._row_ends(shapes))
-        src, dst = (gpu_addr, cpu_addr) if direction is Direction.GPU_TO_CPU else (cpu_addr, gpu_addr)
+        src, dst = direction.src_dst(gpu_addr, cpu_addr)
         for array in (src, dst, sizes):
             array.setflags(write=False)
         return CopyPlan(src=src, dst=dst, sizes=sizes, direction=direction)

@@ -1,8 +1,10 @@
 """Fusing descriptors that continue each other on both sides into one.
 
-``merge_runs`` is the general rule, one pass over every descriptor. The planner uses
-``merge_at_row_ends``, which gets the joins inside each tensor's row from the block ids
-(``GroupWork.within_joins``) and checks addresses only where rows meet.
+The general rule (neighbours whose source and destination both continue) is one pass
+over every descriptor; the planner's ``merge_at_row_ends`` gets the same result
+cheaper: it takes the joins inside each tensor's row from the block ids
+(``GroupWork.within_joins``) and checks addresses only where rows meet. The tests hold
+it to the general rule (``tests/support/plan_reference.py``).
 """
 
 from __future__ import annotations
@@ -10,22 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def merge_runs(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fuse neighbouring descriptors that continue each other on both sides."""
-    if sizes.size < 2:
-        return src, dst, sizes
-    joins = (src[:-1] + sizes[:-1] == src[1:]) & (dst[:-1] + sizes[:-1] == dst[1:])
-    if not joins.any():
-        return src, dst, sizes
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
-
-
 def merge_at_row_ends(gpu_addr: np.ndarray, cpu_addr: np.ndarray, sizes: np.ndarray,
                       shapes: tuple[tuple[int, int], ...], within: list[np.ndarray | None],
                       ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``merge_runs`` for descriptors laid out as rows (one per tensor, ``shapes[g]`` =
+    """The general merge for descriptors laid out as rows (one per tensor, ``shapes[g]`` =
     (tensors, pages) per group): ``within[g]`` flags, (k, n-1), the joins inside group g's
     rows (None: none); ``ends`` indexes each row's last descriptor but the very last, the
     only places checked on addresses. Compacts the arrays in place."""

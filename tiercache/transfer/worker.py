@@ -8,6 +8,11 @@ no pinning: state UNPINNED), build the backend of each direction (recorded in th
 block) and the handlers. Anything failing on the way undoes what was done and raises.
 ``Worker.close`` drains the handlers, unpins, marks the rank detached and unmaps.
 
+Transfers enter with their direction in the verb, vLLM 0.33's worker API:
+``submit_store(job_id, gpu_spec, cpu_spec)`` and ``submit_load(job_id, cpu_spec,
+gpu_spec)``; ``transfer_async(job_id, (src_spec, dst_spec))`` is the generic entry that
+reads the direction from the pair once and routes the same way.
+
 Accepted ``gpu_caches`` forms: see ``tiercache.transfer.kv_caches``.
 """
 
@@ -21,22 +26,21 @@ from typing import Any
 import torch
 
 from tiercache.backends import (
-    BackendContext, create_backend, create_stream_platform, resolve_kind,
+    BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
-from tiercache.errors import PinUnavailableError
-from tiercache.config import BackendKind, Config, PinningPolicy, RegionConfig
-from tiercache.errors import ConfigError, LayoutMismatchError
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
-from tiercache.region.hostmem import process_start_ns
-from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
-from tiercache.region.layout import RegionLayout
-from tiercache.pages import PageArray
-from tiercache.transfer.planner import TransferPlanner
-from tiercache.region.shared import SHM_DIR, SharedOffloadRegion
-from tiercache.specs import TransferSpec
-from tiercache.region.stats import BackendCode, Direction, PinState, RankStats
 from tiercache.backends.streams import StreamPlatform
+from tiercache.config import Config, PinningPolicy, RegionConfig
+from tiercache.errors import LayoutMismatchError, PinUnavailableError
+from tiercache.pages import PageArray
+from tiercache.region.hostmem import process_start_ns
+from tiercache.region.layout import RegionLayout
+from tiercache.region.shared import SHM_DIR, SharedOffloadRegion
+from tiercache.region.stats import PinState, RankStats
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
+from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
+from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
+from tiercache.transfer.planner import TransferPlanner
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +62,31 @@ class Worker:
         return self.region.stats(self.rank)
 
     @property
-    def backends(self) -> dict[Direction, BackendCode]:
-        return {d: self.handlers.handler(d).backend.code for d in Direction}
+    def backends(self) -> dict[Direction, BackendKind]:
+        """The kind each direction runs (what its stats block records)."""
+        return {d: self.handlers.handler(d).backend.kind for d in Direction}
+
+    def submit_store(self, job_id: int, gpu_spec: GPULoadStoreSpec,
+                     cpu_spec: CPULoadStoreSpec) -> bool:
+        """Copy ``gpu_spec``'s blocks into ``cpu_spec``'s slots (GPU→CPU). ``SpecError``
+        naming the given types when they are not (GPULoadStoreSpec, CPULoadStoreSpec);
+        otherwise as ``SingleDirectionOffloadingHandler.transfer_async``."""
+        return self.handlers.gpu_to_cpu_handler.transfer_async(job_id, (gpu_spec, cpu_spec))
+
+    def submit_load(self, job_id: int, cpu_spec: CPULoadStoreSpec,
+                    gpu_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        """Copy ``cpu_spec``'s slots into ``gpu_spec``'s blocks (CPU→GPU).
+
+        ``expedited`` marks vLLM 0.33's sync loads, which the engine waits for within the
+        step. For now they go through the same load handler as every other load: FIFO
+        behind loads already submitted, on the same stream pool. A handler of their own
+        (so they never queue behind ordinary loads) is what vLLM's CPU worker does, and
+        the place to add it is here.
+        """
+        return self.handlers.cpu_to_gpu_handler.transfer_async(job_id, (cpu_spec, gpu_spec))
 
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
+        """The generic entry: the direction is read from the pair's types, once."""
         return self.handlers.transfer_async(job_id, transfer)
 
     def get_finished(self) -> list[TransferResult]:
@@ -107,11 +132,7 @@ def _settings(config_or_name: Config | str, backend: BackendKind | str | None,
     else:
         name, layout, kind, policy = config_or_name, None, BackendKind.AUTO, RegionConfig.pinning
     if backend is not None:
-        try:
-            kind = BackendKind(backend)
-        except ValueError:
-            raise ConfigError(f"backend = {backend!r}: allowed "
-                              f"{', '.join(repr(k.value) for k in BackendKind)}") from None
+        kind = BackendKind.parse(backend, "backend")
     return name, layout, kind, policy if pinning is None else pinning
 
 
@@ -167,7 +188,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         streams = create_stream_platform(kind, torch_device)
         backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams)
         for direction, chosen in backends.items():
-            region.stats(rank).set_backend(direction, chosen.code)
+            region.stats(rank).set_backend(direction, chosen.kind)
         handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, region.stats(rank))
     except BaseException:
         if streams is not None:
@@ -175,7 +196,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         _release(region, rank)
         raise
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
-             {d.label: b.code.label for d, b in backends.items()}, pin_state.label)
+             {d.label: b.kind.label for d, b in backends.items()}, pin_state.label)
     return Worker(region, rank, handlers, pin_state, gpu_caches)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.errors import JobError, WorkerError
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 from tiercache.tools.demo.content import key_seeds
 from tiercache.tools.demo.engine import DemoEngine
 from tiercache.tools.demo.wire import Command, Op, Report

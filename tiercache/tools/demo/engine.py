@@ -30,7 +30,7 @@ from tiercache.errors import CoordinatorGoneError, JobError, RanksDownError, Wor
 from tiercache.index.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 from tiercache.tools.demo.pool import RankPool
 from tiercache.tools.demo.content import key_seeds
 from tiercache.tools.demo.rank import RankOptions

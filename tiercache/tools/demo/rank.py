@@ -26,8 +26,7 @@ import torch
 from tiercache.config import Config
 from tiercache.errors import SpecError
 from tiercache.transfer.handlers import TransferResult
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.region.stats import Direction
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.tools.demo.content import BlockContent, GpuIds
 from tiercache.tools.demo.wire import Command, Op, Report
 from tiercache.transfer.worker import Worker, attach

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from tiercache.region.stats import Direction
+from tiercache.specs import Direction
 from tiercache.tools.demo.wire import Report
 
 GB = 1e9

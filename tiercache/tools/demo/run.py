@@ -20,7 +20,8 @@ import threading
 import time
 from typing import Any
 
-from tiercache.config import BackendKind, Config, load_config
+from tiercache.backends.kind import BackendKind
+from tiercache.config import Config, load_config
 from tiercache.errors import (
     ConfigError, CoordinatorGoneError, LayoutMismatchError, RanksDownError, WorkerError,
 )
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes (= instance.world_size; default: the config's)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: one GPU per rank when CUDA is present, else host tensors")
-    p.add_argument("--backend", choices=[k.value for k in BackendKind], default=None,
+    p.add_argument("--backend", choices=[k.label for k in BackendKind if k.configurable],
+                   default=None,
                    help="copy backend (default: the config's transfer.backend)")
     p.add_argument("--prefixes", type=int, default=32, help="shared prefixes in the workload")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of prefix reuse")

@@ -30,7 +30,9 @@ from enum import IntEnum
 import numpy as np
 
 from tiercache.errors import ProtocolError
-from tiercache.region.stats import BackendCode, Direction, PinState
+from tiercache.backends.kind import BackendKind
+from tiercache.region.stats import PinState
+from tiercache.specs import Direction
 
 
 class Op(IntEnum):
@@ -98,7 +100,7 @@ class Report:
     mismatched_blocks: int = 0
     started_ns: int = 0
     ended_ns: int = 0
-    backends: tuple[BackendCode, BackendCode] = (BackendCode.NONE, BackendCode.NONE)
+    backends: tuple[BackendKind, BackendKind] = (BackendKind.NONE, BackendKind.NONE)
     pin_state: PinState = PinState.NONE
     message: str = ""
 
@@ -118,5 +120,5 @@ class Report:
          seconds, blocks, mismatched, started, ended) = _REPORT.unpack_from(data)
         return cls(Op(op), rank, pid, incarnation, job_id, Direction(direction), bool(success),
                    nbytes, seconds, blocks, mismatched, started, ended,
-                   (BackendCode(g2c), BackendCode(c2g)), PinState(pin),
+                   (BackendKind(g2c), BackendKind(c2g)), PinState(pin),
                    data[_REPORT.size:].decode(errors="replace"))

@@ -1,0 +1,99 @@
+"""The bench's output: one progress line per step on stderr, the table on stdout, every
+figure in the JSON rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Progress:
+    """One line per finished step on stderr: ``[i/n] what ... result``."""
+
+    total: int
+    done: int = 0
+
+    def step(self, what: str, result: str) -> None:
+        self.done += 1
+        print(f"[{self.done}/{self.total}] {what:42s} {result}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Report:
+    machine: str
+    ceiling: dict[str, float] = field(default_factory=dict)  # GB/s
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump({"machine": self.machine, "ceiling": self.ceiling, "rows": self.rows},
+                      fh, indent=1, default=str)
+
+
+def fmt_rate(gbps: float, ceiling: float) -> str:
+    return f"{gbps:6.1f} GB/s ({gbps / ceiling:.2f})"
+
+
+def _shown_name(row: dict) -> str:
+    """The row's backend, with what ran where that is not the kind asked for (``auto``'s
+    choice, or ``ce`` running as ``ce_loop``): ``auto=staged/staged``."""
+    ran = (row.get("store_name", row["kind"]), row.get("load_name", row["kind"]))
+    if ran == (row["kind"], row["kind"]):
+        return row["backend"]
+    return f"{row['backend']}={ran[0]}/{ran[1]}"
+
+
+def _rate_lines(report: Report) -> list[str]:
+    c = report.ceiling
+    lines = [f"{'workload':24s} {'backend':14s} {'gpu_to_cpu':>20s} {'cpu_to_gpu':>20s} "
+             f"{'both':>20s}"]
+    for r in report.rows:
+        if r.get("mode") == "matmul":
+            continue
+        cells = [(fmt_rate(r[k], c[k]) if k in r else "-")
+                 for k in ("gpu_to_cpu", "cpu_to_gpu", "both")]
+        lines.append(f"{r['workload']:24s} {_shown_name(r):14s} {cells[0]:>20s} {cells[1]:>20s} "
+                     f"{cells[2]:>20s}")
+    return lines
+
+
+def _latency_lines(report: Report) -> list[str]:
+    rows = [r for r in report.rows if "latency_us" in r]
+    if not rows:
+        return []
+    lines = ["", f"{'backend':14s} {'1-block store us':>17s} {'load us':>8s} {'target us':>10s} "
+                 f"{'submit 16k us':>14s} {'plan 16k us':>12s}"]
+    for r in rows:
+        lines.append(f"{r['backend']:14s} {r['latency_us']:17.0f} {r['latency_load_us']:8.0f} "
+                     f"{r['latency_target_us']:10.0f} {r['submit_us']:14.0f} "
+                     f"{r['plan_us']:12.0f}")
+    return lines
+
+
+def _matmul_lines(report: Report) -> list[str]:
+    rows = [r for r in report.rows if r.get("mode") == "matmul"]
+    if not rows:
+        return []
+    lines = ["", f"{'matmul beside':14s} {'solo TFLOP/s':>12s} {'beside':>8s} {'ratio':>6s} "
+                 f"{'copies GB/s':>12s}"]
+    both = report.ceiling["both"]
+    for r in rows:
+        copies = r["copy_both_gbps_beside"]
+        lines.append(f"{r['backend']:14s} {r['matmul_solo_tflops']:12.0f} "
+                     f"{r['matmul_beside_tflops']:8.0f} {r['matmul_ratio']:6.3f} "
+                     f"{copies:8.1f} ({copies / both:.2f})"
+                     + ("" if r["copies_covered_matmul"] else " [copies ended first]"))
+    return lines
+
+
+def format_report(report: Report) -> str:
+    header = [f"machine: {report.machine}",
+              "ceiling: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in report.ceiling.items()),
+              ""]
+    return "\n".join(header + _rate_lines(report) + _latency_lines(report)
+                     + _matmul_lines(report))
