@@ -164,6 +164,13 @@ def draw_case(d, max_tensors: int = 6, max_pages: int = 8) -> Case:
                 chunk_rows=d.pick([1, 1, 2, 3, 64]))
 
 
+def aligned(num_bytes: int, fill_byte: int = 0, align: int = 4096) -> np.ndarray:
+    """A uint8 buffer whose first byte is ``align``-aligned (slots must be 256-aligned)."""
+    raw = np.full(num_bytes + align, fill_byte, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + num_bytes]
+
+
 class Memory:
     """A numpy buffer standing in for memory at ``base`` (``at`` checks the bounds)."""
 
@@ -209,7 +216,7 @@ def run_layout(case: Case, layout, gpu_pages, cpu_pages, gpu: Memory, cpu: Memor
     None: the numpy model of the kernel."""
     store = case.store
     for k in range(layout.num_chunks):
-        slot = np.full(case.chunk_bytes, SLOT_POISON, dtype=np.uint8)
+        slot = aligned(case.chunk_bytes, SLOT_POISON)
         dmas = layout.dma_range(k)
         runs = list(zip(layout.dma_host[dmas].tolist(), layout.dma_slot[dmas].tolist(),
                         layout.dma_bytes[dmas].tolist()))
@@ -245,25 +252,35 @@ def intervals(starts, lengths) -> list[tuple[int, int]]:
     return [tuple(x) for x in out]
 
 
-def check_case(case: Case, layout, planner, gpu_pages, cpu_pages, gpu_base: int, cpu_base: int,
-               gpu_data: np.ndarray, cpu_data: np.ndarray, pack: Pack | None = None) -> None:
-    """Run the case both ways over copies of the same buffers and compare every byte.
-
-    Stores start from random GPU pages and a poisoned region, loads from a random region
-    and poisoned GPU pages; bytes outside the plan must keep their poison.
-    """
+def expected_after(case: Case, planner, gpu_data: np.ndarray, cpu_data: np.ndarray,
+                   gpu_base: int, cpu_base: int):
+    """(plan, GPU bytes, region bytes) after the per-page plan ran over copies."""
     plan = planner.plan(case.spec)
-    expect_gpu, expect_cpu = Memory(gpu_data.copy(), gpu_base), Memory(cpu_data.copy(), cpu_base)
-    run_plan(plan, expect_gpu, expect_cpu, case.store)
-    got_gpu, got_cpu = Memory(gpu_data, gpu_base), Memory(cpu_data, cpu_base)
-    run_layout(case, layout, gpu_pages, cpu_pages, got_gpu, got_cpu, pack)
-    np.testing.assert_array_equal(got_cpu.data, expect_cpu.data, err_msg="region differs")
-    np.testing.assert_array_equal(got_gpu.data, expect_gpu.data, err_msg="GPU memory differs")
+    gpu, cpu = Memory(gpu_data.copy(), gpu_base), Memory(cpu_data.copy(), cpu_base)
+    run_plan(plan, gpu, cpu, case.store)
+    return plan, gpu.data, cpu.data
+
+
+def assert_same(case: Case, plan, layout, gpu_got, cpu_got, gpu_expected, cpu_expected) -> None:
+    """Every byte equal, and the DMAs cover exactly the plan's host bytes."""
+    np.testing.assert_array_equal(cpu_got, cpu_expected, err_msg="region differs")
+    np.testing.assert_array_equal(gpu_got, gpu_expected, err_msg="GPU memory differs")
     host = plan.dst if case.store else plan.src
     dma = intervals(layout.dma_host, layout.dma_bytes)
     assert dma == intervals(host, plan.sizes), "DMAs do not cover exactly the plan's host bytes"
-    if case.store:  # no host byte written twice
-        assert int(layout.dma_bytes.sum()) == sum(b - a for a, b in dma)
+    if case.store:  # loads may read a row twice (repeated CPU ids); stores write each byte once
+        assert int(layout.dma_bytes.sum()) == sum(b - a for a, b in dma), "host byte written twice"
+
+
+def check_case(case: Case, layout, planner, gpu_pages, cpu_pages, gpu_base: int, cpu_base: int,
+               gpu_data: np.ndarray, cpu_data: np.ndarray, pack: Pack | None = None) -> None:
+    """Run the case both ways over copies of the same buffers and compare every byte
+    (``fill`` poisons the destination side: bytes outside the plan must keep it)."""
+    plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
+                                                      gpu_base, cpu_base)
+    run_layout(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, gpu_base),
+               Memory(cpu_data, cpu_base), pack)
+    assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
 
 
 def fill(case: Case, gpu_data: np.ndarray, cpu_data: np.ndarray, seed: int) -> None:
