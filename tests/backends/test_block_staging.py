@@ -28,8 +28,9 @@ from tiercache.transfer.planner import TransferPlanner
 def _run(case, seed: int = 0):
     gpu, cpu = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu, cpu, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes)
-    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store))
+    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store),
+                            case.store)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, seed)
@@ -62,10 +63,11 @@ def _rank(num_tensors: int, page: int, factor: int, gpu_blocks: int = 1024,
     return TransferPlanner(gpu, cpu, factor)
 
 
-def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_index=0):
-    staging = BlockStaging.of_planner(planner, chunk_bytes)
+def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_index=0,
+            load_whole_rows=False):
+    staging = BlockStaging.of_planner(planner, chunk_bytes, load_whole_rows)
     gpu_spec = GPULoadStoreSpec(gpu_ids, None, [block_index])
-    return staging.layout(group_work(planner, gpu_spec, CPULoadStoreSpec(cpu_ids), store))
+    return staging.layout(group_work(planner, gpu_spec, CPULoadStoreSpec(cpu_ids), store), store)
 
 
 def _sizes(layout) -> tuple[int, ...]:
@@ -98,6 +100,22 @@ def test_block_size_factor_with_a_mid_block_load_is_rows_plus_partial_ends():
     # full rows are one run each; a partial row is one run per tensor
     assert layout.dma_host.size <= (256 - 2) + 2 * 64
     assert layout.num_bytes == n * 64 * (32 << 10)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 255])
+def test_whole_row_loads_are_one_dma_per_row_and_stores_never_are(blocks):
+    planner = _rank(64, 32 << 10, 4)
+    rng = np.random.default_rng(blocks)
+    rows = -(-(blocks + 1) // 4)  # a mid-block load: sub-page 1 onwards
+    gpu_ids, cpu_ids = rng.permutation(1024)[:blocks], rng.permutation(512)[:rows]
+    whole = _layout(planner, gpu_ids, cpu_ids, store=False, block_index=1, load_whole_rows=True)
+    assert whole.num_rows == rows and whole.dma_host.size <= rows
+    assert whole.num_bytes == rows * 64 * 4 * (32 << 10)  # whole rows read, pages unpacked only
+    exact = _layout(planner, gpu_ids, cpu_ids, store=False, block_index=1)
+    assert exact.num_bytes == blocks * 64 * (32 << 10) and exact.dma_host.size >= 64
+    np.testing.assert_array_equal(whole.pairs, exact.pairs)
+    store = _layout(planner, gpu_ids, cpu_ids, store=True, block_index=1, load_whole_rows=True)
+    assert store.num_bytes == exact.num_bytes  # the policy never widens a store
 
 
 def test_adjacent_rows_merge_into_one_dma_per_chunk_and_padded_rows_do_not():
@@ -138,7 +156,7 @@ def test_refuses_rows_that_do_not_fit_and_work_of_another_planner():
     other = _rank(64, 32 << 10, 4)
     work = group_work(other, GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3]), True)
     with pytest.raises(BackendError, match="not built for"):
-        BlockStaging.of_planner(planner, 8 << 20).layout(work)
+        BlockStaging.of_planner(planner, 8 << 20).layout(work, True)
 
 
 def test_refuses_groups_whose_rows_would_overlap():

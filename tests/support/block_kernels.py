@@ -41,7 +41,8 @@ def engine_case(num_tensors: int, page: int, factor: int, blocks: int, skip: int
                 [page] * num_tensors, num_gpu, list(region.page_offsets), region.row_stride,
                 num_cpu, [list(range(num_tensors))],
                 GPULoadStoreSpec(rng.permutation(num_gpu)[:n], None, [skip]),
-                CPULoadStoreSpec(rng.permutation(num_cpu)[:blocks]), store, chunk_rows=2)
+                CPULoadStoreSpec(rng.permutation(num_cpu)[:blocks]), store, chunk_rows=2,
+                load_whole_rows=skip > 0)
 
 
 def run_kernel_case(case: Case, seed: int, device: str) -> BlockStaging:
@@ -53,11 +54,13 @@ def run_kernel_case(case: Case, seed: int, device: str) -> BlockStaging:
     cpu_base = cpu_data.ctypes.data
     gpu_pages, cpu_pages = case.page_arrays(gpu_base, cpu_base)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes)
-    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store))
+    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store),
+                            case.store)
     plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
                                                       gpu_base, cpu_base)
-    kernel = BlockKernel(staging, device, max_programs=None if seed % 2 else 5)
+    kernel = BlockKernel(staging, device, max_programs=None if seed % 2 else 5,
+                         compiled_launch=seed % 3 == 0)
     launch = kernel.pack if case.store else kernel.unpack
     pairs = np.ascontiguousarray(layout.pairs)
     if on_gpu:

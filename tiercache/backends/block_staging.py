@@ -112,7 +112,7 @@ class BlockLayout:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes the transfer moves (each page once)."""
+        """Bytes the DMAs move: the pages', each once (whole-row loads: the rows')."""
         return int(self.dma_bytes.sum())
 
     def pair_range(self, k: int) -> tuple[int, int]:
@@ -148,11 +148,14 @@ class BlockStaging:
     """
 
     def __init__(self, gpu: Sequence[PageArray], cpu: Sequence[PageArray], factor: int,
-                 groups: Sequence[Sequence[int]], chunk_bytes: int):
+                 groups: Sequence[Sequence[int]], chunk_bytes: int,
+                 load_whole_rows: bool = False):
         if chunk_bytes < SLOT_ALIGN or chunk_bytes % SLOT_ALIGN:
             raise BackendError(f"chunk_bytes = {chunk_bytes}: must be a positive multiple of "
                                f"{SLOT_ALIGN}")
         self.factor, self.chunk_bytes = int(factor), int(chunk_bytes)
+        self._sub_pages = np.arange(self.factor, dtype=_I64)
+        self.load_whole_rows = bool(load_whole_rows)
         self._group_of: dict[int, int] = {}  # id(GroupPages) -> group, set by of_planner
         columns: list[list[int]] = [[], [], [], []]
         self.group_first = np.zeros(len(groups), dtype=_I64)
@@ -191,16 +194,20 @@ class BlockStaging:
                                f"than chunk_bytes = {chunk_bytes}; use chunk_bytes >= "
                                f"{int(self.pitch.max())}")
         self._uniform_pitch = int(self.pitch[0]) if np.all(self.pitch == self.pitch[0]) else 0
+        if self._uniform_pitch:  # rows' slot offsets and chunk starts, reused by every transfer
+            self._rows_per_chunk = chunk_bytes // self._uniform_pitch
+            self._uniform = _NONE, _NONE  # (slot offsets, chunk starts): see _chunks
         self._build_templates()
         bits = int(np.bitwise_or.reduce(self.tensors.reshape(-1))) | MAX_ACCESS_BYTES
         self.access_bytes = bits & -bits  # widest access every address and size allows
 
     @classmethod
-    def of_planner(cls, planner, chunk_bytes: int) -> BlockStaging:
+    def of_planner(cls, planner, chunk_bytes: int, load_whole_rows: bool = False
+                   ) -> BlockStaging:
         """The tables of ``planner``'s geometry; ``layout`` takes its ``group_work``."""
         groups = planner_groups(planner)
         staging = cls(planner.gpu_pages, planner.cpu_pages, planner.block_size_factor,
-                      [g.tensors for g in groups], chunk_bytes)
+                      [g.tensors for g in groups], chunk_bytes, load_whole_rows)
         staging._group_of = {id(g): i for i, g in enumerate(groups)}
         return staging
 
@@ -226,10 +233,16 @@ class BlockStaging:
                     starts.append(len(runs))
                     counts.append(len(found))
                     runs.extend(found)
+        for g in range(self.num_groups):  # whole row images: template num_groups * F * F + g
+            starts.append(len(runs))
+            counts.append(1)
+            runs.append((0, int(self.span[g])))
         self.tpl_first = np.array(starts, dtype=_I64)
         self.tpl_count = np.array(counts, dtype=_I64)
         self.runs = np.array(runs, dtype=_I64).T.copy()  # (2, n): image offset, bytes
-        self._single_run = bool(np.all(self.tpl_count[self.tpl_count > 0] == 1))
+        self._tpl_count = self.tpl_count.tolist()
+        self._tpl_run = [tuple(self.runs[:, a].tolist()) if n else None
+                         for a, n in zip(starts, counts)]
 
     def template(self, group: int, first_sub: int, last_sub: int) -> np.ndarray:
         """Runs (2, n) of a row of ``group`` covering sub-pages first_sub..last_sub."""
@@ -238,25 +251,28 @@ class BlockStaging:
         return self.runs[:, start:start + int(self.tpl_count[i])]
 
     # ------------------------------------------------------------ per transfer
-    def layout(self, work: Sequence[GroupWork]) -> BlockLayout:
-        """Lay out one transfer's validated pairs (``group_work``); O(pairs + rows + DMAs)."""
-        parts = [self._group_rows(w) for w in work]
+    def layout(self, work: Sequence[GroupWork], store: bool) -> BlockLayout:
+        """Lay out one transfer's validated pairs (``group_work``); O(pairs + rows + DMAs).
+        ``store``: host bytes are written, so DMAs cover exactly the pages (loads read
+        whole row images when ``load_whole_rows``)."""
+        whole = self.load_whole_rows and not store
+        parts = [self._group_rows(w, whole) for w in work]
         if not parts:
             return _empty_layout()
         if len(parts) == 1:
-            row_host, row_tpl, gpu_ids, pair_row, subs, g = parts[0]
-            row_pitch = None if self._uniform_pitch else np.full(row_host.size, self.pitch[g])
-            groups = g
+            row_host, row_tpl, gpu_ids, pair_row, subs, groups = parts[0]
+            row_pitch = None if self._uniform_pitch else np.full(row_host.size, self.pitch[groups])
         else:
-            row_base = np.cumsum([0] + [p[0].size for p in parts[:-1]])
-            row_host, row_tpl = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
+            sizes = [p[0].size for p in parts]
+            row_host = np.concatenate([p[0] for p in parts])
+            row_tpl = np.concatenate([np.broadcast_to(p[1], (n,)) for p, n in zip(parts, sizes)])
             gpu_ids = np.concatenate([p[2] for p in parts])
             subs = 0 if self.factor == 1 else np.concatenate([p[4] for p in parts])
             pair_row = np.concatenate([(np.arange(p[2].size) if p[3] is None else p[3]) + base
-                                       for p, base in zip(parts, row_base)])
+                                       for p, base in zip(parts, np.cumsum([0] + sizes[:-1]))])
             groups = np.repeat([p[5] for p in parts], [p[2].size for p in parts])
             row_pitch = None if self._uniform_pitch else \
-                np.repeat(self.pitch[[p[5] for p in parts]], [p[0].size for p in parts])
+                np.repeat(self.pitch[[p[5] for p in parts]], sizes)
         row_first, row_slot = self._chunks(row_host.size, row_pitch)
         pairs = np.empty((4, gpu_ids.size), dtype=_I64)
         pairs[0], pairs[2], pairs[3] = gpu_ids, subs, groups
@@ -265,51 +281,70 @@ class BlockStaging:
         else:
             np.take(row_slot, pair_row, out=pairs[1])
             pair_first = np.searchsorted(pair_row, row_first).astype(_I64)
-        host, slot, size, dma_first = self._dmas(row_host, row_slot, row_tpl, row_first)
+        if isinstance(row_tpl, int) and self._tpl_count[row_tpl] == 1:
+            host, slot, size, dma_first = self._uniform_dmas(row_host, row_slot, row_tpl,
+                                                             row_first)
+        else:
+            host, slot, size, dma_first = self._dmas(
+                row_host, row_slot, np.broadcast_to(row_tpl, row_host.shape), row_first)
         return BlockLayout(pairs, pair_first, host.view(np.uint64), slot.view(np.uint64),
                            size.view(np.uint64), dma_first, int(row_host.size))
 
-    def _group_rows(self, w: GroupWork):
-        """One group's rows (host address of the image, template) in ascending host
-        address, and its pairs (GPU id, row index or None for one pair per row in order,
-        sub-page), with the group index."""
+    def _group_rows(self, w: GroupWork, whole: bool):
+        """One group's rows (host address of the image; template, an int when all rows
+        share it) in ascending host address, and its pairs (GPU id, row index or None for
+        one pair per row in order, sub-page), with the group index."""
         g = self._group_of.get(id(w.group))
         if g is None:
             raise BackendError("GroupWork of a planner this BlockStaging was not built for "
                                "(build it with BlockStaging.of_planner(planner, ...))")
         f, n = self.factor, int(w.gpu_ids.size)
         ids, rows = w.gpu_ids, w.cpu_rows
+        tpl = self.num_groups * f * f + g if whole else g  # (F = 1: sub-page 0..0 is g)
         if f == 1:
-            entry, subs, tpl = None, 0, np.full(n, g, dtype=_I64)
-        else:
-            subs = w.sub_pages.astype(_I64)
-            skip, last = int(subs[0]), int(subs[-1])
-            num_rows = (skip + n - 1) // f + 1
-            entry = np.arange(skip, skip + n) // f
-            rows = rows[np.maximum(np.arange(num_rows) * f - skip, 0)]
+            if rows.size > 1 and not (rows[1:] >= rows[:-1]).all():
+                order = np.argsort(rows)
+                rows, ids = rows[order], ids[order]
+            return rows * self.cpu_stride[g] + self.row_origin[g], tpl, ids, None, 0, g
+        subs = w.sub_pages
+        skip, last = int(subs[0]), int(subs[-1])
+        num_rows = (skip + n - 1) // f + 1
+        starts = np.arange(-skip, num_rows * f - skip, f)  # pair index of each row's sub-page 0
+        starts[0] = 0
+        rows = rows[starts]
+        if not whole:
             tpl = np.full(num_rows, (g * f) * f + f - 1, dtype=_I64)  # sub-pages 0..F-1
             tpl[-1] = (g * f) * f + last
             tpl[0] = (g * f + skip) * f + (last if num_rows == 1 else f - 1)
-        if rows.size > 1 and not bool(np.all(rows[1:] >= rows[:-1])):
-            order = np.argsort(rows, kind="stable")
-            rows, tpl = rows[order], tpl[order]
-            if entry is None:
-                ids, entry = ids[order], None
-            else:
-                rank = np.empty_like(order)
-                rank[order] = np.arange(order.size)
-                by_row = np.argsort(rank[entry], kind="stable")
-                ids, entry, subs = ids[by_row], rank[entry][by_row], subs[by_row]
-        host = rows.astype(_I64) * self.cpu_stride[g] + self.row_origin[g]
-        return host, tpl, ids, entry, subs, g
+        if num_rows < 2 or (rows[1:] >= rows[:-1]).all():
+            entry = np.arange(skip, skip + n) // f
+        else:  # rows to host order, each row's pairs (consecutive, sub-pages ascending) with it
+            order = np.argsort(rows)
+            rows = rows[order]
+            tpl = tpl if whole else tpl[order]
+            pair = (order * f).reshape(-1, 1) + (self._sub_pages - skip)  # (rows, F) indices
+            valid = (pair >= 0) & (pair < n)
+            pair = pair[valid]
+            ids, subs = ids[pair], subs[pair]
+            rank = np.empty_like(order)
+            rank[order] = np.arange(num_rows)
+            entry = rank[(pair + skip) // f]
+        return rows * self.cpu_stride[g] + self.row_origin[g], tpl, ids, entry, subs, g
 
     def _chunks(self, num_rows: int, pitch: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Row boundaries of the chunks (num_chunks + 1) and each row's slot offset: rows
         fill a chunk in order while they fit (``pitch`` None: every row has the uniform one)."""
         if pitch is None:
-            per = self.chunk_bytes // self._uniform_pitch
-            first = np.minimum(np.arange(-(-num_rows // per) + 1, dtype=_I64) * per, num_rows)
-            return first, np.arange(num_rows, dtype=_I64) % per * self._uniform_pitch
+            slots, firsts = self._uniform
+            if num_rows > slots.size:  # grows to the largest transfer seen, never written after
+                per, cap = self._rows_per_chunk, 2 * num_rows
+                slots = np.arange(cap, dtype=_I64) % per * self._uniform_pitch
+                firsts = np.arange(0, cap + per, per, dtype=_I64)
+                slots.setflags(write=False)
+                self._uniform = slots, firsts
+            first = firsts[:-(-num_rows // self._rows_per_chunk) + 1].copy()
+            first[-1] = num_rows
+            return first, slots[:num_rows]
         end = np.cumsum(pitch)
         firsts, at, base = [0], 0, 0
         while at < num_rows:
@@ -320,27 +355,42 @@ class BlockStaging:
         start = end - pitch
         return first, start - np.repeat(start[first[:-1]], np.diff(first))
 
+    def _uniform_dmas(self, row_host: np.ndarray, row_slot: np.ndarray, tpl: int,
+                      row_first: np.ndarray):
+        """``_dmas`` when every row has template ``tpl`` of one run (the common case)."""
+        offset, length = self._tpl_run[tpl]
+        num_rows = row_host.size
+        if offset or length != self._uniform_pitch or num_rows < 2:  # rows never meet in a slot
+            return (row_host + offset, row_slot + offset, np.full(num_rows, length, dtype=_I64),
+                    row_first)
+        breaks = (row_host[1:] - row_host[:-1]) != length  # a DMA begins after row i
+        if row_first.size > 2:
+            breaks[row_first[1:-1] - 1] = True  # never across chunks
+        inner = np.flatnonzero(breaks)
+        if inner.size == num_rows - 1:
+            return row_host, row_slot, np.full(num_rows, length, dtype=_I64), row_first
+        count = inner.size + 1
+        starts = np.empty(count + 1, dtype=_I64)
+        starts[0], starts[count] = 0, num_rows
+        np.add(inner, 1, out=starts[1:count])
+        size = (starts[1:] - starts[:-1]) * length
+        starts = starts[:count]
+        return row_host[starts], row_slot[starts], size, np.searchsorted(starts, row_first)
+
     def _dmas(self, row_host: np.ndarray, row_slot: np.ndarray, row_tpl: np.ndarray,
               row_first: np.ndarray):
         """The template runs of every row, neighbours that continue each other on both
         sides (inside one chunk) merged: (host, slot offset, bytes, chunk boundaries)."""
-        if self._single_run:
-            run = self.tpl_first[row_tpl]
-            first = row_first
-            off = self.runs[0, run]
-            host, slot, size = row_host + off, row_slot + off, self.runs[1, run]
-        else:
-            counts = self.tpl_count[row_tpl]
-            rows = np.repeat(np.arange(row_host.size), counts)
-            before = np.cumsum(counts) - counts
-            run = np.repeat(self.tpl_first[row_tpl] - before, counts) + np.arange(rows.size)
-            off = self.runs[0, run]
-            host, slot, size = row_host[rows] + off, row_slot[rows] + off, self.runs[1, run]
-            first = np.append(before[row_first[:-1]], rows.size)
+        counts = self.tpl_count[row_tpl]
+        rows = np.repeat(np.arange(row_host.size), counts)
+        before = np.cumsum(counts) - counts
+        run = np.repeat(self.tpl_first[row_tpl] - before, counts) + np.arange(rows.size)
+        off = self.runs[0, run]
+        host, slot, size = row_host[rows] + off, row_slot[rows] + off, self.runs[1, run]
+        first = np.append(before[row_first[:-1]], rows.size)
         if size.size < 2:
             return host, slot, size, first
-        end = host[:-1] + size[:-1]
-        joins = (end == host[1:]) & (slot[:-1] + size[:-1] == slot[1:])
+        joins = (host[:-1] + size[:-1] == host[1:]) & (slot[:-1] + size[:-1] == slot[1:])
         joins[first[1:-1] - 1] = False  # never across chunks
         if not joins.any():
             return host, slot, size, first
