@@ -25,12 +25,13 @@ address, at entries ``group_first[g] .. group_first[g] + k_g - 1`` of ``tensors`
 F is the block_size_factor: a CPU page is F GPU pages back to back, sub-page j at
 ``row_offset[t] + j * page_bytes[t]``. The group's tensors must share one CPU block
 stride and their CPU pages must not overlap (true of the region); a row image never
-spans two rows. A *run template* per (group, sub-page range a..b) lists the bytes of
-the image that such a row covers: the union over t of
-``[row_offset[t] + a * page_bytes[t], row_offset[t] + (b + 1) * page_bytes[t])`` as
-maximal runs (``runs[:, tpl_first[i] : tpl_first[i] + tpl_count[i]]``, template
-``i = (g * F + a) * F + b``). Image bytes outside the template (padding, other groups'
-pages, sub-pages the transfer does not cover) are never moved.
+spans two rows. A *run template* lists the image bytes a row moves, as maximal runs
+(``runs[:, tpl_first[i] : tpl_first[i] + tpl_count[i]]``, built once): template
+``i = (g * F + a) * F + b`` is a row covering sub-pages a..b, the union over t of
+``[row_offset[t] + a * page_bytes[t], row_offset[t] + (b + 1) * page_bytes[t])``;
+template ``i = G * F * F + g`` is the whole image ``[0, span[g])`` (G groups). The
+kernel's access width ``access_bytes`` (16, 8, 4, 2 or 1) divides every table entry,
+so it is static too.
 
 Per transfer (``BlockLayout``): rows in ascending host address within each group,
 groups in order; chunk k holds rows back to back, each at ``pitch`` from the last, all
@@ -44,11 +45,19 @@ pair_first[k+1]`` are chunk k's. For pair p of chunk k and every tensor t of its
     pairs[3, p] group g         page_bytes[t] bytes, GPU <-> slot (pack / unpack)
 
 DMAs ``dma_first[k] .. dma_first[k+1]`` are chunk k's: ``dma_bytes[d]`` between host
-``dma_host[d]`` and ``slot_base[k] + dma_slot[d]``; the template runs of each row,
-where two neighbours continue each other on both sides merged into one. They cover
-exactly the host bytes of the transfer's pages, each once: a store writes nothing
-else. The pages of a chunk lie inside the chunk's DMAs, so the kernel and the copy
-engines only need to agree per chunk.
+``dma_host[d]`` and ``slot_base[k] + dma_slot[d]``: each row's template runs, where two
+neighbours continue each other on both sides merged into one. A store's DMAs cover
+exactly the host bytes of its pages, each once: image bytes outside them (padding,
+other groups' pages, sub-pages of a partial row) are never written. A load uses the
+same templates, or with ``load_whole_rows`` the whole-image template for every row:
+one DMA per row (or per run of adjacent rows) even where a mid-block load or a
+padded layout needs only part of it, at the cost of reading bytes it does not unpack
+(at most the unused sub-pages of a group's first and last row, plus padding). A
+load may read one row twice (repeated CPU ids). The pages of a chunk lie inside that
+chunk's DMAs, so the kernel and the copy engines only need to agree per chunk.
+
+Host cost (scripts/block_staging_bench.py, docs/results/block_staging_cpu.txt): a
+few dozen numpy calls on arrays of pairs or rows, whatever the tensor count.
 """
 
 from __future__ import annotations
@@ -243,12 +252,6 @@ class BlockStaging:
         self._tpl_count = self.tpl_count.tolist()
         self._tpl_run = [tuple(self.runs[:, a].tolist()) if n else None
                          for a, n in zip(starts, counts)]
-
-    def template(self, group: int, first_sub: int, last_sub: int) -> np.ndarray:
-        """Runs (2, n) of a row of ``group`` covering sub-pages first_sub..last_sub."""
-        i = (group * self.factor + first_sub) * self.factor + last_sub
-        start = int(self.tpl_first[i])
-        return self.runs[:, start:start + int(self.tpl_count[i])]
 
     # ------------------------------------------------------------ per transfer
     def layout(self, work: Sequence[GroupWork], store: bool) -> BlockLayout:
