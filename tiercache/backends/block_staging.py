@@ -315,8 +315,12 @@ class BlockStaging:
         starts = np.arange(-skip, num_rows * f - skip, f)  # pair index of each row's sub-page 0
         starts[0] = 0
         rows = rows[starts]
-        if not whole:
-            tpl = np.full(num_rows, (g * f) * f + f - 1, dtype=_I64)  # sub-pages 0..F-1
+        if whole:
+            pass
+        elif skip == 0 and last == f - 1:  # whole CPU blocks: every row covers 0..F-1
+            tpl = (g * f) * f + f - 1
+        else:
+            tpl = np.full(num_rows, (g * f) * f + f - 1, dtype=_I64)
             tpl[-1] = (g * f) * f + last
             tpl[0] = (g * f + skip) * f + (last if num_rows == 1 else f - 1)
         if num_rows < 2 or (rows[1:] >= rows[:-1]).all():
@@ -324,7 +328,7 @@ class BlockStaging:
         else:  # rows to host order, each row's pairs (consecutive, sub-pages ascending) with it
             order = np.argsort(rows)
             rows = rows[order]
-            tpl = tpl if whole else tpl[order]
+            tpl = tpl if isinstance(tpl, int) else tpl[order]
             pair = (order * f).reshape(-1, 1) + (self._sub_pages - skip)  # (rows, F) indices
             valid = (pair >= 0) & (pair < n)
             pair = pair[valid]
