@@ -1,0 +1,175 @@
+"""Triton pack/unpack over a ``BlockLayout``: the device expands pairs into pages.
+
+The static tensor table of a ``BlockStaging`` (``tensors``, int64 (4, T): GPU base,
+GPU block stride, page bytes, row offset; ``groups``, int64 (2, G): first table entry
+and tensor count of each group) is uploaded once (``BlockKernel``). A transfer uploads
+its pair table (int64 (4, P): GPU id, row slot offset, sub-page, group) once
+(``PairTables``); each chunk is then one launch over its pair range::
+
+    program (i, t):  for pairs p = first + i, first + i + grid0, ... < first + count:
+        g = pairs[3, p]; if t < count of g:  e = first entry of g + t
+        gpu  = gpu_base[e] + pairs[0, p] * gpu_stride[e]
+        slot = slot_base + pairs[1, p] + row_offset[e] + pairs[2, p] * page_bytes[e]
+        copy page_bytes[e] bytes gpu -> slot (store, ``pack``) or slot -> gpu (load, ``unpack``)
+
+The grid is (pairs, largest group's tensor count): one program per (pair, tensor)
+unless ``max_programs`` bounds the first dimension (programs then stride over pairs).
+Accesses are ``BlockStaging.access_bytes`` wide (16 bytes as two int64 with a 16-byte
+alignment hint, as in ``triton_copy``), which is static: every address and size the
+kernel touches is a sum of table entries, row slot offsets (multiples of SLOT_ALIGN)
+and the slot base, which must be a multiple of SLOT_ALIGN. Every address is passed as
+an int (the pair table may live in device memory or in pinned host memory read
+through UVA). The launch arguments that do not change per chunk are bound once, so a
+launch is one Triton call with no allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.compiler import CompiledKernel
+
+from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
+from tiercache.errors import BackendError
+
+_THREAD_BYTES_PER_STEP = 128  # bytes each thread moves per step: 8 x 16-byte accesses in flight
+_ELEMENT = {16: (tl.int64, 8), 8: (tl.int64, 8), 4: (tl.int32, 4), 2: (tl.int16, 2),
+            1: (tl.int8, 1)}
+
+
+@triton.jit(do_not_specialize=["pairs", "pair_stride", "first", "count", "slot_base", "tensors",
+                               "tensor_stride", "groups", "num_groups"])
+def _move_pages(pairs, pair_stride, first, count, slot_base, tensors, tensor_stride, groups,
+                num_groups, STORE: tl.constexpr, DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+                ALIGN_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    pair_table = pairs.to(tl.int64).to(tl.pointer_type(tl.int64))
+    table = tensors.to(tl.int64).to(tl.pointer_type(tl.int64))
+    group_table = groups.to(tl.int64).to(tl.pointer_type(tl.int64))
+    t = tl.program_id(1)
+    for p in range(first + tl.program_id(0), first + count, tl.num_programs(0)):
+        g = tl.load(pair_table + 3 * pair_stride + p)
+        if t < tl.load(group_table + num_groups + g):
+            e = tl.load(group_table + g) + t
+            page = tl.load(table + 2 * tensor_stride + e)
+            gpu = tl.load(table + e) + tl.load(pair_table + p) * tl.load(table + tensor_stride + e)
+            slot = slot_base + tl.load(pair_table + pair_stride + p) \
+                + tl.load(table + 3 * tensor_stride + e) + tl.load(pair_table + 2 * pair_stride + p) * page
+            if STORE:
+                src, dst = gpu, slot
+            else:
+                src, dst = slot, gpu
+            src = tl.multiple_of(src.to(tl.pointer_type(DTYPE)), ALIGN_BYTES)
+            dst = tl.multiple_of(dst.to(tl.pointer_type(DTYPE)), ALIGN_BYTES)
+            num = tl.multiple_of(page // ELEM_BYTES, ALIGN_BYTES // ELEM_BYTES)
+            for start in range(0, num, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < num
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+class BlockKernel:
+    """Pack and unpack launches for one ``BlockStaging`` on ``device`` (the static table
+    is uploaded here, once). ``max_programs`` bounds the programs per launch (None: one
+    per (pair, tensor)).
+
+    ``compiled_launch``: after the first launch of each direction, call the compiled
+    kernel's launcher directly instead of the public ``kernel[grid](...)`` path, which
+    re-binds and re-specialises the arguments every time (12.3 µs against 4.9 µs per
+    launch on the H100 host, docs/results/transfer_engine_h100_probe2.txt). The launcher
+    then keeps the first launch's argument types (i64 addresses, i32 counts); a value
+    outside them raises in the launcher. Off by default until measured on the GPU.
+    """
+
+    def __init__(self, staging: BlockStaging, device: torch.device | str, num_warps: int = 4,
+                 max_programs: int | None = None, compiled_launch: bool = False):
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise BackendError(f"num_warps = {num_warps}: must be 1, 2, 4, 8 or 16")
+        if max_programs is not None and max_programs < 1:
+            raise BackendError(f"max_programs = {max_programs}: must be >= 1 or None")
+        self.staging = staging
+        self.tensors = torch.as_tensor(np.ascontiguousarray(staging.tensors), device=device)
+        self.groups = torch.as_tensor(
+            np.ascontiguousarray(np.stack([staging.group_first, staging.group_count])),
+            device=device)
+        self.num_tensor_columns = int(staging.group_count.max())
+        self.max_pair_programs = None if max_programs is None else \
+            max(1, max_programs // self.num_tensor_columns)
+        dtype, elem = _ELEMENT[staging.access_bytes]
+        self._static = (self.tensors.data_ptr(), staging.tensors.shape[1],
+                        self.groups.data_ptr(), staging.num_groups)
+        self._constexprs = (dtype, elem, staging.access_bytes,
+                            num_warps * 32 * _THREAD_BYTES_PER_STEP // elem)
+        self._meta = dict(zip(("DTYPE", "ELEM_BYTES", "ALIGN_BYTES", "BLOCK"), self._constexprs),
+                          num_warps=num_warps)
+        self.compiled_launch = compiled_launch
+        self._compiled: dict[bool, CompiledKernel] = {}  # STORE -> kernel, compiled_launch only
+
+    def pack(self, pairs: int, num_pairs: int, first: int, count: int, slot_base: int) -> None:
+        """Store half: copy pages of pairs ``[first, first + count)`` of the pair table at
+        address ``pairs`` ((4, num_pairs) int64) into the slot at ``slot_base``, on the
+        current stream."""
+        self._launch(pairs, num_pairs, first, count, slot_base, True)
+
+    def unpack(self, pairs: int, num_pairs: int, first: int, count: int, slot_base: int) -> None:
+        """Load half: the reverse of ``pack`` (slot -> GPU pages)."""
+        self._launch(pairs, num_pairs, first, count, slot_base, False)
+
+    def _launch(self, pairs: int, num_pairs: int, first: int, count: int, slot_base: int,
+                store: bool) -> None:
+        if count <= 0:
+            return
+        if slot_base % SLOT_ALIGN:
+            raise BackendError(f"slot_base = {slot_base:#x}: must be a multiple of {SLOT_ALIGN}")
+        grid = (count if self.max_pair_programs is None else min(count, self.max_pair_programs),
+                self.num_tensor_columns, 1)
+        args = (pairs, num_pairs, first, count, slot_base, *self._static)
+        compiled = self._compiled.get(store)
+        if compiled is not None:  # every argument of the signature, constexprs included
+            compiled[grid](*args, store, *self._constexprs)
+            return
+        kernel = _move_pages[grid](*args, STORE=store, **self._meta)
+        if self.compiled_launch and isinstance(kernel, CompiledKernel):  # None if interpreted
+            self._compiled[store] = kernel
+
+
+class PairTables:
+    """Per-transfer pair tables on the device, from reused pinned and device buffers.
+
+    ``upload`` copies a layout's pairs into a pinned buffer and enqueues its copy to the
+    device on ``stream``; ``release`` (after the transfer's last launch was enqueued on
+    that stream) records an event, and the buffers are reused only once the event has
+    completed, so a table is never overwritten while a launch may still read it. Buffers
+    in use when a transfer begins are never waited for: a new pair is allocated instead.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._idle: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+    def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
+        """(device address of the (4, P) table, token for ``release``)."""
+        n = int(pairs.size)
+        entry = None
+        for i, (host, dev, event) in enumerate(self._idle):
+            if host.numel() >= n and (event is None or event.query()):
+                entry = self._idle.pop(i)
+                break
+        if entry is None:
+            cap = max(n, 1024)
+            entry = (torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                     torch.empty(cap, dtype=torch.int64, device=self.device), None)
+        host, dev, _ = entry
+        host.numpy()[:n] = pairs.reshape(-1)
+        with torch.cuda.stream(stream):
+            dev[:n].copy_(host[:n], non_blocking=True)
+        return dev.data_ptr(), entry
+
+    def release(self, token: Any, stream: Any) -> None:
+        host, dev, _ = token
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._idle.append((host, dev, event))
