@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from tiercache.backends.block_staging import BlockStaging, group_work
+from tiercache.specs import Direction
+from tiercache.backends.block_staging import BlockStaging
 from tiercache.backends.staging import Scratch, plan_staging
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
@@ -67,7 +68,9 @@ def bench(num_tensors: int, page: int, factor: int, gpu_blocks: int, skip: int, 
         return plan_staging(host, gpu, plan.sizes, CHUNK_BYTES, DIRECT_BYTES, scratch)
 
     def work():
-        return group_work(planner, gpu_spec, cpu_spec, store)
+        if store:
+            return planner.pairs(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec))
+        return planner.pairs(Direction.CPU_TO_GPU, (cpu_spec, gpu_spec))
 
     done = work()
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from block_reference import (
     CPU_BASE, GPU_BASE, HypDraw, check_case, draw_case, fill,
 )
-from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging, group_work
+from tiercache.specs import Direction
+from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
@@ -29,7 +30,7 @@ def _run(case, seed: int = 0):
     gpu, cpu = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu, cpu, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store),
+    layout = staging.layout(planner.pairs(case.direction, case.spec),
                             case.store)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
@@ -67,7 +68,10 @@ def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_i
             load_whole_rows=False):
     staging = BlockStaging.of_planner(planner, chunk_bytes, load_whole_rows)
     gpu_spec = GPULoadStoreSpec(gpu_ids, None, [block_index])
-    return staging.layout(group_work(planner, gpu_spec, CPULoadStoreSpec(cpu_ids), store), store)
+    cpu_spec = CPULoadStoreSpec(cpu_ids)
+    if store:
+        return staging.layout(planner.pairs(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)), True)
+    return staging.layout(planner.pairs(Direction.CPU_TO_GPU, (cpu_spec, gpu_spec)), False)
 
 
 def _sizes(layout) -> tuple[int, ...]:
@@ -154,7 +158,7 @@ def test_refuses_rows_that_do_not_fit_and_work_of_another_planner():
     with pytest.raises(BackendError, match="multiple of 256"):
         BlockStaging.of_planner(planner, 1000)
     other = _rank(64, 32 << 10, 4)
-    work = group_work(other, GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3]), True)
+    work = other.pairs(Direction.GPU_TO_CPU, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3])))
     with pytest.raises(BackendError, match="not built for"):
         BlockStaging.of_planner(planner, 8 << 20).layout(work, True)
 

@@ -22,8 +22,9 @@ import torch
 from block_reference import (
     Case, Memory, RngDraw, aligned, assert_same, draw_case, expected_after, fill, run_layout,
 )
+from tiercache.specs import Direction
 from tiercache.backends.block_kernel import BlockKernel, PairTables
-from tiercache.backends.block_staging import BlockStaging, group_work
+from tiercache.backends.block_staging import BlockStaging
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.planner import TransferPlanner
 
@@ -55,7 +56,7 @@ def run_kernel_case(case: Case, seed: int, device: str) -> BlockStaging:
     gpu_pages, cpu_pages = case.page_arrays(gpu_base, cpu_base)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    layout = staging.layout(group_work(planner, case.gpu_spec, case.cpu_spec, case.store),
+    layout = staging.layout(planner.pairs(case.direction, case.spec),
                             case.store)
     plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
                                                       gpu_base, cpu_base)

@@ -24,7 +24,7 @@ import numpy as np
 
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 
 HOST_POISON, SLOT_POISON, GPU_POISON = 0xA5, 0x5A, 0xC3
 GPU_BASE = 0x10_0000_0000  # fake addresses for pure numpy runs (nothing dereferences them)
@@ -100,6 +100,10 @@ class Case:
     @property
     def spec(self):
         return (self.gpu_spec, self.cpu_spec) if self.store else (self.cpu_spec, self.gpu_spec)
+
+    @property
+    def direction(self) -> Direction:
+        return Direction.GPU_TO_CPU if self.store else Direction.CPU_TO_GPU
 
     def page_arrays(self, gpu_base: int, cpu_base: int):
         gpu = [PageArray(gpu_base + o, self.num_gpu_blocks, s, p)
@@ -256,7 +260,7 @@ def intervals(starts, lengths) -> list[tuple[int, int]]:
 def expected_after(case: Case, planner, gpu_data: np.ndarray, cpu_data: np.ndarray,
                    gpu_base: int, cpu_base: int):
     """(plan, GPU bytes, region bytes) after the per-page plan ran over copies."""
-    plan = planner.plan(case.spec)
+    plan = planner.plan(case.direction, case.spec)
     gpu, cpu = Memory(gpu_data.copy(), gpu_base), Memory(cpu_data.copy(), cpu_base)
     run_plan(plan, gpu, cpu, case.store)
     return plan, gpu.data, cpu.data

@@ -64,28 +64,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
-from tiercache.transfer.page_groups import GroupPages, GroupWork
+
+if TYPE_CHECKING:  # the planner's types; backends never import transfer at run time
+    from tiercache.transfer.page_groups import GroupPages, GroupWork
 
 SLOT_ALIGN = 256  # row images start 256-byte aligned in a slot: 16-byte accesses stay aligned
 MAX_ACCESS_BYTES = 16
 _I64 = np.int64
 _NONE = np.zeros(0, dtype=_I64)
-
-
-def planner_groups(planner) -> tuple[GroupPages, ...]:
-    """The planner's groups, in group order (the integration seam: one private name)."""
-    return planner._groups
-
-
-def group_work(planner, gpu_spec, cpu_spec, store: bool) -> list[GroupWork]:
-    """Validated pairs of one transfer, one ``GroupWork`` per non-empty group (the
-    integration seam for ``TransferPlanner._validate``: raises SpecError on bad specs)."""
-    return planner._validate(gpu_spec, cpu_spec, store)
 
 
 def _runs(starts: list[int], lengths: list[int]) -> list[tuple[int, int]]:
@@ -214,7 +206,7 @@ class BlockStaging:
     def of_planner(cls, planner, chunk_bytes: int, load_whole_rows: bool = False
                    ) -> BlockStaging:
         """The tables of ``planner``'s geometry; ``layout`` takes its ``group_work``."""
-        groups = planner_groups(planner)
+        groups = planner.groups
         staging = cls(planner.gpu_pages, planner.cpu_pages, planner.block_size_factor,
                       [g.tensors for g in groups], chunk_bytes, load_whole_rows)
         staging._group_of = {id(g): i for i, g in enumerate(groups)}

@@ -144,16 +144,27 @@ class TransferPlanner:
     def num_groups(self) -> int:
         return len(self._groups)
 
+    @property
+    def groups(self) -> tuple[GroupPages, ...]:
+        """Each KV-cache group's page geometry, in group order (fixed at construction)."""
+        return self._groups
+
+    def pairs(self, direction: Direction, transfer: TransferSpec) -> list[GroupWork]:
+        """The block-level form of ``transfer``: per non-empty group its validated
+        (GPU id, CPU row, sub-page) pairs, O(blocks), no page descriptors. Raises SpecError
+        like ``plan``; ``staged`` expands these on the device (``backends.block_staging``)."""
+        if not isinstance(transfer, tuple) or len(transfer) != 2:
+            raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
+        gpu_spec, cpu_spec = direction.gpu_cpu(*transfer)
+        return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+
     def plan(self, direction: Direction, transfer: TransferSpec, merge: bool = True,
              out: PlanBuffers | None = None) -> CopyPlan:
         """The descriptors of ``transfer`` = ``(src_spec, dst_spec)`` moving in
         ``direction``, merged unless ``merge=False``; raises SpecError naming what is wrong
         (a pair that does not move in ``direction`` included) before anything is returned.
         With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
-        if not isinstance(transfer, tuple) or len(transfer) != 2:
-            raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
-        gpu_spec, cpu_spec = direction.gpu_cpu(*transfer)
-        work = self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+        work = self.pairs(direction, transfer)
         if merge:  # fuse runs of pages where every tensor of the group agrees
             work = [w.fused() for w in work]
         total = sum(w.num_descriptors for w in work)
