@@ -42,6 +42,24 @@ class CopyPlan:
         return int(self.sizes.sum(dtype=np.uint64))
 
 
+@dataclass(frozen=True, eq=False)
+class BlockPlan:
+    """One transfer at block level: per non-empty KV-cache group its validated pairs
+    (``tiercache.transfer.page_groups.GroupWork``: GPU ids, CPU rows, sub-pages), O(blocks).
+    A backend that ``takes_blocks`` expands them to pages on the device."""
+
+    pairs: tuple[Any, ...]
+    direction: Direction
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(int(w.gpu_ids.size) for w in self.pairs)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(w.num_bytes for w in self.pairs)
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """What a backend factory is given: one direction of one rank.
@@ -60,6 +78,7 @@ class BackendContext:
     device: Any
     host_pinned: bool
     streams: StreamPlatform
+    planner: Any = None
 
     def __post_init__(self) -> None:
         if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:
@@ -92,10 +111,16 @@ class CopyBackend(ABC):
     """
 
     kind: BackendKind
+    takes_blocks: bool = False  # True: the handler passes BlockPlans to copy_blocks_async
 
     @abstractmethod
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         """Enqueue the plan's copies on ``stream``; return the keep-alive token."""
+
+    def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
+        """``copy_async`` for a block-level plan (only when ``takes_blocks``): the same
+        guarantees, with the pages expanded on the device."""
+        raise BackendError(f"the {self.kind.label} backend takes page plans, not block plans")
 
     def close(self) -> None:
         """Release buffers; called once after every transfer has finished."""

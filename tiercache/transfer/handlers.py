@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tiercache.backends.base import CopyBackend, CopyPlan, Submitted
+from tiercache.backends.base import BlockPlan, CopyBackend, CopyPlan, Submitted
 from tiercache.backends.streams import Event, Stream, StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.stats import RankStats
@@ -103,7 +103,8 @@ class SingleDirectionOffloadingHandler:
                             f"{self.direction.label} handler; job ids must be unique")
         buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
         try:
-            plan = self.planner.plan(self.direction, transfer, out=buffers)
+            plan = self.planner.block_plan(self.direction, transfer) if self.backend.takes_blocks \
+                else self.planner.plan(self.direction, transfer, out=buffers)
         except SpecError:
             self._buffer_pool.append(buffers)
             raise
@@ -117,20 +118,24 @@ class SingleDirectionOffloadingHandler:
         self._by_job[job_id] = transfer_
         return submitted
 
-    def _enqueue(self, job_id: int, plan: CopyPlan, stream: Stream, start: Event, end: Event
-                 ) -> tuple[bool, Submitted | None]:
+    def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
+                 end: Event) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
         try:
             stream.wait_stream(self._streams.current_stream())
             if previous is not None:
                 stream.wait_event(previous)
             start.record(stream)
-            token = self.backend.copy_async(plan, stream) if plan.num_descriptors else None
+            token = None
+            if isinstance(plan, BlockPlan):
+                if plan.num_pairs:
+                    token = self.backend.copy_blocks_async(plan, stream)
+            elif plan.num_descriptors:
+                token = self.backend.copy_async(plan, stream)
             return True, token
         except _DEVICE_ERRORS as e:
-            log.error("%s job %d: the %s backend could not submit %d descriptors: %s",
-                      self.direction.label, job_id, self.backend.kind.label,
-                      plan.num_descriptors, e)
+            log.error("%s job %d: the %s backend could not submit %d bytes: %s",
+                      self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, e)
             return False, None
         finally:
             end.record(stream)  # later transfers order after this one whatever happened

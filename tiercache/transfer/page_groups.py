@@ -146,6 +146,15 @@ class GroupWork:
         return (n, k) if self.group.interleaved else (k, n)
 
     @property
+    def num_bytes(self) -> int:
+        """Bytes this group's pages hold (every tensor's page for every pair)."""
+        per_pair = self.group.page_bytes
+        per_pair = int(per_pair) * len(self.group.tensors) if np.ndim(per_pair) == 0 \
+            else int(per_pair.sum())
+        return per_pair * int(self.gpu_ids.size if self.run_pages is None
+                              else self.run_pages.sum())
+
+    @property
     def num_descriptors(self) -> int:
         return len(self.group.tensors) * self.gpu_ids.size
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiercache.backends.base import CopyPlan
+from tiercache.backends.base import BlockPlan, CopyPlan
 from tiercache.errors import LayoutMismatchError, SpecError
 from tiercache.transfer.page_groups import GroupPages, GroupWork
 from tiercache.pages import PageArray
@@ -157,6 +157,10 @@ class TransferPlanner:
             raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
         gpu_spec, cpu_spec = direction.gpu_cpu(*transfer)
         return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+
+    def block_plan(self, direction: Direction, transfer: TransferSpec) -> BlockPlan:
+        """``pairs`` as the plan a block-level backend takes."""
+        return BlockPlan(tuple(self.pairs(direction, transfer)), direction)
 
     def plan(self, direction: Direction, transfer: TransferSpec, merge: bool = True,
              out: PlanBuffers | None = None) -> CopyPlan:
