@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import psutil
 
-from tiercache.config import format_bytes
+from tiercache.sizes import format_bytes
 from tiercache.errors import InsufficientMemoryError, RegionError
+from tiercache.region.layout import OS_PAGE
 
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux >= 5.14; Python < 3.13 lacks the constant
-OS_PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int

@@ -40,6 +40,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from tiercache.errors import StatsStuckError
+
 STATS_BLOCK_BYTES = 4096
 DURATION_BUCKETS_S: tuple[float, ...] = (
     1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
@@ -137,7 +139,8 @@ class RankStats:
                 if int(self._words[_SEQ]) == before:
                     return self._decode(words)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} stats block stayed mid-update (seq {before})")
+                raise StatsStuckError(f"rank {self.rank} stats block stayed mid-update "
+                                      f"(seq {before})")
             time.sleep(0)
 
     def _decode(self, w: np.ndarray) -> RankStatsSnapshot:
@@ -190,9 +193,6 @@ class RankStats:
 
     def set_backend(self, direction: Direction, backend: BackendCode) -> None:
         self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})
-
-    def heartbeat(self) -> None:
-        self._update({})
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float,
                         success: bool) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
 from tiercache.region.layout import RegionLayout
 from tiercache.pages import PageArray
 from tiercache.transfer.planner import TransferPlanner
-from tiercache.region.shared import SHM_DIR, SharedOffloadRegion
+from tiercache.region.shared import SharedOffloadRegion
 from tiercache.specs import TransferSpec
 from tiercache.region.stats import BackendCode, Direction, PinState, RankStats
 from tiercache.backends.streams import StreamPlatform
@@ -87,13 +88,10 @@ class Worker:
         self.close()
 
 
-def _release(region: SharedOffloadRegion, rank: int, pin_failed: bool = False) -> None:
+def _release(region: SharedOffloadRegion, rank: int) -> None:
     try:
         region.unpin()
-        stats = region.stats(rank)
-        stats.mark_detached()
-        if pin_failed:
-            stats.set_pin(PinState.FAILED)  # nobody attached; the last attempt could not pin
+        region.stats(rank).mark_detached()
     finally:
         region.close()
 
@@ -121,8 +119,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
            pinning: PinningPolicy | None = None,
            device: torch.device | str | None = None,
            ready_timeout_s: float = 0.0,
-           prefault_threads: int | None = None,
-           shm_dir: str = SHM_DIR) -> Worker:
+           prefault_threads: int | None = None) -> Worker:
     """Attach ``rank`` of a region and build its handlers over ``gpu_caches``.
 
     ``config_or_name``: a Config (geometry checked against the region; backend and
@@ -135,9 +132,13 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     before it is pinned.
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
-    region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
-                                        timeout_s=ready_timeout_s, shm_dir=shm_dir)
-    try:
+    if prefault_threads is None:
+        prefault_threads = (config_or_name.region.prefault_threads
+                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
+    with ExitStack() as undo:  # each step registers its undo; success keeps them all
+        region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
+                                            timeout_s=ready_timeout_s)
+        undo.callback(region.close)
         layout = region.layout
         gpu_pages = page_arrays_of(gpu_caches, layout.page_bytes)
         cpu_pages = page_arrays_of(region.tensor_views(rank), layout.page_bytes,
@@ -145,35 +146,29 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         torch_device = _device(gpu_caches, device)
         kind = resolve_kind(kind, torch_device.type)
         planner = TransferPlanner(gpu_pages, cpu_pages, layout.block_size_factor, group_tensors)
-    except BaseException:
-        region.close()
-        raise
-    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
-    if prefault_threads is None:
-        prefault_threads = (config_or_name.region.prefault_threads
-                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
-    try:
-        region.prefault_slice(prefault_threads)
-    except BaseException:
-        _release(region, rank)  # pinning was never tried: the pin state stays as it was
-        raise
-    try:
+
+        stats = region.stats(rank)
+        stats.mark_attached(os.getpid(), process_start_ns(os.getpid()))
+        pin_failed = False
+
+        def detach() -> None:
+            stats.mark_detached()
+            if pin_failed:  # nobody attached; the last attempt could not pin
+                stats.set_pin(PinState.FAILED)
+
+        undo.callback(detach)
+        undo.callback(region.unpin)
+        region.prefault_slice(prefault_threads)  # a failure leaves the pin state as it was
+        pin_failed = True
         pin_state = _pin(region, rank, policy, torch_device)
-    except BaseException:
-        _release(region, rank, pin_failed=True)
-        raise
-    streams = None
-    try:
+        pin_failed = False
         streams = create_stream_platform(kind, torch_device)
+        undo.callback(streams.close)
         backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams)
         for direction, chosen in backends.items():
-            region.stats(rank).set_backend(direction, chosen.code)
-        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, region.stats(rank))
-    except BaseException:
-        if streams is not None:
-            streams.close()
-        _release(region, rank)
-        raise
+            stats.set_backend(direction, chosen.code)
+        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, stats)
+        undo.pop_all()
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
              {d.label: b.code.label for d, b in backends.items()}, pin_state.label)
     return Worker(region, rank, handlers, pin_state, gpu_caches)
