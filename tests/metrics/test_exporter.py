@@ -215,9 +215,12 @@ def test_at_the_connection_cap_the_longest_waiting_connection_makes_room():
 
 def test_clients_that_go_away_are_not_logged_above_debug(caplog):
     import logging
+    import os
     import struct
+    import time
 
     exporter = _exporter()
+    fds_before = len(os.listdir("/proc/self/fd"))
     try:
         with caplog.at_level(logging.DEBUG, logger="tiercache.metrics.exporter"):
             for request in (b"GET /metrics HTTP/1.1\r\n", GET):
@@ -225,6 +228,10 @@ def test_clients_that_go_away_are_not_logged_above_debug(caplog):
                 sock.sendall(request)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.close()  # a reset, mid-request or before reading the answer
+            deadline = time.monotonic() + 30
+            while len(os.listdir("/proc/self/fd")) > fds_before:  # the exporter closed both
+                assert time.monotonic() < deadline, "the exporter kept reset connections open"
+                time.sleep(0.01)
             with urllib.request.urlopen(exporter.url, timeout=10) as resp:
                 assert resp.status == 200
     finally:

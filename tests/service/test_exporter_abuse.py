@@ -111,10 +111,15 @@ def test_scrapers_that_disconnect_leave_no_traceback(make_config, tmp_path):
     cfg = make_config(world_size=8)
     with CoordinatorProcess(cfg, tmp_path) as coordinator:
         port = _port(coordinator)
+        process = psutil.Process(coordinator.pid)
+        fds_before = process.num_fds()
         for _ in range(10):
             _reset_after(port, HALF_REQUEST)  # gone in the middle of its request
             _reset_after(port, HALF_REQUEST + b"\r\n")  # gone before reading the answer
-        time.sleep(0.5)  # the exporter notices the resets (nothing to await: it stays quiet)
+        deadline = time.monotonic() + 30
+        while process.num_fds() > fds_before:  # until the exporter has closed them all
+            assert time.monotonic() < deadline, "the exporter kept reset connections open"
+            time.sleep(0.01)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
             assert resp.status == 200
         log = coordinator.output()
