@@ -191,6 +191,8 @@ class _Server:
                     continue
                 self._close(next(iter(self._idle)))  # the one waiting longest
             sock.setblocking(False)
+            # one sendall per answer, and no Nagle wait for a kept-alive scraper's ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._open += 1
             self._watch(_Conn(sock, time.monotonic() + self._limits.request_timeout_s))
 

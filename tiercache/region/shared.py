@@ -10,7 +10,7 @@ Decisions and their reasons:
 * Each worker pre-faults its own slice (``prefault_slice``) in parallel threads before
   pinning it: page tables are per process, so pre-faulting in the coordinator would fill
   only the coordinator's, and registration would still fault every page in the worker
-  (measurements: docs/benchmarks.md, "Region setup").
+  (measurements: docs/benchmarks.md, "Region set-up and pinning").
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
   promise (no SIGBUS later), paid once per coordinator lifetime.
 * A region whose owner lock is free is stale. ``create`` re-adopts it when it is ours
@@ -124,7 +124,12 @@ class SharedOffloadRegion:
             stale.close()
             replaced = True
         check_space(layout.total_bytes, SHM_DIR, config.region.check_host_memory)
-        entry = create_entry(config.shm_name)
+        try:
+            entry = create_entry(config.shm_name)
+        except RegionExistsError as e:
+            raise RegionExistsError(f"{e}: it appeared while this coordinator started; "
+                                    f"another coordinator of name {config.name!r} is "
+                                    "starting") from None
         t_check = time.perf_counter()
         with ExitStack() as undo:
             undo.callback(entry.close)

@@ -14,6 +14,8 @@ import os
 import socket
 import stat
 
+from tiercache.errors import ControlSocketError
+
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -56,4 +58,6 @@ def remove_stale_socket(path: str, dry_run: bool = False) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
+    except OSError as e:
+        raise ControlSocketError(f"cannot remove the stale socket {path}: {e.strerror}") from e
     return True
