@@ -28,7 +28,7 @@ def _test_entries() -> set[str]:
 def pytest_sessionstart(session):
     """Remove stale regions that earlier, killed pytest sessions left (never those of a
     session still running: its pid is in the name)."""
-    from tiercache.region.shared import list_regions, remove_stale
+    from tiercache.region.stale import list_regions, remove_stale
 
     for listing in list_regions():
         parts = listing.name.split("-")

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from tiercache.config import config_to_toml
 from tiercache.index.client import Client
 from tiercache.errors import CoordinatorGoneError
-from tiercache.region.shared import list_regions
+from tiercache.region.stale import list_regions
 from tiercache.service.process import CoordinatorProcess
 
 
@@ -33,7 +34,8 @@ def test_serve_reports_each_step_answers_status_and_cleans_up_on_sigterm(make_co
     assert "index: 0 ready, 0 writing, 0 loading, 16 free of 16" in status.stdout
     assert os.stat(cfg.socket_path).st_mode & 0o777 == 0o600
     assert coord.stop() == 0
-    assert "stopped; region and socket removed" in coord.output()
+    assert (f"stopped; removed region /dev/shm/tiercache-{cfg.name} and socket "
+            f"{cfg.socket_path}") in coord.output()
     assert not os.path.exists(f"/dev/shm/tiercache-{cfg.name}")
     assert not os.path.exists(cfg.socket_path)
     coord.cleanup()
@@ -55,6 +57,9 @@ def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(ma
         result = tiercache("serve", "--config", str(first.config_path))
         assert result.returncode == 1
         assert f"belongs to a live coordinator (pid {first.pid})" in result.stderr
+        assert result.stderr.count("\n") == 1
+        # it created nothing, so it says so instead of claiming to have removed something
+        assert "removed" not in result.stdout and "nothing to remove" in result.stdout
         with Client(cfg) as client:
             assert client.lookup([b"k"]) == 0
 
@@ -108,9 +113,60 @@ def test_bad_config_is_one_clear_error_and_nothing_is_created(tmp_path):
     assert not os.path.exists("/dev/shm/tiercache-x")
 
 
-def test_status_without_regions_and_for_a_missing_name():
+def test_status_for_a_missing_name_is_an_error_on_stderr():
     result = tiercache("status", "--name", "surely-not-there")
-    assert result.returncode == 1 and "no tiercache region named surely-not-there" in result.stdout
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == "tiercache: error: no tiercache region named surely-not-there\n"
+
+
+def test_clean_removes_the_stale_socket_too_and_takes_a_name(make_config, tmp_path):
+    dead_cfg, other_cfg = make_config(), make_config(name=make_config().name + "y",
+                                                     control_socket=str(tmp_path / "y.sock"))
+    CoordinatorProcess(dead_cfg, tmp_path / "dead").kill()
+    CoordinatorProcess(other_cfg, tmp_path / "other").kill()
+    assert os.path.exists(dead_cfg.socket_path)  # a SIGKILLed coordinator leaves both
+    config_path = tmp_path / "dead.toml"
+    config_path.write_text(config_to_toml(dead_cfg))
+    result = tiercache("clean", "--config", str(config_path))
+    assert result.returncode == 0, result.stderr
+    assert f"removed stale region /dev/shm/tiercache-{dead_cfg.name}" in result.stdout
+    assert f"removed stale socket {dead_cfg.socket_path}" in result.stdout
+    assert not os.path.exists(dead_cfg.socket_path)
+    assert not os.path.exists(f"/dev/shm/tiercache-{dead_cfg.name}")
+    assert os.path.exists(f"/dev/shm/tiercache-{other_cfg.name}")  # not named: kept
+    by_name = tiercache("clean", "--name", other_cfg.name)  # socket at the default path only
+    assert f"removed stale region /dev/shm/tiercache-{other_cfg.name}" in by_name.stdout
+    assert not os.path.exists(f"/dev/shm/tiercache-{other_cfg.name}")
+    os.unlink(other_cfg.socket_path)
+
+
+def test_help_is_plain_text():
+    for args in (["-h"], ["serve", "-h"], ["status", "-h"], ["clean", "-h"]):
+        result = tiercache(*args)
+        assert result.returncode == 0 and "`" not in result.stdout, result.stdout
+
+
+def test_log_level_goes_before_or_after_the_subcommand():
+    for args in (["--log-level", "DEBUG", "status", "--name", "x-none"],
+                 ["status", "--name", "x-none", "--log-level", "DEBUG"]):
+        result = tiercache(*args)
+        assert result.returncode == 1 and "no tiercache region named x-none" in result.stderr
+    bad = tiercache("status", "--log-level", "LOUD")
+    assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["binary", "directory"])
+def test_a_config_that_is_not_a_toml_file_is_one_line(tmp_path, kind):
+    path = tmp_path / "config.toml"
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        path.mkdir()
+    for command in ("serve", "status", "clean"):
+        result = tiercache(command, "--config", str(path))
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith(f"tiercache: error: config file '{path}' ")
+        assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.parametrize("events", [True, False])
@@ -146,6 +202,7 @@ def test_status_reports_a_stats_block_left_mid_update_instead_of_a_traceback(mak
 
 
 def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_config, monkeypatch):
+    from tiercache.errors import ServiceError
     from tiercache.service.coordinator import Coordinator
 
     coordinator = Coordinator(make_config(), say=lambda _: None)
@@ -155,10 +212,10 @@ def test_coordinator_keeps_the_mapping_when_the_exporter_cannot_drain(make_confi
 
     def stuck_close():
         real_close()
-        raise TimeoutError("a scrape did not finish")
+        raise ServiceError("a scrape did not finish")
 
     monkeypatch.setattr(exporter, "close", stuck_close)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(ServiceError):
         coordinator.close()
     assert not os.path.exists(region.path)  # unlinked ...
     assert region._mmap is not None  # ... but still mapped for the scrape that may read it

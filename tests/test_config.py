@@ -8,8 +8,9 @@ import pytest
 
 from tiercache.config import (
     BackendKind, Config, ConfigError, PinningPolicy, config_from_dict, config_keys,
-    config_to_toml, load_config, parse_size,
+    config_to_toml, load_config,
 )
+from tiercache.sizes import format_bytes, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,6 +30,14 @@ def test_default_config_file_loads_and_describes_a_cpu_friendly_instance():
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("num_bytes,text", [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (3 << 29, "1.50 GiB"), (5 << 40, "5.00 TiB"),
+    (1 << 52, "4096.00 TiB"),
+])
+def test_format_bytes(num_bytes, text):
+    assert format_bytes(num_bytes) == text
 
 
 @pytest.mark.parametrize("bad", ["8 parsecs", "-1", "GiB", True, -5, ""])
@@ -84,6 +93,19 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[region\ncapacity = 1")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load_config(bad)
+    garbage = tmp_path / "garbage.toml"
+    garbage.write_bytes(b"\xff\xfe\x00binary\x80")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(garbage)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_defaults_live_in_the_dataclasses_only():
+    """An empty file and the dataclasses' defaults agree (the parser adds none of its own)."""
+    assert config_from_dict({}) == Config()
+    only_blocks = config_from_dict({"region": {"num_blocks": 8}})
+    assert only_blocks.region.capacity_bytes is None and only_blocks.region.num_blocks == 8
 
 
 def test_toml_round_trip_preserves_every_field(make_config):

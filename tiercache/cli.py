@@ -1,4 +1,8 @@
-"""``tiercache`` command line: serve, status, clean, bench, demo."""
+"""The ``tiercache`` command line: serve, status, clean, bench, demo.
+
+Errors are one line on stderr (``tiercache: error: ...``) and exit status 1; bad usage is
+argparse's message and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import logging
 import os
 import sys
 
-from tiercache.config import Config, format_bytes, load_config
-from tiercache.errors import TiercacheError
+from tiercache.config import Config, load_config
+from tiercache.errors import RegionNotFoundError, RegionTrustError, StatsStuckError, TiercacheError
 from tiercache.region.header import RegionState
 from tiercache.region.hostmem import process_alive
+from tiercache.region.stale import RegionListing, list_regions, remove_stale
 from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
+from tiercache.sizes import format_bytes
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -44,6 +50,12 @@ def _region_names(args: argparse.Namespace) -> list[str] | None:
     return None
 
 
+def _socket_path(args: argparse.Namespace, name: str) -> str:
+    """The control socket of instance ``name``: the config's, else the default path."""
+    config = load_config(args.config) if args.config else Config(name=name)
+    return config.socket_path
+
+
 def _print_index(socket_path: str) -> None:
     from tiercache.index.client import Client
     from tiercache.errors import CoordinatorGoneError
@@ -61,67 +73,92 @@ def _print_index(socket_path: str) -> None:
           "store rejections")
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from tiercache.region.shared import SharedOffloadRegion, list_regions
+def _print_ranks(listing: RegionListing) -> None:
+    from tiercache.region.shared import SharedOffloadRegion
 
+    region = SharedOffloadRegion.attach(listing.name)
+    try:
+        for rank in range(region.layout.world_size):
+            try:
+                s = region.stats(rank).snapshot()
+            except StatsStuckError:
+                print(f"  rank {rank}: stats block left mid-update (its worker died while "
+                      "writing; the next worker of this rank repairs it)")
+                continue
+            up = process_alive(s.pid, s.pid_start_ns)
+            worker = f"worker pid {s.pid} {'up' if up else 'DOWN'}" if s.pid else "no worker"
+            moved = ", ".join(
+                f"{d.label} {format_bytes(s.directions[d].bytes_total)} in "
+                f"{s.directions[d].transfers_ok} ok/{s.directions[d].transfers_failed} failed"
+                f" ({s.backends[d].label})"
+                for d in Direction)
+            print(f"  rank {rank}: {worker}, attached {s.attach_count}x, pre-faulted in "
+                  f"{s.prefault_seconds:.2f} s, pin {s.pin_state.label} "
+                  f"{format_bytes(s.pinned_bytes)} in {s.pin_seconds:.2f} s; {moved}")
+    finally:
+        region.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
     wanted = _region_names(args)
-    listings = [r for r in list_regions() if wanted is None or r.name in wanted]
+    listings = list_regions(wanted)
     if not listings:
-        target = f"named {', '.join(wanted)}" if wanted else "in /dev/shm"
-        print(f"no tiercache region {target}")
-        return EXIT_ERROR if wanted else 0
+        if wanted:
+            raise RegionNotFoundError(f"no tiercache region named {', '.join(wanted)}")
+        print("no tiercache region in /dev/shm")
+        return 0
     for listing in listings:
-        info = listing.info
-        owner = "live" if listing.live else "STALE (coordinator gone; `tiercache clean` removes it)"
+        if listing.problem:
+            if wanted:  # the one region asked for cannot be shown: an error
+                raise RegionTrustError(listing.problem)
+            print(f"region {listing.name}  NOT USABLE: {listing.problem}")
+            continue
+        owner = "live" if listing.live else "STALE (coordinator gone; tiercache clean removes it)"
         print(f"region {listing.name}  {listing.path}  {format_bytes(listing.size_bytes)}  {owner}")
+        info = listing.info
         if info is None:
             print("  header: not initialised")
             continue
-        layout = info.layout
         print(f"  state {info.state.label}, generation {info.generation}, coordinator pid "
               f"{info.owner_pid}, format {info.format_version}")
-        print(f"  geometry: {layout.describe()}")
+        print(f"  geometry: {info.layout.describe()}")
         if info.state != RegionState.READY:
             continue
         if listing.live:  # without --config the socket is assumed at its default path
-            config = load_config(args.config) if args.config else Config(name=listing.name)
-            _print_index(config.socket_path)
-        region = SharedOffloadRegion.attach(listing.name)
-        try:
-            for rank in range(layout.world_size):
-                try:
-                    s = region.stats(rank).snapshot()
-                except TimeoutError:
-                    print(f"  rank {rank}: stats block left mid-update (its worker died while "
-                          "writing; the next worker of this rank repairs it)")
-                    continue
-                up = process_alive(s.pid, s.pid_start_ns)
-                worker = f"worker pid {s.pid} {'up' if up else 'DOWN'}" if s.pid else "no worker"
-                moved = ", ".join(
-                    f"{d.label} {format_bytes(s.directions[d].bytes_total)} in "
-                    f"{s.directions[d].transfers_ok} ok/{s.directions[d].transfers_failed} failed"
-                    f" ({s.backends[d].label})"
-                    for d in Direction)
-                print(f"  rank {rank}: {worker}, attached {s.attach_count}x, pre-faulted in "
-                      f"{s.prefault_seconds:.2f} s, pin {s.pin_state.label} "
-                      f"{format_bytes(s.pinned_bytes)} in {s.pin_seconds:.2f} s; {moved}")
-        finally:
-            region.close()
+            _print_index(_socket_path(args, listing.name))
+        _print_ranks(listing)
     return 0
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from tiercache.region.shared import list_regions, remove_stale
+    from tiercache.service.cleanup import remove_stale_socket
 
-    removed = remove_stale(dry_run=args.dry_run)
+    wanted = _region_names(args)
     verb = "would remove" if args.dry_run else "removed"
+    sockets: list[str] = []
+
+    def remove_socket(listing: RegionListing) -> None:  # runs under the region's lock
+        path = _socket_path(args, listing.name)
+        if remove_stale_socket(path, dry_run=args.dry_run):
+            sockets.append(path)
+
+    removed = remove_stale(dry_run=args.dry_run, names=wanted, before_unlink=remove_socket)
     for listing in removed:
         print(f"{verb} stale region {listing.path} ({format_bytes(listing.size_bytes)})")
-    live = [r for r in list_regions() if r.live]
-    for listing in live:
-        print(f"kept live region {listing.path} (coordinator running)")
-    if not removed and not live:
-        print("no tiercache regions")
+    if wanted and not removed:  # the region is gone already: its socket may not be
+        paths = [_socket_path(args, name) for name in wanted]
+        sockets += [p for p in paths if remove_stale_socket(p, dry_run=args.dry_run)]
+    for path in sockets:
+        print(f"{verb} stale socket {path}")
+    kept = list_regions(wanted)
+    for listing in kept:
+        if listing.live:
+            print(f"kept live region {listing.path} (coordinator running)")
+        elif listing.problem:
+            print(f"left {listing.path} alone: {listing.found} (not a region tiercache may "
+                  "remove)")
+    if not removed and not sockets and not kept:
+        print(f"no tiercache region{' named ' + ', '.join(wanted) if wanted else 's'}")
     return 0
 
 
@@ -137,21 +174,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiercache", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser = argparse.ArgumentParser(
+        prog="tiercache",
+        description="tiercache: a node-local host-memory KV-cache tier. Commands: serve, "
+                    "status, clean, bench, demo.")
+    parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
+                        help="log threshold (also accepted after the command)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the coordinator (region, index, exporter)")
     serve.add_argument("--config", required=True, help="TOML config file")
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="show regions, geometry and per-rank state")
-    status.add_argument("--config", help="only the region of this config")
+    status.add_argument("--config", help="only the region of this config (and its socket)")
     status.add_argument("--name", help="only the region of this instance name")
     status.set_defaults(func=cmd_status)
-    clean = sub.add_parser("clean", help="remove stale regions (never a live one)")
+    clean = sub.add_parser("clean", help="remove stale regions and their stale control "
+                                         "sockets (never a live one)")
+    clean.add_argument("--config", help="only the region and socket of this config")
+    clean.add_argument("--name", help="only the region of this instance name (its socket "
+                                      "at the default path)")
     clean.add_argument("--dry-run", action="store_true", help="only list what would go")
     clean.set_defaults(func=cmd_clean)
+    for command in (serve, status, clean):
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                             help="log threshold")
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
                              ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)")):
         p = sub.add_parser(name, help=text, add_help=False)

@@ -17,45 +17,12 @@ from typing import Any
 
 from tiercache.backends.kind import BackendKind
 from tiercache.errors import ConfigError
+from tiercache.sizes import parse_size
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
 INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
-
-
-def parse_size(value: int | str, key: str = "size") -> int:
-    """``"8GiB"``, ``"512 MiB"``, ``"1.5GB"`` or a plain int -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} = {value!r}: expected a byte count or a size like '8GiB'")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key} = {value}: must be >= 0")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    raise ConfigError(
-        f"{key} = {value!r}: expected a byte count or a size such as '256MiB', '8GiB', '1.5GB' "
-        f"(units: {', '.join(u for u in _SIZE_UNITS if u)})"
-    )
-
-
-def format_bytes(num_bytes: int | float) -> str:
-    """Human form with binary units, for messages and status output."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 class PinningPolicy(Enum):
@@ -232,8 +199,8 @@ def _kv_from(raw: dict[str, Any]) -> KVGeometry:
     if not explicit and "num_tensors" in raw:
         raise ConfigError(f"kv.num_tensors = {raw['num_tensors']} goes with kv.page_bytes; with the "
                           "model shape there are num_layers x kv_tensors_per_layer tensors")
-    block_tokens = raw.get("block_tokens", 16)
-    factor = raw.get("block_size_factor", 1)
+    block_tokens = raw.get("block_tokens", KVGeometry.block_tokens)
+    factor = raw.get("block_size_factor", KVGeometry.block_size_factor)
     if explicit:
         value = raw["page_bytes"]
         if isinstance(value, list):
@@ -263,35 +230,37 @@ def _kv_from(raw: dict[str, Any]) -> KVGeometry:
     return KVGeometry(page_bytes=pages, block_size_factor=factor, block_tokens=block_tokens)
 
 
+def _present(body: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
+    """``{field: body[key]}`` for the keys the file sets: the dataclasses hold the defaults."""
+    return {field: body[key] for key, field in keys.items() if key in body}
+
+
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build a Config from the TOML document's tables (validated)."""
     _check_types(raw)
     inst, reg = raw.get("instance", {}), raw.get("region", {})
     if "capacity" in reg and "num_blocks" in reg:
         raise ConfigError("region: set either region.capacity or region.num_blocks, not both")
-    capacity = None if "num_blocks" in reg else parse_size(reg.get("capacity", "256MiB"),
-                                                           "region.capacity")
-    region = RegionConfig(
-        capacity_bytes=capacity,
-        num_blocks=reg.get("num_blocks"),
-        prefault_threads=reg.get("prefault_threads", 4),
-        pinning=_enum(PinningPolicy, reg.get("pinning", "allow_unpinned"), "region.pinning"),
-        check_host_memory=reg.get("check_host_memory", True),
-    )
-    exp = raw.get("exporter", {})
-    exporter = ExporterConfig(**{k: exp[k] for k in ("address", "port", "enabled") if k in exp})
+    region = _present(reg, {"num_blocks": "num_blocks", "prefault_threads": "prefault_threads",
+                            "check_host_memory": "check_host_memory"})
+    if "capacity" in reg:
+        region["capacity_bytes"] = parse_size(reg["capacity"], "region.capacity")
+    elif "num_blocks" in reg:
+        region["capacity_bytes"] = None
+    if "pinning" in reg:
+        region["pinning"] = _enum(PinningPolicy, reg["pinning"], "region.pinning")
     kwargs: dict[str, Any] = {
-        "region": region,
-        "exporter": exporter,
-        "backend": BackendKind.parse(raw.get("transfer", {}).get("backend", "auto"),
-                                     "transfer.backend"),
-        "control_socket": raw.get("control", {}).get("socket", ""),
-        "index_policy": raw.get("index", {}).get("policy", "lru"),
-        "index_events": raw.get("index", {}).get("events", False),
+        "region": RegionConfig(**region),
+        "exporter": ExporterConfig(**_present(raw.get("exporter", {}), {
+            "address": "address", "port": "port", "enabled": "enabled"})),
+        **_present(inst, {"name": "name", "world_size": "world_size"}),
+        **_present(raw.get("control", {}), {"socket": "control_socket"}),
+        **_present(raw.get("index", {}), {"policy": "index_policy", "events": "index_events"}),
     }
+    if "backend" in raw.get("transfer", {}):
+        kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "kv" in raw:
         kwargs["kv"] = _kv_from(raw["kv"])
-    kwargs.update({k: inst[k] for k in ("name", "world_size") if k in inst})
     return Config(**kwargs)
 
 
@@ -299,10 +268,18 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a TOML config file."""
     p = Path(path)
     try:
-        with p.open("rb") as f:
-            raw = tomllib.load(f)
+        text = p.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(p)!r} is a directory; give a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: "
+                          f"{e.reason}); give a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from e
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
     return config_from_dict(raw)
@@ -345,5 +322,5 @@ def config_keys() -> dict[str, tuple[str, ...]]:
 
 __all__ = [
     "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
-    "config_from_dict", "config_keys", "config_to_toml", "format_bytes", "load_config", "parse_size",
+    "config_from_dict", "config_keys", "config_to_toml", "load_config",
 ]

@@ -7,12 +7,18 @@ errors are re-raised as one of these with the original as ``__cause__``.
 
     TiercacheError
     ├── ConfigError                 bad config file, key, type or value   (also ValueError)
+    ├── ArgumentError               a call with an argument the API does not allow: wrong
+    │                               type, out of range, inconsistent      (also ValueError)
     ├── RegionError                 the shared-memory region
     │   ├── RegionExistsError       a live coordinator already owns the name
     │   ├── RegionNotFoundError     no region of that name
     │   ├── RegionNotReadyError     header not READY (yet, or any more)
-    │   ├── LayoutMismatchError     attach with a different geometry or format
+    │   ├── RegionTrustError        the name holds something we must not use: not a regular
+    │   │                           file, or not ours with mode 0600
+    │   ├── LayoutMismatchError     the region has a different geometry or format than
+    │   │                           the caller expects
     │   ├── RankError               rank outside 0..world_size-1          (also ValueError)
+    │   ├── StatsStuckError         a rank's stats block stayed mid-update (also TimeoutError)
     │   └── InsufficientMemoryError /dev/shm or RAM smaller than asked for
     ├── PinError                    cudaHostRegister failed (rolled back)
     │   └── PinUnavailableError     no CUDA here: nothing can be pinned
@@ -32,7 +38,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
     ├── WorkerError                 a worker process failed to start or stopped answering
     ├── ProtocolError               a malformed, oversized or unexpected frame
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
-    └── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
+    ├── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
+    └── ServiceError                `tiercache serve` did not start, or its exporter did not stop
 """
 
 
@@ -42,6 +49,10 @@ class TiercacheError(Exception):
 
 class ConfigError(TiercacheError, ValueError):
     """A config file, key, type or value that is not allowed; the message names it."""
+
+
+class ArgumentError(TiercacheError, ValueError):
+    """A call with an argument the API does not allow; the message names it and what is."""
 
 
 class RegionError(TiercacheError):
@@ -60,12 +71,23 @@ class RegionNotReadyError(RegionError):
     """The region exists but its header is not READY (still being created, or closing)."""
 
 
+class RegionTrustError(RegionError):
+    """The region's name holds something tiercache must not use: a FIFO, directory, symlink
+    or device, or a file that is not owned by this user with mode 0600."""
+
+
 class LayoutMismatchError(RegionError):
-    """The region's format or geometry differs from what the caller expects."""
+    """The region's format or geometry differs from what the caller expects (bad arguments
+    are an ``ArgumentError``; this is about the region found)."""
 
 
 class RankError(RegionError, ValueError):
     """A rank outside ``0 .. world_size - 1``."""
+
+
+class StatsStuckError(RegionError, TimeoutError):
+    """A rank's stats block stayed mid-update: its writer died between the two sequence
+    bumps. The next writer of that rank repairs it."""
 
 
 class InsufficientMemoryError(RegionError):
@@ -142,3 +164,8 @@ class ControlSocketError(TiercacheError):
 
 class CoordinatorGoneError(TiercacheError, ConnectionError):
     """The coordinator's control socket is closed or missing; retry once it is back."""
+
+
+class ServiceError(TiercacheError):
+    """``tiercache serve`` did not come up (exited, or not ready in time), or its exporter
+    could not stop cleanly (a scrape still ran)."""

@@ -12,7 +12,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiercache.metrics.exporter import encode_text
+from tiercache.metrics.exposition import encode_text
 from tiercache.metrics.collector import TiercacheCollector
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiercache.metrics.exporter import encode_text
+from tiercache.metrics.exposition import encode_text
 from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.hostmem import process_start_ns
 from tiercache.metrics.collector import METRIC_NAMES, TiercacheCollector

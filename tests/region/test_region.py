@@ -11,11 +11,12 @@ import pytest
 from tiercache.config import PinningPolicy, RegionConfig
 from tiercache.errors import (
     InsufficientMemoryError, LayoutMismatchError, PinError, RankError, RegionExistsError,
-    RegionError, RegionNotFoundError, RegionNotReadyError,
+    RegionError, RegionNotFoundError, RegionNotReadyError, RegionTrustError, StatsStuckError,
 )
 from tiercache.region.header import RegionState
 from tiercache.region.layout import RegionLayout
-from tiercache.region.shared import SharedOffloadRegion, list_regions, remove_stale
+from tiercache.region.shared import SharedOffloadRegion
+from tiercache.region.stale import list_regions, remove_stale
 from tiercache.region.stats import PinState
 from spawned import attach_and_hold, write_rank_pattern
 
@@ -101,7 +102,7 @@ def test_a_second_coordinator_is_refused_while_the_first_lives(region, make_conf
     with pytest.raises(RegionExistsError, match=f"live coordinator \\(pid {os.getpid()}\\)"):
         SharedOffloadRegion.create(make_config())
     assert [r.live for r in list_regions() if r.path == region.path] == [True]
-    assert remove_stale() == []
+    assert remove_stale(names=[region.path.split("tiercache-", 1)[1]]) == []
     assert os.path.exists(region.path)
 
 
@@ -133,9 +134,9 @@ def test_sigkilled_coordinator_leaves_a_stale_region_that_clean_removes(make_con
     cfg = _kill_a_creator(make_config)
     listing = [r for r in list_regions() if r.name == cfg.name]
     assert len(listing) == 1 and not listing[0].live
-    assert [r.name for r in remove_stale(dry_run=True)] == [cfg.name]
+    assert [r.name for r in remove_stale(dry_run=True, names=[cfg.name])] == [cfg.name]
     assert os.path.exists(listing[0].path)
-    assert [r.name for r in remove_stale()] == [cfg.name]
+    assert [r.name for r in remove_stale(names=[cfg.name])] == [cfg.name]
     assert not os.path.exists(listing[0].path)
 
 
@@ -214,31 +215,58 @@ def test_region_larger_than_host_memory_is_refused(make_config, monkeypatch):
         SharedOffloadRegion.create(make_config())
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=1777", "tmpfs", str(mnt)],
-                        capture_output=True)
-    if rc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.decode().strip()}")
-    yield str(mnt)
-    subprocess.run(["umount", str(mnt)], check=True)
+# Run in a private mount namespace over a small tmpfs mounted on /dev/shm (shm_open always
+# uses /dev/shm). The child prints one JSON line of what happened.
+_SMALL_SHM_CHILD = r"""
+import json, os, sys
+from tiercache.config import RegionConfig, config_from_dict
+import tiercache.region.hostmem as hostmem
+from tiercache.errors import InsufficientMemoryError
+from tiercache.region.layout import RegionLayout
+from tiercache.region.shared import SharedOffloadRegion
+
+base = {"instance": {"name": "small", "world_size": 2},
+        "kv": {"page_bytes": [4096, 8192, 4096]}, "region": {"prefault_threads": 2}}
+out = {}
+for case, blocks in (("check", 512), ("fallocate", 512)):
+    cfg = config_from_dict({**base, "region": {**base["region"], "num_blocks": blocks}})
+    out["total_bytes"] = RegionLayout.from_config(cfg).total_bytes
+    if case == "fallocate":  # the free-space check passes, as if another tenant filled
+        hostmem.shm_free_bytes = lambda d: out["total_bytes"]  # tmpfs right after it
+    try:
+        SharedOffloadRegion.create(cfg).close()
+        out[case] = "created"
+    except InsufficientMemoryError as e:
+        out[case] = str(e)
+    out[case + "_left"] = os.listdir("/dev/shm")
+print(json.dumps(out))
+"""
 
 
-def test_tmpfs_filling_up_before_fallocate_is_a_startup_error_not_sigbus(small_tmpfs, make_config,
-                                                                       monkeypatch):
-    import tiercache.region.hostmem as hostmem
+def test_a_small_dev_shm_is_refused_at_startup_and_fallocate_is_the_backstop(tmp_path):
+    import json
+    import shutil
+    import sys
 
-    cfg = make_config(region=RegionConfig(capacity_bytes=None, num_blocks=512, prefault_threads=2))
-    total = RegionLayout.from_config(cfg).total_bytes
-    assert total > 8 << 20
-    # the free-space check passes (as if another tenant filled tmpfs right after it) ...
-    monkeypatch.setattr(hostmem, "shm_free_bytes", lambda d: total)
-    # ... so posix_fallocate must be what turns the shortage into an error
-    with pytest.raises(InsufficientMemoryError, match="cannot allocate"):
-        SharedOffloadRegion.create(cfg, shm_dir=small_tmpfs)
-    assert os.listdir(small_tmpfs) == []
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    script = tmp_path / "child.py"
+    script.write_text(_SMALL_SHM_CHILD)
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=8m,mode=1777 tmpfs /dev/shm && exec {sys.executable} {script}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ})
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["total_bytes"] > 8 << 20
+    # the space check names both numbers ...
+    assert out["check"].startswith("/dev/shm has 8.00 MiB (8388608 bytes) free; the region needs")
+    assert f"({out['total_bytes']} bytes)" in out["check"]
+    # ... and when it passes wrongly, posix_fallocate turns the shortage into an error, not SIGBUS
+    assert out["fallocate"].startswith("cannot allocate")
+    assert out["check_left"] == out["fallocate_left"] == []  # nothing half-created is left
 
 
 def test_pinning_without_cuda_follows_the_policy(region, instance_name):
@@ -267,7 +295,7 @@ def test_worker_cannot_unlink(region, instance_name):
 def test_a_writer_killed_mid_update_does_not_wedge_the_next_one(region):
     stats = region.stats(0)
     stats._words[0] += 1  # as if a worker died between the two sequence bumps
-    with pytest.raises(TimeoutError, match="mid-update"):
+    with pytest.raises(StatsStuckError, match="mid-update"):
         stats.snapshot()
     stats.mark_attached(1234, 0)  # the restarted worker's first write
     snap = stats.snapshot()
@@ -307,3 +335,52 @@ def test_close_releases_everything_even_when_unpinning_fails(make_config):
     with pytest.raises(OSError):
         os.fstat(fd)  # and closed its descriptor
     region.close()  # idempotent afterwards
+
+
+def test_a_region_that_is_not_ours_with_mode_0600_is_neither_attached_nor_adopted(make_config,
+                                                                               instance_name):
+    cfg = _kill_a_creator(make_config)
+    path = f"/dev/shm/{cfg.shm_name}"
+    os.chmod(path, 0o640)
+    with pytest.raises(RegionTrustError, match=r"with mode 0640; tiercache uses a region only "
+                                               r"if .* with mode 0600"):
+        SharedOffloadRegion.create(cfg)
+    with pytest.raises(RegionTrustError, match="mode 0640"):
+        SharedOffloadRegion.attach(instance_name, 0)
+    [listing] = [r for r in list_regions() if r.name == cfg.name]
+    assert not listing.live and "mode 0640" in listing.problem
+    assert remove_stale(names=[cfg.name]) == [] and os.path.exists(path)
+    os.chmod(path, 0o600)  # ours again: adopted
+    region = SharedOffloadRegion.create(cfg)
+    assert region.setup_times.adopted
+    region.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_a_name_that_holds_no_regular_file_is_refused_at_once(make_config, instance_name,
+                                                             tmp_path, kind):
+    cfg = make_config()
+    path = f"/dev/shm/{cfg.shm_name}"
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    else:
+        region = SharedOffloadRegion.create(make_config(name=instance_name + "t"))
+        os.symlink(region.path, path)  # a live region of ours: following it would be wrong
+    try:
+        words = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symlink"}[kind]
+        with pytest.raises(RegionTrustError, match=f"{path} is {words} owned by"):
+            SharedOffloadRegion.create(cfg)
+        with pytest.raises(RegionTrustError, match=f"{path} is {words}"):
+            SharedOffloadRegion.attach(instance_name, 0, timeout_s=5)
+        [listing] = [r for r in list_regions() if r.name == cfg.name]
+        assert listing.found.startswith(words) and listing.problem and not listing.live
+        assert remove_stale(names=[cfg.name]) == []
+    finally:
+        if kind == "directory":
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+        if kind == "symlink":
+            region.close()

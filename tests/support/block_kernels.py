@@ -22,7 +22,6 @@ import torch
 from block_reference import (
     Case, Memory, RngDraw, aligned, assert_same, draw_case, expected_after, fill, run_layout,
 )
-from tiercache.specs import Direction
 from tiercache.backends.block_kernel import BlockKernel, PairTables
 from tiercache.backends.block_staging import BlockStaging
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec

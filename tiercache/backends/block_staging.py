@@ -72,7 +72,7 @@ from tiercache.errors import BackendError
 from tiercache.pages import PageArray
 
 if TYPE_CHECKING:  # the planner's types; backends never import transfer at run time
-    from tiercache.transfer.page_groups import GroupPages, GroupWork
+    from tiercache.transfer.page_groups import GroupWork
 
 SLOT_ALIGN = 256  # row images start 256-byte aligned in a slot: 16-byte accesses stay aligned
 MAX_ACCESS_BYTES = 16

@@ -1,1 +1,2 @@
-"""The Prometheus side: the collector over the region and index, and the HTTP exporter."""
+"""The Prometheus side: the collector over the region and index, the text exposition, and
+the bounded HTTP exporter."""

@@ -16,9 +16,10 @@ each rank's last consistent snapshot: a worker SIGKILLed between the two sequenc
 bumps of a stats update leaves its block odd for good, and the rank must still be
 reported (as down, with its last counters) rather than fail the scrape.
 
-Metric names, types and labels are the contract of DESIGN §7. ``METRIC_NAMES`` lists
-every family as it appears on the wire; the dashboards' tests check their queries
-against it.
+Metric names, types and labels are a contract users and dashboards rely on (README
+"Metrics and dashboards", docs/observability.md). ``Family``
+lists every family once, in exposition order; ``METRIC_NAMES`` (their names on the wire)
+is derived from it, and the dashboards' tests check their queries against it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import logging
 import platform
 import threading
 from collections.abc import Callable, Iterator
+from enum import Enum
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.metrics_core import (
@@ -39,6 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tiercache import __version__
+from tiercache.errors import StatsStuckError
 from tiercache.metrics.exporter import Exporter, start_exporter
 from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.hostmem import process_alive
@@ -60,54 +64,111 @@ log = logging.getLogger(__name__)
 _DURATION_LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS_S) + ("+Inf",)
 _SIZE_LE = tuple(floatToGoString(b) for b in SIZE_BUCKETS_BYTES) + ("+Inf",)
 INDEX_BLOCK_STATES = ("free", "writing", "ready", "loading")
+_RANK, _RANK_DIR = ("rank",), ("rank", "direction")
+_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+          "histogram": HistogramMetricFamily}
 
-# (reader, metric, help) of the index's lifetime counters.
-_INDEX_COUNTERS: tuple[tuple[Callable[[ManagerStats], int], str, str], ...] = (
-    (lambda s: s.lookups, "tiercache_index_lookups_total",
-     "Lookup calls answered by the cache index."),
-    (lambda s: s.hit_blocks, "tiercache_index_hit_blocks_total",
-     "Blocks that lookups found stored and READY."),
-    (lambda s: s.miss_blocks, "tiercache_index_miss_blocks_total",
-     "Blocks that lookups asked for and did not find."),
-    (lambda s: s.stored_blocks, "tiercache_index_stored_blocks_total",
-     "Blocks whose store completed successfully."),
-    (lambda s: s.loaded_blocks, "tiercache_index_loaded_blocks_total",
-     "Blocks handed out for loading."),
-    (lambda s: s.store_rejections, "tiercache_index_store_rejections_total",
-     "prepare_store calls refused for lack of evictable room."),
-    (lambda s: s.evicted_blocks, "tiercache_index_evicted_blocks_total",
-     "Blocks evicted to make room."),
-    (lambda s: s.failed_store_blocks, "tiercache_index_failed_store_blocks_total",
-     "Blocks whose store completed with failure (slots freed)."),
-)
 
-METRIC_NAMES: tuple[str, ...] = (
-    "tiercache_build_info",
-    "tiercache_region_bytes",
-    "tiercache_region_block_bytes",
-    "tiercache_region_ranks",
-    "tiercache_region_state",
-    "tiercache_region_generation",
-    "tiercache_worker_up",
-    "tiercache_worker_attaches_total",
-    "tiercache_worker_heartbeat_timestamp_seconds",
-    "tiercache_stats_read_failures_total",
-    "tiercache_region_pinned",
-    "tiercache_pin_state",
-    "tiercache_pinned_bytes",
-    "tiercache_pin_duration_seconds",
-    "tiercache_prefault_duration_seconds",
-    "tiercache_transfer_backend_info",
-    "tiercache_transfer_bytes_total",
-    "tiercache_transfer_seconds_total",
-    "tiercache_transfers_total",
-    "tiercache_transfer_duration_seconds",
-    "tiercache_transfer_size_bytes",
-    *(name for _, name, _ in _INDEX_COUNTERS),
-    "tiercache_index_capacity_blocks",
-    "tiercache_index_blocks",
-    "tiercache_index_occupancy_ratio",
-)
+class Family(Enum):
+    """Every metric family, in exposition order: (type, name, help, labels), and for the
+    index's lifetime counters the ``ManagerStats`` field they export. Counter names are
+    given without ``_total`` (the client library adds it on the wire)."""
+
+    BUILD_INFO = ("gauge", "tiercache_build_info", "tiercache build; the value is always 1.",
+                  ("version", "region_format", "python_version"))
+    REGION_BYTES = ("gauge", "tiercache_region_bytes",
+                    "Size of the shared-memory region (header and all slices).")
+    REGION_BLOCK_BYTES = ("gauge", "tiercache_region_block_bytes",
+                          "Region bytes one cached block takes, all ranks together.")
+    REGION_RANKS = ("gauge", "tiercache_region_ranks",
+                    "Ranks (worker slices) the region is partitioned into.")
+    REGION_STATE = ("gauge", "tiercache_region_state",
+                    "1 for the region header's current lifecycle state, else 0.", ("state",))
+    REGION_GENERATION = ("gauge", "tiercache_region_generation",
+                         "How many times a coordinator has (re)adopted the region.")
+    WORKER_UP = ("gauge", "tiercache_worker_up",
+                 "1 while the rank's attached worker process is alive, else 0.", _RANK)
+    ATTACHES = ("counter", "tiercache_worker_attaches", "Times a worker attached this rank.",
+                _RANK)
+    HEARTBEAT = ("gauge", "tiercache_worker_heartbeat_timestamp_seconds",
+                 "Wall-clock time of the rank's last stats update (Unix seconds).", _RANK)
+    READ_FAILURES = ("counter", "tiercache_stats_read_failures",
+                     "Scrapes that found the rank's stats block mid-update and exported its "
+                     "last snapshot.", _RANK)
+    REGION_PINNED = ("gauge", "tiercache_region_pinned",
+                     "1 when the rank's slice is pinned for its GPU, else 0.", _RANK)
+    PIN_STATE = ("gauge", "tiercache_pin_state", "1 for the rank's current pin state, else 0.",
+                 _RANK + ("state",))
+    PINNED_BYTES = ("gauge", "tiercache_pinned_bytes",
+                    "Bytes of the rank's slice registered with the GPU driver.", _RANK)
+    PIN_SECONDS = ("gauge", "tiercache_pin_duration_seconds",
+                   "Time the rank's pinning (registration) took.", _RANK)
+    PREFAULT_SECONDS = ("gauge", "tiercache_prefault_duration_seconds",
+                        "Time the rank's worker took to pre-fault its slice at attach.", _RANK)
+    BACKEND = ("gauge", "tiercache_transfer_backend_info",
+               "Copy backend of the rank's handler per direction; the value is always 1.",
+               _RANK_DIR + ("backend",))
+    TRANSFER_BYTES = ("counter", "tiercache_transfer_bytes",
+                      "Bytes moved by successful transfers.", _RANK_DIR)
+    TRANSFER_SECONDS = ("counter", "tiercache_transfer_seconds",
+                        "Busy time of successful transfers (GPU-event timed; wall time on the "
+                        "cpu backend).", _RANK_DIR)
+    TRANSFERS = ("counter", "tiercache_transfers", "Finished transfers by outcome.",
+                 _RANK_DIR + ("outcome",))
+    DURATION = ("histogram", "tiercache_transfer_duration_seconds",
+                "Duration of successful transfers.", _RANK_DIR)
+    SIZE = ("histogram", "tiercache_transfer_size_bytes", "Bytes per successful transfer.",
+            _RANK_DIR)
+    INDEX_LOOKUPS = ("counter", "tiercache_index_lookups",
+                     "Lookup calls answered by the cache index.", (), "lookups")
+    INDEX_HIT_BLOCKS = ("counter", "tiercache_index_hit_blocks",
+                        "Blocks that lookups found stored and READY.", (), "hit_blocks")
+    INDEX_MISS_BLOCKS = ("counter", "tiercache_index_miss_blocks",
+                         "Blocks that lookups asked for and did not find.", (), "miss_blocks")
+    INDEX_STORED_BLOCKS = ("counter", "tiercache_index_stored_blocks",
+                           "Blocks whose store completed successfully.", (), "stored_blocks")
+    INDEX_LOADED_BLOCKS = ("counter", "tiercache_index_loaded_blocks",
+                           "Blocks handed out for loading.", (), "loaded_blocks")
+    INDEX_STORE_REJECTIONS = ("counter", "tiercache_index_store_rejections",
+                              "prepare_store calls refused for lack of evictable room.", (),
+                              "store_rejections")
+    INDEX_EVICTED_BLOCKS = ("counter", "tiercache_index_evicted_blocks",
+                            "Blocks evicted to make room.", (), "evicted_blocks")
+    INDEX_FAILED_STORE_BLOCKS = ("counter", "tiercache_index_failed_store_blocks",
+                                 "Blocks whose store completed with failure (slots freed).", (),
+                                 "failed_store_blocks")
+    INDEX_CAPACITY = ("gauge", "tiercache_index_capacity_blocks",
+                      "Slots of the cache index (CPU blocks).")
+    INDEX_BLOCKS = ("gauge", "tiercache_index_blocks",
+                    "Slots by state; the states sum to the capacity.", ("state",))
+    OCCUPANCY = ("gauge", "tiercache_index_occupancy_ratio", "Fraction of slots not free (0-1).")
+
+    def __init__(self, kind: str, metric: str, doc: str, labels: tuple[str, ...] = (),
+                 index_stat: str | None = None):
+        self.kind, self.metric, self.doc, self.labels = kind, metric, doc, labels
+        self.read_stat = None if index_stat is None else attrgetter(index_stat)
+
+    @property
+    def wire_name(self) -> str:
+        return self.metric + "_total" if self.kind == "counter" else self.metric
+
+    @property
+    def of_index(self) -> bool:
+        """Exported only by a process that hosts the cache index."""
+        return self.metric.startswith("tiercache_index_")
+
+    def new(self) -> Metric:
+        return _TYPES[self.kind](self.metric, self.doc, labels=list(self.labels))
+
+
+METRIC_NAMES: tuple[str, ...] = tuple(f.wire_name for f in Family)
+_INDEX_COUNTERS = tuple(f for f in Family if f.read_stat is not None)
+Families = dict[Family, Metric]
+
+
+def _families(include_index: bool) -> Families:
+    """Fresh, empty families for one scrape (or for ``describe``), in ``Family`` order."""
+    return {f: f.new() for f in Family if include_index or not f.of_index}
 
 
 class RegionView(Protocol):
@@ -144,34 +205,35 @@ class TiercacheCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """Names only: registering must not read shared memory."""
-        yield from _Families(self._manager_stats is not None).all()
+        yield from _families(self._manager_stats is not None).values()
 
     def collect(self) -> Iterator[Metric]:
-        f = _Families(self._manager_stats is not None)
+        f = _families(self._manager_stats is not None)
         self._collect_region(f, self._region.info())
         for view in self._views:
             self._collect_rank(f, view)
         if self._manager_stats is not None:
             self._collect_index(f, self._manager_stats())
-        yield from f.all()
+        yield from f.values()
 
     # ------------------------------------------------------------ parts
-    def _collect_region(self, f: _Families, header: HeaderInfo) -> None:
+    def _collect_region(self, f: Families, header: HeaderInfo) -> None:
         layout = self._layout
-        f.build_info.add_metric([__version__, str(FORMAT_VERSION), platform.python_version()], 1)
-        f.region_bytes.add_metric([], layout.total_bytes)
-        f.region_block_bytes.add_metric([], layout.row_stride * layout.world_size)
-        f.region_ranks.add_metric([], layout.world_size)
+        f[Family.BUILD_INFO].add_metric(
+            [__version__, str(FORMAT_VERSION), platform.python_version()], 1)
+        f[Family.REGION_BYTES].add_metric([], layout.total_bytes)
+        f[Family.REGION_BLOCK_BYTES].add_metric([], layout.row_stride * layout.world_size)
+        f[Family.REGION_RANKS].add_metric([], layout.world_size)
         for state in RegionState:
-            f.region_state.add_metric([state.label], 1 if header.state == state else 0)
-        f.region_generation.add_metric([], header.generation)
+            f[Family.REGION_STATE].add_metric([state.label], 1 if header.state == state else 0)
+        f[Family.REGION_GENERATION].add_metric([], header.generation)
 
     def _snapshot(self, view: RankStats) -> RankStatsSnapshot | None:
         """The rank's consistent snapshot, or its last one (counted and logged) when the
         block stays mid-update; ``None`` if it was never read consistently."""
         try:
             snap = view.snapshot()
-        except TimeoutError as e:
+        except StatsStuckError as e:
             with self._lock:
                 self._read_failures[view.rank] += 1
             log.warning("%s; exporting rank %d's last consistent snapshot", e, view.rank)
@@ -179,43 +241,47 @@ class TiercacheCollector(Collector):
         self._last[view.rank] = snap
         return snap
 
-    def _collect_rank(self, f: _Families, view: RankStats) -> None:
+    def _collect_rank(self, f: Families, view: RankStats) -> None:
         rank = str(view.rank)
         snap = self._snapshot(view)
-        f.read_failures.add_metric([rank], self._read_failures[view.rank])
+        f[Family.READ_FAILURES].add_metric([rank], self._read_failures[view.rank])
         if snap is None:
-            f.worker_up.add_metric([rank], 0)
+            f[Family.WORKER_UP].add_metric([rank], 0)
             return
-        f.worker_up.add_metric([rank], 1 if process_alive(snap.pid, snap.pid_start_ns) else 0)
-        f.attaches.add_metric([rank], snap.attach_count)
-        f.heartbeat.add_metric([rank], snap.heartbeat_ns / 1e9)
-        f.region_pinned.add_metric([rank], 1 if snap.pin_state == PinState.PINNED else 0)
+        alive = process_alive(snap.pid, snap.pid_start_ns)
+        for family, value in ((Family.WORKER_UP, 1 if alive else 0),
+                              (Family.ATTACHES, snap.attach_count),
+                              (Family.HEARTBEAT, snap.heartbeat_ns / 1e9),
+                              (Family.REGION_PINNED, 1 if snap.pin_state == PinState.PINNED else 0)):
+            f[family].add_metric([rank], value)
         for state in PinState:
-            f.pin_state.add_metric([rank, state.label], 1 if snap.pin_state == state else 0)
-        f.pinned_bytes.add_metric([rank], snap.pinned_bytes)
-        f.pin_seconds.add_metric([rank], snap.pin_seconds)
-        f.prefault_seconds.add_metric([rank], snap.prefault_seconds)
+            f[Family.PIN_STATE].add_metric([rank, state.label], 1 if snap.pin_state == state else 0)
+        for family, value in ((Family.PINNED_BYTES, snap.pinned_bytes),
+                              (Family.PIN_SECONDS, snap.pin_seconds),
+                              (Family.PREFAULT_SECONDS, snap.prefault_seconds)):
+            f[family].add_metric([rank], value)
         for direction in Direction:
             d = snap.directions[direction]
             labels = [rank, direction.label]
-            f.backend.add_metric(labels + [snap.backends[direction].label], 1)
-            f.transfer_bytes.add_metric(labels, d.bytes_total)
-            f.transfer_seconds.add_metric(labels, d.busy_seconds_total)
-            f.transfers.add_metric(labels + ["ok"], d.transfers_ok)
-            f.transfers.add_metric(labels + ["failed"], d.transfers_failed)
-            f.duration.add_metric(labels, _cumulative(_DURATION_LE, d.duration_counts),
-                                  d.busy_seconds_total)
-            f.size.add_metric(labels, _cumulative(_SIZE_LE, d.size_counts), d.bytes_total)
+            f[Family.BACKEND].add_metric(labels + [snap.backends[direction].label], 1)
+            f[Family.TRANSFER_BYTES].add_metric(labels, d.bytes_total)
+            f[Family.TRANSFER_SECONDS].add_metric(labels, d.busy_seconds_total)
+            f[Family.TRANSFERS].add_metric(labels + ["ok"], d.transfers_ok)
+            f[Family.TRANSFERS].add_metric(labels + ["failed"], d.transfers_failed)
+            f[Family.DURATION].add_metric(labels, _cumulative(_DURATION_LE, d.duration_counts),
+                                          d.busy_seconds_total)
+            f[Family.SIZE].add_metric(labels, _cumulative(_SIZE_LE, d.size_counts),
+                                      d.bytes_total)
 
-    def _collect_index(self, f: _Families, stats: ManagerStats) -> None:
-        for (read, _, _), family in zip(_INDEX_COUNTERS, f.index_counters, strict=True):
-            family.add_metric([], read(stats))
-        f.index_capacity.add_metric([], stats.capacity_blocks)
+    def _collect_index(self, f: Families, stats: ManagerStats) -> None:
+        for family in _INDEX_COUNTERS:
+            f[family].add_metric([], family.read_stat(stats))
+        f[Family.INDEX_CAPACITY].add_metric([], stats.capacity_blocks)
         by_state = (stats.free_blocks, stats.writing_blocks, stats.ready_blocks,
                     stats.loading_blocks)
         for state, blocks in zip(INDEX_BLOCK_STATES, by_state, strict=True):
-            f.index_blocks.add_metric([state], blocks)
-        f.occupancy.add_metric([], stats.occupancy)
+            f[Family.INDEX_BLOCKS].add_metric([state], blocks)
+        f[Family.OCCUPANCY].add_metric([], stats.occupancy)
 
 
 def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
@@ -227,92 +293,4 @@ def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str
     return out
 
 
-class _Families:
-    """Fresh, empty metric families for one scrape (or for ``describe``)."""
-
-    def __init__(self, include_index: bool):
-        rank, rank_dir = ["rank"], ["rank", "direction"]
-        self.build_info = GaugeMetricFamily(
-            "tiercache_build_info", "tiercache build; the value is always 1.",
-            labels=["version", "region_format", "python_version"])
-        self.region_bytes = GaugeMetricFamily(
-            "tiercache_region_bytes", "Size of the shared-memory region (header and all slices).")
-        self.region_block_bytes = GaugeMetricFamily(
-            "tiercache_region_block_bytes",
-            "Region bytes one cached block takes, all ranks together.")
-        self.region_ranks = GaugeMetricFamily(
-            "tiercache_region_ranks", "Ranks (worker slices) the region is partitioned into.")
-        self.region_state = GaugeMetricFamily(
-            "tiercache_region_state", "1 for the region header's current lifecycle state, else 0.",
-            labels=["state"])
-        self.region_generation = GaugeMetricFamily(
-            "tiercache_region_generation",
-            "How many times a coordinator has (re)adopted the region.")
-        self.worker_up = GaugeMetricFamily(
-            "tiercache_worker_up", "1 while the rank's attached worker process is alive, else 0.",
-            labels=rank)
-        self.attaches = CounterMetricFamily(
-            "tiercache_worker_attaches", "Times a worker attached this rank.", labels=rank)
-        self.heartbeat = GaugeMetricFamily(
-            "tiercache_worker_heartbeat_timestamp_seconds",
-            "Wall-clock time of the rank's last stats update (Unix seconds).", labels=rank)
-        self.read_failures = CounterMetricFamily(
-            "tiercache_stats_read_failures",
-            "Scrapes that found the rank's stats block mid-update and exported its last snapshot.",
-            labels=rank)
-        self.region_pinned = GaugeMetricFamily(
-            "tiercache_region_pinned", "1 when the rank's slice is pinned for its GPU, else 0.",
-            labels=rank)
-        self.pin_state = GaugeMetricFamily(
-            "tiercache_pin_state", "1 for the rank's current pin state, else 0.",
-            labels=rank + ["state"])
-        self.pinned_bytes = GaugeMetricFamily(
-            "tiercache_pinned_bytes", "Bytes of the rank's slice registered with the GPU driver.",
-            labels=rank)
-        self.pin_seconds = GaugeMetricFamily(
-            "tiercache_pin_duration_seconds", "Time the rank's pinning (registration) took.",
-            labels=rank)
-        self.prefault_seconds = GaugeMetricFamily(
-            "tiercache_prefault_duration_seconds",
-            "Time the rank's worker took to pre-fault its slice at attach.", labels=rank)
-        self.backend = GaugeMetricFamily(
-            "tiercache_transfer_backend_info",
-            "Copy backend of the rank's handler per direction; the value is always 1.",
-            labels=rank_dir + ["backend"])
-        self.transfer_bytes = CounterMetricFamily(
-            "tiercache_transfer_bytes", "Bytes moved by successful transfers.", labels=rank_dir)
-        self.transfer_seconds = CounterMetricFamily(
-            "tiercache_transfer_seconds",
-            "Busy time of successful transfers (GPU-event timed; wall time on the cpu backend).",
-            labels=rank_dir)
-        self.transfers = CounterMetricFamily(
-            "tiercache_transfers", "Finished transfers by outcome.", labels=rank_dir + ["outcome"])
-        self.duration = HistogramMetricFamily(
-            "tiercache_transfer_duration_seconds", "Duration of successful transfers.",
-            labels=rank_dir)
-        self.size = HistogramMetricFamily(
-            "tiercache_transfer_size_bytes", "Bytes per successful transfer.", labels=rank_dir)
-        self._include_index = include_index
-        self.index_counters = [CounterMetricFamily(name.removesuffix("_total"), doc)
-                               for _, name, doc in _INDEX_COUNTERS]
-        self.index_capacity = GaugeMetricFamily(
-            "tiercache_index_capacity_blocks", "Slots of the cache index (CPU blocks).")
-        self.index_blocks = GaugeMetricFamily(
-            "tiercache_index_blocks", "Slots by state; the states sum to the capacity.",
-            labels=["state"])
-        self.occupancy = GaugeMetricFamily(
-            "tiercache_index_occupancy_ratio", "Fraction of slots not free (0-1).")
-
-    def all(self) -> Iterator[Metric]:
-        yield from (self.build_info, self.region_bytes, self.region_block_bytes,
-                    self.region_ranks, self.region_state, self.region_generation,
-                    self.worker_up, self.attaches, self.heartbeat, self.read_failures,
-                    self.region_pinned, self.pin_state, self.pinned_bytes, self.pin_seconds,
-                    self.prefault_seconds, self.backend, self.transfer_bytes,
-                    self.transfer_seconds, self.transfers, self.duration, self.size)
-        if self._include_index:
-            yield from self.index_counters
-            yield from (self.index_capacity, self.index_blocks, self.occupancy)
-
-
-__all__ = ["Exporter", "METRIC_NAMES", "RegionView", "TiercacheCollector", "start_exporter"]
+__all__ = ["Exporter", "Family", "METRIC_NAMES", "RegionView", "TiercacheCollector", "start_exporter"]

@@ -69,9 +69,7 @@ class RegionHeader:
               owner_start_ns: int, created_ns: int) -> None:
         """Write everything with state CREATING; ``set_state(READY)`` comes last."""
         encoded = layout.encode()
-        if _FIXED.size + len(encoded) > HEADER_FIXED_BYTES:
-            raise LayoutMismatchError(f"layout needs {len(encoded)} header bytes; "
-                                      f"at most {HEADER_FIXED_BYTES - _FIXED.size} fit")
+        assert _FIXED.size + len(encoded) <= HEADER_FIXED_BYTES, "RegionLayout caps num_tensors"
         self.set_state(RegionState.CREATING)
         _FIXED.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, RegionState.CREATING, layout.digest,
                          generation, owner_pid, owner_start_ns, created_ns, layout.total_bytes,

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import psutil
 
-from tiercache.config import format_bytes
+from tiercache.sizes import format_bytes
 from tiercache.errors import InsufficientMemoryError, RegionError
 from tiercache.region.layout import OS_PAGE  # touching every 4 KiB touches every page
 

@@ -21,7 +21,8 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 
-from tiercache.config import Config, format_bytes
+from tiercache.config import MAX_TENSORS, Config
+from tiercache.sizes import format_bytes
 from tiercache.errors import ConfigError, RankError
 from tiercache.region.stats import STATS_BLOCK_BYTES
 
@@ -29,7 +30,7 @@ FORMAT_VERSION = 1
 HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
-OS_PAGE = 4096
+OS_PAGE = 4096  # the smallest Linux page: rows and pre-fault ranges align to it
 MAX_PIN_CHUNK_BYTES = 64 << 30  # one cudaHostRegister >= 512 GiB fails on r580+ drivers
 _PAGE_ALIGN_MAX_WASTE = 32  # page-align rows when the padding is <= 1/32 of a row
 
@@ -54,6 +55,9 @@ class RegionLayout:
             raise ConfigError(f"num_blocks = {self.num_blocks}: must be >= 1")
         if not self.page_bytes or any(b <= 0 for b in self.page_bytes):
             raise ConfigError(f"page_bytes = {self.page_bytes}: need >= 1 positive sizes")
+        if len(self.page_bytes) > MAX_TENSORS:
+            raise ConfigError(f"{len(self.page_bytes)} tensors: the region header describes at "
+                              f"most {MAX_TENSORS}")
         if self.block_size_factor < 1:
             raise ConfigError(f"block_size_factor = {self.block_size_factor}: must be >= 1")
 

@@ -1,23 +1,26 @@
 """The rank-partitioned shared-memory region in /dev/shm.
 
-Lifecycle: the coordinator ``create``\\ s the region (space checks, O_CREAT|O_EXCL 0600,
-fallocate, header written with READY last) and holds an exclusive
-``flock`` on it for as long as it lives, so "is the owner alive?" is one non-blocking
-lock attempt that the kernel answers correctly even after SIGKILL. Workers ``attach``
-by name and rank, validate the header, map the region and pin only their slice. Each worker
-pre-faults its own slice in parallel threads (``prefault_slice``) before pinning it:
-page tables are per process, so pre-faulting in the coordinator only filled the
-coordinator's (measured on an H100 VM, 16 GiB: +3.5-4.4 s, and registration still had
-to fault every page; see docs/benchmarks.md). fallocate stays in the coordinator: it is
-the reservation that makes READY a promise (no SIGBUS later), paid once per coordinator
-lifetime and skipped on re-adoption. A region whose lock is free is stale: ``create``
-re-adopts it when its geometry matches (workers' mappings and pins stay valid) and
-otherwise replaces it; ``remove_stale``
-(``tiercache clean``) unlinks it. Workers never unlink.
+Lifecycle: the coordinator ``create``\\ s the region (space checks, a new 0600 object,
+``posix_fallocate``, the header written with READY last) and holds its owner lock for as
+long as it lives (``tiercache.region.shm``). Workers ``attach`` by name and rank, validate
+the header, map the region and pin only their slice. Workers never unlink.
 
-Views are made from the mapping's address (not the buffer protocol), so ``close`` never
-fails on exported buffers; a view used after ``close`` is a use-after-free, and the
-owners (Worker, Coordinator) drop theirs first.
+Decisions and their reasons:
+
+* Each worker pre-faults its own slice (``prefault_slice``) in parallel threads before
+  pinning it: page tables are per process, so pre-faulting in the coordinator would fill
+  only the coordinator's, and registration would still fault every page in the worker
+  (measurements: docs/benchmarks.md, "Region set-up and pinning").
+* ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
+  promise (no SIGBUS later), paid once per coordinator lifetime.
+* A region whose owner lock is free is stale. ``create`` re-adopts it when it is ours
+  (regular file, our uid, mode 0600) and its geometry matches and it was READY (workers'
+  mappings and pins stay valid, the pages stay allocated); it replaces it when it is ours
+  but of another geometry or state; it refuses anything else. Stale regions are listed and
+  removed by ``tiercache.region.stale``.
+* Views are made from the mapping's address (not the buffer protocol), so ``close`` never
+  fails on exported buffers; a view used after ``close`` is a use-after-free, and the
+  owners (Worker, Coordinator) drop theirs first.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ import logging
 import mmap
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from tiercache.config import Config, PinningPolicy, format_bytes
+from tiercache.config import Config, PinningPolicy
 from tiercache.errors import (
     LayoutMismatchError, PinError, RegionError, RegionExistsError, RegionNotFoundError,
     RegionNotReadyError,
@@ -44,14 +48,20 @@ from tiercache.region.hostmem import (
 )
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.pinning import HostPinner
+from tiercache.region.shm import (
+    NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, create_entry, open_entry, read_header,
+    still_named, take_owner_lock, unlink_if_same,
+)
+from tiercache.region.stale import YOUNG_S
 from tiercache.region.stats import PinState, RankStats
+from tiercache.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "tiercache-"
 _POLL_S = 0.005
-_YOUNG_S = 10.0  # a headerless region younger than this may be mid-creation: clean leaves it
+# How long ``create`` keeps trying the owner lock of a region whose recorded coordinator is
+# dead: a probe of `status`/`clean` holds it for microseconds, `clean` for milliseconds.
+CLAIM_RETRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,22 +75,19 @@ class SetupTimes:
     replaced_stale: bool = False
 
 
-def _lock_free(fd: int) -> bool:
-    """True if nobody holds the owner lock (we take it and keep it)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+def region_shm_name(name: str) -> str:
+    """``tiercache-<name>`` for an instance name (a full shm name is kept as it is)."""
+    return name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
 
 
 class SharedOffloadRegion:
     """One mapping of a tiercache region: the coordinator's (``create``) or a worker's."""
 
-    def __init__(self, path: str, fd: int, layout: RegionLayout, rank: int | None, owner: bool):
-        self.path, self.layout, self.rank, self.is_owner = path, layout, rank, owner
-        self._fd = fd
-        self._mmap = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED,
+    def __init__(self, entry: OpenEntry, layout: RegionLayout, rank: int | None, owner: bool):
+        self.path, self.layout, self.rank, self.is_owner = entry.path, layout, rank, owner
+        self._entry = entry
+        self._fd = entry.fd
+        self._mmap = mmap.mmap(entry.fd, layout.total_bytes, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE)
         self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self._bytes = np.ctypeslib.as_array(
@@ -92,129 +99,125 @@ class SharedOffloadRegion:
 
     # ------------------------------------------------------------------ create
     @classmethod
-    def create(cls, config: Config, shm_dir: str = SHM_DIR,
+    def create(cls, config: Config,
                log_step: Callable[[str], None] = log.info) -> SharedOffloadRegion:
-        """Create (or re-adopt a stale) region for ``config``; the caller owns it until close."""
+        """Create (or re-adopt a stale) region for ``config``; the caller owns it until close.
+
+        Raises ``RegionExistsError`` over a live coordinator, ``RegionTrustError`` over
+        anything under the name that is not ours (see the module docstring),
+        ``InsufficientMemoryError`` when /dev/shm or RAM is too small."""
         layout = RegionLayout.from_config(config)
-        path = os.path.join(shm_dir, config.shm_name)
         t0 = time.perf_counter()
-        adopted, replaced = cls._adopt_or_remove_stale(path, layout, log_step)
-        if adopted is not None:
-            return adopted
-        check_space(layout.total_bytes, shm_dir, config.region.check_host_memory)
+        stale = _claim_stale(config.shm_name)
+        replaced = False
+        if stale is not None:
+            info = read_header(stale.fd)
+            if info is not None and info.layout_digest == layout.digest and \
+                    info.state == RegionState.READY:
+                return cls._adopt(stale, layout, info, log_step)
+            why = "no valid header" if info is None else (
+                "a different geometry" if info.layout_digest != layout.digest
+                else f"state {info.state.label}")
+            log_step(f"replacing stale region {stale.path} (owner pid "
+                     f"{info.owner_pid if info else '?'} is gone; {why})")
+            unlink_if_same(stale)  # while we hold its lock: nobody can have adopted it
+            stale.close()
+            replaced = True
+        check_space(layout.total_bytes, SHM_DIR, config.region.check_host_memory)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            raise RegionExistsError(f"{path} appeared while starting: another coordinator of "
-                                    f"name {config.name!r} is starting") from None
+            entry = create_entry(config.shm_name)
+        except RegionExistsError as e:
+            raise RegionExistsError(f"{e}: it appeared while this coordinator started; "
+                                    f"another coordinator of name {config.name!r} is "
+                                    "starting") from None
         t_check = time.perf_counter()
-        region = None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for our whole life: the liveness signal
-            os.fchmod(fd, 0o600)
-            fallocate(fd, layout.total_bytes, path)
-            region = cls(path, fd, layout, rank=None, owner=True)
+        with ExitStack() as undo:
+            undo.callback(entry.close)
+            undo.callback(unlink_if_same, entry)
+            fcntl.flock(entry.fd, fcntl.LOCK_EX)  # held for our whole life: the liveness signal
+            if not still_named(entry):
+                raise RegionExistsError(f"{entry.path} was replaced while this coordinator "
+                                        f"started: another coordinator of name {config.name!r} "
+                                        "is starting")
+            fallocate(entry.fd, layout.total_bytes, entry.path)
+            region = cls(entry, layout, rank=None, owner=True)
+            undo.callback(region._release_mapping)
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
                                 created_ns=time.time_ns())
             t_alloc = time.perf_counter()
-            log_step(f"allocated {format_bytes(layout.total_bytes)} at {path} (fallocate) "
+            log_step(f"allocated {format_bytes(layout.total_bytes)} at {entry.path} (fallocate) "
                      f"in {t_alloc - t_check:.2f} s")
             prefault_s = prefault(region.base_address, region._bytes,
                                   [(0, layout.header_bytes)], 1)
             log_step(f"pre-faulted the header in {prefault_s:.3f} s; each worker pre-faults "
                      f"its own slice with {config.region.prefault_threads} threads at attach")
             region.header.set_state(RegionState.READY)
-        except BaseException:
-            if region is not None:
-                region._release_mapping()
-            os.close(fd)
-            os.unlink(path)
-            raise
+            undo.pop_all()
         region.setup_times = SetupTimes(t_check - t0, t_alloc - t_check, prefault_s,
                                         replaced_stale=replaced)
         return region
 
     @classmethod
-    def _adopt_or_remove_stale(cls, path: str, layout: RegionLayout,
-                               log_step: Callable[[str], None]
-                               ) -> tuple[SharedOffloadRegion | None, bool]:
-        """(the re-adopted region or None, whether a stale region of another geometry was
-        removed). Raises RegionExistsError if a live coordinator holds ``path``."""
+    def _adopt(cls, entry: OpenEntry, layout: RegionLayout, info: HeaderInfo,
+               log_step: Callable[[str], None]) -> SharedOffloadRegion:
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return None, False
-        if not _lock_free(fd):
-            owner = _peek_owner(fd)
-            os.close(fd)
-            raise RegionExistsError(f"{path} belongs to a live coordinator (pid {owner}); "
-                                    "stop it first, or choose another instance.name")
-        info = _peek_header(fd)
-        if info is None or info.layout_digest != layout.digest or info.state != RegionState.READY:
-            why = "no valid header" if info is None else (
-                "a different geometry" if info.layout_digest != layout.digest
-                else f"state {info.state.label}")
-            log_step(f"replacing stale region {path} (owner pid "
-                     f"{info.owner_pid if info else '?'} is gone; {why})")
-            os.unlink(path)  # while we hold its lock: nobody can have adopted it meanwhile
-            os.close(fd)
-            return None, True
-        try:
-            region = cls(path, fd, layout, rank=None, owner=True)
+            region = cls(entry, layout, rank=None, owner=True)
         except BaseException:
-            os.close(fd)
+            entry.close()
             raise
         region.header.set_owner(generation=info.generation + 1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()))
-        log_step(f"re-adopted stale region {path} (owner pid {info.owner_pid} is gone; same "
-                 f"geometry; generation {info.generation + 1}); its pages stay allocated")
+        log_step(f"re-adopted stale region {entry.path} (owner pid {info.owner_pid} is gone; "
+                 f"same geometry; generation {info.generation + 1}); its pages stay allocated")
         region.setup_times = SetupTimes(adopted=True)
-        return region, False
+        return region
 
     # ------------------------------------------------------------------ attach
     @classmethod
     def attach(cls, name: str, rank: int | None = None, *, layout: RegionLayout | None = None,
-               timeout_s: float = 0.0, shm_dir: str = SHM_DIR) -> SharedOffloadRegion:
+               timeout_s: float = 0.0) -> SharedOffloadRegion:
         """Map an existing region; wait up to ``timeout_s`` for it to appear and be READY.
 
         ``name`` is the instance name (config ``instance.name``) or the full
-        ``tiercache-<name>``. With ``layout``, a region of another geometry is refused.
+        ``tiercache-<name>``. With ``layout``, a region of another geometry is refused. A
+        region that is not ours with mode 0600 is refused (``RegionTrustError``): a worker
+        never writes KV data into a file someone else can read.
         """
-        shm_name = name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
-        path = os.path.join(shm_dir, shm_name)
+        shm_name = region_shm_name(name)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                fd = os.open(path, os.O_RDWR)
+                entry = open_entry(shm_name, writable=True)
                 break
-            except FileNotFoundError:
+            except RegionNotFoundError as e:
                 if time.monotonic() >= deadline:
-                    raise RegionNotFoundError(f"no region {path} (is `tiercache serve` running "
-                                              f"with instance.name = {name!r}?)") from None
+                    raise RegionNotFoundError(f"{e} (is `tiercache serve` running with "
+                                              f"instance.name = {name!r}?)") from None
                 time.sleep(_POLL_S)
         try:
-            info = cls._wait_ready(fd, path, deadline)
+            check_trusted(entry)
+            info = cls._wait_ready(entry, deadline)
             if layout is not None and layout.digest != info.layout_digest:
                 raise LayoutMismatchError(
-                    f"{path} has geometry [{info.layout.describe()}]; this worker expects "
+                    f"{entry.path} has geometry [{info.layout.describe()}]; this worker expects "
                     f"[{layout.describe()}]")
             if rank is not None:
                 info.layout.check_rank(rank)
-            return cls(path, fd, info.layout, rank=rank, owner=False)
+            return cls(entry, info.layout, rank=rank, owner=False)
         except BaseException:
-            os.close(fd)
+            entry.close()
             raise
 
     @staticmethod
-    def _wait_ready(fd: int, path: str, deadline: float) -> HeaderInfo:
+    def _wait_ready(entry: OpenEntry, deadline: float) -> HeaderInfo:
         while True:
-            info = _peek_header(fd)
+            info = read_header(entry.fd)
             if info is not None and info.state == RegionState.READY:
                 return info
             if time.monotonic() >= deadline:
                 state = info.state.label if info else "not yet initialised"
-                raise RegionNotReadyError(f"{path} is not READY (state: {state})")
+                raise RegionNotReadyError(f"{entry.path} is not READY (state: {state})")
             time.sleep(_POLL_S)
 
     # ------------------------------------------------------------------ views
@@ -246,9 +249,6 @@ class SharedOffloadRegion:
                              offset)
             for size, offset in zip(self.layout.cpu_page_bytes, self.layout.page_offsets)
         ]
-
-    def slice_address(self, rank: int) -> int:
-        return self.base_address + self.layout.slice_offset(rank)
 
     # ------------------------------------------------------------------ preparing
     def prefault_slice(self, num_threads: int) -> float:
@@ -327,11 +327,8 @@ class SharedOffloadRegion:
             if unmap:
                 self._release_mapping()
             if unlink:
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
-            os.close(self._fd)
+                unlink_if_same(self._entry)  # we hold its lock: it is still ours
+            self._entry.close()
             self._fd = -1
 
     def __enter__(self) -> SharedOffloadRegion:
@@ -341,72 +338,40 @@ class SharedOffloadRegion:
         self.close()
 
 
-# ---------------------------------------------------------------------- inspection
-def _peek_header(fd: int) -> HeaderInfo | None:
-    """The header of an open region file, or None if it is too short or not (yet) valid."""
-    if os.fstat(fd).st_size < HEADER_FIXED_BYTES:
-        return None
-    with mmap.mmap(fd, HEADER_FIXED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as m:
-        header = RegionHeader(m)
-        if not header.has_magic():
+def _claim_stale(shm_name: str) -> OpenEntry | None:
+    """The existing region of ``shm_name`` with its owner lock taken, or None if there is
+    none. Refuses (``RegionExistsError``) a live one or one mid-creation, and
+    (``RegionTrustError``) anything that is not ours. A lock that is held while the
+    recorded coordinator is dead is retried for ``CLAIM_RETRY_S``: a probe holds it
+    for microseconds and must not be taken for an owner."""
+    deadline = time.monotonic() + CLAIM_RETRY_S
+    while True:
+        try:
+            entry = open_entry(shm_name, writable=True)
+        except RegionNotFoundError:
             return None
-        try:
-            return header.read()
-        except LayoutMismatchError:
-            return None
-
-
-def _peek_owner(fd: int) -> int | str:
-    info = _peek_header(fd)
-    return info.owner_pid if info else "unknown"
-
-
-@dataclass(frozen=True)
-class RegionListing:
-    name: str
-    path: str
-    size_bytes: int
-    live: bool
-    info: HeaderInfo | None
-
-
-def list_regions(shm_dir: str = SHM_DIR) -> list[RegionListing]:
-    """Every tiercache region in ``shm_dir``, with whether its coordinator is alive."""
-    found = []
-    for entry in sorted(os.listdir(shm_dir)):
-        if not entry.startswith(NAME_PREFIX):
-            continue
-        path = os.path.join(shm_dir, entry)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            live = not _lock_free(fd)
-            found.append(RegionListing(entry[len(NAME_PREFIX):], path, os.fstat(fd).st_size,
-                                       live, _peek_header(fd)))
-        finally:
-            os.close(fd)  # also drops the probe lock we may have taken
-    return found
-
-
-def remove_stale(shm_dir: str = SHM_DIR, dry_run: bool = False, name_prefix: str = ""
-                 ) -> list[RegionListing]:
-    """Unlink every region (whose name starts with ``name_prefix``) whose coordinator is
-    gone; never a live one."""
-    removed = []
-    for listing in list_regions(shm_dir):
-        if listing.live or not listing.name.startswith(name_prefix):
-            continue
-        if listing.info is None and time.time() - os.stat(listing.path).st_mtime < _YOUNG_S:
-            continue
-        fd = os.open(listing.path, os.O_RDONLY)
-        try:
-            if not _lock_free(fd):  # a coordinator took it over meanwhile
-                continue
-            if not dry_run:
-                os.unlink(listing.path)
-            removed.append(listing)
-        finally:
-            os.close(fd)
-    return removed
+        with ExitStack() as release:
+            release.callback(entry.close)
+            check_trusted(entry)
+            if take_owner_lock(entry.fd):
+                if not still_named(entry):
+                    continue  # removed or replaced since we opened it: look again
+                if read_header(entry.fd) is None and time.time() - entry.st.st_mtime < YOUNG_S:
+                    raise RegionExistsError(
+                        f"{entry.path} is being created by another coordinator (no header "
+                        f"yet); retry in {YOUNG_S:.0f} s or choose another instance.name")
+                release.pop_all()
+                return entry
+            info = read_header(entry.fd)
+            if info is not None and process_alive(info.owner_pid, info.owner_start_ns):
+                raise RegionExistsError(f"{entry.path} belongs to a live coordinator (pid "
+                                        f"{info.owner_pid}); stop it first, or choose another "
+                                        "instance.name")
+            if time.monotonic() >= deadline:
+                owner = f"pid {info.owner_pid}" if info else "unknown"
+                raise RegionExistsError(
+                    f"{entry.path} stayed locked for {CLAIM_RETRY_S:.0f} s although its "
+                    f"recorded coordinator ({owner}) is gone: another process holds it (one "
+                    "that inherited the coordinator's descriptor, or a `tiercache clean` that "
+                    "hangs); stop it first, or choose another instance.name")
+        time.sleep(_POLL_S)

@@ -42,6 +42,7 @@ import numpy as np
 
 from tiercache.backends.kind import BackendKind
 from tiercache.specs import Direction
+from tiercache.errors import StatsStuckError
 
 STATS_BLOCK_BYTES = 4096
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -119,7 +120,8 @@ class RankStats:
                 if int(self._words[_SEQ]) == before:
                     return self._decode(words)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} stats block stayed mid-update (seq {before})")
+                raise StatsStuckError(f"rank {self.rank} stats block stayed mid-update "
+                                      f"(seq {before})")
             time.sleep(0)
 
     def _decode(self, w: np.ndarray) -> RankStatsSnapshot:
@@ -172,9 +174,6 @@ class RankStats:
 
     def set_backend(self, direction: Direction, backend: BackendKind) -> None:
         self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})
-
-    def heartbeat(self) -> None:
-        self._update({})
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float,
                         success: bool) -> None:

@@ -1,1 +1,2 @@
-"""The coordinator process: serve loop, signal handling, and spawning a serve process."""
+"""The coordinator process: serve loop, signal handling, spawning a serve process, and what
+``tiercache clean`` removes besides regions (cleanup)."""

@@ -3,7 +3,9 @@ Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it
 
 Start order: region (create or re-adopt, READY written last) → index → control socket →
 exporter. Shutdown runs the reverse and unlinks the region and the socket; it is
-idempotent, so a signal during start-up still leaves nothing behind.
+idempotent, so a signal during start-up still leaves nothing behind. Each part is kept
+only once it started, so shutdown removes (and reports) exactly what this coordinator
+made: a start refused over a live coordinator's region removes nothing of it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import threading
 import time
 from typing import Callable
 
-from tiercache.config import Config, format_bytes
+from tiercache.config import Config
+from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
 
 log = logging.getLogger(__name__)
@@ -41,8 +44,9 @@ class Coordinator:
             layout = self.region.layout
             self.manager = OffloadingManager(layout.num_blocks, policy=cfg.index_policy,
                                              enable_events=cfg.index_events)
-            self.control = ControlServer(self.manager, cfg.socket_path)
-            self.control.start()
+            control = ControlServer(self.manager, cfg.socket_path)
+            control.start()  # cleans up after itself when it fails
+            self.control = control
             if cfg.exporter.enabled:
                 collector = TiercacheCollector(self.region, manager_stats=self.control.stats)
                 self.exporter = start_exporter(cfg.exporter, collector)
@@ -80,4 +84,7 @@ class Coordinator:
                 errors[name] = e
         if errors:
             raise next(iter(errors.values()))
-        self.say("stopped; region and socket removed")
+        removed = ([f"region {self.region.path}"] if self.region else []) + (
+            [f"socket {self.control.socket_path}"] if self.control else [])
+        self.say(f"stopped; removed {' and '.join(removed)}" if removed else
+                 "stopped; nothing to remove (this start created no region or socket)")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tiercache.config import Config, config_to_toml
+from tiercache.errors import ServiceError
 
 DEFAULT_START_TIMEOUT_S = 60.0
 READY_MARKER = "tiercache: ready in "  # the line `serve` prints once it serves
@@ -55,12 +56,12 @@ class CoordinatorProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tiercache serve exited with {self.proc.returncode}:\n"
+                raise ServiceError(f"tiercache serve exited with {self.proc.returncode}:\n"
                                    f"{self.output()}")
             if READY_MARKER in self.output():
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"tiercache serve not ready after {timeout_s} s:\n{self.output()}")
+        raise ServiceError(f"tiercache serve not ready after {timeout_s} s:\n{self.output()}")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -82,7 +83,7 @@ class CoordinatorProcess:
     def cleanup(self) -> None:
         """Stop if needed; remove what a killed coordinator left (its region and socket)."""
         self.stop()
-        from tiercache.region.shared import remove_stale
+        from tiercache.region.stale import remove_stale
 
         remove_stale(name_prefix=self.config.name)
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from tiercache.errors import LayoutMismatchError, PinUnavailableError
 from tiercache.pages import PageArray
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
-from tiercache.region.shared import SHM_DIR, SharedOffloadRegion
+from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
@@ -112,13 +113,10 @@ class Worker:
         self.close()
 
 
-def _release(region: SharedOffloadRegion, rank: int, pin_failed: bool = False) -> None:
+def _release(region: SharedOffloadRegion, rank: int) -> None:
     try:
         region.unpin()
-        stats = region.stats(rank)
-        stats.mark_detached()
-        if pin_failed:
-            stats.set_pin(PinState.FAILED)  # nobody attached; the last attempt could not pin
+        region.stats(rank).mark_detached()
     finally:
         region.close()
 
@@ -142,8 +140,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
            pinning: PinningPolicy | None = None,
            device: torch.device | str | None = None,
            ready_timeout_s: float = 0.0,
-           prefault_threads: int | None = None,
-           shm_dir: str = SHM_DIR) -> Worker:
+           prefault_threads: int | None = None) -> Worker:
     """Attach ``rank`` of a region and build its handlers over ``gpu_caches``.
 
     ``config_or_name``: a Config (geometry checked against the region; backend and
@@ -156,9 +153,13 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     before it is pinned.
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
-    region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
-                                        timeout_s=ready_timeout_s, shm_dir=shm_dir)
-    try:
+    if prefault_threads is None:
+        prefault_threads = (config_or_name.region.prefault_threads
+                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
+    with ExitStack() as undo:  # each step registers its undo; success keeps them all
+        region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
+                                            timeout_s=ready_timeout_s)
+        undo.callback(region.close)
         layout = region.layout
         gpu_pages = page_arrays_of(gpu_caches, layout.page_bytes)
         cpu_pages = page_arrays_of(region.tensor_views(rank), layout.page_bytes,
@@ -166,35 +167,30 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         torch_device = _device(gpu_caches, device)
         kind = resolve_kind(kind, torch_device.type)
         planner = TransferPlanner(gpu_pages, cpu_pages, layout.block_size_factor, group_tensors)
-    except BaseException:
-        region.close()
-        raise
-    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
-    if prefault_threads is None:
-        prefault_threads = (config_or_name.region.prefault_threads
-                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
-    try:
-        region.prefault_slice(prefault_threads)
-    except BaseException:
-        _release(region, rank)  # pinning was never tried: the pin state stays as it was
-        raise
-    try:
+
+        stats = region.stats(rank)
+        stats.mark_attached(os.getpid(), process_start_ns(os.getpid()))
+        pin_failed = False
+
+        def detach() -> None:
+            stats.mark_detached()
+            if pin_failed:  # nobody attached; the last attempt could not pin
+                stats.set_pin(PinState.FAILED)
+
+        undo.callback(detach)
+        undo.callback(region.unpin)
+        region.prefault_slice(prefault_threads)  # a failure leaves the pin state as it was
+        pin_failed = True
         pin_state = _pin(region, rank, policy, torch_device)
-    except BaseException:
-        _release(region, rank, pin_failed=True)
-        raise
-    streams = None
-    try:
+        pin_failed = False
         streams = create_stream_platform(kind, torch_device)
-        backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams)
+        undo.callback(streams.close)
+        backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams,
+                             planner)
         for direction, chosen in backends.items():
-            region.stats(rank).set_backend(direction, chosen.kind)
-        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, region.stats(rank))
-    except BaseException:
-        if streams is not None:
-            streams.close()
-        _release(region, rank)
-        raise
+            stats.set_backend(direction, chosen.kind)
+        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, stats)
+        undo.pop_all()
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
              {d.label: b.kind.label for d, b in backends.items()}, pin_state.label)
     return Worker(region, rank, handlers, pin_state, gpu_caches)
@@ -219,12 +215,13 @@ def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
 
 def _backends(kind: BackendKind, gpu_pages: tuple[PageArray, ...],
               cpu_pages: tuple[PageArray, ...], device: torch.device, pin_state: PinState,
-              streams: StreamPlatform) -> dict[Direction, CopyBackend]:
+              streams: StreamPlatform, planner: TransferPlanner
+              ) -> dict[Direction, CopyBackend]:
     built: dict[Direction, CopyBackend] = {}
     try:
         for direction in Direction:
             context = BackendContext(direction, gpu_pages, cpu_pages, device,
-                                     pin_state is PinState.PINNED, streams)
+                                     pin_state is PinState.PINNED, streams, planner)
             built[direction] = create_backend(kind, context)
     except BaseException:
         for made in built.values():

@@ -23,10 +23,11 @@ from typing import Any
 from tiercache.backends.kind import BackendKind
 from tiercache.config import Config, load_config
 from tiercache.errors import (
-    ConfigError, CoordinatorGoneError, LayoutMismatchError, RanksDownError, WorkerError,
+    ConfigError, CoordinatorGoneError, LayoutMismatchError, RanksDownError, ServiceError,
+    WorkerError,
 )
 from tiercache.region.layout import RegionLayout
-from tiercache.region.shared import list_regions
+from tiercache.region.stale import list_regions
 from tiercache.service.signals import stop_on_signals
 from tiercache.service.process import CoordinatorProcess
 from tiercache.tools.demo.engine import ATTACH_TIMEOUT_S, DemoEngine
@@ -113,7 +114,7 @@ class CoordinatorLink:
     def start(self) -> None:
         try:
             self.process = CoordinatorProcess(self.config, self._tmp.name)
-        except RuntimeError as e:  # serve exited: its log names the reason
+        except ServiceError as e:  # serve exited: its log names the reason
             raise CoordinatorGoneError(f"the coordinator the demo started did not come up: "
                                        f"{e}") from e
         self.pid = self.process.pid

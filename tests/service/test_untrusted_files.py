@@ -1,0 +1,155 @@
+"""Files under a region's name that tiercache must not trust: other file types, other
+owners, other modes. ``serve``, ``status`` and ``clean`` run as real processes (with a
+timeout: a FIFO used to hang them) and must answer with one line, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tiercache.config import config_to_toml
+from tiercache.service.process import CoordinatorProcess
+
+import users
+
+CLI_TIMEOUT_S = 30
+
+
+def tiercache(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiercache", *args], capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def other_user():
+    yield from users.other_user()
+
+
+def _write_config(cfg, tmp_path) -> str:
+    path = tmp_path / f"{cfg.name}.toml"
+    path.write_text(config_to_toml(cfg))
+    return str(path)
+
+
+def _make_entry(kind: str, path: str, tmp_path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    elif kind == "symlink":  # to a file of ours: following it would be the attack
+        target = tmp_path / "target"
+        target.write_bytes(b"\0" * 8192)
+        os.symlink(target, path)
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's numbers
+    else:
+        raise AssertionError(kind)
+
+
+def _remove_entry(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+KIND_WORDS = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symlink",
+              "device": "a character device"}
+
+
+@pytest.mark.parametrize("kind", list(KIND_WORDS))
+def test_a_non_file_named_like_a_region_neither_hangs_nor_crashes_status_clean_serve(
+        kind, make_config, tmp_path):
+    cfg = make_config()
+    path = f"/dev/shm/{cfg.shm_name}"
+    _make_entry(kind, path, tmp_path)
+    try:
+        status = tiercache("status")
+        assert status.returncode == 0, status.stderr
+        assert "Traceback" not in status.stderr
+        line = [s for s in status.stdout.splitlines() if cfg.name in s]
+        assert len(line) == 1 and KIND_WORDS[kind] in line[0] and "not a region" in line[0]
+
+        named = tiercache("status", "--name", cfg.name)
+        assert named.returncode == 1 and named.stdout == ""
+        assert named.stderr.count("\n") == 1 and KIND_WORDS[kind] in named.stderr
+
+        clean = tiercache("clean")
+        assert clean.returncode == 0, clean.stderr
+        assert f"left {path} alone: {KIND_WORDS[kind]}" in clean.stdout
+        assert os.path.lexists(path)  # not ours to judge: clean never removes it
+
+        serve = tiercache("serve", "--config", _write_config(cfg, tmp_path))
+        assert serve.returncode == 1
+        assert serve.stderr.startswith(f"tiercache: error: {path} is {KIND_WORDS[kind]}")
+        assert serve.stderr.count("\n") == 1, serve.stderr
+        assert "removed" not in serve.stdout  # it created nothing, so it removed nothing
+        assert os.path.lexists(path)
+    finally:
+        _remove_entry(path)
+
+
+def _stale_region(make_config, tmp_path):
+    """A region whose coordinator was SIGKILLed (same geometry: serve would re-adopt it)."""
+    cfg = make_config()
+    CoordinatorProcess(cfg, tmp_path / "dead").kill()
+    return cfg, f"/dev/shm/{cfg.shm_name}"
+
+
+def test_serve_does_not_readopt_a_region_with_another_mode(make_config, tmp_path):
+    cfg, path = _stale_region(make_config, tmp_path)
+    os.chmod(path, 0o666)
+    serve = tiercache("serve", "--config", _write_config(cfg, tmp_path))
+    assert serve.returncode == 1
+    me = f"uid {os.geteuid()}"
+    assert serve.stderr.startswith(f"tiercache: error: {path} is a regular file owned by ")
+    assert me in serve.stderr and "mode 0666" in serve.stderr and "mode 0600" in serve.stderr
+    assert serve.stderr.count("\n") == 1
+    assert "re-adopted" not in serve.stdout
+    assert os.stat(path).st_mode & 0o777 == 0o666  # left as found, for the user to inspect
+    os.unlink(path)
+
+
+def test_serve_does_not_readopt_a_region_another_user_owns(make_config, tmp_path, other_user):
+    cfg, path = _stale_region(make_config, tmp_path)
+    other_user.own(path)  # as if that user had left it there for us to adopt
+    serve = tiercache("serve", "--config", _write_config(cfg, tmp_path))
+    assert serve.returncode == 1
+    assert f"owned by {other_user.name} (uid {other_user.uid})" in serve.stderr
+    assert serve.stderr.count("\n") == 1 and "re-adopted" not in serve.stdout
+    status = tiercache("status")
+    assert f"owned by {other_user.name}" in status.stdout
+    clean = tiercache("clean")
+    assert f"left {path} alone" in clean.stdout and os.path.exists(path)
+    os.unlink(path)
+
+
+def test_another_user_gets_one_line_errors_for_our_region(make_config, tmp_path, other_user):
+    """The other user cannot open our 0600 region: serve, status and clean say so in one
+    line (they used to print a PermissionError traceback, or ignore the region)."""
+    their = users.shared_dir(other_user)
+    try:
+        cfg = make_config(control_socket=os.path.join(their.name, "control.sock"))
+        with CoordinatorProcess(cfg, tmp_path):
+            path = f"/dev/shm/{cfg.shm_name}"
+            config_path = os.path.join(their.name, "c.toml")
+            with open(config_path, "w") as f:
+                f.write(config_to_toml(cfg))
+            serve = other_user.tiercache("serve", "--config", config_path)
+            assert serve.returncode == 1, serve.stderr
+            assert serve.stderr.startswith(f"tiercache: error: {path} is a regular file owned by ")
+            assert serve.stderr.count("\n") == 1, serve.stderr
+            status = other_user.tiercache("status", "--name", cfg.name)
+            assert status.returncode == 1 and status.stderr.count("\n") == 1, status.stderr
+            assert "owned by root (uid 0)" in status.stderr
+            clean = other_user.tiercache("clean", "--name", cfg.name)
+            assert clean.returncode == 0, clean.stderr
+            assert f"left {path} alone" in clean.stdout and os.path.exists(path)
+    finally:
+        their.cleanup()
