@@ -6,6 +6,10 @@
 # figures from one machine.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # packages the device image lacks (posix_ipc, test tools), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site || exit 1
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c 'import torch, triton, numpy; print(torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)' | tee -a "$OUT/machine.txt"
@@ -14,7 +18,8 @@ BENCH_ARGS=${BENCH_ARGS:-"--matmul --reps 7"}
 BASELINE_ARGS=${BASELINE_ARGS:-"--page-kib 32 --backend auto staged ce --reps 7"}
 for step in $STEPS; do
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_backends_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    block-probe) timeout 150 python3 scripts/block_kernel_probe.py 2>&1 | tee "$OUT/block_probe.log" | tail -25 ;;
     probe) timeout 200 python3 scripts/transfer_probe.py 2>&1 | tee "$OUT/probe.log" | grep -v '^\[' ;;
     staged-probe) for mode in main ce both; do timeout 150 python3 scripts/staged_probe.py $mode 2>&1 | tee -a "$OUT/staged_probe.log" | grep RESULT; done ;;
     bench) timeout 400 python3 -m tiercache.tools.bench $BENCH_ARGS --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"; tail -3 "$OUT/bench_progress.log" ;;

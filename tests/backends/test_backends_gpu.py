@@ -69,9 +69,20 @@ BUILDERS = {
     "staged-odd": lambda: _staged(chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10),
 }
 BACKENDS = list(BUILDERS)
+# block-level staged: built with the rank's planner (as a worker builds it)
+PLANNED = {
+    "staged-blocks": lambda planner: _staged(planner=planner),
+    # a row image (4 x 32 KiB x factor) or two per chunk: the ring wraps every chunk or two
+    "staged-blocks-small": lambda planner: _staged(planner=planner, chunk_bytes=320 << 10,
+                                                   num_slots=2, direct_bytes=64 << 10),
+}
 
 
-def _build(name: str, direction: Direction):
+def _build(name: str, direction: Direction, planner=None):
+    if name in PLANNED:
+        backend = PLANNED[name](planner)
+        assert backend.takes_blocks  # the block layout accepted the geometry
+        return backend
     return BUILDERS[name]()
 
 
@@ -312,7 +323,7 @@ def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cp
                            layout.row_stride, page, pages_per_block=factor)
                  for t in range(tensors)]
     planner = TransferPlanner(gpu_pages, cpu_pages, block_size_factor=factor)
-    backends = {d: _build(name, d) for d in Direction}
+    backends = {d: _build(name, d, planner) for d in Direction}
     handlers = CpuGpuOffloadingHandlers.build(planner, backends, CudaStreams("cuda:0"))
     return handlers, layout
 
@@ -328,7 +339,8 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
     return pairs
 
 
-@pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small"])
+@pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small",
+                                  "staged-blocks", "staged-blocks-small"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
@@ -373,4 +385,37 @@ def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     results = handlers.get_finished()
     assert sorted(r.job_id for r in results) == [1, 2] and all(r.success for r in results)
     assert all(r.transfer_size == len(pairs) * page for r in results)
+    handlers.shutdown()
+
+
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small"])
+def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
+    """block_size_factor 2, a load starting at the second sub-page of its first CPU block
+    (vLLM's block_indices): the pages land byte-exact and no other GPU byte changes."""
+    from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+    gpu, host = buffers
+    tensors, page, factor = 4, 32768, 2
+    rng = np.random.default_rng(5)
+    handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
+                                 factor=factor)
+    gpu_ids = rng.permutation(64)[:7].tolist()
+    cpu_ids = rng.permutation(32)[:4].tolist()  # sub-pages 1..7 of 4 CPU blocks
+    host_data = rng.integers(0, 256, HOST_BYTES, dtype=np.uint8)
+    host.copy_(torch.from_numpy(host_data))
+    gpu.fill_(POISON)
+    torch.cuda.synchronize()
+    spec = GPULoadStoreSpec(gpu_ids, group_sizes=[7], block_indices=[1])
+    assert handlers.transfer_async(1, (CPULoadStoreSpec(cpu_ids), spec))
+    handlers.wait([1])
+    got = gpu.cpu().numpy()
+    expected = np.full_like(got, POISON)
+    for t in range(tensors):
+        for i, g in enumerate(gpu_ids):
+            cpu_block, sub = cpu_ids[(i + 1) // factor], (i + 1) % factor
+            h = cpu_block * layout.row_stride + layout.page_offsets[t] + sub * page
+            expected[t * 64 * page + g * page:][:page] = host_data[h:h + page]
+    assert np.array_equal(got, expected)
+    (result,) = handlers.get_finished()
+    assert result.success and result.transfer_size == 7 * tensors * page
     handlers.shutdown()

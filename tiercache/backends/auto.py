@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan, Submitted
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import CudaDriver, device_index
 from tiercache.backends.kind import BackendKind
@@ -71,14 +71,23 @@ class AutoChoice:
 class AutoBackend(CopyBackend):
     """The chosen backend, with the choice attached; ``kind`` is the chosen one's.
 
-    ``small``, when set, takes plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors.
+    ``small``, when set, takes plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors
+    (block plans expanded to pages by ``planner``, the rank's).
     """
 
-    def __init__(self, chosen: CopyBackend, choice: AutoChoice, small: CopyBackend | None = None):
+    def __init__(self, chosen: CopyBackend, choice: AutoChoice, small: CopyBackend | None = None,
+                 planner: Any = None):
         self.chosen = chosen
         self.small = small
         self.choice = choice
         self.kind = chosen.kind
+        self.planner = planner
+        self.takes_blocks = chosen.takes_blocks and (small is None or planner is not None)
+
+    def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
+        if self.small is not None and plan.num_pages <= SMALL_PLAN_DESCRIPTORS:
+            return self.small.copy_async(self.planner.expand(plan), stream)
+        return self.chosen.copy_blocks_async(plan, stream)
 
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         if self.small is not None and plan.num_descriptors <= SMALL_PLAN_DESCRIPTORS:
@@ -216,6 +225,10 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     best = measured[0]
     for other in measured[1:]:
         other.backend.close()
+    chosen = best.backend
+    if chosen.kind is BackendKind.STAGED and context.planner is not None:
+        chosen.close()  # calibrated on scratch pages; the rank's own has its block layout
+        chosen = StagedBackend(device, driver=driver, planner=context.planner)
     elapsed_ms = (time.perf_counter() - started) * 1e3
     summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "
                         f"(host {m.host_share:.0%})"
@@ -227,7 +240,7 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
         reason += f"; plans of <= {SMALL_PLAN_DESCRIPTORS} descriptors on ce"
     return (AutoChoice(direction, best.backend.kind, reason,
                        tuple((m.backend.kind, round(m.rate_bps / 1e9, 2)) for m in measured)),
-            best.backend)
+            chosen)
 
 
 def create(context: BackendContext) -> AutoBackend:
@@ -236,4 +249,4 @@ def create(context: BackendContext) -> AutoBackend:
     small = None
     if isinstance(backend, StagedBackend):
         small = CeBackend(device_index(context.device), backend.driver)
-    return AutoBackend(backend, choice, small)
+    return AutoBackend(backend, choice, small, context.planner)

@@ -59,6 +59,11 @@ class BlockPlan:
     def num_bytes(self) -> int:
         return sum(w.num_bytes for w in self.pairs)
 
+    @property
+    def num_pages(self) -> int:
+        """Page descriptors the plan expands to before runs are merged."""
+        return sum(w.num_descriptors for w in self.pairs)
+
 
 @dataclass(frozen=True)
 class BackendContext:
@@ -116,6 +121,12 @@ class CopyBackend(ABC):
     @abstractmethod
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         """Enqueue the plan's copies on ``stream``; return the keep-alive token."""
+
+    def submit(self, plan: CopyPlan | BlockPlan, stream: Any) -> Submitted:
+        """``copy_async`` or ``copy_blocks_async``, whichever the plan is for."""
+        if isinstance(plan, BlockPlan):
+            return self.copy_blocks_async(plan, stream)
+        return self.copy_async(plan, stream)
 
     def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
         """``copy_async`` for a block-level plan (only when ``takes_blocks``): the same

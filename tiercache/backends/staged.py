@@ -26,6 +26,15 @@ a slot is reused only after its last user, whatever transfer that was. Descripto
 ``direct_bytes`` or more skip the ring (one DMA each). Host bytes outside the plan's
 descriptors are never written (``staging``).
 
+Two layouts, one pipeline. With the rank's planner (a worker's backends get it), the
+transfer arrives at block level (``BlockPlan``: GPU ids, CPU rows, sub-pages) and
+``block_staging`` lays it out as row images in O(blocks); ``block_kernel`` expands each
+(pair, tensor) to its page addresses on the device from tables uploaded once. Host work
+per transfer is then proportional to blocks, not pages (the point of the design: 64
+tensors x 256 blocks is 16 k pages but 256 pairs). Without a planner (single-backend
+rigs), or for a geometry the block layout refuses (said once at WARNING, with why), the
+page-level layout below is used.
+
 Host cost delays the first DMA, and every chunk costs a kernel launch and a batch call:
 the layout is a few numpy passes when the plan is in host order (the planner's), the
 descriptor table is uploaded once, and chunks are large (``DEFAULT_CHUNK_BYTES``) so
@@ -38,12 +47,16 @@ to end on 2 GPUs").
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.block_kernel import BlockKernel, PairTables
+from tiercache.backends.block_staging import BlockLayout, BlockStaging
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
@@ -59,6 +72,8 @@ DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction
 DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling unaided
 PACK_PROGRAMS_PER_SM = 2
 
+log = logging.getLogger(__name__)
+
 
 class StagedBackend(CopyBackend):
     """Staging ring of ``num_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
@@ -68,7 +83,8 @@ class StagedBackend(CopyBackend):
     def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  num_slots: int = DEFAULT_NUM_SLOTS, direct_bytes: int = DEFAULT_DIRECT_BYTES,
                  pack_programs: int | None = None, driver: CudaDriver | None = None,
-                 load_order: SrcAccessOrder = SrcAccessOrder.ANY):
+                 load_order: SrcAccessOrder = SrcAccessOrder.ANY, planner: Any = None,
+                 load_whole_rows: bool = True):
         if num_slots < 2:
             raise BackendError(f"num_slots = {num_slots}: staged needs >= 2 to overlap")
         if not 0 < direct_bytes <= chunk_bytes:
@@ -96,6 +112,21 @@ class StagedBackend(CopyBackend):
         self._scratch = Scratch()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
+        self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
+
+    def _block_path(self, planner: Any, load_whole_rows: bool
+                    ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
+        try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
+            staging = BlockStaging.of_planner(planner, self.chunk_bytes, load_whole_rows)
+        except BackendError as e:
+            log.warning("staged on %s: this geometry takes the page-level layout (%s)",
+                        self.device, e)
+            return None
+        return staging, BlockKernel(staging, self.device), PairTables(self.device)
+
+    @property
+    def takes_blocks(self) -> bool:  # type: ignore[override]
+        return self._blocks is not None
 
     # ------------------------------------------------------------ submit
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
@@ -105,58 +136,116 @@ class StagedBackend(CopyBackend):
         gpu, host = plan.direction.src_dst(src, dst)  # the same swap: (src, dst) -> (gpu, host)
         layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes,
                               self._scratch)
-        drv = self.driver
-        drv.event_record(self._start, handle)
-        drv.stream_wait_event(self._dma, self._start)
+        self._begin(handle)
         x = layout.direct
         if x.num_bytes.size:
             order = SrcAccessOrder.STREAM if store else self.load_order
             self._ce.submit(*plan.direction.src_dst(x.gpu, x.host), x.num_bytes, order, self._dma)
         kept: tuple[Any, ...] = (layout, x)
         if layout.num_chunks:
-            kept += self._submit_chunks(layout, store, handle, stream)
-        drv.event_record(self._done, self._dma)
-        drv.stream_wait_event(handle, self._done)
+            kept += self._page_chunks(layout, store, handle, stream)
+        self._end(handle)
         return Submitted(kept)
 
-    def _submit_chunks(self, layout: StagingLayout, store: bool, handle: int,
-                       stream: Any) -> tuple[Any, ...]:
+    def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
+        if self._blocks is None:
+            raise BackendError("staged has no block layout for this geometry (built without "
+                               "a planner, or the layout refused it): pass a page plan")
+        staging, kernel, tables = self._blocks
+        handle = self.driver.enter(stream, self._ce.device)
+        store = plan.direction is Direction.GPU_TO_CPU
+        layout = staging.layout(plan.pairs, store)
+        self._begin(handle)
+        kept: tuple[Any, ...] = (layout,)
+        if layout.num_chunks:
+            with torch.cuda.stream(stream):
+                pairs, token = tables.upload(layout.pairs, stream)
+                move = kernel.pack if store else kernel.unpack
+
+                def gpu_half(k: int, slot_base: int) -> None:
+                    move(pairs, layout.num_pairs, *layout.pair_range(k), slot_base)
+
+                kept += self._pipeline(layout.num_chunks, store, handle,
+                                       lambda bases: self._block_dmas(layout, bases, store),
+                                       layout.dma_first.tolist(), gpu_half)
+                tables.release(token, stream)
+        self._end(handle)
+        return Submitted(kept)
+
+    @staticmethod
+    def _block_dmas(layout: BlockLayout, slot_bases: np.ndarray, store: bool
+                    ) -> DescriptorArrays:
+        stage = layout.dma_slot_addresses(slot_bases)
+        return DescriptorArrays.of(stage, layout.dma_host, layout.dma_bytes) if store else \
+            DescriptorArrays.of(layout.dma_host, stage, layout.dma_bytes)
+
+    def _begin(self, handle: int) -> None:
+        """The DMA stream starts after everything already on the caller's stream."""
+        self.driver.event_record(self._start, handle)
+        self.driver.stream_wait_event(self._dma, self._start)
+
+    def _end(self, handle: int) -> None:
+        """The caller's stream continues after the last DMA."""
+        self.driver.event_record(self._done, self._dma)
+        self.driver.stream_wait_event(handle, self._done)
+
+    def _page_chunks(self, layout: StagingLayout, store: bool, handle: int,
+                     stream: Any) -> tuple[Any, ...]:
         assert layout.max_slot_bytes <= self.slot_bytes  # staged pieces < direct_bytes
         p, d = layout.pieces, layout.dmas
-        num_chunks = layout.num_chunks
-        slots = [(self._cursor + k) % self.num_slots for k in range(num_chunks)]
-        slot_base = np.array([self._ring_base + s * self.slot_bytes for s in slots], np.uint64)
-        stage = np.repeat(slot_base, np.diff(d.first)) + d.slot_offset  # DMAs' slot ends
-        dmas = DescriptorArrays.of(stage, d.address, d.num_bytes) if store else \
-            DescriptorArrays.of(d.address, stage, d.num_bytes)
-        # piece i of chunk k sits at packed[i] - chunk_start[k] in its slot: one shift per chunk
-        shifts = [int(b) - int(c) for b, c in zip(slot_base.tolist(), p.chunk_start.tolist())]
-        pieces, dma_first = p.first.tolist(), d.first.tolist()
-        drv, ce, dma = self.driver, self._ce, self._dma
+
+        def dmas_at(slot_base: np.ndarray) -> DescriptorArrays:
+            stage = np.repeat(slot_base, np.diff(d.first)) + d.slot_offset  # DMAs' slot ends
+            return DescriptorArrays.of(stage, d.address, d.num_bytes) if store else \
+                DescriptorArrays.of(d.address, stage, d.num_bytes)
+
         with torch.cuda.stream(stream):
-            if store:
-                table = upload_table(p.gpu, p.packed, p.num_bytes, stream)
-            else:
-                table = upload_table(p.packed, p.gpu, p.num_bytes, stream)
-            for k, s in enumerate(slots):
+            table = upload_table(*((p.gpu, p.packed) if store else (p.packed, p.gpu)),
+                                 p.num_bytes, stream)
+            pieces, chunk_start = p.first.tolist(), p.chunk_start.tolist()
+
+            # piece i of chunk k sits at packed[i] - chunk_start[k] in its slot: one shift
+            def gpu_half(k: int, slot_base: int) -> None:
+                shift = slot_base - int(chunk_start[k])
                 first, count = pieces[k], pieces[k + 1] - pieces[k]
                 if store:
-                    drv.stream_wait_event(handle, self._free[s])
-                    self._kernel.launch(table, first, count, dst_shift=shifts[k])
-                    drv.event_record(self._ready[s], handle)
-                    drv.stream_wait_event(dma, self._ready[s])
-                    ce.submit_range(dmas, dma_first[k], dma_first[k + 1], SrcAccessOrder.STREAM,
-                                    dma)
-                    drv.event_record(self._free[s], dma)
+                    self._kernel.launch(table, first, count, dst_shift=shift)
                 else:
-                    drv.stream_wait_event(dma, self._free[s])
-                    ce.submit_range(dmas, dma_first[k], dma_first[k + 1], self.load_order, dma)
-                    drv.event_record(self._ready[s], dma)
-                    drv.stream_wait_event(handle, self._ready[s])
-                    self._kernel.launch(table, first, count, src_shift=shifts[k])
-                    drv.event_record(self._free[s], handle)
+                    self._kernel.launch(table, first, count, src_shift=shift)
+
+            kept = self._pipeline(layout.num_chunks, store, handle, dmas_at, d.first.tolist(),
+                                  gpu_half)
+        return kept + (table,)
+
+    def _pipeline(self, num_chunks: int, store: bool, handle: int,
+                  dmas_at: Callable[[np.ndarray], DescriptorArrays], dma_first: list[int],
+                  gpu_half: Callable[[int, int], None]) -> tuple[Any, ...]:
+        """Chunk k through slot s: the GPU half (pack / unpack on the caller's stream) and
+        the DMA half (copy engines on the DMA stream), ordered by the slot's events (module
+        docstring). ``dmas_at(slot_bases)`` gives the DMAs, ``dma_first`` their chunk
+        boundaries; ``gpu_half(k, slot_base)`` enqueues chunk k's kernel."""
+        slots = [(self._cursor + k) % self.num_slots for k in range(num_chunks)]
+        bases = [self._ring_base + s * self.slot_bytes for s in slots]
+        dmas = dmas_at(np.array(bases, np.uint64))
+        drv, ce, dma = self.driver, self._ce, self._dma
+        for k, s in enumerate(slots):
+            lo, hi = dma_first[k], dma_first[k + 1]
+            if store:
+                drv.stream_wait_event(handle, self._free[s])
+                gpu_half(k, bases[k])
+                drv.event_record(self._ready[s], handle)
+                drv.stream_wait_event(dma, self._ready[s])
+                ce.submit_range(dmas, lo, hi, SrcAccessOrder.STREAM, dma)
+                drv.event_record(self._free[s], dma)
+            else:
+                drv.stream_wait_event(dma, self._free[s])
+                ce.submit_range(dmas, lo, hi, self.load_order, dma)
+                drv.event_record(self._ready[s], dma)
+                drv.stream_wait_event(handle, self._ready[s])
+                gpu_half(k, bases[k])
+                drv.event_record(self._free[s], handle)
         self._cursor = (self._cursor + num_chunks) % self.num_slots
-        return (dmas, table)
+        return (dmas,)
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -170,4 +259,4 @@ class StagedBackend(CopyBackend):
 
 
 def create(context: BackendContext) -> StagedBackend:
-    return StagedBackend(device_index(context.device))
+    return StagedBackend(device_index(context.device), planner=context.planner)

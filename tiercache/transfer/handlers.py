@@ -126,13 +126,8 @@ class SingleDirectionOffloadingHandler:
             if previous is not None:
                 stream.wait_event(previous)
             start.record(stream)
-            token = None
-            if isinstance(plan, BlockPlan):
-                if plan.num_pairs:
-                    token = self.backend.copy_blocks_async(plan, stream)
-            elif plan.num_descriptors:
-                token = self.backend.copy_async(plan, stream)
-            return True, token
+            empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
+            return True, None if empty else self.backend.submit(plan, stream)
         except _DEVICE_ERRORS as e:
             log.error("%s job %d: the %s backend could not submit %d bytes: %s",
                       self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, e)

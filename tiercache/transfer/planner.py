@@ -168,7 +168,13 @@ class TransferPlanner:
         ``direction``, merged unless ``merge=False``; raises SpecError naming what is wrong
         (a pair that does not move in ``direction`` included) before anything is returned.
         With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
-        work = self.pairs(direction, transfer)
+        return self.expand(self.block_plan(direction, transfer), merge, out)
+
+    def expand(self, plan: BlockPlan, merge: bool = True, out: PlanBuffers | None = None
+               ) -> CopyPlan:
+        """The page descriptors of a block plan of this planner (``plan`` = ``block_plan``
+        then this): every transfer is pairs first, pages only for backends that take them."""
+        direction, work = plan.direction, list(plan.pairs)
         if merge:  # fuse runs of pages where every tensor of the group agrees
             work = [w.fused() for w in work]
         total = sum(w.num_descriptors for w in work)

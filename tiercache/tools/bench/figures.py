@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.backends.base import CopyBackend, CopyPlan
+from tiercache.backends.base import BlockPlan, CopyBackend, CopyPlan
 from tiercache.specs import Direction
 from tiercache.tools.bench.report import Progress, Report, fmt_rate
 from tiercache.tools.bench.rig import BenchBackend, GpuRig, RigPlans
@@ -18,6 +18,7 @@ from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
 from tiercache.transfer.planner import PlanBuffers
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
+AnyPlan = CopyPlan | BlockPlan
 MATMUL_N = 8192
 MATMUL_WARMUP = 10
 SOLO_RUNS = 3  # before the copies; one more after, for the clocks as they are then
@@ -33,19 +34,21 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
     plans = rig.plans(w)
     ceil, s = report.ceiling, rig.streams[0]
     for backend in backends:
-        built = rig.backends(backend, w)
+        built = rig.backends(backend, w, plans.planner)
+        store, load = plans.for_backend(built)
         row: dict[str, Any] = {
             "workload": w.label(), "page_bytes": w.page_bytes, "backend": backend.label,
             "kind": backend.kind.label, "store_name": built[G2C].kind.label,
-            "load_name": built[C2G].kind.label}
-        for direction, plan in ((G2C, plans.store), (C2G, plans.load)):
-            seconds = rig.time_gpu(partial(built[direction].copy_async, plan, s), s, reps)
+            "load_name": built[C2G].kind.label,
+            "block_level": [built[d].takes_blocks for d in (G2C, C2G)]}
+        for direction, plan in ((G2C, store), (C2G, load)):
+            seconds = rig.time_gpu(partial(built[direction].submit, plan, s), s, reps)
             row[direction.label] = plan.num_bytes / seconds / 1e9
             progress.step(f"{w.label()} {backend.label} {direction.label}",
                           fmt_rate(row[direction.label], ceil[direction.label]))
-        both = sorted(rig.time_both(partial(built[G2C].copy_async, plans.store),
-                                    partial(built[C2G].copy_async, plans.load), reps, stat=list))
-        both_bytes = plans.store.num_bytes + plans.load.num_bytes
+        both = sorted(rig.time_both(partial(built[G2C].submit, store),
+                                    partial(built[C2G].submit, load), reps, stat=list))
+        both_bytes = store.num_bytes + load.num_bytes
         row["both"] = both_bytes / float(np.median(both)) / 1e9
         row["both_min"], row["both_max"] = both_bytes / both[-1] / 1e9, both_bytes / both[0] / 1e9
         progress.step(f"{w.label()} {backend.label} both", fmt_rate(row["both"], ceil["both"])
@@ -55,29 +58,85 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
             progress.step(f"{w.label()} {backend.label} latency/submit",
                           f"1 block {row['latency_us']:.0f} us (target "
                           f"{row['latency_target_us']:.0f}), submit {row['submit_us']:.0f} us")
+        row.update(engine_view(rig, plans, built, reps))
+        progress.step(f"{w.label()} {backend.label} engine view",
+                      f"store {row['engine_gpu_to_cpu']:.1f} load {row['engine_cpu_to_gpu']:.1f} "
+                      f"both {row['engine_both']:.1f} GB/s, transfer_async "
+                      f"{row['engine_submit_us']:.0f}/{row['engine_submit_load_us']:.0f} us, "
+                      f"1 block load {row['engine_one_block_us']:.0f} us")
         report.add(**row)
         for made in built.values():
             made.close()
+
+
+def engine_view(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBackend],
+                reps: int) -> dict[str, float]:
+    """What an engine sees, through the real handlers (as ``attach`` builds them): wall
+    clock from the ``transfer_async`` call to the job's result in ``get_finished`` (planning
+    included; scattered slots and blocks), each way, both at once and one block; and the
+    host time of the ``transfer_async`` call alone."""
+    from tiercache.backends.streams import CudaStreams
+    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+
+    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    jobs = iter(range(1, 1 << 30))
+
+    def run(specs) -> tuple[float, list[float]]:
+        """Submit ``specs`` back to back; (wall seconds until all reported, call seconds)."""
+        rig.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        calls, pending = [], set()
+        for spec in specs:
+            job = next(jobs)
+            c0 = time.perf_counter()
+            handlers.transfer_async(job, spec)
+            calls.append(time.perf_counter() - c0)
+            pending.add(job)
+        while pending:
+            for result in handlers.get_finished():
+                assert result.success, f"engine-view transfer {result.job_id} failed"
+                pending.discard(result.job_id)
+        return time.perf_counter() - t0, calls
+
+    def median(specs, pick) -> float:
+        run(specs)  # warm-up
+        return float(np.median([pick(*run(specs)) for _ in range(max(reps, SUBMIT_REPS))]))
+
+    store_bytes = plans.store.num_bytes
+    load_bytes = plans.load.num_bytes
+    out = {
+        "engine_gpu_to_cpu": store_bytes / median([plans.store_spec], lambda w, c: w) / 1e9,
+        "engine_cpu_to_gpu": load_bytes / median([plans.load_spec], lambda w, c: w) / 1e9,
+        "engine_both": (store_bytes + load_bytes)
+        / median([plans.store_spec, plans.load_spec], lambda w, c: w) / 1e9,
+        "engine_submit_us": median([plans.store_spec], lambda w, c: c[0]) * 1e6,
+        "engine_submit_load_us": median([plans.load_spec], lambda w, c: c[0]) * 1e6,
+        "engine_submit_one_us": median([plans.one_load_spec], lambda w, c: c[0]) * 1e6,
+        "engine_one_block_us": median([plans.one_load_spec], lambda w, c: w) * 1e6,
+    }
+    handlers.shutdown()
+    return out
 
 
 def latency_and_submit(rig: GpuRig, plans: RigPlans, store_b: CopyBackend, load_b: CopyBackend,
                        reps: int) -> dict[str, float]:
     """One block each way, GPU-timed; the host time of planning and submitting a store."""
     s = rig.streams[0]
-    one = plans.planner.plan(G2C, plans.one_store_spec)  # one block: one page per tensor
-    one_load = plans.planner.plan(C2G, plans.one_load_spec)
+    one = plans.make(store_b, G2C, plans.one_store_spec)  # one block: one page per tensor
+    one_load = plans.make(load_b, C2G, plans.one_load_spec)
     timed = partial(rig.time_gpu, stream=s, reps=max(reps, LATENCY_REPS), warm=LATENCY_WARM)
-    lat = timed(partial(store_b.copy_async, one, s))
-    lat_load = timed(partial(load_b.copy_async, one_load, s))
+    lat = timed(partial(store_b.submit, one, s))
+    lat_load = timed(partial(load_b.submit, one_load, s))
     wire_s = one.num_bytes / (min(rig.ceiling_gbps.values()) * 1e9)
     submit, planning = [], []
     buffers = PlanBuffers()
     for _ in range(max(reps, SUBMIT_REPS)):
         s.synchronize()
         t0 = time.perf_counter()
-        plan = plans.planner.plan(G2C, plans.store_spec, out=buffers)
+        plan = plans.planner.block_plan(G2C, plans.store_spec) if store_b.takes_blocks \
+            else plans.planner.plan(G2C, plans.store_spec, out=buffers)
         t1 = time.perf_counter()
-        token = store_b.copy_async(plan, s)
+        token = store_b.submit(plan, s)
         submit.append(time.perf_counter() - t1)
         planning.append(t1 - t0)
         s.synchronize()
@@ -128,7 +187,7 @@ class _GatedCopies:
 
     @classmethod
     def enqueue(cls, rig: GpuRig, gate_stream, store_b: CopyBackend, load_b: CopyBackend,
-                store_plan: CopyPlan, load_plan: CopyPlan, rounds: int) -> _GatedCopies:
+                store_plan: AnyPlan, load_plan: AnyPlan, rounds: int) -> _GatedCopies:
         torch = rig.torch
         s1, s2 = rig.streams[0], rig.streams[1]
         gate = torch.cuda.Event()
@@ -142,13 +201,13 @@ class _GatedCopies:
         t0 = time.perf_counter()
         tokens = []
         for _ in range(rounds):
-            tokens.append(store_b.copy_async(store_plan, s1))
-            tokens.append(load_b.copy_async(load_plan, s2))
+            tokens.append(store_b.submit(store_plan, s1))
+            tokens.append(load_b.submit(load_plan, s2))
         return cls(start, tokens, time.perf_counter() - t0, not gate.query())
 
 
 def matmul_beside_copies(rig: GpuRig, store_b: CopyBackend, load_b: CopyBackend,
-                         store_plan: CopyPlan, load_plan: CopyPlan, iters: int) -> dict:
+                         store_plan: AnyPlan, load_plan: AnyPlan, iters: int) -> dict:
     """bf16 matmul TFLOP/s alone and beside continuous both-ways copies."""
     torch = rig.torch
     mm = _Matmul(rig)
@@ -188,7 +247,7 @@ def run_gpu(args) -> Report:
                             f"{drv.driver_version}, torch {torch.__version__}, "
                             f"batch ABI {drv.batch_abi}")
     workloads = [Workload.for_page(int(p * KIB), max_tensors=args.tensors) for p in args.page_kib]
-    progress = Progress(1 + len(workloads) * len(args.backend) * 3 + len(args.backend)
+    progress = Progress(1 + len(workloads) * len(args.backend) * 4 + len(args.backend)
                         + (len(args.matmul_backends) if args.matmul else 0))
     report.ceiling = rig.ceiling(args.reps)
     progress.step("ceiling (one 512 MiB pinned copy)",
@@ -199,8 +258,8 @@ def run_gpu(args) -> Report:
         w = Workload.for_page(32 * KIB, max_tensors=args.tensors)
         plans = rig.plans(w, seed=1)
         for backend in args.matmul_backends:
-            built = rig.backends(backend, w)
-            m = matmul_beside_copies(rig, built[G2C], built[C2G], plans.store, plans.load,
+            built = rig.backends(backend, w, plans.planner)
+            m = matmul_beside_copies(rig, built[G2C], built[C2G], *plans.for_backend(built),
                                      args.matmul_iters)
             progress.step(f"matmul beside {backend.label} both-ways",
                           f"{m['matmul_beside_tflops']:.0f}/{m['matmul_solo_tflops']:.0f} "

@@ -75,6 +75,24 @@ def _latency_lines(report: Report) -> list[str]:
     return lines
 
 
+def _engine_lines(report: Report) -> list[str]:
+    """Wall clock as an engine sees it (through the handlers, transfer_async -> result)."""
+    rows = [r for r in report.rows if "engine_both" in r]
+    if not rows:
+        return []
+    c = report.ceiling
+    lines = ["", "engine view (wall clock from transfer_async to the result, scattered blocks):",
+             f"{'workload':24s} {'backend':14s} {'gpu_to_cpu':>20s} {'cpu_to_gpu':>20s} "
+             f"{'both':>20s} {'call us st/ld/1':>16s} {'1-block us':>10s}"]
+    for r in rows:
+        cells = [fmt_rate(r[f"engine_{k}"], c[k]) for k in ("gpu_to_cpu", "cpu_to_gpu", "both")]
+        calls = f"{r['engine_submit_us']:.0f}/{r['engine_submit_load_us']:.0f}/" \
+                f"{r['engine_submit_one_us']:.0f}"
+        lines.append(f"{r['workload']:24s} {_shown_name(r):14s} {cells[0]:>20s} {cells[1]:>20s} "
+                     f"{cells[2]:>20s} {calls:>16s} {r['engine_one_block_us']:10.0f}")
+    return lines
+
+
 def _matmul_lines(report: Report) -> list[str]:
     rows = [r for r in report.rows if r.get("mode") == "matmul"]
     if not rows:
@@ -96,4 +114,4 @@ def format_report(report: Report) -> str:
               "ceiling: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in report.ceiling.items()),
               ""]
     return "\n".join(header + _rate_lines(report) + _latency_lines(report)
-                     + _matmul_lines(report))
+                     + _engine_lines(report) + _matmul_lines(report))

@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 
 from tiercache.backends import create_backend
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan
+from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan
 from tiercache.backends.kind import BackendKind
 from tiercache.errors import ConfigError
 from tiercache.pages import PageArray
@@ -35,7 +35,7 @@ def _staged_ring(chunk_mib: int, num_slots: int, context: BackendContext) -> Cop
     from tiercache.backends.staged import StagedBackend
 
     return StagedBackend(device_index(context.device), chunk_bytes=chunk_mib * MIB,
-                         num_slots=num_slots)
+                         num_slots=num_slots, planner=context.planner)
 
 
 # Variants of a kind with non-default settings, for A/B runs: name -> (kind, factory).
@@ -88,6 +88,20 @@ class RigPlans:
     one_store_spec: TransferSpec
     one_load_spec: TransferSpec
 
+    def make(self, backend: CopyBackend, direction: Direction, spec: TransferSpec
+             ) -> CopyPlan | BlockPlan:
+        """The plan ``backend`` takes for ``spec``: block level or pages, as a handler does."""
+        if backend.takes_blocks:
+            return self.planner.block_plan(direction, spec)
+        return self.planner.plan(direction, spec)
+
+    def for_backend(self, built: dict[Direction, CopyBackend]
+                    ) -> tuple[CopyPlan | BlockPlan, CopyPlan | BlockPlan]:
+        """(store plan, load plan) in the form each direction's backend takes."""
+        g2c, c2g = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
+        return (self.make(built[g2c], g2c, self.store_spec),
+                self.make(built[c2g], c2g, self.load_spec))
+
 
 class GpuRig:
     """One pinned host buffer and one GPU buffer, carved per workload."""
@@ -134,13 +148,15 @@ class GpuRig:
                         (GPULoadStoreSpec(gpu_blocks[:1]), CPULoadStoreSpec(rows[:1])),
                         (CPULoadStoreSpec(rows[b:b + 1]), GPULoadStoreSpec(gpu_blocks[b:b + 1])))
 
-    def backends(self, backend: BenchBackend, w: Workload) -> dict[Direction, CopyBackend]:
-        """Both directions of ``backend`` over the workload's pages (pinned host rows)."""
+    def backends(self, backend: BenchBackend, w: Workload, planner: TransferPlanner
+                 ) -> dict[Direction, CopyBackend]:
+        """Both directions of ``backend`` over the workload's pages (pinned host rows),
+        given the planner as a worker gives it (block-level backends use it)."""
         from tiercache.backends.streams import CudaStreams
 
-        gpu, cpu = self.page_arrays(w)
+        gpu, cpu = planner.gpu_pages, planner.cpu_pages
         return {d: backend.create(BackendContext(d, gpu, cpu, self.device, True,
-                                                 CudaStreams(self.device)))
+                                                 CudaStreams(self.device), planner))
                 for d in Direction}
 
     # ------------------------------------------------------------ timing
