@@ -122,7 +122,7 @@ class CopyBackend(ABC):
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         """Enqueue the plan's copies on ``stream``; return the keep-alive token."""
 
-    def submit(self, plan: CopyPlan | BlockPlan, stream: Any) -> Submitted:
+    def submit_plan(self, plan: CopyPlan | BlockPlan, stream: Any) -> Submitted:
         """``copy_async`` or ``copy_blocks_async``, whichever the plan is for."""
         if isinstance(plan, BlockPlan):
             return self.copy_blocks_async(plan, stream)

@@ -3,8 +3,8 @@
 The static tensor table of a ``BlockStaging`` (``tensors``, int64 (4, T): GPU base,
 GPU block stride, page bytes, row offset; ``groups``, int64 (2, G): first table entry
 and tensor count of each group) is uploaded once (``BlockKernel``). A transfer uploads
-its pair table (int64 (4, P): GPU id, row slot offset, sub-page, group) once
-(``PairTables``); each chunk is then one launch over its pair range::
+its pair table (int64 (4, P): GPU id, row slot offset, sub-page, group) into pinned host
+memory that the kernels read through UVA (``PairTables``); each chunk is then one launch over its pair range::
 
     program (i, t):  for pairs p = first + i, first + i + grid0, ... < first + count:
         g = pairs[3, p]; if t < count of g:  e = first entry of g + t
@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.compiler import CompiledKernel
 
 from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
+from tiercache.backends.driver import CudaDriver
 from tiercache.errors import BackendError
 
 _THREAD_BYTES_PER_STEP = 128  # bytes each thread moves per step: 8 x 16-byte accesses in flight
@@ -137,39 +138,43 @@ class BlockKernel:
 
 
 class PairTables:
-    """Per-transfer pair tables on the device, from reused pinned and device buffers.
+    """Per-transfer pair tables in pinned host memory, read by the kernels through UVA.
 
-    ``upload`` copies a layout's pairs into a pinned buffer and enqueues its copy to the
-    device on ``stream``; ``release`` (after the transfer's last launch was enqueued on
-    that stream) records an event, and the buffers are reused only once the event has
-    completed, so a table is never overwritten while a launch may still read it. Buffers
-    in use when a transfer begins are never waited for: a new pair is allocated instead.
+    Why host memory: copying each transfer's table to the device cost ~29 µs of host time
+    (a torch copy and an event, H100); the kernels read each pair's 32 bytes once, over
+    PCIe, a negligible share of a launch. ``upload`` writes the pairs into a reused pinned
+    buffer and returns its address; ``release`` (after the transfer's last launch was
+    enqueued on ``stream``) records the buffer's event, and a buffer is reused only once
+    its event has completed, so a table is never overwritten while a launch may still read
+    it. Buffers in use are never waited for: a new one is allocated instead.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, driver: CudaDriver | None = None):
         self.device = torch.device(device)
-        self._idle: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        self.driver = driver or CudaDriver()
+        self._idle: list[tuple[torch.Tensor, int]] = []  # (pinned buffer, its event)
+        self._events: list[int] = []
 
     def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
-        """(device address of the (4, P) table, token for ``release``)."""
+        """(address of the (4, P) int64 table the kernels read, token for ``release``)."""
         n = int(pairs.size)
-        entry = None
-        for i, (host, dev, event) in enumerate(self._idle):
-            if host.numel() >= n and (event is None or event.query()):
+        for i, (host, event) in enumerate(self._idle):
+            if host.numel() >= n and self.driver.event_done(event):
                 entry = self._idle.pop(i)
                 break
-        if entry is None:
-            cap = max(n, 1024)
-            entry = (torch.empty(cap, dtype=torch.int64, pin_memory=True),
-                     torch.empty(cap, dtype=torch.int64, device=self.device), None)
-        host, dev, _ = entry
-        host.numpy()[:n] = pairs.reshape(-1)
-        with torch.cuda.stream(stream):
-            dev[:n].copy_(host[:n], non_blocking=True)
-        return dev.data_ptr(), entry
+        else:
+            entry = (torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True),
+                     self.driver.event_create())
+            self._events.append(entry[1])
+        entry[0].numpy()[:n] = pairs.reshape(-1)
+        return entry[0].data_ptr(), entry
 
     def release(self, token: Any, stream: Any) -> None:
-        host, dev, _ = token
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._idle.append((host, dev, event))
+        self.driver.event_record(token[1], int(stream.cuda_stream))
+        self._idle.append(token)
+
+    def close(self) -> None:
+        """Call once nothing in flight reads a table (the backend's close)."""
+        for event in self._events:
+            self.driver.event_destroy(event)
+        self._events, self._idle = [], []

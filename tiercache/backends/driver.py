@@ -32,6 +32,7 @@ from tiercache.errors import BackendError
 log = logging.getLogger(__name__)
 
 CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_FOUND = 500
 LEGACY_STREAM_HANDLES = (0, 1)  # NULL (legacy default) and cudaStreamLegacy
 _ABI_12_8 = 12080
@@ -207,6 +208,14 @@ class CudaDriver:
 
     def event_record(self, event: int, stream_handle: int) -> None:
         self._check(self._event_record(event, stream_handle), "cuEventRecord")
+
+    def event_done(self, event: int) -> bool:
+        """``cuEventQuery``: True once the work before the recorded event has finished."""
+        rc = self._lib.cuEventQuery(event)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
 
     def stream_wait_event(self, stream_handle: int, event: int) -> None:
         self._check(self._stream_wait_event(stream_handle, event, 0), "cuStreamWaitEvent")

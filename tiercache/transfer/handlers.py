@@ -127,7 +127,7 @@ class SingleDirectionOffloadingHandler:
                 stream.wait_event(previous)
             start.record(stream)
             empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
-            return True, None if empty else self.backend.submit(plan, stream)
+            return True, None if empty else self.backend.submit_plan(plan, stream)
         except _DEVICE_ERRORS as e:
             log.error("%s job %d: the %s backend could not submit %d bytes: %s",
                       self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, e)

@@ -42,12 +42,12 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
             "load_name": built[C2G].kind.label,
             "block_level": [built[d].takes_blocks for d in (G2C, C2G)]}
         for direction, plan in ((G2C, store), (C2G, load)):
-            seconds = rig.time_gpu(partial(built[direction].submit, plan, s), s, reps)
+            seconds = rig.time_gpu(partial(built[direction].submit_plan, plan, s), s, reps)
             row[direction.label] = plan.num_bytes / seconds / 1e9
             progress.step(f"{w.label()} {backend.label} {direction.label}",
                           fmt_rate(row[direction.label], ceil[direction.label]))
-        both = sorted(rig.time_both(partial(built[G2C].submit, store),
-                                    partial(built[C2G].submit, load), reps, stat=list))
+        both = sorted(rig.time_both(partial(built[G2C].submit_plan, store),
+                                    partial(built[C2G].submit_plan, load), reps, stat=list))
         both_bytes = store.num_bytes + load.num_bytes
         row["both"] = both_bytes / float(np.median(both)) / 1e9
         row["both_min"], row["both_max"] = both_bytes / both[-1] / 1e9, both_bytes / both[0] / 1e9
@@ -125,8 +125,8 @@ def latency_and_submit(rig: GpuRig, plans: RigPlans, store_b: CopyBackend, load_
     one = plans.make(store_b, G2C, plans.one_store_spec)  # one block: one page per tensor
     one_load = plans.make(load_b, C2G, plans.one_load_spec)
     timed = partial(rig.time_gpu, stream=s, reps=max(reps, LATENCY_REPS), warm=LATENCY_WARM)
-    lat = timed(partial(store_b.submit, one, s))
-    lat_load = timed(partial(load_b.submit, one_load, s))
+    lat = timed(partial(store_b.submit_plan, one, s))
+    lat_load = timed(partial(load_b.submit_plan, one_load, s))
     wire_s = one.num_bytes / (min(rig.ceiling_gbps.values()) * 1e9)
     submit, planning = [], []
     buffers = PlanBuffers()
@@ -136,7 +136,7 @@ def latency_and_submit(rig: GpuRig, plans: RigPlans, store_b: CopyBackend, load_
         plan = plans.planner.block_plan(G2C, plans.store_spec) if store_b.takes_blocks \
             else plans.planner.plan(G2C, plans.store_spec, out=buffers)
         t1 = time.perf_counter()
-        token = store_b.submit(plan, s)
+        token = store_b.submit_plan(plan, s)
         submit.append(time.perf_counter() - t1)
         planning.append(t1 - t0)
         s.synchronize()
@@ -201,8 +201,8 @@ class _GatedCopies:
         t0 = time.perf_counter()
         tokens = []
         for _ in range(rounds):
-            tokens.append(store_b.submit(store_plan, s1))
-            tokens.append(load_b.submit(load_plan, s2))
+            tokens.append(store_b.submit_plan(store_plan, s1))
+            tokens.append(load_b.submit_plan(load_plan, s2))
         return cls(start, tokens, time.perf_counter() - t0, not gate.query())
 
 
