@@ -142,16 +142,15 @@ def failed_store_frees_slots(cache, policy: str) -> None:
     s = cache.stats()
     assert (s.free_blocks, s.failed_store_blocks, s.stored_blocks) == (1, 1, 4)
     assert cache.lookup(k(5)) == 0 and cache.lookup(k(1)) == 0  # the victim stays gone
-    with pytest.raises(UnknownKeyError):
-        cache.complete_store(k(5))
+    cache.complete_store(k(5))  # no longer reserved: ignored, 5 does not appear
+    assert cache.lookup(k(5)) == 0 and cache.stats().stored_blocks == 4
     # The freed slot is reused without evicting anyone.
     out = cache.prepare_store(k(5))
     assert out.evicted_keys == () and ids(out) == [0]
-    # Already-ready keys cannot be "failed": the call is refused as a whole.
-    with pytest.raises(StateError):
-        cache.complete_store(k(5, 2), success=False)
-    assert cache.stats().writing_blocks == 1
-    cache.complete_store(k(5), success=False)
+    # A failure reaches only the caller's reservations: READY 2 is not "failed".
+    cache.complete_store(k(5, 2), success=False)
+    s = cache.stats()
+    assert (s.writing_blocks, s.free_blocks, s.failed_store_blocks) == (0, 1, 2)
     assert cache.lookup(k(2, 3, 4)) == 3
 
 
@@ -167,10 +166,10 @@ def events(cache, policy: str) -> None:
 
 def misuse_is_refused(cache, policy: str) -> None:
     store(cache, 1, 2)
-    with pytest.raises(UnknownKeyError, match="b'9'"):
-        cache.complete_store(k(9))
-    with pytest.raises(StateError, match="not writing"):
-        cache.complete_store(k(1))  # a double complete
+    # complete_store ignores what the caller did not reserve (engines repeat keys).
+    cache.complete_store(k(9))
+    cache.complete_store(k(1), success=False)  # a double complete, as a failure
+    assert cache.lookup(k(1, 2, 9)) == 2 and cache.stats().failed_store_blocks == 0
     with pytest.raises(StateError, match="0 load"):
         cache.complete_load(k(1))  # would underflow
     with pytest.raises(UnknownKeyError, match="b'9'"):
@@ -200,8 +199,8 @@ def reset_forgets_everything(cache, policy: str) -> None:
     assert (s.free_blocks, s.ready_blocks, s.writing_blocks, s.loading_blocks) == (4, 0, 0, 0)
     assert s.stored_blocks == 2  # counters are lifetime totals
     assert cache.lookup(k(1, 2)) == 0
-    with pytest.raises(UnknownKeyError):
-        cache.complete_store(k(3))
+    cache.complete_store(k(3))  # its reservation went with the reset: ignored
+    assert cache.lookup(k(3)) == 0
     with pytest.raises(UnknownKeyError):
         cache.complete_load(k(1))
     assert ids(store(cache, 4)) == [0]

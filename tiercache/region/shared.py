@@ -27,6 +27,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -247,6 +248,11 @@ class SharedOffloadRegion:
             for size, offset in zip(self.layout.cpu_page_bytes, self.layout.page_offsets)
         ]
 
+    def ledger_array(self) -> np.ndarray:
+        """uint8 view of the index ledger (the coordinator's index writes it; see region.ledger)."""
+        off = self.layout.ledger_offset
+        return self._bytes[off:off + self.layout.ledger_bytes]
+
     def slice_address(self, rank: int) -> int:
         return self.base_address + self.layout.slice_offset(rank)
 
@@ -354,6 +360,27 @@ def _peek_header(fd: int) -> HeaderInfo | None:
             return header.read()
         except LayoutMismatchError:
             return None
+
+
+def recorded_socket_path(name: str, shm_dir: str = SHM_DIR) -> str | None:
+    """The control socket path the coordinator of instance ``name`` recorded in its region
+    header, or None (no region, not a regular file, not READY, nothing recorded). Opened
+    non-blocking and without following links: a FIFO or symlink in its place is no region."""
+    shm_name = name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
+    try:
+        fd = os.open(os.path.join(shm_dir, shm_name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        info = _peek_header(fd)
+    finally:
+        os.close(fd)
+    if info is None or info.state != RegionState.READY:
+        return None
+    return info.socket_path or None
 
 
 def _peek_owner(fd: int) -> int | str:
