@@ -16,12 +16,12 @@ import pytest
 import index_scenarios as sc
 from tiercache.index.client import Client
 from tiercache.config import RegionConfig
-from tiercache.index.control import ControlServer, serve_forever
+from tiercache.index.control import ControlOptions, ControlServer, serve_forever
 from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
 from tiercache.index.manager import OffloadingManager
 from tiercache.index.protocol import (
     HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader,
-    PayloadReader, PayloadWriter, Status, Verb, decode_error, frame,
+    PayloadReader, PayloadWriter, Status, Verb, decode_error, encode_hello_request, frame,
 )
 
 SPAWN = mp.get_context("spawn")
@@ -76,10 +76,27 @@ def servers():
         server.kill()
 
 
-def raw_connection(path: str) -> socket.socket:
+def read_frame(sock: socket.socket) -> tuple[FrameHeader, bytes]:
+    reply = b""
+    while len(reply) < HEADER_BYTES:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "connection closed before a whole frame came"
+        reply += chunk
+    header = FrameHeader.unpack(reply)
+    while len(reply) < HEADER_BYTES + header.payload_bytes:
+        reply += sock.recv(1 << 16)
+    return header, reply[HEADER_BYTES:]
+
+
+def raw_connection(path: str, hello: bool = True) -> socket.socket:
+    """A bare socket; with ``hello``, past the session handshake every client starts with."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(SOCKET_TIMEOUT_S)
     sock.connect(path)
+    if hello:
+        sock.sendall(frame(Verb.HELLO, 1, encode_hello_request(None, "raw")))
+        header, _ = read_frame(sock)
+        assert (header.verb, header.status) == (Verb.HELLO, Status.OK)
     return sock
 
 
@@ -152,8 +169,8 @@ def test_a_live_socket_is_not_taken_over(servers, socket_path, tmp_path):
 
 def test_in_process_server_closes_cleanly(socket_path):
     with pytest.raises(ConfigError, match="poll_before_sleep_s = 1"):
-        ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=1)
-    server = ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=0)
+        ControlOptions(poll_before_sleep_s=1)
+    server = ControlServer(OffloadingManager(4), socket_path, ControlOptions(poll_before_sleep_s=0))
     server.start()
     client = Client(socket_path)
     client.ping()
@@ -197,17 +214,25 @@ def test_malformed_payload_is_answered_with_an_error_then_closed(servers, socket
     sock = raw_connection(socket_path)
     payload = struct.pack("<IH", 2, 1) + b"a"  # two 1-byte keys announced, one byte sent
     sock.sendall(frame(Verb.LOOKUP, 42, payload))
-    reply = b""
-    while len(reply) < HEADER_BYTES:
-        reply += sock.recv(1 << 16)
-    header = FrameHeader.unpack(reply)
-    while len(reply) < HEADER_BYTES + header.payload_bytes:
-        reply += sock.recv(1 << 16)
+    header, body = read_frame(sock)
     assert (header.verb, header.status, header.request_id) == (Verb.LOOKUP, Status.ERROR, 42)
-    error = decode_error(PayloadReader(reply[HEADER_BYTES:]))
+    error = decode_error(PayloadReader(body))
     assert isinstance(error, ProtocolError) and "truncated" in str(error)
     assert closed_by_peer(sock)
     sock.close()
+
+
+def test_a_request_before_hello_is_refused_and_closed(servers, socket_path):
+    servers(socket_path)
+    sock = raw_connection(socket_path, hello=False)
+    sock.sendall(frame(Verb.PREPARE_STORE, 7, keys_payload(sc.k(1))))
+    header, body = read_frame(sock)
+    assert (header.verb, header.status, header.request_id) == (Verb.PREPARE_STORE, Status.ERROR, 7)
+    assert "first request must be HELLO" in str(decode_error(PayloadReader(body)))
+    assert closed_by_peer(sock)
+    sock.close()
+    with Client(socket_path) as client:
+        assert client.stats().writing_blocks == 0  # the refused store reserved nothing
 
 
 def test_truncated_frame_held_open_does_not_stall_others(servers, socket_path):
@@ -358,7 +383,7 @@ def test_a_silent_coordinator_times_out(socket_path):
     listener.listen(1)
     try:
         client = Client(socket_path, timeout_s=0.2)
-        with pytest.raises(CoordinatorGoneError, match="went away during PING"):
+        with pytest.raises(CoordinatorGoneError, match="went away during HELLO"):  # the handshake
             client.ping()
         client.close()
     finally:

@@ -17,18 +17,29 @@ from typing import NamedTuple
 import numpy as np
 
 from tiercache import errors
-from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.results import (
+    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput,
+)
+from tiercache.region.ledger import KEY_BYTES as LEDGER_KEY_BYTES
 from tiercache.specs import CPULoadStoreSpec
 
 MAGIC = b"TCKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+TOKEN_BYTES = 16  # a session token
+MAX_NAME_BYTES = 256  # a client's name in HELLO
+# Requests are bounded tighter than answers: the largest is MAX_KEYS_PER_CALL keys of
+# MAX_KEY_BYTES with their lengths, plus a list header per key (LEASE_BATCH). The server
+# buffers at most one request per connection, so this bounds its memory per connection.
+MAX_REQUEST_BYTES = 5 << 20
+assert 4 + MAX_KEYS_PER_CALL * (6 + 2 + MAX_KEY_BYTES) <= MAX_REQUEST_BYTES
 # The largest payload (a PREPARE_STORE answer) must fit in a frame.
 assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 8 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
 assert MAX_KEY_BYTES < 0xFFFF  # VARIABLE_WIDTH is never a real width
+assert MAX_KEY_BYTES <= LEDGER_KEY_BYTES  # every key on the wire fits the durable index
 
 
 class Verb(IntEnum):
@@ -48,9 +59,18 @@ class Verb(IntEnum):
         8  RESET            (empty)                 (empty)
         9  STATS            (empty)                 u64 per ManagerStats field, in field order
         10 PING             (empty)                 (empty)
+        11 HELLO            raw token (0 or 16      raw token (16 bytes), u8 resumed,
+                            bytes), str name        u32 grace in milliseconds
+        12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u32 hits, u8 pending)
+                            most MAX_KEYS_PER_CALL
+                            keys in all)
+        13 RELEASE          keys                    u32 pins dropped
 
-    An ERROR response (``Status.ERROR``) carries u32 error code (``ERROR_CODES``) and
-    str message instead.
+    The first request on a connection must be HELLO: it opens a session (or resumes the
+    one its token names) and every later call acts for that session. An ERROR response
+    (``Status.ERROR``) carries u32 error code (``ERROR_CODES``) and str message instead;
+    one with request id 0 answers no request: the server refused the connection and
+    closes it.
     """
 
     LOOKUP = 1
@@ -63,6 +83,9 @@ class Verb(IntEnum):
     RESET = 8
     STATS = 9
     PING = 10
+    HELLO = 11
+    LEASE_BATCH = 12
+    RELEASE = 13
 
 
 class Status(IntEnum):
@@ -81,6 +104,7 @@ ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
     5: errors.InvalidKeyError,
     6: errors.ProtocolError,
     7: errors.ConfigError,
+    8: errors.ControlSocketError,
 }
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
@@ -177,7 +201,9 @@ class PayloadWriter:
         return self
 
     def text(self, value: str) -> PayloadWriter:
-        data = value.encode()
+        return self.raw(value.encode())
+
+    def raw(self, data: bytes) -> PayloadWriter:
         self._parts.append(_U32.pack(len(data)))
         self._parts.append(data)
         return self
@@ -252,6 +278,16 @@ class PayloadReader:
             return str(raw, "utf-8")
         except UnicodeDecodeError as e:
             raise errors.ProtocolError(f"payload text is not UTF-8: {e}") from None
+
+    def chunk(self, num_bytes: int) -> memoryview:
+        """The next ``num_bytes`` as they are (a fixed-size array the caller unpacks)."""
+        return self._take(num_bytes)
+
+    def raw(self, max_bytes: int) -> bytes:
+        n = self.u32()
+        if n > max_bytes:
+            raise errors.ProtocolError(f"a field of {n} bytes; at most {max_bytes}")
+        return bytes(self._take(n))
 
     def keys(self) -> list[bytes]:
         n, width = _KEYS_HEAD.unpack(self._take(_KEYS_HEAD.size))
@@ -354,3 +390,96 @@ def decode_error(reader: PayloadReader) -> errors.TiercacheError:
     if cls is None:
         return errors.ProtocolError(f"coordinator sent unknown error code {code}: {message}")
     return cls(message)
+
+
+# ---------------------------------------------------------------- sessions and leases
+
+class Hello(NamedTuple):
+    """A HELLO answer: the session's token, whether it was resumed, its grace period."""
+
+    token: bytes
+    resumed: bool
+    grace_s: float
+
+
+def encode_hello_request(token: bytes | None, name: str) -> bytes:
+    token = token or b""
+    if len(token) not in (0, TOKEN_BYTES):
+        raise errors.ProtocolError(
+            f"session token of {len(token)} bytes; a token is {TOKEN_BYTES} bytes (or none)")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise errors.ProtocolError(f"client name {name[:32]!r}... is {len(name.encode())} bytes; "
+                                   f"at most {MAX_NAME_BYTES}")
+    return PayloadWriter().raw(token).text(name).build()
+
+
+def decode_hello_request(reader: PayloadReader) -> tuple[bytes, str]:
+    token = reader.raw(TOKEN_BYTES)
+    if len(token) not in (0, TOKEN_BYTES):
+        raise errors.ProtocolError(f"session token of {len(token)} bytes; expected 0 or "
+                                   f"{TOKEN_BYTES}")
+    name = reader.text()
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise errors.ProtocolError(f"client name of {len(name.encode())} bytes; at most "
+                                   f"{MAX_NAME_BYTES}")
+    reader.done()
+    return token, name
+
+
+def encode_hello(hello: Hello) -> bytes:
+    return (PayloadWriter().raw(hello.token).u8(int(hello.resumed))
+            .u32(round(hello.grace_s * 1000)).build())
+
+
+def decode_hello(reader: PayloadReader) -> Hello:
+    token = reader.raw(TOKEN_BYTES)
+    resumed = reader.u8()
+    grace_ms = reader.u32()
+    reader.done()
+    if len(token) != TOKEN_BYTES or resumed not in (0, 1):
+        raise errors.ProtocolError(f"HELLO answer with a {len(token)}-byte token and resumed "
+                                   f"flag {resumed}")
+    return Hello(token, bool(resumed), grace_ms / 1000)
+
+
+def encode_lease_batch_request(key_lists: Sequence[Sequence[bytes]]) -> bytes:
+    total = sum(map(len, key_lists))
+    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{len(key_lists)} lists of {total} keys in one lease_batch; "
+                                   f"at most {MAX_KEYS_PER_CALL} keys (and lists) in all")
+    writer = PayloadWriter().u32(len(key_lists))
+    for keys in key_lists:
+        writer.keys(keys)
+    return writer.build()
+
+
+def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most {MAX_KEYS_PER_CALL}")
+    lists, total = [], 0
+    for _ in range(n):
+        keys = reader.keys()
+        total += len(keys)
+        if total > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"more than {MAX_KEYS_PER_CALL} keys in one lease_batch")
+        lists.append(keys)
+    reader.done()
+    return lists
+
+
+_LEASE = struct.Struct("<IB")
+
+
+def encode_leases(results: Sequence[LeaseResult]) -> bytes:
+    body = b"".join(_LEASE.pack(r.num_hit, int(r.pending)) for r in results)
+    return _U32.pack(len(results)) + body
+
+
+def decode_leases(reader: PayloadReader) -> list[LeaseResult]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} lease results; at most {MAX_KEYS_PER_CALL}")
+    raw = reader.chunk(n * _LEASE.size)
+    reader.done()
+    return [LeaseResult(hits, bool(pending)) for hits, pending in _LEASE.iter_unpack(raw)]
