@@ -24,96 +24,10 @@ from tiercache.index.protocol import (
     PayloadReader, PayloadWriter, Status, Verb, decode_error, encode_hello_request, frame,
 )
 
-SPAWN = mp.get_context("spawn")
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
-SOCKET_TIMEOUT_S = 30.0
-
-
-class ServerProcess:
-    """``serve_forever`` in a spawned child."""
-
-    def __init__(self, path: str, num_blocks: int = sc.CAPACITY_BLOCKS, policy: str = "lru",
-                 events: bool = True):
-        self.path = path
-        ready = SPAWN.Event()
-        self.proc = SPAWN.Process(target=serve_forever,
-                                  args=(path, num_blocks, policy, ready, events), daemon=True)
-        self.proc.start()
-        if not ready.wait(START_TIMEOUT_S):
-            self.kill()
-            raise TimeoutError(f"control server did not start within {START_TIMEOUT_S} s")
-
-    def stop(self) -> None:
-        """SIGTERM; the server must exit cleanly and remove its socket."""
-        self.proc.terminate()
-        self.proc.join(STOP_TIMEOUT_S)
-        assert self.proc.exitcode == 0, f"server exited with {self.proc.exitcode}"
-        assert not os.path.exists(self.path)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(STOP_TIMEOUT_S)
-
-
-@pytest.fixture
-def socket_path(tmp_path) -> str:
-    return str(tmp_path / "ctl.sock")
-
-
-@pytest.fixture
-def servers():
-    started: list[ServerProcess] = []
-
-    def start(path: str, **kwargs) -> ServerProcess:
-        server = ServerProcess(path, **kwargs)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.kill()
-
-
-def read_frame(sock: socket.socket) -> tuple[FrameHeader, bytes]:
-    reply = b""
-    while len(reply) < HEADER_BYTES:
-        chunk = sock.recv(1 << 16)
-        assert chunk, "connection closed before a whole frame came"
-        reply += chunk
-    header = FrameHeader.unpack(reply)
-    while len(reply) < HEADER_BYTES + header.payload_bytes:
-        reply += sock.recv(1 << 16)
-    return header, reply[HEADER_BYTES:]
-
-
-def raw_connection(path: str, hello: bool = True) -> socket.socket:
-    """A bare socket; with ``hello``, past the session handshake every client starts with."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(SOCKET_TIMEOUT_S)
-    sock.connect(path)
-    if hello:
-        sock.sendall(frame(Verb.HELLO, 1, encode_hello_request(None, "raw")))
-        header, _ = read_frame(sock)
-        assert (header.verb, header.status) == (Verb.HELLO, Status.OK)
-    return sock
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Read until EOF; True if the peer closed (a reset counts), False on stray data."""
-    try:
-        while True:
-            data = sock.recv(1 << 16)
-            if not data:
-                return True
-    except ConnectionResetError:
-        return True
-
-
-def keys_payload(keys: list[bytes]) -> bytes:
-    return PayloadWriter().keys(keys).build()
-
+from control_support import (
+    SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, keys_payload, raw_connection,
+    read_frame, servers, socket_path,
+)
 
 # ---------------------------------------------------------------- the scenarios, remotely
 

@@ -79,6 +79,16 @@ _INDEX_COUNTERS: tuple[tuple[Callable[[ManagerStats], int], str, str], ...] = (
      "Blocks evicted to make room."),
     (lambda s: s.failed_store_blocks, "tiercache_index_failed_store_blocks_total",
      "Blocks whose store completed with failure (slots freed)."),
+    (lambda s: s.leased_blocks, "tiercache_index_leased_blocks_total",
+     "Blocks pinned by leases (lookups that hold their hits until released)."),
+    (lambda s: s.recovered_blocks, "tiercache_index_recovered_blocks_total",
+     "READY blocks rebuilt from the region's ledger when the coordinator started."),
+    (lambda s: s.sessions_ended, "tiercache_index_sessions_ended_total",
+     "Client sessions ended (connection gone for longer than the grace period)."),
+    (lambda s: s.released_writing_blocks, "tiercache_index_session_released_blocks_total",
+     "Reserved (writing) slots freed because the client session that reserved them ended."),
+    (lambda s: s.released_pins, "tiercache_index_session_released_pins_total",
+     "Pins (loads and leases) dropped because the client session that held them ended."),
 )
 
 METRIC_NAMES: tuple[str, ...] = (
