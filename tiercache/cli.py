@@ -83,9 +83,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  geometry: {layout.describe()}")
         if info.state != RegionState.READY:
             continue
-        if listing.live:  # without --config the socket is assumed at its default path
+        if listing.live:  # at the path its header records, unless --config names one
+            from tiercache.index.client import resolve_socket_path
+
             config = load_config(args.config) if args.config else Config(name=listing.name)
-            _print_index(config.socket_path)
+            _print_index(resolve_socket_path(config))
         region = SharedOffloadRegion.attach(listing.name)
         try:
             for rank in range(layout.world_size):
