@@ -51,3 +51,71 @@ def serve_with_fd_limit(path: str, spare_fds: int, ready, log_path: str, options
         stop.wait(WAIT_S)
     finally:
         server.close()
+
+
+def block_pattern(key: bytes, rank: int, num_bytes: int):
+    """The bytes a test stores for ``key`` on ``rank``: derived from both, so a block read
+    back from the wrong slot, the wrong rank or half written never matches."""
+    import hashlib
+
+    import numpy as np
+
+    seed = np.frombuffer(hashlib.blake2b(key + bytes([rank]), digest_size=64).digest(), np.uint8)
+    return np.resize(seed, num_bytes)
+
+
+def rows_hold(region, slot: int, key: bytes) -> bool:
+    """Whether every rank's row ``slot`` holds ``key``'s pattern."""
+    import numpy as np
+
+    stride = region.layout.row_stride
+    return all(np.array_equal(region.rank_array(r)[slot], block_pattern(key, r, stride))
+               for r in range(region.layout.world_size))
+
+
+def store_and_load_forever(config_toml: str, seed: int, key_space: int, stored, wrong) -> None:
+    """Child: an engine and its workers in one process, until SIGKILLed. Leases a random run
+    of keys, loads and checks the hits (counting blocks with wrong bytes in ``wrong``),
+    stores the misses by writing their patterns into every rank's row, and completes them
+    (counted in ``stored``). A coordinator that goes away is waited for."""
+    import random
+    import time
+    import tomllib
+
+    from tiercache.config import config_from_dict
+    from tiercache.errors import CoordinatorGoneError, ManagerError
+    from tiercache.region.shared import SharedOffloadRegion
+
+    config = config_from_dict(tomllib.loads(config_toml))
+    region = SharedOffloadRegion.attach(config.name, timeout_s=WAIT_S)
+    stride = region.layout.row_stride
+    client = Client(config, timeout_s=5, name=f"workload {seed}")
+    rng = random.Random(seed)
+    while True:
+        first = rng.randrange(key_space)
+        keys = [b"key-%d" % ((first + i) % key_space) for i in range(rng.randint(1, 6))]
+        try:
+            lease = client.lease(keys)
+            hits = keys[:lease.num_hit]
+            if hits:
+                spec = client.prepare_load(hits)
+                bad = sum(not rows_hold(region, int(s), key)
+                          for s, key in zip(spec.block_ids, hits))
+                if bad:
+                    with wrong.get_lock():
+                        wrong.value += bad
+                client.complete_load(hits)
+                client.release(hits)
+            out = client.prepare_store(keys[lease.num_hit:])
+            if out is None or not out.keys_to_store:
+                continue
+            for slot, key in zip(out.store_spec.block_ids, out.keys_to_store):
+                for rank in range(region.layout.world_size):
+                    region.rank_array(rank)[int(slot)] = block_pattern(key, rank, stride)
+            client.complete_store(list(out.keys_to_store))
+            with stored.get_lock():
+                stored.value += len(out.keys_to_store)
+        except CoordinatorGoneError:
+            time.sleep(0.02)
+        except ManagerError:  # e.g. a key evicted by another engine between two calls
+            continue
