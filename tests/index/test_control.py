@@ -3,7 +3,6 @@ calls, and a socket that misbehaving peers cannot break."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -14,19 +13,19 @@ import threading
 import pytest
 
 import index_scenarios as sc
-from tiercache.index.client import Client
-from tiercache.config import RegionConfig
-from tiercache.index.control import ControlOptions, ControlServer, serve_forever
-from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
-from tiercache.index.manager import OffloadingManager
-from tiercache.index.protocol import (
-    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader,
-    PayloadReader, PayloadWriter, Status, Verb, decode_error, encode_hello_request, frame,
-)
-
 from control_support import (
     SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, keys_payload, raw_connection,
-    read_frame, servers, socket_path,
+    read_frame,
+)
+from tiercache.config import RegionConfig
+from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
+from tiercache.index.client import Client
+from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.index.manager import OffloadingManager
+from tiercache.index.payloads import decode_error
+from tiercache.index.protocol import (
+    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, PayloadReader,
+    Status, Verb, frame,
 )
 
 # ---------------------------------------------------------------- the scenarios, remotely

@@ -17,7 +17,7 @@ import pytest
 
 from control_children import serve_with_fd_limit
 from control_support import (
-    SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, raw_connection, servers, socket_path,
+    SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, raw_connection,
     wait_for,
 )
 from index_scenarios import k, store

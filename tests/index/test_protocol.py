@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 
 from tiercache import errors
 from tiercache.index.manager import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.payloads import (
+    Hello, decode_error, decode_events, decode_hello, decode_hello_request,
+    decode_lease_batch_request, decode_leases, decode_stats, decode_store_output, encode_error,
+    encode_events, encode_hello, encode_hello_request, encode_lease_batch_request, encode_leases,
+    encode_stats, encode_store_output,
+)
 from tiercache.index.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
-    MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, Hello,
-    PayloadReader, PayloadWriter, Status, Verb, decode_error, decode_events, decode_hello,
-    decode_hello_request, decode_lease_batch_request, decode_leases, decode_stats,
-    decode_store_output, encode_error, encode_events, encode_hello, encode_hello_request,
-    encode_lease_batch_request, encode_leases, encode_stats, encode_store_output, frame,
+    MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader,
+    PayloadReader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from control_children import reserve_pin_and_wait
-from control_support import SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, servers, socket_path, wait_for
+from control_support import SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
 from index_scenarios import k, store
 from tiercache.config import RegionConfig
 from tiercache.errors import CoordinatorGoneError

@@ -17,17 +17,15 @@ import textwrap
 
 import pytest
 
-from control_support import START_TIMEOUT_S, servers, socket_path
+from control_support import START_TIMEOUT_S
 from tiercache.config import Config
 from tiercache.errors import ControlSocketError
 from tiercache.index.client import Client
 from tiercache.index.control import ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.peer import prepare_directory, trusted_uids
-from tiercache.index.protocol import (
-    HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, decode_error, encode_hello_request,
-    frame,
-)
+from tiercache.index.sockets import prepare_directory, trusted_uids
+from tiercache.index.payloads import decode_error, encode_hello_request
+from tiercache.index.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 needs_root = pytest.mark.skipif(

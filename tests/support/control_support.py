@@ -9,13 +9,10 @@ import socket
 import time
 from collections.abc import Callable
 
-import pytest
-
 import index_scenarios as sc
 from tiercache.index.control import ControlOptions, serve_forever
-from tiercache.index.protocol import (
-    HEADER_BYTES, FrameHeader, PayloadWriter, Status, Verb, encode_hello_request, frame,
-)
+from tiercache.index.payloads import encode_hello_request
+from tiercache.index.protocol import HEADER_BYTES, FrameHeader, PayloadWriter, Status, Verb, frame
 
 SPAWN = mp.get_context("spawn")
 START_TIMEOUT_S = 60.0
@@ -49,25 +46,6 @@ class ServerProcess:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(STOP_TIMEOUT_S)
-
-
-@pytest.fixture
-def socket_path(tmp_path) -> str:
-    return str(tmp_path / "ctl.sock")
-
-
-@pytest.fixture
-def servers():
-    started: list[ServerProcess] = []
-
-    def start(path: str, **kwargs) -> ServerProcess:
-        server = ServerProcess(path, **kwargs)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.kill()
 
 
 def read_frame(sock: socket.socket) -> tuple[FrameHeader, bytes]:

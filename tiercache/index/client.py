@@ -19,7 +19,7 @@ Finding and trusting the coordinator: built from a ``Config`` without
 matter) and falls back to the config's default path. Before talking it checks the
 socket's directory and owner and, once connected, the server's uid (``SO_PEERCRED``):
 a coordinator of another user is refused with ``ControlSocketError``
-(``tiercache.index.peer`` has the rules). A full listen backlog (``EAGAIN`` on
+(``tiercache.index.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
 connect: a burst of clients) is retried until ``timeout_s``, not taken for a dead
 coordinator.
 """
@@ -36,11 +36,14 @@ from collections.abc import Sequence
 
 from tiercache.config import Config
 from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
-from tiercache.index.peer import check_directory, check_peer, check_socket_file, trusted_uids
+from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
+from tiercache.index.payloads import (
+    Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
+    decode_store_output, encode_hello_request, encode_lease_batch_request,
+)
 from tiercache.index.protocol import (
-    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, Hello, PayloadReader,
-    PayloadWriter, Status, Verb, decode_error, decode_events, decode_hello, decode_leases,
-    decode_stats, decode_store_output, encode_hello_request, encode_lease_batch_request, frame,
+    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
+    PayloadWriter, Status, Verb, frame,
 )
 from tiercache.index.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.specs import CPULoadStoreSpec

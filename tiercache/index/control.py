@@ -23,7 +23,7 @@ coordinator or starve its other clients:
   ``accept_backoff_s`` (the connections already open are served meanwhile); pending
   connections wait in the kernel's backlog (``listen_backlog``) and are accepted later.
 
-Peers: a connection from a uid that is not trusted (``tiercache.index.peer``) is answered
+Peers: a connection from a uid that is not trusted (``tiercache.index.sockets``) is answered
 with an error and closed.
 """
 
@@ -44,12 +44,11 @@ from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, Tie
 from tiercache.index.handlers import HANDLERS
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
-from tiercache.index.peer import (
-    check_peer, check_socket_file, peer_credentials, prepare_directory, trusted_uids,
-)
+from tiercache.index.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
+from tiercache.index.payloads import decode_hello_request, encode_error, encode_hello
 from tiercache.index.protocol import (
-    HEADER_BYTES, MAX_REQUEST_BYTES, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader, Status,
-    Verb, decode_hello_request, encode_error, encode_hello, frame,
+    HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
+    Verb, frame,
 )
 from tiercache.index.sessions import Session, SessionTable
 
@@ -122,7 +121,7 @@ class ControlServer:
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._inode: tuple[int, int] | None = None
+        self._socket_file = SocketFile(self._path, self._trusted, self.options.listen_backlog)
         self._connections: set[_Connection] = set()
         self._buffered_bytes = 0  # partial requests held, all connections together
         self._accept_resume_at: float | None = None  # while the listener is paused
@@ -139,7 +138,7 @@ class ControlServer:
         """Bind and listen (clients may connect once this returns), then serve in a thread."""
         if self._thread is not None:
             raise ControlSocketError(f"control server on {self._path} was already started")
-        self._listener = self._bind()
+        self._listener = self._socket_file.bind()
         try:
             self._wake_r, self._wake_w = socket.socketpair()
             self._selector = selectors.DefaultSelector()
@@ -160,10 +159,7 @@ class ControlServer:
             self._wake_w.send(b"x")
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
-                try:  # the thread may still use its sockets; the path at least must go
-                    os.unlink(self._path)
-                except FileNotFoundError:
-                    pass
+                self._socket_file.unlink()  # the thread may still use its sockets; the path goes
                 raise ControlSocketError(
                     f"control server thread did not stop within {CLOSE_TIMEOUT_S} s"
                 )
@@ -177,51 +173,6 @@ class ControlServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ socket setup
-
-    def _bind(self) -> socket.socket:
-        path = self._path
-        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-            raise ControlSocketError(
-                f"control socket path {path!r} is {len(os.fsencode(path))} bytes; "
-                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}"
-            )
-        prepare_directory(path, self._trusted)
-        self._remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)
-            # Nobody can connect before listen(), so the mode is owner-only from the first connect.
-            os.chmod(path, 0o600)
-            st = os.stat(path)
-            self._inode = (st.st_dev, st.st_ino)
-            sock.listen(self.options.listen_backlog)
-            sock.setblocking(False)
-        except OSError as e:
-            sock.close()
-            raise ControlSocketError(f"cannot serve the control socket {path!r}: {e}") from e
-        return sock
-
-    def _remove_stale_socket(self, path: str) -> None:
-        try:
-            check_socket_file(path, self._trusted)  # never probe or unlink someone else's
-        except FileNotFoundError:
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale control socket %s", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            return
-        finally:
-            probe.close()
-        raise ControlSocketError(f"control socket {path!r} is served by a live process; "
-                                 "is another coordinator running with this config?")
-
     def _release(self) -> None:
         if self._selector is not None:
             for key in list(self._selector.get_map().values()):
@@ -233,14 +184,7 @@ class ControlServer:
                 sock.close()
         self._listener = self._wake_r = self._wake_w = None
         self._connections.clear()
-        if self._inode is not None:
-            try:
-                st = os.stat(self._path)
-                if (st.st_dev, st.st_ino) == self._inode:  # never unlink a successor's socket
-                    os.unlink(self._path)
-            except FileNotFoundError:
-                pass
-            self._inode = None
+        self._socket_file.unlink()
 
     # ------------------------------------------------------------------ the loop
 

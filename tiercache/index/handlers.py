@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.protocol import (
-    MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb, decode_lease_batch_request,
-    encode_events, encode_leases, encode_stats, encode_store_output,
+from tiercache.index.payloads import (
+    decode_lease_batch_request, encode_events, encode_leases, encode_stats, encode_store_output,
 )
+from tiercache.index.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
 Handler = Callable[[OffloadingManager, PayloadReader, int], bytes]
 _EMPTY = b""

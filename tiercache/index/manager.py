@@ -1,7 +1,7 @@
 """The cache index: which block hash lives in which slot of the region, in what state, and
 which client session holds it.
 
-Pure Python (numpy for the spec only; never torch or mmap). One ``_Slot`` record per
+Pure Python (numpy for the spec only; never torch or mmap). One ``Slot`` record per
 held key is the single owner of that block's state, its writer and its pins::
 
     FREE ──prepare_store──► WRITING ──complete_store(ok)──► READY ◄──► LOADING (pinned)
@@ -36,14 +36,16 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from enum import Enum
 from itertools import takewhile
-from typing import Protocol
 
 from tiercache.errors import ConfigError, InvalidKeyError, ManagerError, StateError, UnknownKeyError
+from tiercache.index.events import EventLog
 from tiercache.index.policies import EvictionPolicy, make_policy
 from tiercache.index.results import (
     LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
+)
+from tiercache.index.slots import (
+    Holdings, Ledger, Slot, SlotState, check_keys, check_owner, require_unique,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -51,73 +53,6 @@ __all__ = ["LOCAL_OWNER", "LeaseResult", "ManagerStats", "OffloadingEvent", "Off
            "PrepareStoreOutput", "SessionRelease", "SlotState", "check_keys"]
 
 LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers sessions from 1
-
-
-class SlotState(Enum):
-    WRITING = "writing"  # allocated by prepare_store; bytes not there yet; not readable
-    READY = "ready"  # readable and evictable
-    LOADING = "loading"  # readable and pinned (loads or leases); not evictable
-
-
-class _Slot:
-    __slots__ = ("slot_id", "state", "pins")
-
-    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING):
-        self.slot_id = slot_id
-        self.state = state  # while WRITING, the writer is the owner whose holdings name the key
-        self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
-
-    @property
-    def loads(self) -> int:
-        return sum(self.pins.values())
-
-
-class _Holdings:
-    """Which keys one owner reserved or pinned (the counts live on the slots)."""
-
-    __slots__ = ("writing", "pinned")
-
-    def __init__(self) -> None:
-        self.writing: set[bytes] = set()
-        self.pinned: set[bytes] = set()
-
-
-class Ledger(Protocol):
-    """The durable mirror the index writes through (``tiercache.region.ledger.IndexLedger``)."""
-
-    max_key_bytes: int
-    num_records: int
-
-    def recover(self): ...
-
-    def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes]) -> None: ...
-
-    def ready(self, slot_ids: Sequence[int]) -> None: ...
-
-    def free(self, slot_ids: Sequence[int]) -> None: ...
-
-    def clear(self) -> None: ...
-
-
-def check_keys(keys: Sequence[bytes], verb: str) -> None:
-    """Raise ``InvalidKeyError`` unless every key is ``bytes``."""
-    if set(map(type, keys)) <= {bytes}:
-        return
-    for key in keys:
-        if type(key) is not bytes:
-            raise InvalidKeyError(
-                f"{verb}: key {key!r} is {type(key).__name__}; keys must be bytes")
-
-
-def _require_unique(keys: Sequence[bytes], verb: str) -> None:
-    if len(set(keys)) != len(keys):
-        repeated = [k for k, n in Counter(keys).items() if n > 1]
-        raise InvalidKeyError(f"{verb}: key {repeated[0]!r} appears more than once in one call")
-
-
-def _check_owner(owner: int) -> None:
-    if type(owner) is not int or owner < 0:
-        raise ManagerError(f"owner = {owner!r}: must be an int >= 0 (LOCAL_OWNER is 0)")
 
 
 _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
@@ -142,18 +77,18 @@ class OffloadingManager:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._clear_index()
-        self._events: list[OffloadingEvent] = []
+        self._events = EventLog()
         if ledger is not None:
             self._restore(ledger.recover())
 
     def _clear_index(self) -> None:
-        self._slots: dict[bytes, _Slot] = {}
+        self._slots: dict[bytes, Slot] = {}
         # Keys whose state is READY or LOADING: lets lookup and touch run at C speed.
         self._readable_keys: set[bytes] = set()
         self._next_fresh = 0  # slots >= this were never handed out
         self._free: list[int] = []  # freed slots, reused last-in first-out
         self._num_by_state = dict.fromkeys(SlotState, 0)
-        self._holdings: dict[int, _Holdings] = {}
+        self._holdings: dict[int, Holdings] = {}
 
     def _restore(self, recovery) -> None:
         """Start from a ledger's READY blocks (oldest first); their store order is the
@@ -164,7 +99,7 @@ class OffloadingManager:
             if not 0 <= slot_id < self._capacity:
                 raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
                                   f"0..{self._capacity - 1}")
-            self._slots[key] = _Slot(slot_id, SlotState.READY)
+            self._slots[key] = Slot(slot_id, SlotState.READY)
             used.add(slot_id)
         self._readable_keys = set(self._slots)
         self._num_by_state[SlotState.READY] = len(self._slots)
@@ -229,7 +164,7 @@ class OffloadingManager:
 
         Counted as a lookup. ``pending``: the key after the hit run is being written.
         """
-        _check_owner(owner)
+        check_owner(owner)
         with self._lock:
             hits = self._count_hits(keys, "lease")
             if hits:
@@ -243,7 +178,7 @@ class OffloadingManager:
     def release(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> int:
         """Drop every pin ``owner`` holds on these keys; returns how many were dropped.
         Keys not held, or not pinned by ``owner``, are ignored."""
-        _check_owner(owner)
+        check_owner(owner)
         check_keys(keys, "release")
         with self._lock:
             holdings = self._holdings.get(owner)
@@ -259,7 +194,7 @@ class OffloadingManager:
                      ) -> CPULoadStoreSpec:
         """Slot ids co-indexed with ``keys``; each key gets one pin of ``owner`` until
         ``complete_load``. Every key must be readable, else nothing changes."""
-        _check_owner(owner)
+        check_owner(owner)
         with self._lock:
             slots = [self._readable_slot(key, "prepare_load") for key in keys]
             if slots:
@@ -271,7 +206,7 @@ class OffloadingManager:
 
     def complete_load(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> None:
         """End one load of each key by ``owner`` (a key given twice ends two)."""
-        _check_owner(owner)
+        check_owner(owner)
         with self._lock:
             slots = [self._held(key, "complete_load") for key in keys]
             for key, times in Counter(keys).items():
@@ -294,9 +229,9 @@ class OffloadingManager:
         """Reserve slots (for ``owner``) for the keys not held yet, evicting READY blocks
         if needed. Returns ``None`` (and changes nothing) when not enough blocks can be
         evicted; keys of this call are never evicted to make room for each other."""
-        _check_owner(owner)
+        check_owner(owner)
         check_keys(keys, "prepare_store")
-        _require_unique(keys, "prepare_store")
+        require_unique(keys, "prepare_store")
         if self._ledger is not None:
             self._check_key_bytes(keys)
         with self._lock:
@@ -331,7 +266,7 @@ class OffloadingManager:
         key (READY, absent, or reserved by another session) is ignored, because engines
         complete with every key of a request, sometimes twice.
         """
-        _check_owner(owner)
+        check_owner(owner)
         check_keys(keys, "complete_store")
         with self._lock:
             holdings = self._holdings.get(owner)
@@ -359,7 +294,7 @@ class OffloadingManager:
 
     def end_session(self, owner: int) -> SessionRelease:
         """``owner`` is gone: free every slot it was writing and drop every pin it holds."""
-        _check_owner(owner)
+        check_owner(owner)
         with self._lock:
             holdings = self._holdings.pop(owner, None)
             freed = dropped = 0
@@ -385,22 +320,7 @@ class OffloadingManager:
         if max_keys is not None and max_keys < 1:
             raise ManagerError(f"take_events: max_keys = {max_keys}; must be >= 1 or None")
         with self._lock:
-            if max_keys is None:
-                taken, self._events = self._events, []
-                return taken
-            taken = []
-            budget = max_keys
-            while self._events and budget > 0:
-                event = self._events[0]
-                if len(event.keys) <= budget:
-                    taken.append(self._events.pop(0))
-                    budget -= len(event.keys)
-                else:
-                    head, rest = event.keys[:budget], event.keys[budget:]
-                    taken.append(OffloadingEvent(head, event.removed, event.medium))
-                    self._events[0] = OffloadingEvent(rest, event.removed, event.medium)
-                    budget = 0
-            return taken
+            return self._events.take(max_keys)
 
     def reset(self) -> None:
         """Forget every block (a removed event for the readable ones), every reservation
@@ -431,7 +351,7 @@ class OffloadingManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _held(self, key: bytes, verb: str) -> _Slot:
+    def _held(self, key: bytes, verb: str) -> Slot:
         if type(key) is not bytes:
             check_keys([key], verb)
         slot = self._slots.get(key)
@@ -439,7 +359,7 @@ class OffloadingManager:
             raise UnknownKeyError(f"{verb}: key {key!r} is not in the cache index")
         return slot
 
-    def _readable_slot(self, key: bytes, verb: str) -> _Slot:
+    def _readable_slot(self, key: bytes, verb: str) -> Slot:
         slot = self._held(key, verb)
         if slot.state is SlotState.WRITING:
             raise StateError(f"{verb}: key {key!r} is still being written; wait for complete_store")
@@ -452,23 +372,23 @@ class OffloadingManager:
                 raise InvalidKeyError(f"prepare_store: key of {len(key)} bytes ({key[:16]!r}...); "
                                       f"the index ledger holds keys of at most {limit} bytes")
 
-    def _holdings_of(self, owner: int) -> _Holdings:
+    def _holdings_of(self, owner: int) -> Holdings:
         holdings = self._holdings.get(owner)
         if holdings is None:
-            holdings = self._holdings[owner] = _Holdings()
+            holdings = self._holdings[owner] = Holdings()
         return holdings
 
-    def _tidy(self, owner: int, holdings: _Holdings) -> None:
+    def _tidy(self, owner: int, holdings: Holdings) -> None:
         if not holdings.writing and not holdings.pinned:
             self._holdings.pop(owner, None)
 
-    def _pin(self, key: bytes, slot: _Slot, owner: int, holdings: _Holdings) -> None:
+    def _pin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings) -> None:
         if not slot.pins:
             self._move(slot, SlotState.LOADING)
         slot.pins[owner] = slot.pins.get(owner, 0) + 1
         holdings.pinned.add(key)
 
-    def _unpin(self, key: bytes, slot: _Slot, owner: int, holdings: _Holdings | None,
+    def _unpin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings | None,
                times: int | None) -> int:
         """Drop ``times`` pins (None: all) of ``owner``; the caller checked there are enough."""
         held = slot.pins[owner]
@@ -512,15 +432,15 @@ class OffloadingManager:
             slot_id = self._next_fresh
             self._next_fresh += 1
         assert slot_id < self._capacity, "allocated past capacity: free-slot accounting is broken"
-        self._slots[key] = _Slot(slot_id)
+        self._slots[key] = Slot(slot_id)
         self._num_by_state[SlotState.WRITING] += 1
         return slot_id
 
-    def _move(self, slot: _Slot, state: SlotState) -> None:
+    def _move(self, slot: Slot, state: SlotState) -> None:
         self._num_by_state[slot.state] -= 1
         self._num_by_state[state] += 1
         slot.state = state
 
     def _emit(self, keys: Sequence[bytes], removed: bool) -> None:
-        if self._events_enabled and keys:
-            self._events.append(OffloadingEvent(tuple(keys), removed))
+        if self._events_enabled:
+            self._events.emit(keys, removed)

@@ -31,7 +31,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.protocol import TOKEN_BYTES, Hello
+from tiercache.index.payloads import Hello
+from tiercache.index.protocol import TOKEN_BYTES
 from tiercache.index.results import SessionRelease
 
 

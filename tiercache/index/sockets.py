@@ -18,6 +18,7 @@ Directory rules (the socket's immediate directory):
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import socket
@@ -25,6 +26,9 @@ import stat
 import struct
 
 from tiercache.errors import ControlSocketError
+from tiercache.index.protocol import MAX_SOCKET_PATH_BYTES
+
+log = logging.getLogger(__name__)
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -102,3 +106,68 @@ def check_peer(sock: socket.socket, trusted: frozenset[int], what: str) -> None:
             f"{what} runs as {describe_uid(uid)} (pid {pid}); only "
             f"{', '.join(describe_uid(u) for u in sorted(trusted))} may be trusted "
             "(control.trusted_uid)")
+
+
+class SocketFile:
+    """The control socket's file on the server's side: bound in a checked directory (created
+    0700 if missing), owner-only before anyone can connect, a stale socket of ours (nobody
+    listening) replaced, a live one or someone else's refused; unlinked only while it is
+    still the file we bound (never a successor's)."""
+
+    def __init__(self, path: str, trusted: frozenset[int], backlog: int):
+        self.path, self._trusted, self._backlog = path, trusted, backlog
+        self._inode: tuple[int, int] | None = None
+
+    def bind(self) -> socket.socket:
+        """A listening, non-blocking socket on ``path``."""
+        path = self.path
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            raise ControlSocketError(
+                f"control socket path {path!r} is {len(os.fsencode(path))} bytes; "
+                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}")
+        prepare_directory(path, self._trusted)
+        self._remove_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            # Nobody can connect before listen(), so the mode is owner-only from the first connect.
+            os.chmod(path, 0o600)
+            st = os.stat(path)
+            self._inode = (st.st_dev, st.st_ino)
+            sock.listen(self._backlog)
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            raise ControlSocketError(f"cannot serve the control socket {path!r}: {e}") from e
+        return sock
+
+    def _remove_stale(self, path: str) -> None:
+        try:
+            check_socket_file(path, self._trusted)  # never probe or unlink someone else's
+        except FileNotFoundError:
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale control socket %s", path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        finally:
+            probe.close()
+        raise ControlSocketError(f"control socket {path!r} is served by a live process; "
+                                 "is another coordinator running with this config?")
+
+    def unlink(self) -> None:
+        if self._inode is None:
+            return
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._inode = None
