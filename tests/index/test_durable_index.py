@@ -11,11 +11,10 @@ import signal
 
 import pytest
 
-from control_children import rows_hold, store_and_load_forever
+from control_children import check_every_hit, store_and_load_forever
 from control_support import SPAWN, STOP_TIMEOUT_S, wait_for
 from tiercache.config import KVGeometry, RegionConfig, config_to_toml
 from tiercache.index.client import Client
-from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
 
 ITERATIONS = 6
@@ -41,27 +40,6 @@ def _kill(procs) -> None:
             os.kill(proc.pid, signal.SIGKILL)
     for proc in procs:
         proc.join(STOP_TIMEOUT_S)
-
-
-def _check_every_hit(config) -> tuple[int, int]:
-    """(hits, hits whose bytes are wrong) over the whole key space, each hit pinned by a
-    lease while its rows are compared."""
-    region = SharedOffloadRegion.attach(config.name)
-    hits = wrong = 0
-    try:
-        with Client(config) as client:
-            for i in range(KEY_SPACE):
-                key = b"key-%d" % i
-                if not client.lease([key]).num_hit:
-                    continue
-                hits += 1
-                slot = int(client.prepare_load([key]).block_ids[0])
-                wrong += not rows_hold(region, slot, key)
-                client.complete_load([key])
-                client.release([key])
-    finally:
-        region.close()
-    return hits, wrong
 
 
 @pytest.mark.slow
@@ -93,7 +71,7 @@ def test_every_hit_after_a_coordinator_sigkill_holds_its_bytes(make_config, tmp_
                 s = client.stats()
             assert (s.writing_blocks, s.loading_blocks) == (0, 0)  # dropped and cleared
             assert s.recovered_blocks == s.ready_blocks
-            hits, wrong_hits = _check_every_hit(config)
+            hits, wrong_hits = check_every_hit(config, KEY_SPACE)
             assert wrong_hits == 0, f"iteration {iteration}: {wrong_hits} of {hits} hits hold " \
                                     "other bytes"
             assert hits == s.recovered_blocks

@@ -119,3 +119,43 @@ def store_and_load_forever(config_toml: str, seed: int, key_space: int, stored, 
             time.sleep(0.02)
         except ManagerError:  # e.g. a key evicted by another engine between two calls
             continue
+
+
+def check_every_hit(config, key_space: int) -> tuple[int, int]:
+    """(hits, hits whose bytes are wrong) over the workload's key space, each hit pinned by
+    a lease while its rows are compared (run in the test process)."""
+    from tiercache.region.shared import SharedOffloadRegion
+
+    region = SharedOffloadRegion.attach(config.name)
+    hits = wrong = 0
+    try:
+        with Client(config) as client:
+            for i in range(key_space):
+                key = b"key-%d" % i
+                if not client.lease([key]).num_hit:
+                    continue
+                hits += 1
+                slot = int(client.prepare_load([key]).block_ids[0])
+                wrong += not rows_hold(region, slot, key)
+                client.complete_load([key])
+                client.release([key])
+    finally:
+        region.close()
+    return hits, wrong
+
+
+def grab_and_wait(config_toml: str, tag: int, num_keys: int, key_space: int, holding) -> None:
+    """Child: an engine that reserves ``num_keys`` slots (retrying while there is no room),
+    leases a run of the workload's keys, signals, and waits to be SIGKILLed."""
+    import time
+    import tomllib
+
+    from tiercache.config import config_from_dict
+
+    client = Client(config_from_dict(tomllib.loads(config_toml)), name=f"doomed {tag}")
+    keys = [b"doomed-%d-%d" % (tag, i) for i in range(num_keys)]
+    while client.prepare_store(keys) is None:
+        time.sleep(0.01)
+    client.lease([b"key-%d" % ((tag + i) % key_space) for i in range(4)])
+    holding.set()
+    threading.Event().wait(WAIT_S)
