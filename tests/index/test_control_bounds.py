@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import struct
@@ -21,7 +22,8 @@ from control_support import (
     wait_for,
 )
 from index_scenarios import k, store
-from tiercache.errors import ControlSocketError
+from tiercache.config import config_from_dict
+from tiercache.errors import ConfigError, ControlSocketError
 from tiercache.index.client import Client
 from tiercache.index.control import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
@@ -204,3 +206,25 @@ def _ping_or_error(path: str) -> float | Exception:
             return client.ping()
     except Exception as e:  # returned to the test thread, which asserts on it
         return e
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_connections", 0), ("max_buffered_bytes", 8), ("listen_backlog", 0),
+    ("accept_backoff_s", 0), ("session_grace_s", -1), ("trusted_uid", -2),
+])
+def test_bounds_out_of_range_are_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=f"{field} = {value}"):
+        ControlOptions(**{field: value})
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("index", {"session_grace_s": -1}, "index.session_grace_s = -1"),
+    ("index", {"session_grace_s": "5s"}, "index.session_grace_s = '5s': expected an integer or a number"),
+    ("control", {"max_connections": 0}, "control.max_connections = 0"),
+    ("control", {"trusted_uid": -5}, "control.trusted_uid = -5"),
+])
+def test_config_keys_of_the_control_plane_are_validated(key, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({key: value})
+    config = config_from_dict({"index": {"session_grace_s": 2}, "control": {"trusted_uid": 0}})
+    assert (config.index_session_grace_s, config.control_trusted_uid) == (2.0, 0)

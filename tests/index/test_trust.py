@@ -21,7 +21,7 @@ from control_support import START_TIMEOUT_S
 from tiercache.config import Config
 from tiercache.errors import ControlSocketError
 from tiercache.index.client import Client
-from tiercache.index.control import ControlServer
+from tiercache.index.control import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
 from tiercache.index.sockets import prepare_directory, trusted_uids
 from tiercache.index.payloads import decode_error, encode_hello_request
@@ -101,6 +101,26 @@ def test_the_server_refuses_a_client_of_another_user(servers, shared_dir, other_
     assert f"uid {other_uid}" in str(error) and "trusted" in str(error)
     with Client(path) as owner:
         owner.ping()  # the owner is served as before
+
+
+@needs_root
+def test_the_configured_uid_is_trusted(servers, shared_dir, other_uid):
+    path = os.path.join(shared_dir, "ctl.sock")
+    servers(path, options=ControlOptions(trusted_uid=other_uid))
+    os.chmod(path, 0o666)  # the file mode is the operator's business; the uid check passes
+    hello = frame(Verb.HELLO, 1, encode_hello_request(None, "operator"))
+    child = run_as(other_uid, """
+        import socket, sys
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(sys.argv[1])
+        s.sendall(bytes.fromhex(sys.argv[2]))
+        print(s.recv(65536).hex())
+    """, path, hello.hex())
+    out, err = child.communicate(timeout=START_TIMEOUT_S)
+    assert child.returncode == 0, err
+    header = FrameHeader.unpack(bytes.fromhex(out.strip())[:HEADER_BYTES])
+    assert (header.verb, header.status, header.request_id) == (Verb.HELLO, Status.OK, 1)
 
 
 # ---------------------------------------------------------------- the client checks its server
