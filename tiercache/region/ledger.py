@@ -145,17 +145,19 @@ class IndexLedger:
         abandoned = np.flatnonzero(~whole | (state == LedgerState.WRITING)
                                    | (state > LedgerState.READY))
         ready_ids = ready_ids[np.argsort(t["stamp"][ready_ids], kind="stable")]
+        blob = t["key"][ready_ids].tobytes()  # one copy; slicing bytes beats per-record numpy
+        lengths = t["key_len"][ready_ids].tolist()
         by_key: dict[bytes, int] = {}
-        for slot in ready_ids.tolist():
-            record = t[slot]
-            by_key[record["key"][:record["key_len"]].tobytes()] = slot  # newer wins
+        for i, (slot, length) in enumerate(zip(ready_ids.tolist(), lengths)):
+            key = blob[i * KEY_BYTES:i * KEY_BYTES + length]
+            by_key.pop(key, None)  # the newer record wins, in its place in stamp order
+            by_key[key] = slot
         kept = set(by_key.values())
         duplicates = [s for s in ready_ids.tolist() if s not in kept]
         self._normalise_seq(abandoned)
         self.free(np.concatenate([abandoned, np.asarray(duplicates, np.int64)]))
         self._next_stamp = int(t["stamp"].max(initial=0)) + 1
-        ready = tuple(sorted(by_key.items(), key=lambda item: int(t["stamp"][item[1]])))
-        return Recovery(ready, tuple(abandoned.tolist()))
+        return Recovery(tuple(by_key.items()), tuple(abandoned.tolist()))
 
     def _normalise_seq(self, ids: np.ndarray) -> None:
         """A torn record gets an even seq at least as large as both halves, so the next
