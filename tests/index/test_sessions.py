@@ -67,7 +67,7 @@ def test_a_client_that_reconnects_with_its_token_keeps_what_it_held(servers, soc
         other.complete_store(k(5, 6))  # not other's reservation: ignored
         assert other.stats().writing_blocks == 2
         with Client(socket_path, session_token=token, name="successor") as heir:
-            heir.ping()
+            heir.connect()
             assert heir.resumed and heir.session_token == token and heir.grace_s == 600
             heir.complete_store(k(5, 6))  # its reservations, intact
             heir.complete_load(k(1))  # and its pin
@@ -79,6 +79,9 @@ def test_a_client_that_reconnects_with_its_token_keeps_what_it_held(servers, soc
 def test_after_the_grace_period_the_token_opens_a_new_session(servers, socket_path):
     servers(socket_path, num_blocks=8, options=SHORT_GRACE)
     client = Client(socket_path)
+    assert client.session_token is None  # not connected yet
+    client.connect()
+    assert len(client.session_token) == 16 and not client.resumed
     assert client.prepare_store(k(1, 2)) is not None
     token = client.session_token
     client.close()

@@ -110,9 +110,17 @@ class Client:
     def socket_path(self) -> str:
         return self._path
 
+    def connect(self) -> None:
+        """Connect and open (or resume) the session now, rather than at the first call;
+        a no-op while connected. Raises what a call would (``CoordinatorGoneError``...)."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+
     @property
     def session_token(self) -> bytes | None:
-        """The token of this client's session (None before the first connect, unless given)."""
+        """The token of this client's session: None before the first connect (``connect()``
+        or any call), unless one was given to resume."""
         return self._hello.token if self._hello else None
 
     @property
