@@ -226,8 +226,8 @@ def test_clients_killed_mid_call_do_not_disturb_others(servers, socket_path):
             assert survivor.lookup(sc.k(1)) == 1
             s = survivor.stats()
             assert s.free_blocks + s.writing_blocks + s.ready_blocks + s.loading_blocks == 64
-            # A killed client may leave blocks WRITING (as a crashed engine would); the
-            # index stays consistent and keeps serving.
+            # Killed clients' reservations stay WRITING until their sessions' grace period
+            # ends (tests/index/test_sessions.py); the index stays consistent meanwhile.
             assert survivor.prepare_store(sc.k(2)) is not None
     finally:
         for child in children:

@@ -51,9 +51,9 @@ class Coordinator:
             layout = self.region.layout
             self.manager = self._build_index()
             socket_path = os.path.abspath(cfg.socket_path)
-            self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             self.control = ControlServer(self.manager, socket_path, control_options(cfg))
             self.control.start()
+            self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
                 collector = TiercacheCollector(self.region, manager_stats=self.control.stats)
                 self.exporter = start_exporter(cfg.exporter, collector)
