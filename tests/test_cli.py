@@ -134,10 +134,11 @@ def test_clean_removes_the_stale_socket_too_and_takes_a_name(make_config, tmp_pa
     assert not os.path.exists(dead_cfg.socket_path)
     assert not os.path.exists(f"/dev/shm/tiercache-{dead_cfg.name}")
     assert os.path.exists(f"/dev/shm/tiercache-{other_cfg.name}")  # not named: kept
-    by_name = tiercache("clean", "--name", other_cfg.name)  # socket at the default path only
+    by_name = tiercache("clean", "--name", other_cfg.name)  # socket: the path its header records
     assert f"removed stale region /dev/shm/tiercache-{other_cfg.name}" in by_name.stdout
+    assert f"removed stale socket {other_cfg.socket_path}" in by_name.stdout
     assert not os.path.exists(f"/dev/shm/tiercache-{other_cfg.name}")
-    os.unlink(other_cfg.socket_path)
+    assert not os.path.exists(other_cfg.socket_path)
 
 
 def test_help_is_plain_text():

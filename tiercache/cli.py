@@ -51,9 +51,11 @@ def _region_names(args: argparse.Namespace) -> list[str] | None:
 
 
 def _socket_path(args: argparse.Namespace, name: str) -> str:
-    """The control socket of instance ``name``: the config's, else the default path."""
-    config = load_config(args.config) if args.config else Config(name=name)
-    return config.socket_path
+    """The control socket of instance ``name``: the path its region header records (the
+    coordinator's, whatever this caller's environment), else the config's default."""
+    from tiercache.index.client import resolve_socket_path
+
+    return resolve_socket_path(load_config(args.config) if args.config else Config(name=name))
 
 
 def _print_index(socket_path: str) -> None:
@@ -124,7 +126,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  geometry: {info.layout.describe()}")
         if info.state != RegionState.READY:
             continue
-        if listing.live:  # without --config the socket is assumed at its default path
+        if listing.live:  # at the path its header records, unless --config names one
             _print_index(_socket_path(args, listing.name))
         _print_ranks(listing)
     return 0

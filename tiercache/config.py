@@ -111,6 +111,9 @@ class Config:
     control_socket: str = ""  # "" = derived from name, see socket_path
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
     index_events: bool = False  # keep stored/removed events for take_events()
+    index_session_grace_s: float = 5.0  # a gone client's reservations and pins live this long
+    control_max_connections: int = 256
+    control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -123,6 +126,15 @@ class Config:
         if self.index_policy not in INDEX_POLICIES:
             raise ConfigError(f"index.policy = {self.index_policy!r}: allowed "
                               f"{', '.join(map(repr, INDEX_POLICIES))}")
+        if not 0 <= self.index_session_grace_s <= 3600:
+            raise ConfigError(f"index.session_grace_s = {self.index_session_grace_s!r}: "
+                              "allowed 0 .. 3600 (seconds)")
+        if not 1 <= self.control_max_connections <= 65536:
+            raise ConfigError(f"control.max_connections = {self.control_max_connections!r}: "
+                              "allowed 1 .. 65536")
+        if self.control_trusted_uid < -1:
+            raise ConfigError(f"control.trusted_uid = {self.control_trusted_uid!r}: a uid "
+                              "(>= 0), or -1 for none")
 
     @property
     def shm_name(self) -> str:
@@ -133,7 +145,9 @@ class Config:
     def socket_path(self) -> str:
         if self.control_socket:
             return self.control_socket
-        runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        # Without XDG_RUNTIME_DIR: a private per-user directory, never bare /tmp (where any
+        # user could squat the name); the control server creates it 0700.
+        runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/tiercache-{os.geteuid()}"
         return os.path.join(runtime_dir, f"tiercache-{self.name}.sock")
 
 
@@ -152,10 +166,11 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     },
     "transfer": {"backend": str},
     "exporter": {"address": str, "port": int, "enabled": bool},
-    "control": {"socket": str},
-    "index": {"policy": str, "events": bool},
+    "control": {"socket": str, "max_connections": int, "trusted_uid": int},
+    "index": {"policy": str, "events": bool, "session_grace_s": (int, float)},
 }
-_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list"}
+_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list",
+               float: "a number"}
 
 
 def _check_types(raw: dict[str, Any]) -> None:
@@ -254,8 +269,11 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         "exporter": ExporterConfig(**_present(raw.get("exporter", {}), {
             "address": "address", "port": "port", "enabled": "enabled"})),
         **_present(inst, {"name": "name", "world_size": "world_size"}),
-        **_present(raw.get("control", {}), {"socket": "control_socket"}),
-        **_present(raw.get("index", {}), {"policy": "index_policy", "events": "index_events"}),
+        **_present(raw.get("control", {}), {"socket": "control_socket",
+                                            "max_connections": "control_max_connections",
+                                            "trusted_uid": "control_trusted_uid"}),
+        **_present(raw.get("index", {}), {"policy": "index_policy", "events": "index_events",
+                                          "session_grace_s": "index_session_grace_s"}),
     }
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
@@ -293,7 +311,7 @@ def config_to_toml(config: Config) -> str:
             return "true" if v else "false"
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
-        return str(v) if isinstance(v, int) else '"' + str(v).replace('"', '\\"') + '"'
+        return str(v) if isinstance(v, (int, float)) else '"' + str(v).replace('"', '\\"') + '"'
 
     reg, kv, exp = config.region, config.kv, config.exporter
     size = {"num_blocks": reg.num_blocks} if reg.num_blocks is not None else {
@@ -306,8 +324,11 @@ def config_to_toml(config: Config) -> str:
                "block_tokens": kv.block_tokens},
         "transfer": {"backend": config.backend.label},
         "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
-        "control": {"socket": config.control_socket},
-        "index": {"policy": config.index_policy, "events": config.index_events},
+        "control": {"socket": config.control_socket,
+                    "max_connections": config.control_max_connections,
+                    "trusted_uid": config.control_trusted_uid},
+        "index": {"policy": config.index_policy, "events": config.index_events,
+                  "session_grace_s": config.index_session_grace_s},
     }
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())

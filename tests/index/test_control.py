@@ -3,7 +3,6 @@ calls, and a socket that misbehaving peers cannot break."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -14,89 +13,20 @@ import threading
 import pytest
 
 import index_scenarios as sc
-from tiercache.index.client import Client
-from tiercache.config import RegionConfig
-from tiercache.index.control import ControlServer, serve_forever
-from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
-from tiercache.index.manager import OffloadingManager
-from tiercache.index.protocol import (
-    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, FrameHeader,
-    PayloadReader, PayloadWriter, Status, Verb, decode_error, frame,
+from control_support import (
+    SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, keys_payload, raw_connection,
+    read_frame,
 )
-
-SPAWN = mp.get_context("spawn")
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
-SOCKET_TIMEOUT_S = 30.0
-
-
-class ServerProcess:
-    """``serve_forever`` in a spawned child."""
-
-    def __init__(self, path: str, num_blocks: int = sc.CAPACITY_BLOCKS, policy: str = "lru",
-                 events: bool = True):
-        self.path = path
-        ready = SPAWN.Event()
-        self.proc = SPAWN.Process(target=serve_forever,
-                                  args=(path, num_blocks, policy, ready, events), daemon=True)
-        self.proc.start()
-        if not ready.wait(START_TIMEOUT_S):
-            self.kill()
-            raise TimeoutError(f"control server did not start within {START_TIMEOUT_S} s")
-
-    def stop(self) -> None:
-        """SIGTERM; the server must exit cleanly and remove its socket."""
-        self.proc.terminate()
-        self.proc.join(STOP_TIMEOUT_S)
-        assert self.proc.exitcode == 0, f"server exited with {self.proc.exitcode}"
-        assert not os.path.exists(self.path)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(STOP_TIMEOUT_S)
-
-
-@pytest.fixture
-def socket_path(tmp_path) -> str:
-    return str(tmp_path / "ctl.sock")
-
-
-@pytest.fixture
-def servers():
-    started: list[ServerProcess] = []
-
-    def start(path: str, **kwargs) -> ServerProcess:
-        server = ServerProcess(path, **kwargs)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.kill()
-
-
-def raw_connection(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(SOCKET_TIMEOUT_S)
-    sock.connect(path)
-    return sock
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Read until EOF; True if the peer closed (a reset counts), False on stray data."""
-    try:
-        while True:
-            data = sock.recv(1 << 16)
-            if not data:
-                return True
-    except ConnectionResetError:
-        return True
-
-
-def keys_payload(keys: list[bytes]) -> bytes:
-    return PayloadWriter().keys(keys).build()
-
+from tiercache.config import RegionConfig
+from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
+from tiercache.index.client import Client
+from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.index.manager import OffloadingManager
+from tiercache.index.payloads import decode_error
+from tiercache.index.protocol import (
+    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, PayloadReader,
+    Status, Verb, frame,
+)
 
 # ---------------------------------------------------------------- the scenarios, remotely
 
@@ -152,8 +82,8 @@ def test_a_live_socket_is_not_taken_over(servers, socket_path, tmp_path):
 
 def test_in_process_server_closes_cleanly(socket_path):
     with pytest.raises(ConfigError, match="poll_before_sleep_s = 1"):
-        ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=1)
-    server = ControlServer(OffloadingManager(4), socket_path, poll_before_sleep_s=0)
+        ControlOptions(poll_before_sleep_s=1)
+    server = ControlServer(OffloadingManager(4), socket_path, ControlOptions(poll_before_sleep_s=0))
     server.start()
     client = Client(socket_path)
     client.ping()
@@ -197,17 +127,25 @@ def test_malformed_payload_is_answered_with_an_error_then_closed(servers, socket
     sock = raw_connection(socket_path)
     payload = struct.pack("<IH", 2, 1) + b"a"  # two 1-byte keys announced, one byte sent
     sock.sendall(frame(Verb.LOOKUP, 42, payload))
-    reply = b""
-    while len(reply) < HEADER_BYTES:
-        reply += sock.recv(1 << 16)
-    header = FrameHeader.unpack(reply)
-    while len(reply) < HEADER_BYTES + header.payload_bytes:
-        reply += sock.recv(1 << 16)
+    header, body = read_frame(sock)
     assert (header.verb, header.status, header.request_id) == (Verb.LOOKUP, Status.ERROR, 42)
-    error = decode_error(PayloadReader(reply[HEADER_BYTES:]))
+    error = decode_error(PayloadReader(body))
     assert isinstance(error, ProtocolError) and "truncated" in str(error)
     assert closed_by_peer(sock)
     sock.close()
+
+
+def test_a_request_before_hello_is_refused_and_closed(servers, socket_path):
+    servers(socket_path)
+    sock = raw_connection(socket_path, hello=False)
+    sock.sendall(frame(Verb.PREPARE_STORE, 7, keys_payload(sc.k(1))))
+    header, body = read_frame(sock)
+    assert (header.verb, header.status, header.request_id) == (Verb.PREPARE_STORE, Status.ERROR, 7)
+    assert "first request must be HELLO" in str(decode_error(PayloadReader(body)))
+    assert closed_by_peer(sock)
+    sock.close()
+    with Client(socket_path) as client:
+        assert client.stats().writing_blocks == 0  # the refused store reserved nothing
 
 
 def test_truncated_frame_held_open_does_not_stall_others(servers, socket_path):
@@ -288,8 +226,8 @@ def test_clients_killed_mid_call_do_not_disturb_others(servers, socket_path):
             assert survivor.lookup(sc.k(1)) == 1
             s = survivor.stats()
             assert s.free_blocks + s.writing_blocks + s.ready_blocks + s.loading_blocks == 64
-            # A killed client may leave blocks WRITING (as a crashed engine would); the
-            # index stays consistent and keeps serving.
+            # Killed clients' reservations stay WRITING until their sessions' grace period
+            # ends (tests/index/test_sessions.py); the index stays consistent meanwhile.
             assert survivor.prepare_store(sc.k(2)) is not None
     finally:
         for child in children:
@@ -358,7 +296,7 @@ def test_a_silent_coordinator_times_out(socket_path):
     listener.listen(1)
     try:
         client = Client(socket_path, timeout_s=0.2)
-        with pytest.raises(CoordinatorGoneError, match="went away during PING"):
+        with pytest.raises(CoordinatorGoneError, match="went away during HELLO"):  # the handshake
             client.ping()
         client.close()
     finally:

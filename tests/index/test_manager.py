@@ -4,6 +4,7 @@ manager itself can show (policy internals, invariants under random use, threads)
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 from hypothesis import settings
@@ -130,60 +131,96 @@ def test_threads_share_one_manager_consistently():
 
 # ---------------------------------------------------------------- random use keeps invariants
 
+OWNERS = (1, 2)
+
+
 class ManagerMachine(RuleBasedStateMachine):
-    """Random calls; a model of which keys are written/ready/loading must match the index."""
+    """Random calls by two owners; a model of which keys each owner is writing, which are
+    ready and how many pins each owner holds must match the index."""
 
     policy = "lru"
 
     def __init__(self):
         super().__init__()
         self.m = OffloadingManager(5, self.policy, enable_events=True)
-        self.writing: set[bytes] = set()
+        self.writing: dict[bytes, int] = {}  # key -> owner that reserved it
         self.ready: set[bytes] = set()
-        self.loads: dict[bytes, int] = {}
+        self.pins: Counter[tuple[int, bytes]] = Counter()
         self.stored_minus_removed: set[bytes] = set()
 
     keys = st.lists(st.integers(0, 9).map(lambda i: b"%d" % i), min_size=0, max_size=4,
                     unique=True)
+    owners = st.sampled_from(OWNERS)
 
-    @rule(keys=keys)
-    def prepare_store(self, keys):
-        held = self.writing | self.ready
-        out = self.m.prepare_store(keys)
+    def pinned(self, key: bytes) -> bool:
+        return any(n for (_, k), n in self.pins.items() if k == key)
+
+    @rule(keys=keys, owner=owners)
+    def prepare_store(self, keys, owner):
+        held = set(self.writing) | self.ready
+        out = self.m.prepare_store(keys, owner=owner)
         new = [key for key in keys if key not in held]
         if out is None:
-            evictable = {key for key in self.ready if not self.loads.get(key) and key not in keys}
+            evictable = {key for key in self.ready if not self.pinned(key) and key not in keys}
             assert len(new) - (5 - len(held)) > len(evictable)
             return
         assert list(out.keys_to_store) == new
         assert set(out.evicted_keys) <= self.ready - set(keys)
-        assert not any(self.loads.get(key) for key in out.evicted_keys)
+        assert not any(self.pinned(key) for key in out.evicted_keys)
         self.ready -= set(out.evicted_keys)
-        self.writing |= set(new)
+        self.writing.update(dict.fromkeys(new, owner))
 
-    @precondition(lambda self: self.writing)
-    @rule(data=st.data(), success=st.booleans())
-    def complete_store(self, data, success):
-        keys = data.draw(st.lists(st.sampled_from(sorted(self.writing)), min_size=1, unique=True))
-        self.m.complete_store(keys, success)
-        self.writing -= set(keys)
+    @rule(keys=keys, owner=owners, success=st.booleans())
+    def complete_store(self, keys, owner, success):
+        self.m.complete_store(keys, success, owner=owner)  # others' and unknown keys: ignored
+        mine = [key for key in keys if self.writing.get(key) == owner]
+        for key in mine:
+            del self.writing[key]
         if success:
-            self.ready |= set(keys)
+            self.ready |= set(mine)
 
     @precondition(lambda self: self.ready)
-    @rule(data=st.data())
-    def prepare_load(self, data):
+    @rule(data=st.data(), owner=owners)
+    def prepare_load(self, data, owner):
         keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=3))
-        self.m.prepare_load(keys)
+        self.m.prepare_load(keys, owner=owner)
         for key in keys:
-            self.loads[key] = self.loads.get(key, 0) + 1
+            self.pins[owner, key] += 1
 
-    @precondition(lambda self: any(self.loads.values()))
+    @precondition(lambda self: +self.pins)
     @rule(data=st.data())
     def complete_load(self, data):
-        key = data.draw(st.sampled_from(sorted(k for k, n in self.loads.items() if n)))
-        self.m.complete_load([key])
-        self.loads[key] -= 1
+        owner, key = data.draw(st.sampled_from(sorted(k for k, n in self.pins.items() if n)))
+        self.m.complete_load([key], owner=owner)
+        self.pins[owner, key] -= 1
+
+    @rule(keys=keys, owner=owners)
+    def lease(self, keys, owner):
+        result = self.m.lease(keys, owner=owner)
+        hits = 0
+        for key in keys:
+            if key not in self.ready:
+                break
+            hits += 1
+        assert result.num_hit == hits
+        assert result.pending == (hits < len(keys) and keys[hits] in self.writing)
+        for key in keys[:hits]:
+            self.pins[owner, key] += 1
+
+    @rule(keys=keys, owner=owners)
+    def release(self, keys, owner):
+        expected = sum(self.pins.pop((owner, key), 0) for key in keys)
+        assert self.m.release(keys, owner=owner) == expected
+
+    @rule(owner=owners)
+    def end_session(self, owner):
+        writing = [key for key, o in self.writing.items() if o == owner]
+        pins = sum(n for (o, _), n in self.pins.items() if o == owner)
+        released = self.m.end_session(owner)
+        assert (released.freed_writing, released.dropped_pins) == (len(writing), pins)
+        for key in writing:
+            del self.writing[key]
+        self.pins = Counter({(o, k): n for (o, k), n in self.pins.items() if o != owner})
 
     @rule(keys=keys)
     def touch_and_lookup(self, keys):
@@ -200,12 +237,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.reset()
         self.writing.clear()
         self.ready.clear()
-        self.loads.clear()
+        self.pins.clear()
 
     @invariant()
     def gauges_match_the_model(self):
         s = self.m.stats()
-        loading = {key for key, n in self.loads.items() if n}
+        loading = {key for key in self.ready if self.pinned(key)}
         assert s.writing_blocks == len(self.writing)
         assert s.loading_blocks == len(loading)
         assert s.ready_blocks == len(self.ready - loading)
@@ -216,6 +253,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert all((slot.state is SlotState.LOADING) == (slot.loads > 0) for slot in slots.values())
         assert self.m._readable_keys == {key for key, slot in slots.items()
                                          if slot.state is not SlotState.WRITING}
+        for (owner, key), n in self.pins.items():
+            assert slots[key].pins.get(owner, 0) == n
 
     @invariant()
     def events_replay_to_the_readable_set(self):

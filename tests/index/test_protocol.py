@@ -10,12 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiercache import errors
-from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.manager import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.payloads import (
+    Hello, decode_error, decode_events, decode_hello, decode_hello_request,
+    decode_lease_batch_request, decode_leases, decode_stats, decode_store_output, encode_error,
+    encode_events, encode_hello, encode_hello_request, encode_lease_batch_request, encode_leases,
+    encode_stats, encode_store_output,
+)
 from tiercache.index.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
-    PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader, PayloadReader, PayloadWriter, Status, Verb,
-    decode_error, decode_events, decode_stats, decode_store_output, encode_error, encode_events, encode_stats,
-    encode_store_output, frame,
+    MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader,
+    PayloadReader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -39,7 +44,8 @@ def test_header_layout_is_the_documented_one():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"magic": b"HTTP"}, "bad frame magic"),
-    ({"version": 2}, "protocol version 2 is not supported"),
+    ({"version": 1}, "protocol version 1 is not supported"),  # before sessions
+    ({"version": 3}, "protocol version 3 is not supported"),
     ({"size": MAX_FRAME_BYTES + 1}, f"at most {MAX_FRAME_BYTES}"),
     ({"verb": 0}, "bad frame header"),
     ({"verb": 200}, "bad frame header"),
@@ -129,7 +135,7 @@ def test_store_output_with_mismatched_ids_is_refused():
 def test_events_and_stats_round_trip():
     events = [OffloadingEvent((b"1", b"2"), removed=False), OffloadingEvent((b"9",), removed=True)]
     assert decode_events(PayloadReader(encode_events(events))) == events
-    stats = ManagerStats(*range(1, 14))
+    stats = ManagerStats(*range(1, 19))
     back = decode_stats(PayloadReader(encode_stats(stats)))
     assert back == stats and back.occupancy == stats.occupancy
 
@@ -145,3 +151,41 @@ def test_unexpected_errors_travel_as_the_base_class_with_their_type():
     assert type(back) is errors.TiercacheError and str(back) == "RuntimeError: boom"
     unknown = PayloadWriter().u32(999).text("x").build()
     assert isinstance(decode_error(PayloadReader(unknown)), errors.ProtocolError)
+
+
+def test_session_and_lease_payloads_round_trip():
+    token = bytes(range(16))
+    assert decode_hello_request(PayloadReader(encode_hello_request(token, "engine-0"))) == (
+        token, "engine-0")
+    assert decode_hello_request(PayloadReader(encode_hello_request(None, ""))) == (b"", "")
+    hello = Hello(token, True, 2.5)
+    assert decode_hello(PayloadReader(encode_hello(hello))) == hello
+    lists = [[b"a", b"b"], [], [b"long" * 10]]
+    assert decode_lease_batch_request(PayloadReader(encode_lease_batch_request(lists))) == lists
+    results = [LeaseResult(2, False), LeaseResult(0, True)]
+    assert decode_leases(PayloadReader(encode_leases(results))) == results
+
+
+def test_bad_session_and_lease_payloads_are_refused():
+    with pytest.raises(errors.ProtocolError, match="token of 3 bytes"):
+        encode_hello_request(b"abc", "")
+    with pytest.raises(errors.ProtocolError, match=f"at most {MAX_NAME_BYTES}"):
+        encode_hello_request(None, "n" * (MAX_NAME_BYTES + 1))
+    short_token = PayloadWriter().raw(b"abc").text("x").build()
+    with pytest.raises(errors.ProtocolError, match="token of 3 bytes"):
+        decode_hello_request(PayloadReader(short_token))
+    too_many = [[b"k"] * (MAX_KEYS_PER_CALL // 2 + 1)] * 2
+    with pytest.raises(errors.ProtocolError, match=f"at most {MAX_KEYS_PER_CALL} keys"):
+        encode_lease_batch_request(too_many)
+    forged = PayloadWriter().u32(2)
+    for keys in too_many:
+        forged.keys(keys)
+    with pytest.raises(errors.ProtocolError, match=f"more than {MAX_KEYS_PER_CALL} keys"):
+        decode_lease_batch_request(PayloadReader(forged.build()))
+
+
+def test_the_largest_request_fits_the_request_bound():
+    widest = [bytes([i % 256]) * MAX_KEY_BYTES for i in range(MAX_KEYS_PER_CALL)]
+    assert len(PayloadWriter().keys(widest).build()) <= MAX_REQUEST_BYTES
+    one_per_list = [[key] for key in widest]
+    assert len(encode_lease_batch_request(one_per_list)) <= MAX_REQUEST_BYTES

@@ -135,7 +135,7 @@ def test_another_user_gets_one_line_errors_for_our_region(make_config, tmp_path,
     line (they used to print a PermissionError traceback, or ignore the region)."""
     their = users.shared_dir(other_user)
     try:
-        cfg = make_config(control_socket=os.path.join(their.name, "control.sock"))
+        cfg = make_config()  # our socket in our directory; their copy of the config in theirs
         with CoordinatorProcess(cfg, tmp_path):
             path = f"/dev/shm/{cfg.shm_name}"
             config_path = os.path.join(their.name, "c.toml")

@@ -4,11 +4,30 @@ One connection, one call at a time (a lock serialises threads). When the
 coordinator is gone a call raises ``CoordinatorGoneError``; the next call connects
 again. A call interrupted that way may or may not have taken effect on the
 coordinator (the request may have arrived before the connection broke), so the
-client never retries on its own.
+client never retries a call on its own.
+
+Sessions: each connection starts with HELLO. The first opens a session; every
+reconnect sends the session's token, so a client that reconnects within the
+coordinator's grace period (``grace_s``) keeps its reservations and pins
+(``resumed`` is True). After a coordinator restart the token is unknown: a new session
+(``resumed`` False), and whatever the old one had reserved or pinned is gone. A
+process that takes over from another may pass ``session_token`` to resume its session.
+
+Finding and trusting the coordinator: built from a ``Config`` without
+``control.socket``, the client asks the region header where the coordinator serves
+(it recorded the path when it started, so the caller's ``XDG_RUNTIME_DIR`` does not
+matter) and falls back to the config's default path. Before talking it checks the
+socket's directory and owner and, once connected, the server's uid (``SO_PEERCRED``):
+a coordinator of another user is refused with ``ControlSocketError``
+(``tiercache.index.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
+connect: a burst of clients) is retried until ``timeout_s``, not taken for a dead
+coordinator.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 import threading
@@ -17,44 +36,102 @@ from collections.abc import Sequence
 
 from tiercache.config import Config
 from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
-from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
+from tiercache.index.payloads import (
+    Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
+    decode_store_output, encode_hello_request, encode_lease_batch_request,
+)
 from tiercache.index.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
-    PayloadWriter, Status, Verb, decode_error, decode_events, decode_stats, decode_store_output,
-    frame,
+    PayloadWriter, Status, Verb, frame,
 )
+from tiercache.index.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.specs import CPULoadStoreSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
 _RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
-_REQUEST_ID_MOD = 1 << 32
+_REQUEST_ID_MOD = 1 << 32  # ids run 1 .. 2**32-1; 0 marks the server's refusal of a connection
+_BACKLOG_RETRY_S = (0.001, 0.05)  # first and longest wait between connects on a full backlog
+
+
+def resolve_socket_path(config: Config) -> str:
+    """Where the coordinator of ``config`` serves: ``control.socket`` if set, else the path
+    its region header records, else the default derived from the environment."""
+    if config.control_socket:
+        return config.control_socket
+    from tiercache.region.shared import recorded_socket_path
+
+    return recorded_socket_path(config.name) or config.socket_path
 
 
 class Client:
-    """Talks to the coordinator serving ``config_or_socket_path`` (a ``Config`` or a path)."""
+    """Talks to the coordinator serving ``config_or_socket_path`` (a ``Config`` or a path).
+
+    ``session_token``: resume that session on connect (see the module docstring);
+    ``name``: shown in the coordinator's logs; ``trusted_uid``: a uid trusted besides our
+    own (default: the config's ``control.trusted_uid``).
+    """
 
     def __init__(self, config_or_socket_path: Config | str | os.PathLike[str],
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, *, session_token: bytes | None = None,
+                 name: str = "", trusted_uid: int | None = None):
+        self._config: Config | None = None
         if isinstance(config_or_socket_path, Config):
-            self._path = config_or_socket_path.socket_path
+            self._config = config_or_socket_path
+            self._path = resolve_socket_path(self._config)
+            if trusted_uid is None and self._config.control_trusted_uid >= 0:
+                trusted_uid = self._config.control_trusted_uid
         else:
             self._path = os.fspath(config_or_socket_path)
-        if len(os.fsencode(self._path)) > MAX_SOCKET_PATH_BYTES:
-            raise ControlSocketError(
-                f"control socket path {self._path!r} is {len(os.fsencode(self._path))} bytes; "
-                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}"
-            )
+        self._check_path_length(self._path)
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s = {timeout_s!r}: must be > 0")
+        encode_hello_request(session_token, name)  # refuses a malformed token or name now
         self._timeout_s = float(timeout_s)
+        self._trusted = trusted_uids(trusted_uid)
+        self._name = name
+        self._hello = Hello(session_token, False, 0.0) if session_token else None
         self._sock: socket.socket | None = None
         self._inbuf = bytearray()
         self._next_id = 1
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _check_path_length(path: str) -> None:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            raise ControlSocketError(
+                f"control socket path {path!r} is {len(os.fsencode(path))} bytes; "
+                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}"
+            )
+
     @property
     def socket_path(self) -> str:
         return self._path
+
+    def connect(self) -> None:
+        """Connect and open (or resume) the session now, rather than at the first call;
+        a no-op while connected. Raises what a call would (``CoordinatorGoneError``...)."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+
+    @property
+    def session_token(self) -> bytes | None:
+        """The token of this client's session: None before the first connect (``connect()``
+        or any call), unless one was given to resume."""
+        return self._hello.token if self._hello else None
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the latest connect resumed the session (False for a new one)."""
+        return self._hello.resumed if self._hello else False
+
+    @property
+    def grace_s(self) -> float:
+        """How long the coordinator keeps this session after its connection closes."""
+        return self._hello.grace_s if self._hello else 0.0
 
     # ------------------------------------------------------------------ the manager's verbs
 
@@ -88,6 +165,27 @@ class Client:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         payload = PayloadWriter().u8(1 if success else 0).keys(keys).build()
         self._call(Verb.COMPLETE_STORE, payload).done()
+
+    def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[LeaseResult]:
+        """One lease per list, in one call (each list atomically): its leading run of
+        readable keys is pinned for this session until ``release``."""
+        reader = self._call(Verb.LEASE_BATCH, encode_lease_batch_request(key_lists))
+        results = decode_leases(reader)
+        if len(results) != len(key_lists):
+            raise ProtocolError(f"lease_batch: asked for {len(key_lists)} leases, got "
+                                f"{len(results)}")
+        return results
+
+    def lease(self, keys: Sequence[bytes]) -> LeaseResult:
+        """``lease_batch([keys])[0]``."""
+        return self.lease_batch([keys])[0]
+
+    def release(self, keys: Sequence[bytes]) -> int:
+        """Drop every pin this session holds on ``keys``; returns how many were dropped."""
+        reader = self._call(Verb.RELEASE, PayloadWriter().keys(keys).build())
+        dropped = reader.u32()
+        reader.done()
+        return dropped
 
     def take_events(self) -> list[OffloadingEvent]:
         """Every pending event, fetched in as many calls as the frame bound needs."""
@@ -129,49 +227,108 @@ class Client:
 
     def _call(self, verb: Verb, payload: bytes) -> PayloadReader:
         with self._lock:
-            request_id = self._next_id
-            self._next_id = (request_id + 1) % _REQUEST_ID_MOD
-            sock = self._connected()
-            try:
-                sock.sendall(frame(verb, request_id, payload))
-                header, body = self._read_frame(sock)
-            except (OSError, EOFError) as e:  # timeouts included: the stream is out of step
-                self._disconnect()
-                raise CoordinatorGoneError(
-                    f"coordinator on {self._path} went away during {verb.name}: "
-                    f"{e or type(e).__name__}"
-                ) from e
-            except ProtocolError:
-                self._disconnect()
-                raise
-            if header.verb is not verb or header.request_id != request_id:
-                self._disconnect()
-                raise ProtocolError(
-                    f"answer for {header.verb.name} #{header.request_id} to request "
-                    f"{verb.name} #{request_id}"
-                )
+            if self._sock is None:
+                self._connect()
+            return self._exchange(verb, payload)
+
+    def _exchange(self, verb: Verb, payload: bytes) -> PayloadReader:
+        """One request and its answer on the open connection (the lock is held)."""
+        request_id = self._next_id
+        self._next_id = request_id % (_REQUEST_ID_MOD - 1) + 1
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.sendall(frame(verb, request_id, payload))
+            header, body = self._read_frame(sock)
+        except (OSError, EOFError) as e:  # timeouts included: the stream is out of step
+            refusal = self._refusal(sock) if verb is Verb.HELLO else None
+            self._disconnect()
+            if refusal is not None:
+                raise refusal from e
+            raise CoordinatorGoneError(
+                f"coordinator on {self._path} went away during {verb.name}: "
+                f"{e or type(e).__name__}"
+            ) from e
+        except ProtocolError:
+            self._disconnect()
+            raise
+        if header.status is Status.ERROR and header.request_id == 0:  # refused outright
+            self._disconnect()
+            raise decode_error(PayloadReader(body))
+        if header.verb is not verb or header.request_id != request_id:
+            self._disconnect()
+            raise ProtocolError(
+                f"answer for {header.verb.name} #{header.request_id} to request "
+                f"{verb.name} #{request_id}"
+            )
         reader = PayloadReader(body)
         if header.status is Status.ERROR:
             error = decode_error(reader)
             raise error
         return reader
 
-    def _connected(self) -> socket.socket:
-        if self._sock is not None:
-            return self._sock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self._timeout_s)
+    def _refusal(self, sock: socket.socket) -> Exception | None:
+        """The error a server sent before closing a connection it refused (it may close
+        before our HELLO is out), if it is waiting to be read."""
         try:
-            sock.connect(self._path)
-        except OSError as e:
-            sock.close()
+            sock.settimeout(0)
+            header, body = self._read_frame(sock)
+        except (OSError, EOFError, ProtocolError):
+            return None
+        if header.status is not Status.ERROR or header.request_id != 0:
+            return None
+        return decode_error(PayloadReader(body))
+
+    def _connect(self) -> None:
+        """Find, check and connect to the coordinator, then open or resume the session."""
+        if self._config is not None:
+            self._path = resolve_socket_path(self._config)
+            self._check_path_length(self._path)
+        try:
+            check_directory(os.path.dirname(os.path.abspath(self._path)), self._trusted)
+            check_socket_file(self._path, self._trusted)
+        except FileNotFoundError as e:
             raise CoordinatorGoneError(
-                f"no coordinator on {self._path} ({e.strerror or e}); start one with "
-                "`tiercache serve --config FILE`"
-            ) from e
+                f"no coordinator on {self._path} ({e.strerror}); start one with "
+                "`tiercache serve --config FILE`") from e
+        sock = self._connect_socket()
+        try:
+            check_peer(sock, self._trusted, f"the coordinator on {self._path}")
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._inbuf = bytearray()
-        return sock
+        token = self._hello.token if self._hello else None
+        reader = self._exchange(Verb.HELLO, encode_hello_request(token, self._name))
+        self._hello = decode_hello(reader)
+
+    def _connect_socket(self) -> socket.socket:
+        """A connected socket; a full backlog (EAGAIN) is retried until ``timeout_s``."""
+        deadline = time.monotonic() + self._timeout_s
+        wait_s = _BACKLOG_RETRY_S[0]
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self._timeout_s)
+            try:
+                sock.connect(self._path)
+                return sock
+            except BlockingIOError as e:
+                sock.close()
+                if e.errno != errno.EAGAIN or time.monotonic() + wait_s > deadline:
+                    raise CoordinatorGoneError(
+                        f"the coordinator on {self._path} did not take the connection within "
+                        f"{self._timeout_s} s (its listen backlog stayed full)") from e
+                log.debug("control socket %s: listen backlog full; retrying in %.3f s",
+                          self._path, wait_s)
+                time.sleep(wait_s)
+                wait_s = min(2 * wait_s, _BACKLOG_RETRY_S[1])
+            except OSError as e:
+                sock.close()
+                raise CoordinatorGoneError(
+                    f"no coordinator on {self._path} ({e.strerror or e}); start one with "
+                    "`tiercache serve --config FILE`"
+                ) from e
 
     def _disconnect(self) -> None:
         if self._sock is not None:

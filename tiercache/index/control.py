@@ -5,136 +5,126 @@ Calls are tens of microseconds and all go through the manager's single lock, so
 more threads would add GIL hand-offs, not parallelism. A connection that sends a
 frame the protocol cannot trust (bad magic or version, oversized, malformed
 payload) is closed; the loop and every other connection carry on.
+
+Every connection is a client session (``tiercache.index.sessions``): its first frame
+must be HELLO, and what it reserves or pins is given back when it is gone for longer
+than the grace period.
+
+Bounds (``ControlOptions``; the README lists them), so that no local user can grow the
+coordinator or starve its other clients:
+
+* at most ``max_connections`` connections; one more is answered with an error and closed;
+* a request frame is at most ``MAX_REQUEST_BYTES``, and partial requests held across all
+  connections at most ``max_buffered_bytes`` (a connection that would pass it is closed);
+  answers are not read past: while a connection's answers wait, it is not read from;
+* each kind of complaint (bad frames, refused peers, accept failures) is logged at most
+  once per ``log_interval_s`` with a count of the rest;
+* out of file descriptors (EMFILE and the like) the listener is taken out of the loop for
+  ``accept_backoff_s`` (the connections already open are served meanwhile); pending
+  connections wait in the kernel's backlog (``listen_backlog``) and are accepted later.
+
+Peers: a connection from a uid that is not trusted (``tiercache.index.sockets``) is answered
+with an error and closed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import selectors
 import signal
 import socket
-import stat
-import struct
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
+from tiercache.index.handlers import HANDLERS
+from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
+from tiercache.index.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
+from tiercache.index.payloads import decode_hello_request, encode_error, encode_hello
 from tiercache.index.protocol import (
-    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
-    PayloadWriter, Status, Verb, encode_error, encode_events, encode_stats, encode_store_output,
-    frame,
+    HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
+    Verb, frame,
 )
+from tiercache.index.sessions import Session, SessionTable
 
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
-LISTEN_BACKLOG = 128
 CLOSE_TIMEOUT_S = 10.0
 # After serving, keep polling this long before sleeping in epoll_wait: a sleeping core
 # takes ~50 µs to wake on the 2-core VM we measured (a 16-byte echo between two processes:
 # 108 µs p50 blocking, 13 µs with this poll). It costs CPU only while calls keep coming.
 POLL_BEFORE_SLEEP_S = 50e-6
-
-Handler = Callable[[OffloadingManager, PayloadReader], bytes]
-_EMPTY = b""
-_U32 = struct.Struct("<I")
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
-def _keys_then(reader: PayloadReader) -> list[bytes]:
-    keys = reader.keys()
-    reader.done()
-    return keys
+@dataclass(frozen=True)
+class ControlOptions:
+    """How the control server behaves toward its clients (see the module docstring)."""
 
+    session_grace_s: float = 5.0
+    max_connections: int = 256
+    max_buffered_bytes: int = 64 << 20
+    listen_backlog: int = 4096  # the kernel caps it at net.core.somaxconn
+    accept_backoff_s: float = 0.1
+    log_interval_s: float = 10.0
+    trusted_uid: int | None = None  # trusted besides our own uid
+    poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S
 
-def _lookup(m: OffloadingManager, r: PayloadReader) -> bytes:
-    return _U32.pack(m.lookup(_keys_then(r)))
-
-
-def _prepare_load(m: OffloadingManager, r: PayloadReader) -> bytes:
-    return PayloadWriter().ids(m.prepare_load(_keys_then(r)).block_ids).build()
-
-
-def _touch(m: OffloadingManager, r: PayloadReader) -> bytes:
-    m.touch(_keys_then(r))
-    return _EMPTY
-
-
-def _complete_load(m: OffloadingManager, r: PayloadReader) -> bytes:
-    m.complete_load(_keys_then(r))
-    return _EMPTY
-
-
-def _prepare_store(m: OffloadingManager, r: PayloadReader) -> bytes:
-    return encode_store_output(m.prepare_store(_keys_then(r)))
-
-
-def _complete_store(m: OffloadingManager, r: PayloadReader) -> bytes:
-    success = r.u8()
-    if success not in (0, 1):
-        raise ProtocolError(f"complete_store success flag {success}; expected 0 or 1")
-    m.complete_store(_keys_then(r), success=bool(success))
-    return _EMPTY
-
-
-def _no_args(call: Callable[[OffloadingManager], bytes]) -> Handler:
-    def handler(m: OffloadingManager, r: PayloadReader) -> bytes:
-        r.done()
-        return call(m)
-    return handler
-
-
-def _reset(m: OffloadingManager) -> bytes:
-    m.reset()
-    return _EMPTY
-
-
-HANDLERS: dict[Verb, Handler] = {
-    Verb.LOOKUP: _lookup,
-    Verb.PREPARE_LOAD: _prepare_load,
-    Verb.TOUCH: _touch,
-    Verb.COMPLETE_LOAD: _complete_load,
-    Verb.PREPARE_STORE: _prepare_store,
-    Verb.COMPLETE_STORE: _complete_store,
-    Verb.TAKE_EVENTS: _no_args(lambda m: encode_events(m.take_events(max_keys=MAX_KEYS_PER_CALL))),
-    Verb.RESET: _no_args(_reset),
-    Verb.STATS: _no_args(lambda m: encode_stats(m.stats())),
-    Verb.PING: _no_args(lambda m: _EMPTY),
-}
-assert set(HANDLERS) == set(Verb), "every verb needs a handler"
+    def __post_init__(self) -> None:
+        checks = (
+            ("session_grace_s", 0 <= self.session_grace_s <= 3600, "0 .. 3600 s"),
+            ("max_connections", 1 <= self.max_connections <= 65536, "1 .. 65536"),
+            ("max_buffered_bytes", self.max_buffered_bytes >= HEADER_BYTES, f">= {HEADER_BYTES}"),
+            ("listen_backlog", 1 <= self.listen_backlog <= 65535, "1 .. 65535"),
+            ("accept_backoff_s", 0 < self.accept_backoff_s <= 10, "0 .. 10 s (not 0)"),
+            ("log_interval_s", 0 <= self.log_interval_s <= 3600, "0 .. 3600 s"),
+            ("trusted_uid", self.trusted_uid is None or self.trusted_uid >= 0, "None or >= 0"),
+            ("poll_before_sleep_s", 0 <= self.poll_before_sleep_s <= 0.01, "0 .. 0.01 s"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
 
 
 class _Connection:
-    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events")
+    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events", "session", "peer")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
         self.inbuf = bytearray()  # the start of a frame still incomplete
         self.need_bytes = 0  # how long inbuf must get before it is worth parsing again
         self.outbuf = bytearray()
         self.events = selectors.EVENT_READ  # what the selector watches for
+        self.session: Session | None = None  # set by HELLO
+        self.peer = peer  # "pid N" for logs
 
 
 class ControlServer:
     """Serves ``manager`` on the Unix socket ``socket_path`` (mode 0600) until ``close()``."""
 
     def __init__(self, manager: OffloadingManager, socket_path: str | os.PathLike[str],
-                 poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S):
-        if not 0 <= poll_before_sleep_s <= 0.01:
-            raise ConfigError(
-                f"poll_before_sleep_s = {poll_before_sleep_s!r}: allowed 0 .. 0.01 s")
+                 options: ControlOptions | None = None):
         self._manager = manager
         self._path = os.fspath(socket_path)
-        self._poll_before_sleep_s = poll_before_sleep_s
+        self.options = options or ControlOptions()
+        self._trusted = trusted_uids(self.options.trusted_uid)
+        self._sessions = SessionTable(manager, self.options.session_grace_s)
+        self._warn = LogLimiter(log, self.options.log_interval_s)
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._inode: tuple[int, int] | None = None
+        self._socket_file = SocketFile(self._path, self._trusted, self.options.listen_backlog)
+        self._connections: set[_Connection] = set()
+        self._buffered_bytes = 0  # partial requests held, all connections together
+        self._accept_resume_at: float | None = None  # while the listener is paused
 
     @property
     def socket_path(self) -> str:
@@ -148,7 +138,7 @@ class ControlServer:
         """Bind and listen (clients may connect once this returns), then serve in a thread."""
         if self._thread is not None:
             raise ControlSocketError(f"control server on {self._path} was already started")
-        self._listener = self._bind()
+        self._listener = self._socket_file.bind()
         try:
             self._wake_r, self._wake_w = socket.socketpair()
             self._selector = selectors.DefaultSelector()
@@ -163,18 +153,17 @@ class ControlServer:
         log.info("control server listening on %s", self._path)
 
     def close(self) -> None:
-        """Stop serving, close every connection and unlink the socket. Idempotent."""
+        """Stop serving, close every connection, end every session (nobody can resume
+        them) and unlink the socket. Idempotent."""
         if self._thread is not None and self._wake_w is not None:
             self._wake_w.send(b"x")
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
-                try:  # the thread may still use its sockets; the path at least must go
-                    os.unlink(self._path)
-                except FileNotFoundError:
-                    pass
+                self._socket_file.unlink()  # the thread may still use its sockets; the path goes
                 raise ControlSocketError(
                     f"control server thread did not stop within {CLOSE_TIMEOUT_S} s"
                 )
+            self._sessions.end_all()
         self._release()
 
     def __enter__(self) -> ControlServer:
@@ -183,54 +172,6 @@ class ControlServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ socket setup
-
-    def _bind(self) -> socket.socket:
-        path = self._path
-        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-            raise ControlSocketError(
-                f"control socket path {path!r} is {len(os.fsencode(path))} bytes; "
-                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}"
-            )
-        self._remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)
-            # Nobody can connect before listen(), so the mode is owner-only from the first connect.
-            os.chmod(path, 0o600)
-            st = os.stat(path)
-            self._inode = (st.st_dev, st.st_ino)
-            sock.listen(LISTEN_BACKLOG)
-            sock.setblocking(False)
-        except OSError as e:
-            sock.close()
-            raise ControlSocketError(f"cannot serve the control socket {path!r}: {e}") from e
-        return sock
-
-    @staticmethod
-    def _remove_stale_socket(path: str) -> None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise ControlSocketError(f"control socket path {path!r} exists and is not a socket; "
-                                     "remove it or choose another control.socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale control socket %s", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            return
-        finally:
-            probe.close()
-        raise ControlSocketError(f"control socket {path!r} is served by a live process; "
-                                 "is another coordinator running with this config?")
 
     def _release(self) -> None:
         if self._selector is not None:
@@ -242,32 +183,28 @@ class ControlServer:
             if sock is not None:
                 sock.close()
         self._listener = self._wake_r = self._wake_w = None
-        if self._inode is not None:
-            try:
-                st = os.stat(self._path)
-                if (st.st_dev, st.st_ino) == self._inode:  # never unlink a successor's socket
-                    os.unlink(self._path)
-            except FileNotFoundError:
-                pass
-            self._inode = None
+        self._connections.clear()
+        self._socket_file.unlink()
 
     # ------------------------------------------------------------------ the loop
 
-    def _wait(self, selector: selectors.BaseSelector) -> list[tuple[selectors.SelectorKey, int]]:
+    def _wait(self, selector: selectors.BaseSelector, timeout: float | None
+              ) -> list[tuple[selectors.SelectorKey, int]]:
         """Poll for up to ``poll_before_sleep_s``, then sleep in the kernel (why: see
-        ``POLL_BEFORE_SLEEP_S``)."""
+        ``POLL_BEFORE_SLEEP_S``) until an event or ``timeout``."""
         ready = selector.select(0)
-        if not ready and self._poll_before_sleep_s > 0:
-            deadline = time.perf_counter() + self._poll_before_sleep_s
+        poll_s = self.options.poll_before_sleep_s
+        if not ready and poll_s > 0:
+            deadline = time.perf_counter() + poll_s
             while not ready and time.perf_counter() < deadline:
                 ready = selector.select(0)
-        return ready or selector.select()
+        return ready or selector.select(timeout)
 
     def _serve(self) -> None:
         selector = self._selector
         assert selector is not None
         while True:
-            for key, mask in self._wait(selector):
+            for key, mask in self._wait(selector, self._timeout()):
                 source = key.data
                 if source is self._wake_r:
                     return
@@ -278,6 +215,26 @@ class ControlServer:
                     self._on_readable(selector, source)
                 if mask & selectors.EVENT_WRITE and source.sock.fileno() >= 0:
                     self._flush(selector, source)
+            self._on_time(selector)
+
+    def _timeout(self) -> float | None:
+        """Seconds until the next session expiry or accept resumption (None: none due)."""
+        due = [t for t in (self._sessions.next_deadline(), self._accept_resume_at)
+               if t is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _on_time(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        if self._accept_resume_at is not None and now >= self._accept_resume_at:
+            self._accept_resume_at = None
+            selector.register(self._listener, selectors.EVENT_READ, self._listener)
+        for session, released in self._sessions.expire(now):
+            if released.freed_writing or released.dropped_pins:
+                self._warn.log(logging.INFO, "session_end",
+                               "client session %d (%r) gone for %.1f s: freed %d reserved "
+                               "slot(s), dropped %d pin(s)", session.owner, session.name,
+                               self._sessions.grace_s, released.freed_writing,
+                               released.dropped_pins)
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         assert self._listener is not None
@@ -286,17 +243,56 @@ class ControlServer:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError as e:  # e.g. EMFILE: keep serving the connections we have
-                log.warning("control server cannot accept a connection: %s", e)
+            except OSError as e:
+                if e.errno in _OUT_OF_RESOURCES:  # keep serving the connections we have
+                    selector.unregister(self._listener)
+                    self._accept_resume_at = time.monotonic() + self.options.accept_backoff_s
+                    self._warn.warn("accept", "control server cannot accept connections (%s); "
+                                    "retrying every %.2f s, serving the %d open ones",
+                                    e, self.options.accept_backoff_s, len(self._connections))
+                else:
+                    self._warn.warn("accept_error", "control server accept failed: %s", e)
                 return
-            sock.setblocking(False)
-            conn = _Connection(sock)
-            selector.register(sock, selectors.EVENT_READ, conn)
+            self._admit(selector, sock)
+
+    def _admit(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        try:
+            pid = peer_credentials(sock)[0]
+            check_peer(sock, self._trusted, "control client")
+            if len(self._connections) >= self.options.max_connections:
+                raise ControlSocketError(
+                    f"the coordinator serves its maximum of {self.options.max_connections} "
+                    "control connections (control.max_connections); retry later")
+        except (ControlSocketError, OSError) as e:
+            self._warn.warn("refused", "refusing a control connection: %s", e)
+            self._refuse(sock, e)
+            return
+        sock.setblocking(False)
+        conn = _Connection(sock, f"pid {pid}")
+        self._connections.add(conn)
+        selector.register(sock, selectors.EVENT_READ, conn)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, why: Exception) -> None:
+        """Answer no request (id 0) with the reason, best effort, and close."""
+        sock.setblocking(False)
+        try:
+            sock.send(frame(Verb.HELLO, 0, encode_error(why), Status.ERROR))
+        except OSError:
+            pass
+        sock.close()
 
     def _drop(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
-        log.debug("closing control connection: %s", why)
+        log.debug("closing control connection of %s: %s", conn.peer, why)
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        self._buffered_bytes -= len(conn.inbuf)
+        conn.inbuf = bytearray()
         selector.unregister(conn.sock)
         conn.sock.close()
+        if conn.session is not None:
+            self._sessions.detach(conn.session, conn, time.monotonic())
 
     def _on_readable(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
         try:
@@ -310,7 +306,11 @@ class ControlServer:
             self._drop(selector, conn, "peer closed")
             return
         if conn.inbuf:  # the rest of a frame that arrives in pieces
+            if self._buffered_bytes + len(data) > self.options.max_buffered_bytes:
+                self._over_budget(selector, conn)
+                return
             conn.inbuf += data
+            self._buffered_bytes += len(data)
             if len(conn.inbuf) < conn.need_bytes:
                 return
             data = bytes(conn.inbuf)
@@ -324,39 +324,78 @@ class ControlServer:
                 header = FrameHeader.unpack(view[consumed:consumed + hsize])
                 if header.status is not Status.OK:
                     raise ProtocolError(f"a request frame with status {header.status.name}")
+                if header.payload_bytes > MAX_REQUEST_BYTES:
+                    raise ProtocolError(f"a request of {header.payload_bytes} bytes; requests "
+                                        f"are at most {MAX_REQUEST_BYTES}")
             except ProtocolError as e:
-                log.warning("control connection sent a bad frame header, closing it: %s", e)
+                self._warn.warn("bad_frame", "control connection of %s sent a bad frame header, "
+                                "closing it: %s", conn.peer, e)
                 self._drop(selector, conn, str(e))
                 return
             end = consumed + hsize + header.payload_bytes
             if len(view) < end:
                 conn.need_bytes = end - consumed
                 break
-            response, trusted = self._dispatch(header, view[consumed + hsize:end])
+            response, trusted = self._dispatch(selector, conn, header,
+                                               view[consumed + hsize:end])
             responses.append(response)
             consumed = end
         if len(view) - consumed < hsize:
             conn.need_bytes = hsize
-        conn.inbuf = bytearray(view[consumed:]) if trusted else bytearray()
+        rest = bytearray(view[consumed:]) if trusted else bytearray()
+        self._buffered_bytes += len(rest) - len(conn.inbuf)
+        conn.inbuf = rest
         conn.outbuf += b"".join(responses)
         self._flush(selector, conn)
-        if not trusted and conn.sock.fileno() >= 0:
+        if conn not in self._connections:
+            return
+        if not trusted:
             self._drop(selector, conn, "malformed payload")
+        elif self._buffered_bytes > self.options.max_buffered_bytes:
+            self._over_budget(selector, conn)
 
-    def _dispatch(self, header: FrameHeader, payload: memoryview) -> tuple[bytes, bool]:
+    def _over_budget(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        self._warn.warn("budget", "control connection of %s would take the partial requests "
+                        "held past %d bytes (all connections together); closing it",
+                        conn.peer, self.options.max_buffered_bytes)
+        self._drop(selector, conn, "buffer budget")
+
+    def _dispatch(self, selector: selectors.BaseSelector, conn: _Connection,
+                  header: FrameHeader, payload: memoryview) -> tuple[bytes, bool]:
         """The response frame, and whether the stream can still be trusted."""
+        verb = header.verb
         try:
-            body = HANDLERS[header.verb](self._manager, PayloadReader(payload))
+            if verb is Verb.HELLO:
+                body = self._hello(selector, conn, PayloadReader(payload))
+            elif conn.session is None:
+                raise ProtocolError(f"{verb.name} before HELLO: a connection's first request "
+                                    "must be HELLO (open or resume a session)")
+            else:
+                body = HANDLERS[verb](self._manager, PayloadReader(payload), conn.session.owner)
         except ProtocolError as e:
-            log.warning("control connection sent a malformed %s payload, closing it: %s",
-                        header.verb.name, e)
-            return frame(header.verb, header.request_id, encode_error(e), Status.ERROR), False
+            self._warn.warn("malformed", "control connection of %s sent a malformed %s, closing "
+                            "it: %s", conn.peer, verb.name, e)
+            return frame(verb, header.request_id, encode_error(e), Status.ERROR), False
         except TiercacheError as e:
-            return frame(header.verb, header.request_id, encode_error(e), Status.ERROR), True
+            return frame(verb, header.request_id, encode_error(e), Status.ERROR), True
         except Exception as e:  # a bug: report it to the caller and keep serving the others
-            log.exception("control server failed on %s", header.verb.name)
-            return frame(header.verb, header.request_id, encode_error(e), Status.ERROR), True
-        return frame(header.verb, header.request_id, body), True
+            log.exception("control server failed on %s", verb.name)
+            return frame(verb, header.request_id, encode_error(e), Status.ERROR), True
+        return frame(verb, header.request_id, body), True
+
+    def _hello(self, selector: selectors.BaseSelector, conn: _Connection,
+               reader: PayloadReader) -> bytes:
+        if conn.session is not None:
+            raise ProtocolError("a second HELLO on one connection")
+        token, name = decode_hello_request(reader)
+        session, hello, displaced = self._sessions.hello(conn, token, name)
+        conn.session = session
+        if isinstance(displaced, _Connection):
+            displaced.session = None  # its close must not detach the session it lost
+            self._drop(selector, displaced, f"session {session.owner} resumed elsewhere")
+        log.debug("control session %d (%r, %s) %s", session.owner, name, conn.peer,
+                  "resumed" if hello.resumed else "opened")
+        return encode_hello(hello)
 
     def _flush(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
         out = conn.outbuf
@@ -371,13 +410,14 @@ class ControlServer:
             del out[:sent]
         # While answers are queued, read nothing more: a client that never reads cannot grow us.
         events = selectors.EVENT_WRITE if out else selectors.EVENT_READ
-        if conn.events != events:
+        if conn.events != events and conn in self._connections:
             selector.modify(conn.sock, events, conn)
             conn.events = events
 
 
 def serve_forever(socket_path: str, num_blocks: int, policy: str = "lru",
-                  ready_event: Any = None, enable_events: bool = False) -> None:
+                  ready_event: Any = None, enable_events: bool = False,
+                  options: ControlOptions | None = None) -> None:
     """Serve a fresh manager until SIGTERM or SIGINT (entry point for a separate process).
 
     ``ready_event`` (e.g. a ``multiprocessing.Event``) is set once clients may connect.
@@ -387,7 +427,8 @@ def serve_forever(socket_path: str, num_blocks: int, policy: str = "lru",
     # (numpy's BLAS threads exist before we could block signals for sigwait).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    server = ControlServer(OffloadingManager(num_blocks, policy, enable_events), socket_path)
+    server = ControlServer(OffloadingManager(num_blocks, policy, enable_events), socket_path,
+                           options)
     server.start()
     try:
         if ready_event is not None:

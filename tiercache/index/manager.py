@@ -1,18 +1,34 @@
-"""The cache index: which block hash lives in which slot of the region, and in what state.
+"""The cache index: which block hash lives in which slot of the region, in what state, and
+which client session holds it.
 
-Pure Python (numpy for the spec only; never torch). One ``_Slot`` record per held
-key is the single owner of that block's state and its one load counter::
+Pure Python (numpy for the spec only; never torch or mmap). One ``Slot`` record per
+held key is the single owner of that block's state, its writer and its pins::
 
-    FREE ──prepare_store──► WRITING ──complete_store(ok)──► READY ◄──► LOADING (loads > 0)
+    FREE ──prepare_store──► WRITING ──complete_store(ok)──► READY ◄──► LOADING (pinned)
       ▲                        │                              │
-      └──complete_store(fail)──┘                              └──evicted (policy)──► FREE
+      └─complete_store(fail)───┤                              └──evicted (policy)──► FREE
+        or end_session(writer) ┘
 
-Only READY blocks that are not part of the calling ``prepare_store`` are ever
-evicted; WRITING and LOADING blocks never are. Every method is atomic: it validates
-the whole batch before changing anything, and raises ``ManagerError`` subclasses
+**Owners.** Every reservation (WRITING) and every pin belongs to an *owner*, an int the
+caller names (the control server gives each client session its own; in-process users
+get ``LOCAL_OWNER``). A pin comes from ``prepare_load`` (one per key, dropped by
+``complete_load``) or from ``lease`` (one per hit, for a scheduler that must find its
+HIT still there at ``prepare_load``); both count in the slot's one per-owner pin counter.
+``release`` drops every pin an owner holds on some keys; ``end_session`` frees every
+reservation and drops every pin of an owner (its client is gone). An underflow raises;
+nothing is ever repaired.
+
+Only READY blocks that are not part of the calling ``prepare_store`` are evicted;
+WRITING and pinned blocks never are. Every method is atomic: it validates the whole
+batch before changing anything, and raises ``ManagerError`` subclasses
 (``UnknownKeyError``, ``StateError``, ``InvalidKeyError``) on misuse. One lock guards
-the index, so the coordinator's control server and its exporter may call it from
-different threads.
+the index, so the control server and the exporter may call it from different threads.
+
+**Durability.** With a ``ledger`` (``tiercache.region.ledger.IndexLedger`` over the
+region), every slot's key and state is mirrored into the region before the call returns,
+and a new manager over the same ledger starts with the READY blocks it holds (WRITING
+ones are dropped, pins are not recorded): a coordinator restarted after SIGKILL keeps
+its cache. Without one the index lives in memory only.
 """
 
 from __future__ import annotations
@@ -21,117 +37,78 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from itertools import takewhile
-from dataclasses import dataclass
-from enum import Enum
 
 from tiercache.errors import ConfigError, InvalidKeyError, ManagerError, StateError, UnknownKeyError
+from tiercache.index.events import EventLog
 from tiercache.index.policies import EvictionPolicy, make_policy
-from tiercache.specs import CPULoadStoreSpec, Medium
+from tiercache.index.results import (
+    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
+)
+from tiercache.index.slots import (
+    Holdings, Ledger, Slot, SlotState, check_keys, check_owner, require_unique,
+)
+from tiercache.specs import CPULoadStoreSpec
+
+__all__ = ["LOCAL_OWNER", "LeaseResult", "ManagerStats", "OffloadingEvent", "OffloadingManager",
+           "PrepareStoreOutput", "SessionRelease", "SlotState", "check_keys"]
+
+LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers sessions from 1
 
 
-class SlotState(Enum):
-    WRITING = "writing"  # allocated by prepare_store; bytes not there yet; not readable
-    READY = "ready"  # readable and evictable
-    LOADING = "loading"  # readable; ``loads`` transfers read it; not evictable
-
-
-class _Slot:
-    __slots__ = ("slot_id", "state", "loads")
-
-    def __init__(self, slot_id: int):
-        self.slot_id = slot_id
-        self.state = SlotState.WRITING
-        self.loads = 0  # in-flight loads; > 0 exactly when state is LOADING
-
-
-@dataclass(frozen=True, eq=False)
-class PrepareStoreOutput:
-    """What to write: ``keys_to_store[i]`` goes to ``store_spec.block_ids[i]``.
-
-    Keys of the call that were already held (ready or being written) are not in
-    ``keys_to_store``; ``evicted_keys`` were dropped to make room.
-    """
-
-    keys_to_store: tuple[bytes, ...]
-    store_spec: CPULoadStoreSpec
-    evicted_keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class OffloadingEvent:
-    """Blocks that became readable (``removed=False``) or left the cache (``removed=True``)."""
-
-    keys: tuple[bytes, ...]
-    removed: bool
-    medium: str = Medium.CPU.value
-
-
-@dataclass(frozen=True)
-class ManagerStats:
-    """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.
-
-    ``free + writing + ready + loading == capacity``.
-    """
-
-    lookups: int
-    hit_blocks: int
-    miss_blocks: int
-    stored_blocks: int
-    loaded_blocks: int
-    store_rejections: int
-    evicted_blocks: int
-    failed_store_blocks: int
-    capacity_blocks: int
-    free_blocks: int
-    writing_blocks: int
-    ready_blocks: int
-    loading_blocks: int
-
-    @property
-    def occupancy(self) -> float:
-        """Fraction of slots not free (pending writes count as used)."""
-        return (self.capacity_blocks - self.free_blocks) / self.capacity_blocks
-
-
-def check_keys(keys: Sequence[bytes], verb: str) -> None:
-    """Raise ``InvalidKeyError`` unless every key is ``bytes``."""
-    if set(map(type, keys)) <= {bytes}:
-        return
-    for key in keys:
-        if type(key) is not bytes:
-            raise InvalidKeyError(
-                f"{verb}: key {key!r} is {type(key).__name__}; keys must be bytes")
-
-
-def _require_unique(keys: Sequence[bytes], verb: str) -> None:
-    if len(set(keys)) != len(keys):
-        repeated = [k for k, n in Counter(keys).items() if n > 1]
-        raise InvalidKeyError(f"{verb}: key {repeated[0]!r} appears more than once in one call")
+_COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
+             "store_rejections", "evicted_blocks", "failed_store_blocks", "leased_blocks",
+             "recovered_blocks", "sessions_ended", "released_writing_blocks", "released_pins")
 
 
 class OffloadingManager:
-    """Index over ``num_blocks`` slots of the region; see the module docstring for states."""
+    """Index over ``num_blocks`` slots of the region; see the module docstring."""
 
-    def __init__(self, num_blocks: int, policy: str = "lru", enable_events: bool = False):
+    def __init__(self, num_blocks: int, policy: str = "lru", enable_events: bool = False,
+                 *, ledger: Ledger | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"num_blocks = {num_blocks!r}: must be an integer >= 1")
+        if ledger is not None and ledger.num_records != num_blocks:
+            raise ConfigError(f"the index ledger has {ledger.num_records} records; "
+                              f"num_blocks = {num_blocks}")
         self._capacity = num_blocks
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
+        self._ledger = ledger
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(
-            ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
-             "store_rejections", "evicted_blocks", "failed_store_blocks"), 0)
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._clear_index()
+        self._events = EventLog()
+        if ledger is not None:
+            self._restore(ledger.recover())
 
     def _clear_index(self) -> None:
-        self._slots: dict[bytes, _Slot] = {}
+        self._slots: dict[bytes, Slot] = {}
         # Keys whose state is READY or LOADING: lets lookup and touch run at C speed.
         self._readable_keys: set[bytes] = set()
         self._next_fresh = 0  # slots >= this were never handed out
         self._free: list[int] = []  # freed slots, reused last-in first-out
         self._num_by_state = dict.fromkeys(SlotState, 0)
-        self._events: list[OffloadingEvent] = []
+        self._holdings: dict[int, Holdings] = {}
+
+    def _restore(self, recovery) -> None:
+        """Start from a ledger's READY blocks (oldest first); their store order is the
+        policy's recency. Abandoned slots (being written when the writer died) go to the
+        bottom of the free stack: a copy of that time may still be landing in them."""
+        used = set()
+        for key, slot_id in recovery.ready:
+            if not 0 <= slot_id < self._capacity:
+                raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
+                                  f"0..{self._capacity - 1}")
+            self._slots[key] = Slot(slot_id, SlotState.READY)
+            used.add(slot_id)
+        self._readable_keys = set(self._slots)
+        self._num_by_state[SlotState.READY] = len(self._slots)
+        self._policy.admit([key for key, _ in reversed(recovery.ready)], 0, lambda key: False)
+        abandoned = set(recovery.abandoned) - used
+        rest = [s for s in range(self._capacity - 1, -1, -1) if s not in used and s not in abandoned]
+        self._free = sorted(abandoned, reverse=True) + rest
+        self._next_fresh = self._capacity
+        self._counters["recovered_blocks"] = len(self._slots)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -146,18 +123,21 @@ class OffloadingManager:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of keys that are readable (READY or LOADING)."""
         with self._lock:
-            try:
-                hits = len(list(takewhile(self._readable_keys.__contains__, keys)))
-            except TypeError:  # an unhashable key
-                check_keys(keys, "lookup")
-                raise
-            if hits < len(keys):  # only bytes are ever held, so only a miss can hide a bad key
-                check_keys(keys[hits:], "lookup")
-            counters = self._counters
-            counters["lookups"] += 1
-            counters["hit_blocks"] += hits
-            counters["miss_blocks"] += len(keys) - hits
-            return hits
+            return self._count_hits(keys, "lookup")
+
+    def _count_hits(self, keys: Sequence[bytes], verb: str) -> int:
+        try:
+            hits = len(list(takewhile(self._readable_keys.__contains__, keys)))
+        except TypeError:  # an unhashable key
+            check_keys(keys, verb)
+            raise
+        if hits < len(keys):  # only bytes are ever held, so only a miss can hide a bad key
+            check_keys(keys[hits:], verb)
+        counters = self._counters
+        counters["lookups"] += 1
+        counters["hit_blocks"] += hits
+        counters["miss_blocks"] += len(keys) - hits
+        return hits
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark readable keys as just used (``keys[0]`` most recent).
@@ -177,45 +157,83 @@ class OffloadingManager:
             if held:
                 self._policy.touch(held)
 
-    # ------------------------------------------------------------------ loads
+    # ------------------------------------------------------------------ leases and loads
 
-    def prepare_load(self, keys: Sequence[bytes]) -> CPULoadStoreSpec:
-        """Slot ids co-indexed with ``keys``; each block is pinned until ``complete_load``."""
+    def lease(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> LeaseResult:
+        """A lookup whose hits are pinned for ``owner`` (one pin each) until released.
+
+        Counted as a lookup. ``pending``: the key after the hit run is being written.
+        """
+        check_owner(owner)
+        with self._lock:
+            hits = self._count_hits(keys, "lease")
+            if hits:
+                holdings = self._holdings_of(owner)
+                for key in keys[:hits]:
+                    self._pin(key, self._slots[key], owner, holdings)
+            self._counters["leased_blocks"] += hits
+            after = self._slots.get(keys[hits]) if hits < len(keys) else None
+            return LeaseResult(hits, after is not None and after.state is SlotState.WRITING)
+
+    def release(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> int:
+        """Drop every pin ``owner`` holds on these keys; returns how many were dropped.
+        Keys not held, or not pinned by ``owner``, are ignored."""
+        check_owner(owner)
+        check_keys(keys, "release")
+        with self._lock:
+            holdings = self._holdings.get(owner)
+            if holdings is None:
+                return 0
+            dropped = 0
+            for key in set(keys) & holdings.pinned:
+                dropped += self._unpin(key, self._slots[key], owner, holdings, None)
+            self._tidy(owner, holdings)
+            return dropped
+
+    def prepare_load(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER
+                     ) -> CPULoadStoreSpec:
+        """Slot ids co-indexed with ``keys``; each key gets one pin of ``owner`` until
+        ``complete_load``. Every key must be readable, else nothing changes."""
+        check_owner(owner)
         with self._lock:
             slots = [self._readable_slot(key, "prepare_load") for key in keys]
-            for slot in slots:
-                if slot.loads == 0:
-                    self._move(slot, SlotState.LOADING)
-                slot.loads += 1
+            if slots:
+                holdings = self._holdings_of(owner)
+                for key, slot in zip(keys, slots):
+                    self._pin(key, slot, owner, holdings)
             self._counters["loaded_blocks"] += len(slots)
             return CPULoadStoreSpec([s.slot_id for s in slots])
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
-        """End one load of each key (a key given twice ends two loads)."""
+    def complete_load(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> None:
+        """End one load of each key by ``owner`` (a key given twice ends two)."""
+        check_owner(owner)
         with self._lock:
             slots = [self._held(key, "complete_load") for key in keys]
             for key, times in Counter(keys).items():
-                loads = self._slots[key].loads
-                if loads < times:
+                pins = self._slots[key].pins.get(owner, 0)
+                if pins < times:
                     raise StateError(
-                        f"complete_load: key {key!r} has {loads} load(s) in flight, "
-                        f"asked to complete {times}; every complete_load needs a prepare_load"
-                    )
-            for slot in slots:
-                slot.loads -= 1
-                if slot.loads == 0:
-                    self._move(slot, SlotState.READY)
+                        f"complete_load: key {key!r} has {pins} load(s) in flight for this "
+                        f"session (owner {owner}), asked to complete {times}; every "
+                        "complete_load needs a prepare_load of the same session")
+            if slots:
+                holdings = self._holdings[owner]
+                for key, slot in zip(keys, slots):
+                    self._unpin(key, slot, owner, holdings, 1)
+                self._tidy(owner, holdings)
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
-        """Reserve slots for the keys not held yet, evicting READY blocks if needed.
-
-        Returns ``None`` (and changes nothing) when not enough blocks can be evicted;
-        keys of this call are never evicted to make room for each other.
-        """
+    def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER
+                      ) -> PrepareStoreOutput | None:
+        """Reserve slots (for ``owner``) for the keys not held yet, evicting READY blocks
+        if needed. Returns ``None`` (and changes nothing) when not enough blocks can be
+        evicted; keys of this call are never evicted to make room for each other."""
+        check_owner(owner)
         check_keys(keys, "prepare_store")
-        _require_unique(keys, "prepare_store")
+        require_unique(keys, "prepare_store")
+        if self._ledger is not None:
+            self._check_key_bytes(keys)
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
             need = max(0, len(new_keys) - self._num_free())
@@ -225,39 +243,71 @@ class OffloadingManager:
             if victims is None:
                 self._counters["store_rejections"] += 1
                 return None
-            for key in victims:
-                self._release(self._slots.pop(key))
+            victim_slots = [self._slots.pop(key).slot_id for key in victims]
+            for slot_id in victim_slots:
+                self._num_by_state[SlotState.READY] -= 1
+                self._free.append(slot_id)
             self._readable_keys.difference_update(victims)
             self._counters["evicted_blocks"] += len(victims)
             self._emit(victims, removed=True)
             slot_ids = [self._allocate(key) for key in new_keys]
+            if new_keys:
+                self._holdings_of(owner).writing.update(new_keys)
+            if self._ledger is not None:
+                self._ledger.free(sorted(set(victim_slots) - set(slot_ids)))
+                self._ledger.writing(slot_ids, new_keys)
             return PrepareStoreOutput(tuple(new_keys), CPULoadStoreSpec(slot_ids), tuple(victims))
 
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
+                       owner: int = LOCAL_OWNER) -> None:
         """Publish written blocks (READY), or free their slots when the write failed.
 
-        ``keys`` are the ``keys_to_store`` of a ``prepare_store``: each must be WRITING.
+        Acts on the keys that ``owner`` reserved and that are still WRITING; every other
+        key (READY, absent, or reserved by another session) is ignored, because engines
+        complete with every key of a request, sometimes twice.
         """
+        check_owner(owner)
+        check_keys(keys, "complete_store")
         with self._lock:
-            slots = [self._held(key, "complete_store") for key in keys]
-            _require_unique(keys, "complete_store")
-            for key, slot in zip(keys, slots):
-                if slot.state is not SlotState.WRITING:
-                    raise StateError(
-                        f"complete_store: key {key!r} is {slot.state.value}, not writing; "
-                        "a store completes once, with the keys_to_store of its prepare_store"
-                    )
+            holdings = self._holdings.get(owner)
+            if holdings is None:
+                return
+            mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
+            if not mine:
+                return
+            holdings.writing.difference_update(mine)
+            slots = [self._slots[k] for k in mine]
             if success:
                 for slot in slots:
                     self._move(slot, SlotState.READY)
-                self._readable_keys.update(keys)
+                self._readable_keys.update(mine)
                 self._counters["stored_blocks"] += len(slots)
-                self._emit(keys, removed=False)
+                self._emit(mine, removed=False)
+                if self._ledger is not None:
+                    self._ledger.ready([s.slot_id for s in slots])
             else:
-                for key, slot in zip(keys, slots):
-                    self._policy.remove(key)
-                    self._release(self._slots.pop(key))
+                self._free_writing(mine)
                 self._counters["failed_store_blocks"] += len(slots)
+            self._tidy(owner, holdings)
+
+    # ------------------------------------------------------------------ sessions
+
+    def end_session(self, owner: int) -> SessionRelease:
+        """``owner`` is gone: free every slot it was writing and drop every pin it holds."""
+        check_owner(owner)
+        with self._lock:
+            holdings = self._holdings.pop(owner, None)
+            freed = dropped = 0
+            if holdings is not None:
+                freed = len(holdings.writing)
+                self._free_writing(list(holdings.writing))
+                for key in holdings.pinned:
+                    dropped += self._unpin(key, self._slots[key], owner, None, None)
+            counters = self._counters
+            counters["sessions_ended"] += 1
+            counters["released_writing_blocks"] += freed
+            counters["released_pins"] += dropped
+            return SessionRelease(freed, dropped)
 
     # ------------------------------------------------------------------ the rest
 
@@ -270,25 +320,11 @@ class OffloadingManager:
         if max_keys is not None and max_keys < 1:
             raise ManagerError(f"take_events: max_keys = {max_keys}; must be >= 1 or None")
         with self._lock:
-            if max_keys is None:
-                taken, self._events = self._events, []
-                return taken
-            taken = []
-            budget = max_keys
-            while self._events and budget > 0:
-                event = self._events[0]
-                if len(event.keys) <= budget:
-                    taken.append(self._events.pop(0))
-                    budget -= len(event.keys)
-                else:
-                    head, rest = event.keys[:budget], event.keys[budget:]
-                    taken.append(OffloadingEvent(head, event.removed, event.medium))
-                    self._events[0] = OffloadingEvent(rest, event.removed, event.medium)
-                    budget = 0
-            return taken
+            return self._events.take(max_keys)
 
     def reset(self) -> None:
-        """Forget every block (a removed event for the readable ones); counters are kept.
+        """Forget every block (a removed event for the readable ones), every reservation
+        and every pin of every owner; counters are kept.
 
         Loads and stores in flight become unknown keys: the caller must not let their
         transfers touch the region after this returns.
@@ -296,10 +332,10 @@ class OffloadingManager:
         with self._lock:
             readable = [k for k, s in self._slots.items() if s.state is not SlotState.WRITING]
             self._emit(readable, removed=True)
-            events = self._events
             self._policy.clear()
             self._clear_index()
-            self._events = events
+            if self._ledger is not None:
+                self._ledger.clear()
 
     def stats(self) -> ManagerStats:
         with self._lock:
@@ -315,7 +351,7 @@ class OffloadingManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _held(self, key: bytes, verb: str) -> _Slot:
+    def _held(self, key: bytes, verb: str) -> Slot:
         if type(key) is not bytes:
             check_keys([key], verb)
         slot = self._slots.get(key)
@@ -323,11 +359,62 @@ class OffloadingManager:
             raise UnknownKeyError(f"{verb}: key {key!r} is not in the cache index")
         return slot
 
-    def _readable_slot(self, key: bytes, verb: str) -> _Slot:
+    def _readable_slot(self, key: bytes, verb: str) -> Slot:
         slot = self._held(key, verb)
         if slot.state is SlotState.WRITING:
             raise StateError(f"{verb}: key {key!r} is still being written; wait for complete_store")
         return slot
+
+    def _check_key_bytes(self, keys: Sequence[bytes]) -> None:
+        limit = self._ledger.max_key_bytes
+        for key in keys:
+            if len(key) > limit:
+                raise InvalidKeyError(f"prepare_store: key of {len(key)} bytes ({key[:16]!r}...); "
+                                      f"the index ledger holds keys of at most {limit} bytes")
+
+    def _holdings_of(self, owner: int) -> Holdings:
+        holdings = self._holdings.get(owner)
+        if holdings is None:
+            holdings = self._holdings[owner] = Holdings()
+        return holdings
+
+    def _tidy(self, owner: int, holdings: Holdings) -> None:
+        if not holdings.writing and not holdings.pinned:
+            self._holdings.pop(owner, None)
+
+    def _pin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings) -> None:
+        if not slot.pins:
+            self._move(slot, SlotState.LOADING)
+        slot.pins[owner] = slot.pins.get(owner, 0) + 1
+        holdings.pinned.add(key)
+
+    def _unpin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings | None,
+               times: int | None) -> int:
+        """Drop ``times`` pins (None: all) of ``owner``; the caller checked there are enough."""
+        held = slot.pins[owner]
+        dropped = held if times is None else times
+        if dropped == held:
+            del slot.pins[owner]
+            if holdings is not None:
+                holdings.pinned.discard(key)
+        else:
+            slot.pins[owner] = held - dropped
+        if not slot.pins:
+            self._move(slot, SlotState.READY)
+        return dropped
+
+    def _free_writing(self, keys: Sequence[bytes]) -> None:
+        """Forget blocks that were being written (failed store, ended session)."""
+        freed = []
+        for key in keys:
+            slot = self._slots.pop(key)
+            assert slot.state is SlotState.WRITING, "freed a slot that is not being written"
+            self._policy.remove(key)
+            self._num_by_state[SlotState.WRITING] -= 1
+            self._free.append(slot.slot_id)
+            freed.append(slot.slot_id)
+        if self._ledger is not None:
+            self._ledger.free(freed)
 
     def _evictable_except(self, protected_keys: Sequence[bytes]):
         protected = set(protected_keys)
@@ -345,20 +432,15 @@ class OffloadingManager:
             slot_id = self._next_fresh
             self._next_fresh += 1
         assert slot_id < self._capacity, "allocated past capacity: free-slot accounting is broken"
-        self._slots[key] = _Slot(slot_id)
+        self._slots[key] = Slot(slot_id)
         self._num_by_state[SlotState.WRITING] += 1
         return slot_id
 
-    def _release(self, slot: _Slot) -> None:
-        assert slot.loads == 0 and slot.state is not SlotState.LOADING, "released a slot being read"
-        self._num_by_state[slot.state] -= 1
-        self._free.append(slot.slot_id)
-
-    def _move(self, slot: _Slot, state: SlotState) -> None:
+    def _move(self, slot: Slot, state: SlotState) -> None:
         self._num_by_state[slot.state] -= 1
         self._num_by_state[state] += 1
         slot.state = state
 
     def _emit(self, keys: Sequence[bytes], removed: bool) -> None:
-        if self._events_enabled and keys:
-            self._events.append(OffloadingEvent(tuple(keys), removed))
+        if self._events_enabled:
+            self._events.emit(keys, removed)

@@ -2,7 +2,8 @@
 
 Each call is one request frame answered by one response frame with the same verb
 and request id. Payloads are built from a few little-endian primitives (see
-``FrameHeader`` for the header and ``Verb`` for each payload); nothing is pickled.
+``FrameHeader`` for the header and ``Verb`` for each payload; each verb's payload
+codec is in ``tiercache.index.payloads``); nothing is pickled.
 """
 
 from __future__ import annotations
@@ -10,25 +11,31 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Sequence
-from dataclasses import astuple, fields
 from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
 
 from tiercache import errors
-from tiercache.index.manager import ManagerStats, OffloadingEvent, PrepareStoreOutput
-from tiercache.specs import CPULoadStoreSpec
+from tiercache.region.ledger import KEY_BYTES as LEDGER_KEY_BYTES
 
 MAGIC = b"TCKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+TOKEN_BYTES = 16  # a session token
+MAX_NAME_BYTES = 256  # a client's name in HELLO
+# Requests are bounded tighter than answers: the largest is MAX_KEYS_PER_CALL keys of
+# MAX_KEY_BYTES with their lengths, plus a list header per key (LEASE_BATCH). The server
+# buffers at most one request per connection, so this bounds its memory per connection.
+MAX_REQUEST_BYTES = 5 << 20
+assert 4 + MAX_KEYS_PER_CALL * (6 + 2 + MAX_KEY_BYTES) <= MAX_REQUEST_BYTES
 # The largest payload (a PREPARE_STORE answer) must fit in a frame.
 assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 8 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
 assert MAX_KEY_BYTES < 0xFFFF  # VARIABLE_WIDTH is never a real width
+assert MAX_KEY_BYTES <= LEDGER_KEY_BYTES  # every key on the wire fits the durable index
 
 
 class Verb(IntEnum):
@@ -48,9 +55,18 @@ class Verb(IntEnum):
         8  RESET            (empty)                 (empty)
         9  STATS            (empty)                 u64 per ManagerStats field, in field order
         10 PING             (empty)                 (empty)
+        11 HELLO            raw token (0 or 16      raw token (16 bytes), u8 resumed,
+                            bytes), str name        u32 grace in milliseconds
+        12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u32 hits, u8 pending)
+                            most MAX_KEYS_PER_CALL
+                            keys in all)
+        13 RELEASE          keys                    u32 pins dropped
 
-    An ERROR response (``Status.ERROR``) carries u32 error code (``ERROR_CODES``) and
-    str message instead.
+    The first request on a connection must be HELLO: it opens a session (or resumes the
+    one its token names) and every later call acts for that session. An ERROR response
+    (``Status.ERROR``) carries u32 error code (``ERROR_CODES``) and str message instead;
+    one with request id 0 answers no request: the server refused the connection and
+    closes it.
     """
 
     LOOKUP = 1
@@ -63,6 +79,9 @@ class Verb(IntEnum):
     RESET = 8
     STATS = 9
     PING = 10
+    HELLO = 11
+    LEASE_BATCH = 12
+    RELEASE = 13
 
 
 class Status(IntEnum):
@@ -81,8 +100,8 @@ ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
     5: errors.InvalidKeyError,
     6: errors.ProtocolError,
     7: errors.ConfigError,
+    8: errors.ControlSocketError,
 }
-_CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
 
 class FrameHeader(NamedTuple):
@@ -177,7 +196,9 @@ class PayloadWriter:
         return self
 
     def text(self, value: str) -> PayloadWriter:
-        data = value.encode()
+        return self.raw(value.encode())
+
+    def raw(self, data: bytes) -> PayloadWriter:
         self._parts.append(_U32.pack(len(data)))
         self._parts.append(data)
         return self
@@ -253,6 +274,16 @@ class PayloadReader:
         except UnicodeDecodeError as e:
             raise errors.ProtocolError(f"payload text is not UTF-8: {e}") from None
 
+    def chunk(self, num_bytes: int) -> memoryview:
+        """The next ``num_bytes`` as they are (a fixed-size array the caller unpacks)."""
+        return self._take(num_bytes)
+
+    def raw(self, max_bytes: int) -> bytes:
+        n = self.u32()
+        if n > max_bytes:
+            raise errors.ProtocolError(f"a field of {n} bytes; at most {max_bytes}")
+        return bytes(self._take(n))
+
     def keys(self) -> list[bytes]:
         n, width = _KEYS_HEAD.unpack(self._take(_KEYS_HEAD.size))
         if n > MAX_KEYS_PER_CALL:
@@ -285,72 +316,3 @@ class PayloadReader:
             raise errors.ProtocolError(
                 f"payload has {len(self._data) - self._pos} unexpected trailing bytes"
             )
-
-
-# ---------------------------------------------------------------- verb payloads
-
-def encode_store_output(out: PrepareStoreOutput | None) -> bytes:
-    if out is None:
-        return PayloadWriter().u8(0).build()
-    return (PayloadWriter().u8(1).keys(out.keys_to_store).ids(out.store_spec.block_ids)
-            .keys(out.evicted_keys).build())
-
-
-def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
-    flag = reader.u8()
-    if flag == 0:
-        return None
-    if flag != 1:
-        raise errors.ProtocolError(f"prepare_store answer flag {flag}; expected 0 or 1")
-    keys = tuple(reader.keys())
-    ids = reader.ids()
-    evicted = tuple(reader.keys())
-    if len(ids) != len(keys):
-        raise errors.ProtocolError(
-            f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
-    return PrepareStoreOutput(keys, CPULoadStoreSpec(ids), evicted)
-
-
-def encode_events(events: Sequence[OffloadingEvent]) -> bytes:
-    writer = PayloadWriter().u32(len(events))
-    for event in events:
-        writer.u8(int(event.removed)).text(event.medium).keys(event.keys)
-    return writer.build()
-
-
-def decode_events(reader: PayloadReader) -> list[OffloadingEvent]:
-    n = reader.u32()
-    if n > MAX_KEYS_PER_CALL:
-        raise errors.ProtocolError(f"{n} events in one answer; at most {MAX_KEYS_PER_CALL}")
-    events = []
-    for _ in range(n):
-        removed = bool(reader.u8())
-        medium = reader.text()
-        events.append(OffloadingEvent(tuple(reader.keys()), removed, medium))
-    return events
-
-
-_NUM_STATS_FIELDS = len(fields(ManagerStats))
-
-
-def encode_stats(stats: ManagerStats) -> bytes:
-    return PayloadWriter().u64s(astuple(stats)).build()
-
-
-def decode_stats(reader: PayloadReader) -> ManagerStats:
-    return ManagerStats(*reader.u64s(_NUM_STATS_FIELDS))
-
-
-def encode_error(exc: errors.TiercacheError | Exception) -> bytes:
-    code = next((_CODE_OF[c] for c in type(exc).__mro__ if c in _CODE_OF), 1)
-    message = str(exc) if isinstance(exc, errors.TiercacheError) else f"{type(exc).__name__}: {exc}"
-    return PayloadWriter().u32(code).text(message).build()
-
-
-def decode_error(reader: PayloadReader) -> errors.TiercacheError:
-    code = reader.u32()
-    message = reader.text()
-    cls = ERROR_CODES.get(code)
-    if cls is None:
-        return errors.ProtocolError(f"coordinator sent unknown error code {code}: {message}")
-    return cls(message)

@@ -137,6 +137,21 @@ class Family(Enum):
     INDEX_FAILED_STORE_BLOCKS = ("counter", "tiercache_index_failed_store_blocks",
                                  "Blocks whose store completed with failure (slots freed).", (),
                                  "failed_store_blocks")
+    INDEX_LEASED_BLOCKS = ("counter", "tiercache_index_leased_blocks",
+                           "Blocks pinned by leases (lookups that hold their hits until released).",
+                           (), "leased_blocks")
+    INDEX_RECOVERED_BLOCKS = ("counter", "tiercache_index_recovered_blocks",
+                              "READY blocks rebuilt from the region's ledger when the coordinator "
+                              "started.", (), "recovered_blocks")
+    INDEX_SESSIONS_ENDED = ("counter", "tiercache_index_sessions_ended",
+                            "Client sessions ended (connection gone for longer than the grace "
+                            "period).", (), "sessions_ended")
+    INDEX_SESSION_RELEASED_BLOCKS = ("counter", "tiercache_index_session_released_blocks",
+                                     "Reserved (writing) slots freed because the client session "
+                                     "that reserved them ended.", (), "released_writing_blocks")
+    INDEX_SESSION_RELEASED_PINS = ("counter", "tiercache_index_session_released_pins",
+                                   "Pins (loads and leases) dropped because the client session "
+                                   "that held them ended.", (), "released_pins")
     INDEX_CAPACITY = ("gauge", "tiercache_index_capacity_blocks",
                       "Slots of the cache index (CPU blocks).")
     INDEX_BLOCKS = ("gauge", "tiercache_index_blocks",

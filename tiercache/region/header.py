@@ -15,9 +15,13 @@ Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
     72      4     layout_len       u32, bytes of the encoded layout that follow
     76      4     reserved
     80      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages)
+    3968    2     socket_len       u16, bytes of the control socket path that follow
+    3970    126   socket_path      the coordinator's control socket (UTF-8), so clients and
+                                   ``tiercache status`` find it whatever their environment
 
 Then, at ``HEADER_FIXED_BYTES + rank * STATS_BLOCK_BYTES``, one stats block per rank
-(see ``tiercache.region.stats``). The header is padded to a 2 MiB boundary (``header_bytes``).
+(see ``tiercache.region.stats``), then the index ledger (``tiercache.region.ledger``). The
+header is padded to a 2 MiB boundary (``header_bytes``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ MAGIC = b"TIERCACH"
 _FIXED = struct.Struct("<8sII16sQQQQQI4x")
 _STATE_OFFSET = 12
 assert _FIXED.size == 80
+_SOCKET = struct.Struct("<H126s")
+_SOCKET_OFFSET = HEADER_FIXED_BYTES - _SOCKET.size  # after the longest layout (MAX_TENSORS)
 
 
 class RegionState(IntEnum):
@@ -57,6 +63,7 @@ class HeaderInfo:
     created_ns: int
     total_bytes: int
     layout: RegionLayout
+    socket_path: str = ""  # "" until the coordinator serves its control socket
 
 
 class RegionHeader:
@@ -69,7 +76,8 @@ class RegionHeader:
               owner_start_ns: int, created_ns: int) -> None:
         """Write everything with state CREATING; ``set_state(READY)`` comes last."""
         encoded = layout.encode()
-        assert _FIXED.size + len(encoded) <= HEADER_FIXED_BYTES, "RegionLayout caps num_tensors"
+        # RegionLayout caps num_tensors so the longest layout ends before the socket field
+        assert _FIXED.size + len(encoded) <= _SOCKET_OFFSET, "RegionLayout caps num_tensors"
         self.set_state(RegionState.CREATING)
         _FIXED.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, RegionState.CREATING, layout.digest,
                          generation, owner_pid, owner_start_ns, created_ns, layout.total_bytes,
@@ -81,6 +89,15 @@ class RegionHeader:
 
     def set_owner(self, *, generation: int, owner_pid: int, owner_start_ns: int) -> None:
         struct.pack_into("<QQQ", self._buf, 32, generation, owner_pid, owner_start_ns)
+
+    def set_socket_path(self, path: str) -> None:
+        """Record where the coordinator serves its control socket (``""``: none)."""
+        encoded = path.encode()
+        if len(encoded) > _SOCKET.size - 2:
+            raise LayoutMismatchError(f"control socket path {path!r} is {len(encoded)} bytes; "
+                                      f"the region header holds at most {_SOCKET.size - 2}")
+        _SOCKET.pack_into(self._buf, _SOCKET_OFFSET, 0, encoded)  # a reader sees "" meanwhile
+        struct.pack_into("<H", self._buf, _SOCKET_OFFSET, len(encoded))
 
     @property
     def state(self) -> RegionState:
@@ -103,5 +120,7 @@ class RegionHeader:
         if layout.digest != digest or layout.total_bytes != total:
             raise LayoutMismatchError("region header is inconsistent (digest or size does not "
                                       "match its layout): the region is corrupt")
+        socket_len, socket_raw = _SOCKET.unpack_from(self._buf, _SOCKET_OFFSET)
+        socket_path = socket_raw[:socket_len].decode(errors="replace")
         return HeaderInfo(version, RegionState(state), digest, generation, pid, start_ns,
-                          created_ns, total, layout)
+                          created_ns, total, layout, socket_path)

@@ -4,7 +4,8 @@
 
     offset 0                     header_bytes           + slice_bytes          + slice_bytes
     | header (fixed part, stats  | rank 0 slice          | rank 1 slice         | ...
-    |  block per rank, padding)  | row 0 | row 1 | ...   | row 0 | row 1 | ... |
+    |  block per rank, index     | row 0 | row 1 | ...   | row 0 | row 1 | ... |
+    |  ledger, padding)          |
 
 A slice is ``num_blocks`` rows of ``row_stride`` bytes, starting on a 2 MiB boundary,
 so each rank can pin exactly its own contiguous range. A row holds one CPU block of
@@ -24,9 +25,10 @@ from functools import cached_property
 from tiercache.config import MAX_TENSORS, Config
 from tiercache.sizes import format_bytes
 from tiercache.errors import ConfigError, RankError
+from tiercache.region.ledger import RECORD_BYTES as LEDGER_RECORD_BYTES
 from tiercache.region.stats import STATS_BLOCK_BYTES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index ledger between the stats blocks and the slices
 HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
@@ -107,8 +109,18 @@ class RegionLayout:
 
     # ------------------------------------------------------------ slices and header
     @property
+    def ledger_offset(self) -> int:
+        """Where the index ledger starts: right after the stats blocks (see region.ledger)."""
+        return HEADER_FIXED_BYTES + self.world_size * STATS_BLOCK_BYTES
+
+    @property
+    def ledger_bytes(self) -> int:
+        """One ledger record per slot; part of the header, so of the digest's format."""
+        return self.num_blocks * LEDGER_RECORD_BYTES
+
+    @property
     def header_bytes(self) -> int:
-        return round_up(HEADER_FIXED_BYTES + self.world_size * STATS_BLOCK_BYTES, SLICE_ALIGN)
+        return round_up(self.ledger_offset + self.ledger_bytes, SLICE_ALIGN)
 
     def stats_offset(self, rank: int) -> int:
         self.check_rank(rank)

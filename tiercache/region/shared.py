@@ -250,6 +250,11 @@ class SharedOffloadRegion:
             for size, offset in zip(self.layout.cpu_page_bytes, self.layout.page_offsets)
         ]
 
+    def ledger_array(self) -> np.ndarray:
+        """uint8 view of the index ledger (the coordinator's index writes it; see region.ledger)."""
+        off = self.layout.ledger_offset
+        return self._bytes[off:off + self.layout.ledger_bytes]
+
     # ------------------------------------------------------------------ preparing
     def prefault_slice(self, num_threads: int) -> float:
         """Pre-fault this worker's slice in its own page tables, ``num_threads`` in parallel
@@ -375,3 +380,21 @@ def _claim_stale(shm_name: str) -> OpenEntry | None:
                     "that inherited the coordinator's descriptor, or a `tiercache clean` that "
                     "hangs); stop it first, or choose another instance.name")
         time.sleep(_POLL_S)
+
+
+def recorded_socket_path(name: str) -> str | None:
+    """The control socket path the coordinator of instance ``name`` recorded in its region
+    header, or None (no region, not a usable file, not READY, nothing recorded). The open is
+    ``open_entry``'s: non-blocking, links not followed, type checked."""
+    shm_name = region_shm_name(name)
+    try:
+        entry = open_entry(shm_name, writable=False)
+    except RegionError:
+        return None
+    try:
+        info = read_header(entry.fd)
+    finally:
+        entry.close()
+    if info is None or info.state != RegionState.READY:
+        return None
+    return info.socket_path or None

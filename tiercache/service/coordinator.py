@@ -1,16 +1,18 @@
 """The coordinator: owns the region, the cache index behind the control socket, and the
 Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it.
 
-Start order: region (create or re-adopt, READY written last) → index → control socket →
-exporter. Shutdown runs the reverse and unlinks the region and the socket; it is
-idempotent, so a signal during start-up still leaves nothing behind. Each part is kept
-only once it started, so shutdown removes (and reports) exactly what this coordinator
-made: a start refused over a live coordinator's region removes nothing of it.
+Start order: region (create or re-adopt, READY written last) → index (rebuilt from the
+region's ledger) → control socket (its path recorded in the region header) → exporter.
+Shutdown runs the reverse and unlinks the region and the socket; it is idempotent, so a
+signal during start-up still leaves nothing behind. Each part is kept only once it
+started, so shutdown removes (and reports) exactly what this coordinator made: a start
+refused over a live coordinator's region removes nothing of it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -20,6 +22,16 @@ from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
 
 log = logging.getLogger(__name__)
+
+
+def control_options(config: Config):
+    """The control server's options from the config (``tiercache.index.control``)."""
+    from tiercache.index.control import ControlOptions
+
+    trusted = config.control_trusted_uid
+    return ControlOptions(session_grace_s=config.index_session_grace_s,
+                          max_connections=config.control_max_connections,
+                          trusted_uid=trusted if trusted >= 0 else None)
 
 
 class Coordinator:
@@ -34,7 +46,6 @@ class Coordinator:
 
     def start(self) -> None:
         from tiercache.index.control import ControlServer
-        from tiercache.index.manager import OffloadingManager
         from tiercache.metrics.collector import TiercacheCollector, start_exporter
 
         cfg = self.config
@@ -42,11 +53,12 @@ class Coordinator:
         try:
             self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = self.region.layout
-            self.manager = OffloadingManager(layout.num_blocks, policy=cfg.index_policy,
-                                             enable_events=cfg.index_events)
-            control = ControlServer(self.manager, cfg.socket_path)
+            self.manager = self._build_index()
+            socket_path = os.path.abspath(cfg.socket_path)
+            control = ControlServer(self.manager, socket_path, control_options(cfg))
             control.start()  # cleans up after itself when it fails
             self.control = control
+            self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
                 collector = TiercacheCollector(self.region, manager_stats=self.control.stats)
                 self.exporter = start_exporter(cfg.exporter, collector)
@@ -60,6 +72,22 @@ class Coordinator:
             self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
                  f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
+
+    def _build_index(self):
+        """The index over the region, rebuilt from the region's ledger (READY blocks of a
+        re-adopted region come back; a new region's ledger is empty)."""
+        from tiercache.index.manager import OffloadingManager
+        from tiercache.region.ledger import IndexLedger
+
+        cfg = self.config
+        manager = OffloadingManager(self.region.layout.num_blocks, policy=cfg.index_policy,
+                                    enable_events=cfg.index_events,
+                                    ledger=IndexLedger(self.region.ledger_array()))
+        recovered = manager.stats().recovered_blocks
+        if self.region.setup_times.adopted:
+            self.say(f"index: {recovered} ready block(s) recovered from the region's ledger "
+                     "(blocks being written and pins of the previous coordinator dropped)")
+        return manager
 
     def serve_until(self, stop: threading.Event) -> None:
         stop.wait()

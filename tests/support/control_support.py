@@ -1,0 +1,101 @@
+"""Helpers for the control-plane tests: a ``serve_forever`` child process, its fixtures,
+and raw sockets for speaking (or abusing) the wire protocol by hand."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import index_scenarios as sc
+from tiercache.index.control import ControlOptions, serve_forever
+from tiercache.index.payloads import encode_hello_request
+from tiercache.index.protocol import HEADER_BYTES, FrameHeader, PayloadWriter, Status, Verb, frame
+
+SPAWN = mp.get_context("spawn")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+SOCKET_TIMEOUT_S = 30.0
+
+
+class ServerProcess:
+    """``serve_forever`` in a spawned child."""
+
+    def __init__(self, path: str, num_blocks: int = sc.CAPACITY_BLOCKS, policy: str = "lru",
+                 events: bool = True, options: ControlOptions | None = None):
+        self.path = path
+        ready = SPAWN.Event()
+        self.proc = SPAWN.Process(target=serve_forever,
+                                  args=(path, num_blocks, policy, ready, events, options),
+                                  daemon=True)
+        self.proc.start()
+        if not ready.wait(START_TIMEOUT_S):
+            self.kill()
+            raise TimeoutError(f"control server did not start within {START_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        """SIGTERM; the server must exit cleanly and remove its socket."""
+        self.proc.terminate()
+        self.proc.join(STOP_TIMEOUT_S)
+        assert self.proc.exitcode == 0, f"server exited with {self.proc.exitcode}"
+        assert not os.path.exists(self.path)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(STOP_TIMEOUT_S)
+
+
+def read_frame(sock: socket.socket) -> tuple[FrameHeader, bytes]:
+    reply = b""
+    while len(reply) < HEADER_BYTES:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "connection closed before a whole frame came"
+        reply += chunk
+    header = FrameHeader.unpack(reply)
+    while len(reply) < HEADER_BYTES + header.payload_bytes:
+        reply += sock.recv(1 << 16)
+    return header, reply[HEADER_BYTES:]
+
+
+def raw_connection(path: str, hello: bool = True) -> socket.socket:
+    """A bare socket; with ``hello``, past the session handshake every client starts with."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(SOCKET_TIMEOUT_S)
+    sock.connect(path)
+    if hello:
+        sock.sendall(frame(Verb.HELLO, 1, encode_hello_request(None, "raw")))
+        header, _ = read_frame(sock)
+        assert (header.verb, header.status) == (Verb.HELLO, Status.OK)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Read until EOF; True if the peer closed (a reset counts), False on stray data."""
+    try:
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+
+
+def keys_payload(keys: list[bytes]) -> bytes:
+    return PayloadWriter().keys(keys).build()
+
+
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = START_TIMEOUT_S):
+    """Poll ``condition`` until it is truthy (and return it); fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)

@@ -1,0 +1,93 @@
+"""What the control server does for each verb: decode the request, call the index for the
+connection's session (``owner``), encode the answer. HELLO is the server's own (it opens
+the session these handlers act for); see ``tiercache.index.control``."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+from tiercache.errors import ProtocolError
+from tiercache.index.manager import OffloadingManager
+from tiercache.index.payloads import (
+    decode_lease_batch_request, encode_events, encode_leases, encode_stats, encode_store_output,
+)
+from tiercache.index.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
+
+Handler = Callable[[OffloadingManager, PayloadReader, int], bytes]
+_EMPTY = b""
+_U32 = struct.Struct("<I")
+
+
+def _keys_then(reader: PayloadReader) -> list[bytes]:
+    keys = reader.keys()
+    reader.done()
+    return keys
+
+
+def _lookup(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    return _U32.pack(m.lookup(_keys_then(r)))
+
+
+def _prepare_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    return PayloadWriter().ids(m.prepare_load(_keys_then(r), owner=owner).block_ids).build()
+
+
+def _touch(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    m.touch(_keys_then(r))
+    return _EMPTY
+
+
+def _complete_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    m.complete_load(_keys_then(r), owner=owner)
+    return _EMPTY
+
+
+def _prepare_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    return encode_store_output(m.prepare_store(_keys_then(r), owner=owner))
+
+
+def _complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    success = r.u8()
+    if success not in (0, 1):
+        raise ProtocolError(f"complete_store success flag {success}; expected 0 or 1")
+    m.complete_store(_keys_then(r), success=bool(success), owner=owner)
+    return _EMPTY
+
+
+def _lease_batch(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    """One lease per list, each atomic (the index's lock per list), in list order."""
+    return encode_leases([m.lease(keys, owner=owner) for keys in decode_lease_batch_request(r)])
+
+
+def _release(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+    return _U32.pack(m.release(_keys_then(r), owner=owner))
+
+
+def _no_args(call: Callable[[OffloadingManager], bytes]) -> Handler:
+    def handler(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+        r.done()
+        return call(m)
+    return handler
+
+
+def _reset(m: OffloadingManager) -> bytes:
+    m.reset()
+    return _EMPTY
+
+
+HANDLERS: dict[Verb, Handler] = {
+    Verb.LOOKUP: _lookup,
+    Verb.PREPARE_LOAD: _prepare_load,
+    Verb.TOUCH: _touch,
+    Verb.COMPLETE_LOAD: _complete_load,
+    Verb.PREPARE_STORE: _prepare_store,
+    Verb.COMPLETE_STORE: _complete_store,
+    Verb.TAKE_EVENTS: _no_args(lambda m: encode_events(m.take_events(max_keys=MAX_KEYS_PER_CALL))),
+    Verb.RESET: _no_args(_reset),
+    Verb.STATS: _no_args(lambda m: encode_stats(m.stats())),
+    Verb.PING: _no_args(lambda m: _EMPTY),
+    Verb.LEASE_BATCH: _lease_batch,
+    Verb.RELEASE: _release,
+}
+assert set(HANDLERS) | {Verb.HELLO} == set(Verb), "every verb but HELLO needs a handler"

@@ -1,0 +1,179 @@
+"""Each verb's payload (see ``Verb`` in ``tiercache.index.protocol`` for the table), built
+from the protocol's primitives: what the client and the control server encode and decode."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import astuple, fields
+from typing import NamedTuple
+
+from tiercache import errors
+from tiercache.index.protocol import (
+    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
+)
+from tiercache.index.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.specs import CPULoadStoreSpec
+
+_U32 = struct.Struct("<I")
+_CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
+
+
+def encode_store_output(out: PrepareStoreOutput | None) -> bytes:
+    if out is None:
+        return PayloadWriter().u8(0).build()
+    return (PayloadWriter().u8(1).keys(out.keys_to_store).ids(out.store_spec.block_ids)
+            .keys(out.evicted_keys).build())
+
+
+def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
+    flag = reader.u8()
+    if flag == 0:
+        return None
+    if flag != 1:
+        raise errors.ProtocolError(f"prepare_store answer flag {flag}; expected 0 or 1")
+    keys = tuple(reader.keys())
+    ids = reader.ids()
+    evicted = tuple(reader.keys())
+    if len(ids) != len(keys):
+        raise errors.ProtocolError(
+            f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
+    return PrepareStoreOutput(keys, CPULoadStoreSpec(ids), evicted)
+
+
+def encode_events(events: Sequence[OffloadingEvent]) -> bytes:
+    writer = PayloadWriter().u32(len(events))
+    for event in events:
+        writer.u8(int(event.removed)).text(event.medium).keys(event.keys)
+    return writer.build()
+
+
+def decode_events(reader: PayloadReader) -> list[OffloadingEvent]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} events in one answer; at most {MAX_KEYS_PER_CALL}")
+    events = []
+    for _ in range(n):
+        removed = bool(reader.u8())
+        medium = reader.text()
+        events.append(OffloadingEvent(tuple(reader.keys()), removed, medium))
+    return events
+
+
+_NUM_STATS_FIELDS = len(fields(ManagerStats))
+
+
+def encode_stats(stats: ManagerStats) -> bytes:
+    return PayloadWriter().u64s(astuple(stats)).build()
+
+
+def decode_stats(reader: PayloadReader) -> ManagerStats:
+    return ManagerStats(*reader.u64s(_NUM_STATS_FIELDS))
+
+
+def encode_error(exc: errors.TiercacheError | Exception) -> bytes:
+    code = next((_CODE_OF[c] for c in type(exc).__mro__ if c in _CODE_OF), 1)
+    message = str(exc) if isinstance(exc, errors.TiercacheError) else f"{type(exc).__name__}: {exc}"
+    return PayloadWriter().u32(code).text(message).build()
+
+
+def decode_error(reader: PayloadReader) -> errors.TiercacheError:
+    code = reader.u32()
+    message = reader.text()
+    cls = ERROR_CODES.get(code)
+    if cls is None:
+        return errors.ProtocolError(f"coordinator sent unknown error code {code}: {message}")
+    return cls(message)
+
+
+# ---------------------------------------------------------------- sessions and leases
+
+class Hello(NamedTuple):
+    """A HELLO answer: the session's token, whether it was resumed, its grace period."""
+
+    token: bytes
+    resumed: bool
+    grace_s: float
+
+
+def encode_hello_request(token: bytes | None, name: str) -> bytes:
+    token = token or b""
+    if len(token) not in (0, TOKEN_BYTES):
+        raise errors.ProtocolError(
+            f"session token of {len(token)} bytes; a token is {TOKEN_BYTES} bytes (or none)")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise errors.ProtocolError(f"client name {name[:32]!r}... is {len(name.encode())} bytes; "
+                                   f"at most {MAX_NAME_BYTES}")
+    return PayloadWriter().raw(token).text(name).build()
+
+
+def decode_hello_request(reader: PayloadReader) -> tuple[bytes, str]:
+    token = reader.raw(TOKEN_BYTES)
+    if len(token) not in (0, TOKEN_BYTES):
+        raise errors.ProtocolError(f"session token of {len(token)} bytes; expected 0 or "
+                                   f"{TOKEN_BYTES}")
+    name = reader.text()
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise errors.ProtocolError(f"client name of {len(name.encode())} bytes; at most "
+                                   f"{MAX_NAME_BYTES}")
+    reader.done()
+    return token, name
+
+
+def encode_hello(hello: Hello) -> bytes:
+    return (PayloadWriter().raw(hello.token).u8(int(hello.resumed))
+            .u32(round(hello.grace_s * 1000)).build())
+
+
+def decode_hello(reader: PayloadReader) -> Hello:
+    token = reader.raw(TOKEN_BYTES)
+    resumed = reader.u8()
+    grace_ms = reader.u32()
+    reader.done()
+    if len(token) != TOKEN_BYTES or resumed not in (0, 1):
+        raise errors.ProtocolError(f"HELLO answer with a {len(token)}-byte token and resumed "
+                                   f"flag {resumed}")
+    return Hello(token, bool(resumed), grace_ms / 1000)
+
+
+def encode_lease_batch_request(key_lists: Sequence[Sequence[bytes]]) -> bytes:
+    total = sum(map(len, key_lists))
+    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{len(key_lists)} lists of {total} keys in one lease_batch; "
+                                   f"at most {MAX_KEYS_PER_CALL} keys (and lists) in all")
+    writer = PayloadWriter().u32(len(key_lists))
+    for keys in key_lists:
+        writer.keys(keys)
+    return writer.build()
+
+
+def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most {MAX_KEYS_PER_CALL}")
+    lists, total = [], 0
+    for _ in range(n):
+        keys = reader.keys()
+        total += len(keys)
+        if total > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"more than {MAX_KEYS_PER_CALL} keys in one lease_batch")
+        lists.append(keys)
+    reader.done()
+    return lists
+
+
+_LEASE = struct.Struct("<IB")
+
+
+def encode_leases(results: Sequence[LeaseResult]) -> bytes:
+    body = b"".join(_LEASE.pack(r.num_hit, int(r.pending)) for r in results)
+    return _U32.pack(len(results)) + body
+
+
+def decode_leases(reader: PayloadReader) -> list[LeaseResult]:
+    n = reader.u32()
+    if n > MAX_KEYS_PER_CALL:
+        raise errors.ProtocolError(f"{n} lease results; at most {MAX_KEYS_PER_CALL}")
+    raw = reader.chunk(n * _LEASE.size)
+    reader.done()
+    return [LeaseResult(hits, bool(pending)) for hits, pending in _LEASE.iter_unpack(raw)]

@@ -1,0 +1,83 @@
+"""The values the cache index hands out: what to store, leases, session releases, events and
+stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiercache.specs import CPULoadStoreSpec, Medium
+
+
+@dataclass(frozen=True, eq=False)
+class PrepareStoreOutput:
+    """What to write: ``keys_to_store[i]`` goes to ``store_spec.block_ids[i]``.
+
+    Keys of the call that were already held (ready or being written) are not in
+    ``keys_to_store``; ``evicted_keys`` were dropped to make room.
+    """
+
+    keys_to_store: tuple[bytes, ...]
+    store_spec: CPULoadStoreSpec
+    evicted_keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """``num_hit``: the leading run of readable keys, each now pinned once by the caller
+    (release it with ``release``). ``pending``: the key right after that run is being
+    written (vLLM's HIT_PENDING: worth asking again soon)."""
+
+    num_hit: int
+    pending: bool
+
+
+@dataclass(frozen=True)
+class SessionRelease:
+    """What ``end_session`` gave back: reservations freed and pins dropped."""
+
+    freed_writing: int
+    dropped_pins: int
+
+
+@dataclass(frozen=True)
+class OffloadingEvent:
+    """Blocks that became readable (``removed=False``) or left the cache (``removed=True``)."""
+
+    keys: tuple[bytes, ...]
+    removed: bool
+    medium: str = Medium.CPU.value
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.
+
+    ``free + writing + ready + loading == capacity``; ``loading`` counts every pinned
+    block, whether a load or a lease holds it. ``recovered_blocks`` came back from the
+    region's ledger when the index was built; ``sessions_ended``,
+    ``released_writing_blocks`` and ``released_pins`` count what ended sessions gave back.
+    """
+
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    stored_blocks: int
+    loaded_blocks: int
+    store_rejections: int
+    evicted_blocks: int
+    failed_store_blocks: int
+    capacity_blocks: int
+    free_blocks: int
+    writing_blocks: int
+    ready_blocks: int
+    loading_blocks: int
+    leased_blocks: int = 0
+    recovered_blocks: int = 0
+    sessions_ended: int = 0
+    released_writing_blocks: int = 0
+    released_pins: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Fraction of slots not free (pending writes count as used)."""
+        return (self.capacity_blocks - self.free_blocks) / self.capacity_blocks

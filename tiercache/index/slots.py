@@ -1,0 +1,79 @@
+"""The index's records: a slot's state and pins, an owner's holdings, the ledger the index
+writes through, and the key checks every verb shares. Used by the manager only (under its
+lock); nothing here locks or does I/O."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from enum import Enum
+from typing import Protocol
+
+from tiercache.errors import InvalidKeyError, ManagerError
+
+
+class SlotState(Enum):
+    WRITING = "writing"  # allocated by prepare_store; bytes not there yet; not readable
+    READY = "ready"  # readable and evictable
+    LOADING = "loading"  # readable and pinned (loads or leases); not evictable
+
+
+class Slot:
+    __slots__ = ("slot_id", "state", "pins")
+
+    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING):
+        self.slot_id = slot_id
+        self.state = state  # while WRITING, the writer is the owner whose holdings name the key
+        self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
+
+    @property
+    def loads(self) -> int:
+        return sum(self.pins.values())
+
+
+class Holdings:
+    """Which keys one owner reserved or pinned (the counts live on the slots)."""
+
+    __slots__ = ("writing", "pinned")
+
+    def __init__(self) -> None:
+        self.writing: set[bytes] = set()
+        self.pinned: set[bytes] = set()
+
+
+class Ledger(Protocol):
+    """The durable mirror the index writes through (``tiercache.region.ledger.IndexLedger``)."""
+
+    max_key_bytes: int
+    num_records: int
+
+    def recover(self): ...
+
+    def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes]) -> None: ...
+
+    def ready(self, slot_ids: Sequence[int]) -> None: ...
+
+    def free(self, slot_ids: Sequence[int]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+def check_keys(keys: Sequence[bytes], verb: str) -> None:
+    """Raise ``InvalidKeyError`` unless every key is ``bytes``."""
+    if set(map(type, keys)) <= {bytes}:
+        return
+    for key in keys:
+        if type(key) is not bytes:
+            raise InvalidKeyError(
+                f"{verb}: key {key!r} is {type(key).__name__}; keys must be bytes")
+
+
+def require_unique(keys: Sequence[bytes], verb: str) -> None:
+    if len(set(keys)) != len(keys):
+        repeated = [k for k, n in Counter(keys).items() if n > 1]
+        raise InvalidKeyError(f"{verb}: key {repeated[0]!r} appears more than once in one call")
+
+
+def check_owner(owner: int) -> None:
+    if type(owner) is not int or owner < 0:
+        raise ManagerError(f"owner = {owner!r}: must be an int >= 0 (LOCAL_OWNER is 0)")
