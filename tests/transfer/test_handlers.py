@@ -363,15 +363,13 @@ class FaultingBackend(CopyBackend):
         return Submitted(())
 
 
-@pytest.mark.parametrize("bad_backend", [RefusingBackend, FaultingBackend])
-def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend):
-    """A backend that refuses the copies (on the submit thread) or a device fault: the
-    call accepted the job; its result is the failure, and later jobs still run."""
+@pytest.mark.parametrize("bad_backend, accepted", [(RefusingBackend, False), (FaultingBackend, True)])
+def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend, accepted):
     world = make_world("separate", 1)
     rig = rigs(world, backends={G2C: bad_backend(), C2G: CpuCopyBackend()})
     expected = world.clone()
     page_sum = sum(world.layout.page_bytes)
-    assert rig.handlers.transfer_async(1, (GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))) is True
+    assert rig.handlers.transfer_async(1, (GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))) is accepted
     load = (CPULoadStoreSpec([1]), GPULoadStoreSpec([2]))
     apply_reference(world, expected, rig.groups, load[1], load[0], store=False)
     assert rig.handlers.transfer_async(2, load)

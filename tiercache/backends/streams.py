@@ -52,9 +52,6 @@ class StreamPlatform(ABC):
     def current_stream(self) -> Stream:
         """The compute stream of the calling thread."""
 
-    def enter_thread(self) -> None:
-        """Prepare the calling thread (a handler's submit thread) to issue work here."""
-
     def close(self) -> None:
         """Release what the platform created; called after every transfer has finished."""
 
@@ -76,6 +73,3 @@ class CudaStreams(StreamPlatform):
 
     def current_stream(self) -> Stream:
         return self._torch.cuda.current_stream(self.device)
-
-    def enter_thread(self) -> None:
-        self._torch.cuda.set_device(self.device)  # a new thread's current device is 0

@@ -9,9 +9,9 @@ thread):
   ``shutdown()`` it raises ``HandlerClosedError``. Otherwise the transfer goes on a
   stream of its own that waits for the compute stream (a store must not read KV still
   being written; a load must not be overwritten by compute work queued before it) and
-  for the previous transfer of this handler (FIFO). Returns True once the transfer is
-  accepted; exactly one ``TransferResult`` for the job follows (``success=False`` when the
-  backend refused the copies or the device failed them).
+  for the previous transfer of this handler (FIFO). Returns True when the copies were
+  enqueued, False when the backend refused them; either way exactly one
+  ``TransferResult`` for the job follows.
 * ``get_finished()`` returns finished transfers in submission order (a later transfer is
   never reported before an earlier one), each with its bytes and stream-timed seconds;
   a backend or device failure is ``success=False``, never an exception.
@@ -21,17 +21,6 @@ thread):
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
-The caller's thread does only what can fail on its input: it validates the transfer at
-block level (``TransferPlanner.block_plan``: O(blocks)), marks the compute stream with an
-event, and queues the transfer. A submit thread per handler then, in submission order,
-orders the transfer's stream after that mark and after the previous transfer, expands
-pages where the backend takes pages, and drives the backend (layouts, kernel launches,
-DMA batches: O(chunks) driver calls, most with the GIL released). Why: an engine calls
-``transfer_async`` on its step's critical path, and the driver calls of a 512 MiB
-transfer hold a thread for about a millisecond whatever the layout (docs/benchmarks.md,
-"Host path"); the caller now pays tens of microseconds. A transfer is never reported done
-before the submit thread has enqueued it (a never-recorded event would look complete).
-
 ``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
 direction once (``Direction.of``) and hands the transfer to that direction's handler.
 """
@@ -39,13 +28,11 @@ direction once (``Direction.of``) and hands the transfer to that direction's han
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tiercache.backends.base import BlockPlan, CopyBackend, Submitted
+from tiercache.backends.base import BlockPlan, CopyBackend, CopyPlan, Submitted
 from tiercache.backends.streams import Event, Stream, StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.stats import RankStats
@@ -79,20 +66,14 @@ class TransferResult:
 @dataclass(eq=False)
 class _Transfer:
     job_id: int
-    plan: BlockPlan
+    num_bytes: int
     stream: Stream
-    compute_mark: Event  # the compute stream's state when transfer_async was called
     start_event: Event
     end_event: Event
-    buffers: PlanBuffers  # page arrays, for backends that take pages: reused when finished
-    submitted: bool = False  # the backend accepted the copies (set by the submit thread)
+    buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
+    submitted: bool  # the backend accepted the copies
     keep_alive: Submitted | None = field(default=None, repr=False)  # the backend's token
     failed_on_device: bool = False
-    enqueued: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.plan.num_bytes
 
 
 class SingleDirectionOffloadingHandler:
@@ -111,9 +92,6 @@ class SingleDirectionOffloadingHandler:
         self._event_pool: list[Event] = []
         self._buffer_pool: list[PlanBuffers] = []
         self._closed = False
-        self._queue: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
-        self._submitter: threading.Thread | None = None
-        self._last_end: Event | None = None  # the submit thread's previous transfer
 
     # ---------------------------------------------------------------- submit
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
@@ -123,56 +101,42 @@ class SingleDirectionOffloadingHandler:
         if job_id in self._by_job:
             raise SpecError(f"job id {job_id} is already in flight on the "
                             f"{self.direction.label} handler; job ids must be unique")
-        plan = self.planner.block_plan(self.direction, transfer)  # raises SpecError
-        stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
-        mark, start, end = (self._event_pool.pop() if self._event_pool
-                            else self._streams.new_timing_event() for _ in range(3))
-        mark.record(self._streams.current_stream())
         buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
-        transfer_ = _Transfer(job_id, plan, stream, mark, start, end, buffers)
+        try:
+            plan = self.planner.block_plan(self.direction, transfer) if self.backend.takes_blocks \
+                else self.planner.plan(self.direction, transfer, out=buffers)
+        except SpecError:
+            self._buffer_pool.append(buffers)
+            raise
+        stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
+        start, end = (self._event_pool.pop() if self._event_pool
+                      else self._streams.new_timing_event() for _ in range(2))
+        submitted, token = self._enqueue(job_id, plan, stream, start, end)
+        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, buffers, submitted,
+                              token)
         self._transfers.append(transfer_)
         self._by_job[job_id] = transfer_
-        if self._submitter is None:
-            self._submitter = threading.Thread(
-                target=self._submit_loop, daemon=True,
-                name=f"tiercache-{self.direction.label}-submit")
-            self._submitter.start()
-        self._queue.put(transfer_)
-        return True
+        return submitted
 
-    def _submit_loop(self) -> None:
-        self._streams.enter_thread()
-        while (transfer := self._queue.get()) is not None:
-            transfer.submitted, transfer.keep_alive = self._enqueue(transfer)
-            transfer.enqueued.set()
-
-    def _enqueue(self, t: _Transfer) -> tuple[bool, Submitted | None]:
-        """On the submit thread, in submission order."""
+    def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
+                 end: Event) -> tuple[bool, Submitted | None]:
+        previous = self._transfers[-1].end_event if self._transfers else None
         try:
-            t.stream.wait_event(t.compute_mark)
-            if self._last_end is not None:
-                t.stream.wait_event(self._last_end)
-            t.start_event.record(t.stream)
-            if not t.plan.num_pairs:
-                return True, None
-            plan = t.plan if self.backend.takes_blocks else \
-                self.planner.expand(t.plan, out=t.buffers)
-            return True, self.backend.submit_plan(plan, t.stream)
+            stream.wait_stream(self._streams.current_stream())
+            if previous is not None:
+                stream.wait_event(previous)
+            start.record(stream)
+            empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
+            return True, None if empty else self.backend.submit_plan(plan, stream)
         except _DEVICE_ERRORS as e:
             log.error("%s job %d: the %s backend could not submit %d bytes: %s",
-                      self.direction.label, t.job_id, self.backend.kind.label, t.num_bytes, e)
-            return False, None
-        except BaseException as e:  # a bug, not a device failure: the job fails loudly
-            log.exception("%s job %d: submitting failed: %r", self.direction.label, t.job_id, e)
+                      self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, e)
             return False, None
         finally:
-            t.end_event.record(t.stream)  # later transfers order after this one whatever happened
-            self._last_end = t.end_event
+            end.record(stream)  # later transfers order after this one whatever happened
 
     # ---------------------------------------------------------------- complete
     def _is_done(self, transfer: _Transfer) -> bool:
-        if not transfer.enqueued.is_set():
-            return False
         try:
             return transfer.end_event.query()
         except _DEVICE_ERRORS as e:
@@ -196,9 +160,7 @@ class SingleDirectionOffloadingHandler:
                 success = False
         del self._by_job[transfer.job_id]
         self._stream_pool.append(transfer.stream)
-        self._event_pool += (transfer.compute_mark, transfer.start_event)
-        if transfer.end_event is not self._last_end:  # the next submission still waits on it
-            self._event_pool.append(transfer.end_event)
+        self._event_pool += (transfer.start_event, transfer.end_event)
         self._buffer_pool.append(transfer.buffers)
         if self._stats is not None:
             self._stats.record_transfer(self.direction, transfer.num_bytes, seconds, success)
@@ -212,7 +174,6 @@ class SingleDirectionOffloadingHandler:
         return results
 
     def _synchronize(self, transfer: _Transfer) -> None:
-        transfer.enqueued.wait()
         try:
             transfer.end_event.synchronize()
         except _DEVICE_ERRORS as e:
@@ -236,9 +197,6 @@ class SingleDirectionOffloadingHandler:
             results.append(self._finish(self._transfers.popleft()))
         if not self._closed:
             self._closed = True
-            if self._submitter is not None:
-                self._queue.put(None)
-                self._submitter.join()
             self.backend.close()
             self._stream_pool.clear()
             self._event_pool.clear()
