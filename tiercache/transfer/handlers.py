@@ -21,6 +21,13 @@ thread):
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
+Submission runs on the caller's thread. A submit thread per handler was tried, to take the
+per-chunk driver calls off the engine's thread: under the GIL it made things far worse (a
+caller polling ``get_finished`` kept the GIL, and the submit thread waited a switch
+interval, 5 ms, per step: one-block loads took 40-80 ms; docs/benchmarks.md, "Host
+path"). Host time is cut where it is spent instead: block-level plans (O(blocks)), pages
+expanded on the device by ``staged``.
+
 ``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
 direction once (``Direction.of``) and hands the transfer to that direction's handler.
 """
