@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.errors import LayoutMismatchError
+from tiercache.errors import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,15 @@ class PageArray:
                      "pages_per_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise LayoutMismatchError(f"PageArray.{name} = {value!r}: must be an int")
+                raise ArgumentError(f"PageArray.{name} = {value!r}: must be an int")
         if self.base_address <= 0:
-            raise LayoutMismatchError(f"PageArray.base_address = {self.base_address}: must be > 0")
+            raise ArgumentError(f"PageArray.base_address = {self.base_address}: must be > 0")
         if self.num_blocks < 1 or self.page_bytes < 1 or self.pages_per_block < 1:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"PageArray(num_blocks={self.num_blocks}, page_bytes={self.page_bytes}, "
                 f"pages_per_block={self.pages_per_block}): each must be >= 1")
         if self.num_blocks > 1 and self.block_stride_bytes < self.block_bytes:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"PageArray block_stride_bytes = {self.block_stride_bytes} is smaller than a "
                 f"block's pages ({self.pages_per_block} x {self.page_bytes} bytes): blocks "
                 "would overlap")
@@ -66,19 +66,19 @@ class PageArray:
         without touching the device: only ``data_ptr``, strides and sizes are read.
         """
         if tensor.dim() < 1 or tensor.shape[0] < 1:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"tensor of shape {tuple(tensor.shape)}: need the block dimension first, "
                 "(num_blocks >= 1, ...)")
         block = tensor[0]
         if not block.is_contiguous():
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"tensor of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())}: "
                 "one block's slice tensor[b] must be contiguous (the block dimension must be "
                 "outermost in memory)")
         item = tensor.element_size()
         slot_bytes = block.numel() * item
         if slot_bytes < pages_per_block * page_bytes:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"tensor of shape {tuple(tensor.shape)} holds {slot_bytes} bytes per block, but "
                 f"the region expects {pages_per_block} x {page_bytes} bytes")
         return cls(base_address=tensor.data_ptr(), num_blocks=int(tensor.shape[0]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.errors import LayoutMismatchError
+from tiercache.errors import ArgumentError
 from tiercache.transfer.kv_caches import device_of, page_arrays_of, split_kv
 from tiercache.pages import PageArray
 
@@ -36,12 +36,12 @@ def test_kv_halves_padding_and_cross_layer_addresses():
     ([PageArray(4096, 8, 64, 32)], (64,), "page_bytes=64"),
 ])
 def test_refusals_name_the_problem(caches, pages, message):
-    with pytest.raises(LayoutMismatchError, match=message):
+    with pytest.raises(ArgumentError, match=message):
         page_arrays_of(caches, pages)
 
 
 def test_split_kv_needs_a_leading_two_and_devices_must_agree():
-    with pytest.raises(LayoutMismatchError, match=r"expects \(2, num_blocks"):
+    with pytest.raises(ArgumentError, match=r"expects \(2, num_blocks"):
         split_kv([torch.zeros(3, 8, 16)])
     assert device_of([PageArray(4096, 1, 8, 8)]) is None
     assert device_of(torch.zeros(2, 2)).type == "cpu"

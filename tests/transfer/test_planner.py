@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.errors import LayoutMismatchError, SpecError
+from tiercache.errors import ArgumentError, SpecError
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
@@ -259,13 +259,13 @@ def test_same_cpu_block_in_two_groups_is_fine(planner):
 ])
 def test_bad_group_tensors_are_refused(groups, message):
     gpu, cpu = _dense_rank(num_tensors=3, page=512, factor=1)
-    with pytest.raises(LayoutMismatchError, match=message):
+    with pytest.raises(ArgumentError, match=message):
         TransferPlanner(gpu, cpu, 1, groups)
 
 
 def test_page_arrays_must_agree():
     gpu, cpu = _dense_rank(num_tensors=2, page=512, factor=2)
-    with pytest.raises(LayoutMismatchError, match="must be 3"):
+    with pytest.raises(ArgumentError, match="must be 3"):
         TransferPlanner(gpu, cpu, 3)
-    with pytest.raises(LayoutMismatchError, match="blocks would overlap"):
+    with pytest.raises(ArgumentError, match="blocks would overlap"):
         PageArray(GPU_BASE, 4, 256, 512)

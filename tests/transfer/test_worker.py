@@ -12,7 +12,7 @@ import torch
 from tiercache.backends.kind import BackendKind
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
 from tiercache.errors import (
-    BackendError, ConfigError, LayoutMismatchError, RankError, RegionNotFoundError, SpecError,
+    ArgumentError, BackendError, ConfigError, LayoutMismatchError, RankError, RegionNotFoundError, SpecError,
 )
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState
@@ -186,8 +186,8 @@ def test_the_verbs_say_the_direction_and_refuse_specs_of_the_other(served):
     (dict(rank=2), RankError, "rank 2"),
     (dict(name="nope"), RegionNotFoundError, "no region"),
     (dict(other_geometry=True), LayoutMismatchError, "geometry"),
-    (dict(caches=2), LayoutMismatchError, "2 KV tensors given"),
-    (dict(small_pages=True), LayoutMismatchError, "bytes per block"),
+    (dict(caches=2), ArgumentError, "2 KV tensors given"),
+    (dict(small_pages=True), ArgumentError, "bytes per block"),
     (dict(backend="ce"), BackendError, "CUDA device"),
     (dict(backend="ce_loop"), BackendError, "CUDA device"),
     (dict(backend="warp"), ConfigError, "backend = 'warp': allowed 'auto', 'ce', "),

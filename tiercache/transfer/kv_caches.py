@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiercache.errors import LayoutMismatchError
+from tiercache.errors import ArgumentError
 from tiercache.pages import PageArray
 
 GpuCaches = torch.Tensor | Sequence[torch.Tensor | PageArray]
@@ -32,7 +32,7 @@ def split_kv(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     halves = []
     for i, t in enumerate(tensors):
         if t.dim() < 2 or t.shape[0] != 2:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"tensor {i} has shape {tuple(t.shape)}: split_kv expects (2, num_blocks, ...)")
         halves.extend((t[0], t[1]))
     return halves
@@ -43,24 +43,24 @@ def page_arrays_of(caches: GpuCaches, page_bytes: Sequence[int], pages_per_block
     """One PageArray per region tensor, checked against the region's ``page_bytes``."""
     items = [caches] if isinstance(caches, torch.Tensor) else list(caches)
     if len(items) != len(page_bytes):
-        raise LayoutMismatchError(
+        raise ArgumentError(
             f"{len(items)} KV tensors given, but the region holds {len(page_bytes)} per block "
             "(for (2, num_blocks, ...) K/V tensors pass split_kv(tensors))")
     arrays = []
     for t, (item, size) in enumerate(zip(items, page_bytes)):
         if isinstance(item, PageArray):
             if item.page_bytes != size or item.pages_per_block != pages_per_block:
-                raise LayoutMismatchError(
+                raise ArgumentError(
                     f"gpu_caches[{t}] = {item}: the region expects page_bytes={size}, "
                     f"pages_per_block={pages_per_block}")
             arrays.append(item)
         elif isinstance(item, torch.Tensor):
             try:
                 arrays.append(PageArray.from_tensor(item, size, pages_per_block))
-            except LayoutMismatchError as e:
-                raise LayoutMismatchError(f"gpu_caches[{t}]: {e}") from None
+            except ArgumentError as e:
+                raise ArgumentError(f"gpu_caches[{t}]: {e}") from None
         else:
-            raise LayoutMismatchError(
+            raise ArgumentError(
                 f"gpu_caches[{t}] is a {type(item).__name__}: expected a torch.Tensor or a PageArray")
     return tuple(arrays)
 
@@ -71,5 +71,5 @@ def device_of(caches: GpuCaches) -> torch.device | None:
     items = [caches] if isinstance(caches, torch.Tensor) else list(caches)
     devices = {t.device for t in items if isinstance(t, torch.Tensor)}
     if len(devices) > 1:
-        raise LayoutMismatchError(f"gpu_caches span several devices: {sorted(map(str, devices))}")
+        raise ArgumentError(f"gpu_caches span several devices: {sorted(map(str, devices))}")
     return devices.pop() if devices else None

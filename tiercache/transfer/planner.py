@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.backends.base import BlockPlan, CopyPlan
-from tiercache.errors import LayoutMismatchError, SpecError
+from tiercache.errors import ArgumentError, SpecError
 from tiercache.transfer.page_groups import GroupPages, GroupWork
 from tiercache.pages import PageArray
 from tiercache.transfer.runs import merge_at_row_ends
@@ -97,30 +97,30 @@ class TransferPlanner:
         self.block_size_factor = block_size_factor
         num_tensors = len(self.gpu_pages)
         if block_size_factor < 1:
-            raise LayoutMismatchError(f"block_size_factor = {block_size_factor}: must be >= 1")
+            raise ArgumentError(f"block_size_factor = {block_size_factor}: must be >= 1")
         if num_tensors == 0 or len(self.cpu_pages) != num_tensors:
-            raise LayoutMismatchError(f"{num_tensors} GPU and {len(self.cpu_pages)} CPU page "
+            raise ArgumentError(f"{num_tensors} GPU and {len(self.cpu_pages)} CPU page "
                                       "arrays: need the same number, at least one")
         for t, (gpu, cpu) in enumerate(zip(self.gpu_pages, self.cpu_pages)):
             if gpu.pages_per_block != 1 or cpu.pages_per_block != block_size_factor:
-                raise LayoutMismatchError(
+                raise ArgumentError(
                     f"tensor {t}: GPU pages_per_block {gpu.pages_per_block} (must be 1), CPU "
                     f"pages_per_block {cpu.pages_per_block} (must be {block_size_factor})")
             if gpu.page_bytes != cpu.page_bytes:
-                raise LayoutMismatchError(f"tensor {t}: GPU page_bytes {gpu.page_bytes} != CPU "
+                raise ArgumentError(f"tensor {t}: GPU page_bytes {gpu.page_bytes} != CPU "
                                           f"page_bytes {cpu.page_bytes}")
         groups = [tuple(range(num_tensors))] if group_tensors is None else \
             [tuple(int(t) for t in g) for g in group_tensors]
         seen: set[int] = set()
         for g, tensors in enumerate(groups):
             if not tensors:
-                raise LayoutMismatchError(f"group_tensors[{g}] is empty: a group needs a tensor")
+                raise ArgumentError(f"group_tensors[{g}] is empty: a group needs a tensor")
             for t in tensors:
                 if not 0 <= t < num_tensors:
-                    raise LayoutMismatchError(f"group_tensors[{g}] names tensor {t}; allowed "
+                    raise ArgumentError(f"group_tensors[{g}] names tensor {t}; allowed "
                                               f"0..{num_tensors - 1}")
                 if t in seen:
-                    raise LayoutMismatchError(f"tensor {t} is in two groups (group_tensors"
+                    raise ArgumentError(f"tensor {t} is in two groups (group_tensors"
                                               f"[{g}]); each tensor belongs to at most one")
                 seen.add(t)
         self._ends_cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}

@@ -32,7 +32,7 @@ from tiercache.backends import (
 from tiercache.backends.base import CopyBackend
 from tiercache.backends.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
-from tiercache.errors import LayoutMismatchError, PinUnavailableError
+from tiercache.errors import ArgumentError, PinUnavailableError
 from tiercache.pages import PageArray
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
@@ -235,9 +235,9 @@ def _device(gpu_caches: GpuCaches, device: torch.device | str | None) -> torch.d
     if device is not None:
         wanted = torch.device(device)
         if found is not None and found.type != wanted.type:
-            raise LayoutMismatchError(f"device={wanted} but gpu_caches are on {found}")
+            raise ArgumentError(f"device={wanted} but gpu_caches are on {found}")
         return found or wanted
     if found is None:
-        raise LayoutMismatchError("gpu_caches holds only PageArrays: pass device= "
+        raise ArgumentError("gpu_caches holds only PageArrays: pass device= "
                                   "('cuda:N', or 'cpu' for host memory)")
     return found
