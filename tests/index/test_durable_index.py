@@ -5,14 +5,12 @@ and every key it then answers HIT for holds exactly the bytes stored under it.""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 
 import pytest
 
 from control_children import check_every_hit, store_and_load_forever
-from control_support import SPAWN, STOP_TIMEOUT_S, wait_for
+from control_support import SPAWN, kill_all, wait_for
 from tiercache.config import KVGeometry, RegionConfig, config_to_toml
 from tiercache.index.client import Client
 from tiercache.service.process import CoordinatorProcess
@@ -34,14 +32,6 @@ def _start_workloads(config, stored, wrong, iteration: int) -> list:
     return procs
 
 
-def _kill(procs) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        proc.join(STOP_TIMEOUT_S)
-
-
 @pytest.mark.slow
 def test_every_hit_after_a_coordinator_sigkill_holds_its_bytes(make_config, tmp_path):
     config = make_config(
@@ -61,7 +51,7 @@ def test_every_hit_after_a_coordinator_sigkill_holds_its_bytes(make_config, tmp_
             threshold = stored.value + rng.randrange(0, 200)  # a random point of the workload
             wait_for(lambda: stored.value >= threshold, "the workload goes on")
             coordinator.kill()  # SIGKILL, mid-workload
-            _kill(workloads)  # their half-written blocks stay WRITING in the ledger
+            kill_all(workloads)  # their half-written blocks stay WRITING in the ledger
             assert wrong.value == 0, "a workload loaded wrong bytes before the kill"
 
             coordinator = CoordinatorProcess(config, tmp_path / f"c{iteration}")
@@ -79,6 +69,6 @@ def test_every_hit_after_a_coordinator_sigkill_holds_its_bytes(make_config, tmp_
         assert recovered_total > 0  # the cache did survive (not merely came back empty)
         assert coordinator.stop() == 0
     finally:
-        _kill(workloads)
+        kill_all(workloads)
         coordinator.kill()
         coordinator.cleanup()

@@ -4,6 +4,7 @@ SIGKILLed under load, SIGTERM. Real processes throughout; no loaded block may ev
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 import os
 import signal
 import subprocess
@@ -131,7 +132,10 @@ def _wait_for_line(path, text: str, proc: subprocess.Popen, timeout_s: float) ->
                          f"{path.read_text()}")
 
 
-def test_sigterm_stops_the_demo_cleanly_and_leaves_nothing(make_config, tmp_path):
+@contextmanager
+def _demo(make_config, tmp_path):
+    """A ``tiercache demo`` of 2 ranks running until stopped; yields (config, process, log
+    path, JSON path) once its first progress line is out, and kills it if still running."""
     config = e2e_config(make_config, 2)
     config_path = tmp_path / "demo.toml"
     config_path.write_text(config_to_toml(config))
@@ -143,21 +147,30 @@ def test_sigterm_stops_the_demo_cleanly_and_leaves_nothing(make_config, tmp_path
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             _wait_for_line(log_path, "requests ", proc, WAIT_S)  # the first progress line
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(WAIT_S) == 0, log_path.read_text()
+            yield config, proc, log_path, json_path
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _assert_left_nothing(config, doc) -> None:
+    assert not os.path.exists(f"/dev/shm/{config.shm_name}")
+    assert not os.path.exists(config.socket_path)
+    for pid in doc["worker_pids"] + [doc["coordinator_pid"]]:
+        assert not psutil.pid_exists(pid), f"pid {pid} outlived the demo"
+
+
+def test_sigterm_stops_the_demo_cleanly_and_leaves_nothing(make_config, tmp_path):
+    with _demo(make_config, tmp_path) as (config, proc, log_path, json_path):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, log_path.read_text()
     output = log_path.read_text()
     assert "SIGTERM: finishing the current request, then stopping" in output
     doc = json.loads(json_path.read_text())
     assert doc["interrupted"] and doc["requests"] > 0
     assert doc["mismatched_blocks"] == 0 and doc["stats_agree"]
-    assert not os.path.exists(f"/dev/shm/{config.shm_name}")
-    assert not os.path.exists(config.socket_path)
-    for pid in doc["worker_pids"] + [doc["coordinator_pid"]]:
-        assert not psutil.pid_exists(pid), f"pid {pid} outlived the demo"
+    _assert_left_nothing(config, doc)
 
 
 def _wait_after(path, marker: str, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
@@ -177,36 +190,20 @@ def test_the_demo_itself_restarts_a_killed_worker_and_its_killed_coordinator(mak
                                                                            tmp_path):
     import re
 
-    config = e2e_config(make_config, 2)
-    config_path = tmp_path / "demo.toml"
-    config_path.write_text(config_to_toml(config))
-    log_path, json_path = tmp_path / "demo.log", tmp_path / "summary.json"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache", "demo", "--config", str(config_path),
-             "--requests", "0", "--json", str(json_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            out = _wait_for_line(log_path, "requests ", proc, WAIT_S)
-            worker = int(re.search(r"rank 1: worker pid (\d+)", out).group(1))
-            coordinator = int(re.search(r"started a coordinator \(pid (\d+)\)", out).group(1))
-            os.kill(worker, signal.SIGKILL)
-            restarted = "rank 1's worker is gone; restarting it"
-            _wait_after(log_path, restarted, "requests ", proc, WAIT_S)  # and it goes on
-            os.kill(coordinator, signal.SIGKILL)
-            replaced = "the coordinator is gone; starting a new one"
-            _wait_after(log_path, replaced, "requests ", proc, WAIT_S)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(WAIT_S) == 0, log_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _demo(make_config, tmp_path) as (config, proc, log_path, json_path):
+        out = log_path.read_text()
+        worker = int(re.search(r"rank 1: worker pid (\d+)", out).group(1))
+        coordinator = int(re.search(r"started a coordinator \(pid (\d+)\)", out).group(1))
+        os.kill(worker, signal.SIGKILL)
+        restarted = "rank 1's worker is gone; restarting it"
+        _wait_after(log_path, restarted, "requests ", proc, WAIT_S)  # and it goes on
+        os.kill(coordinator, signal.SIGKILL)
+        replaced = "the coordinator is gone; starting a new one"
+        _wait_after(log_path, replaced, "requests ", proc, WAIT_S)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, log_path.read_text()
     doc = json.loads(json_path.read_text())
     assert doc["rank_restarts"] == 1 and doc["coordinator_gone"] >= 1
     assert doc["mismatched_blocks"] == 0 and doc["checked_blocks"] > 0
     assert doc["coordinator_pid"] != coordinator and worker not in doc["worker_pids"]
-    assert not os.path.exists(f"/dev/shm/{config.shm_name}")
-    assert not os.path.exists(config.socket_path)
-    for pid in doc["worker_pids"] + [doc["coordinator_pid"]]:
-        assert not psutil.pid_exists(pid), f"pid {pid} outlived the demo"
+    _assert_left_nothing(config, doc)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from control_children import check_every_hit, grab_and_wait, store_and_load_forever
-from control_support import SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
+from control_support import SPAWN, kill_all, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
 from e2e_support import metrics_url, scrape
 from tiercache.config import ExporterConfig, KVGeometry, RegionConfig, config_to_toml
 from tiercache.index.client import Client
@@ -55,14 +55,6 @@ def _doomed_engines(config, first_tag: int) -> int:
     return first_tag + DOOMED_ROUNDS
 
 
-def _kill(procs) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        proc.join(STOP_TIMEOUT_S)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_soak_ends_with_full_capacity_no_leaks_and_no_wrong_bytes(make_config, tmp_path):
@@ -94,7 +86,7 @@ def test_soak_ends_with_full_capacity_no_leaks_and_no_wrong_bytes(make_config, t
         wait_for(lambda: stored.value >= after_restart + 300, "the workloads store again")
         _doomed_engines(config, tag)
 
-        _kill(workloads)
+        kill_all(workloads)
         scraper.stop.set()
         scraper.join(STOP_TIMEOUT_S)
         assert scraper.ok > 0 and wrong.value == 0
@@ -118,6 +110,6 @@ def test_soak_ends_with_full_capacity_no_leaks_and_no_wrong_bytes(make_config, t
         assert coordinator.stop() == 0
     finally:
         scraper.stop.set()
-        _kill(workloads)
+        kill_all(workloads)
         coordinator.kill()
         coordinator.cleanup()

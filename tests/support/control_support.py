@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -99,3 +100,12 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = STAR
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         time.sleep(0.01)
+
+
+def kill_all(procs) -> None:
+    """SIGKILL every spawned process still alive, then reap them all."""
+    for proc in procs:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.join(STOP_TIMEOUT_S)
