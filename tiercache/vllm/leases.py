@@ -1,0 +1,331 @@
+"""The engine-side book of leases: what the scheduler may answer without asking anyone.
+
+vLLM asks ``lookup`` once per key, in a Python loop, while it holds the manager lock for
+the whole scheduling step (a cached 32k-token prompt is ~2000 calls). One RPC per key
+would put ~2000 round trips on that path, so the book answers every lookup from memory:
+
+* a key this engine holds a lease on (``held``) is a HIT: the coordinator keeps the block
+  pinned for this engine's session until the book releases it, so it cannot be evicted
+  between the HIT and vLLM's ``prepare_load`` (which is answered from the book as well);
+* a key this engine is storing right now is HIT_PENDING;
+* a key answered by the last probe is MISS or HIT_PENDING, for one step;
+* any other key is RETRY, and is queued: at the end of the step (``take_batch``, from
+  ``on_schedule_end``) the queued keys of every request go out in one batched lease RPC
+  (``Client.lease_batch``: per request the leading run of READY keys is pinned), sent by
+  the flusher thread while the model runs; ``apply`` files the answers under the lock,
+  and the request, deferred by vLLM for that step, finds them at its next lookup.
+
+Refs: a held key counts its local users (each request lease and each load in flight);
+the coordinator may hold several pins for it, and ``release`` drops them all once the
+local count reaches zero, so a release never takes a pin another user still needs.
+A request's leases end when its load is prepared (the load holds its own ref until
+``complete_load``) or when the request finishes.
+
+The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
+coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
+carries its prefix, so a reset that moves the engine to a new namespace can never confuse
+an old key with a new one. The four answers are passed in (vLLM's ``LookupResult`` members), so this module
+imports nothing of vLLM and answers with no translation on the hot path. Not thread
+safe: every call is made under the manager's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from tiercache.errors import StateError
+
+
+class Answers(NamedTuple):
+    """The values ``lookup`` returns (vLLM's ``LookupResult`` members in production)."""
+
+    hit: Any
+    miss: Any
+    pending: Any
+    retry: Any
+
+
+class _Held:
+    __slots__ = ("slot_id", "refs")
+
+    def __init__(self, slot_id: int):
+        self.slot_id = slot_id
+        self.refs = 0
+
+
+class RequestLeases:
+    """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
+
+    __slots__ = ("req_id", "leased", "answers", "answers_step", "probe", "probing", "finished")
+
+    def __init__(self, req_id: str):
+        self.req_id = req_id
+        self.leased: dict[bytes, None] = {}  # keys this request holds a ref on (ordered)
+        self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
+        self.answers_step = -1
+        self.probe: list[bytes] = []  # keys to probe at the next flush
+        self.probing: set[bytes] = set()  # sent, answer not filed yet
+        self.finished = False
+
+
+class Probe(NamedTuple):
+    request: RequestLeases
+    keys: list[bytes]
+
+
+class LeaseAnswer(NamedTuple):
+    """What the coordinator said about one probe: ``num_hit`` leading keys leased, at these
+    slots; ``pending``: the key after them is being written."""
+
+    num_hit: int
+    pending: bool
+    slot_ids: Sequence[int]
+
+
+@dataclass
+class Batch:
+    """Everything one step leaves for the coordinator, in the order it is sent:
+    completed stores (publish them), failed stores (free them), releases (all wire keys),
+    then probes (vLLM keys, sent as ``prefix + key``)."""
+
+    prefix: bytes = b""
+    generation: int = 0
+    stores_done: list[bytes] = field(default_factory=list)
+    stores_failed: list[bytes] = field(default_factory=list)
+    releases: list[bytes] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores_done or self.stores_failed or self.releases or self.probes)
+
+
+class LeaseBook:
+    """See the module docstring. ``answers`` are the four lookup results."""
+
+    def __init__(self, answers: Answers, prefix: bytes):
+        self.answers = answers
+        self.prefix = prefix
+        self.generation = 0  # resets so far: answers of an older generation are stale
+        self.held: dict[bytes, _Held] = {}
+        self.writing: dict[bytes, int] = {}  # stores handed to vLLM, not completed yet
+        self._requests: dict[str, RequestLeases] = {}
+        self._probing: dict[str, RequestLeases] = {}  # requests with keys queued to probe
+        self._answered: dict[str, RequestLeases] = {}  # requests holding probe answers
+        self._queued = Batch(prefix)
+        self._fenced_pins: list[bytes] = []  # held before a reset: released once flushed
+        self._fenced_writes: list[bytes] = []  # written before a reset: failed once flushed
+        self._in_flight = 0  # batches taken and not yet applied
+        self.step = 0
+        self.down = False  # the coordinator is unreachable: unknown keys are MISS
+
+    # ------------------------------------------------------------------ the hot path
+    def lookup(self, key: bytes, request: RequestLeases) -> Any:
+        if key in request.leased:
+            return self.answers.hit
+        held = self.held.get(key)
+        if held is not None:
+            held.refs += 1
+            request.leased[key] = None
+            return self.answers.hit
+        if key in self.writing:
+            return self.answers.pending
+        answer = request.answers.get(key)
+        if answer is not None:
+            return answer
+        if self.down:
+            return self.answers.miss
+        if key not in request.probing:
+            if not request.probe:
+                self._probing[request.req_id] = request
+            request.probe.append(key)
+        return self.answers.retry
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Iterable[bytes], request: RequestLeases) -> list[int]:
+        """Slot ids co-indexed with ``keys``; each key gains a load ref, and the request's
+        leases end (the load now protects what it reads)."""
+        slots = []
+        for key in keys:
+            held = self.held.get(key)
+            if held is None:
+                raise StateError(
+                    f"prepare_load: key {key!r} of request {request.req_id} was never answered "
+                    "HIT (no lease); vLLM loads only keys its lookup saw as hits")
+            held.refs += 1
+            slots.append(held.slot_id)
+        self._end_leases(request)
+        return slots
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._drop_ref(key)
+
+    # ------------------------------------------------------------------ stores
+    def stores_prepared(self, keys: Sequence[bytes], slot_ids: Sequence[int]) -> None:
+        self.writing.update(zip(keys, slot_ids))
+
+    def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
+        """Queue the publication (or freeing) of our stores; keys not being written by this
+        engine (repeated or stale completions) are ignored. Returns the keys taken."""
+        taken = [key for key in keys if self.writing.pop(key, None) is not None]
+        prefix = self.prefix
+        (self._queued.stores_done if success else self._queued.stores_failed).extend(
+            [prefix + key for key in taken])
+        return taken
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, req_id: str) -> RequestLeases:
+        request = self._requests[req_id] = RequestLeases(req_id)
+        return request
+
+    def request_finished(self, request: RequestLeases) -> None:
+        request.finished = True
+        self._requests.pop(request.req_id, None)
+        self._end_leases(request)
+        request.probe.clear()
+        request.answers.clear()
+        self._probing.pop(request.req_id, None)
+        self._answered.pop(request.req_id, None)
+
+    def _end_leases(self, request: RequestLeases) -> None:
+        for key in request.leased:
+            self._drop_ref(key)
+        request.leased.clear()
+
+    def _drop_ref(self, key: bytes) -> None:
+        held = self.held.get(key)
+        if held is None:  # fenced by a reset or lost with the coordinator: nothing to drop
+            return
+        held.refs -= 1
+        if held.refs < 0:
+            raise StateError(f"key {key!r}: more refs dropped than taken")
+        if held.refs == 0:
+            del self.held[key]
+            self._queued.releases.append(self.prefix + key)
+
+    # ------------------------------------------------------------------ the step boundary
+    def take_batch(self) -> Batch:
+        """End of a step: hand over what is queued; probe answers filed before this step
+        have now been visible for a whole step and are dropped."""
+        self.step += 1
+        for req_id, request in list(self._answered.items()):
+            if request.answers_step < self.step - 1:
+                request.answers.clear()
+                del self._answered[req_id]
+        batch, self._queued = self._queued, Batch(self.prefix, self.generation)
+        batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
+        for request in self._probing.values():
+            batch.probes.append(Probe(request, request.probe))
+            request.probing.update(request.probe)
+            request.probe = []
+        self._probing.clear()
+        if batch:
+            self._in_flight += 1
+        return batch
+
+    def apply(self, batch: Batch, leases: Sequence[LeaseAnswer]) -> None:
+        """File the coordinator's answers to ``batch.probes`` (co-indexed)."""
+        self._in_flight -= 1
+        stale = batch.generation != self.generation
+        for (request, keys), answer in zip(batch.probes, leases, strict=True):
+            request.probing.difference_update(keys)
+            leased = keys[:answer.num_hit]
+            if stale or request.finished:
+                # Pins taken for a request that ended meanwhile, or under the namespace of
+                # before a reset: drop them, unless someone here still holds the key (then
+                # the extra pin goes with the holder's release).
+                self._queued.releases.extend(
+                    batch.prefix + k for k in leased if stale or k not in self.held)
+                continue
+            for key, slot_id in zip(leased, answer.slot_ids, strict=True):
+                held = self.held.get(key)
+                if held is None:
+                    held = self.held[key] = _Held(slot_id)
+                elif held.slot_id != slot_id:
+                    raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
+                                     f"lease says slot {slot_id}")
+                if key not in request.leased:
+                    held.refs += 1
+                    request.leased[key] = None
+            rest = keys[answer.num_hit:]
+            if rest:
+                request.answers[rest[0]] = (self.answers.pending if answer.pending
+                                            else self.answers.miss)
+                # Keys past the first non-hit are not known to be absent, but only a leading
+                # run is ever leased; a MISS is never wrong, only a lost chance (and a prefix
+                # lookup stops at the first MISS anyway).
+                for key in rest[1:]:
+                    request.answers[key] = self.answers.miss
+                request.answers_step = self.step
+                self._answered[request.req_id] = request
+
+    def batch_failed(self, batch: Batch) -> None:
+        """The coordinator did not answer ``batch`` (it is gone). Its completions and
+        releases are queued again (both are idempotent, and they matter if our session is
+        resumed); its probes are dropped, and unknown keys are MISS until ``reconnected``
+        or ``session_lost``."""
+        self._in_flight -= 1
+        self.down = True
+        for request, keys in batch.probes:
+            request.probing.difference_update(keys)
+        queued = self._queued
+        queued.stores_done[:0] = batch.stores_done
+        queued.stores_failed[:0] = batch.stores_failed
+        queued.releases[:0] = batch.releases
+
+    # ------------------------------------------------------------------ resets and losses
+    def reset(self, prefix: bytes) -> None:
+        """vLLM's ``reset_cache``: move to namespace ``prefix`` and forget every lease and
+        answer. Pins and stores still in flight are fenced until ``reset_flushed`` (a worker
+        may still be reading or writing those slots, so they must not be reused before);
+        answers to probes in flight are stale and released when they arrive."""
+        old = self.prefix
+        self._fenced_pins.extend(old + key for key in self.held)
+        self._fenced_writes.extend(old + key for key in self.writing)
+        self.held.clear()
+        self.writing.clear()
+        for request in self._requests.values():
+            request.leased.clear()
+            request.answers.clear()
+            request.probe.clear()
+            request.probing.clear()
+        self._probing.clear()
+        self._answered.clear()
+        self.prefix = prefix
+        self._queued.prefix = prefix
+        self.generation += 1
+
+    def reset_flushed(self) -> None:
+        self._queued.releases.extend(self._fenced_pins)
+        self._queued.stores_failed.extend(self._fenced_writes)
+        self._fenced_pins.clear()
+        self._fenced_writes.clear()
+
+    def session_lost(self) -> None:
+        """The coordinator restarted: its pins and our write reservations are gone with our
+        session, so nothing is released or completed; leases are forgotten."""
+        self.held.clear()
+        self.writing.clear()
+        self._queued = Batch(prefix)
+        self._fenced_pins.clear()
+        self._fenced_writes.clear()
+        self.down = False
+
+    def reconnected(self) -> None:
+        """The coordinator answers again with our session intact."""
+        self.down = False
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def has_pending_work(self) -> bool:
+        """Something waits for a flush (vLLM keeps stepping while this is True)."""
+        return bool(self._queued) or bool(self._probing) or self._in_flight > 0
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    def request_leases(self, request: RequestLeases) -> Collection[bytes]:
+        return request.leased.keys()
