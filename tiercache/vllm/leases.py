@@ -66,7 +66,7 @@ class RequestLeases:
         self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
         self.answers_step = -1
         self.probe: list[bytes] = []  # keys to probe at the next flush
-        self.probing: set[bytes] = set()  # sent, answer not filed yet
+        self.probing: set[bytes] = set()  # queued or sent, answer not filed yet
         self.finished = False
 
 
@@ -136,10 +136,11 @@ class LeaseBook:
             return answer
         if self.down:
             return self.answers.miss
-        if key not in request.probing:
+        if key not in request.probing:  # queued or sent: asked once until answered
             if not request.probe:
                 self._probing[request.req_id] = request
             request.probe.append(key)
+            request.probing.add(key)
         return self.answers.retry
 
     # ------------------------------------------------------------------ loads
@@ -185,6 +186,7 @@ class LeaseBook:
         self._requests.pop(request.req_id, None)
         self._end_leases(request)
         request.probe.clear()
+        request.probing.clear()
         request.answers.clear()
         self._probing.pop(request.req_id, None)
         self._answered.pop(request.req_id, None)
@@ -211,14 +213,13 @@ class LeaseBook:
         have now been visible for a whole step and are dropped."""
         self.step += 1
         for req_id, request in list(self._answered.items()):
-            if request.answers_step < self.step - 1:
+            if request.answers_step < self.step:  # visible during the step that just ended
                 request.answers.clear()
                 del self._answered[req_id]
         batch, self._queued = self._queued, Batch(self.prefix, self.generation)
         batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
         for request in self._probing.values():
             batch.probes.append(Probe(request, request.probe))
-            request.probing.update(request.probe)
             request.probe = []
         self._probing.clear()
         if batch:
@@ -308,7 +309,9 @@ class LeaseBook:
         session, so nothing is released or completed; leases are forgotten."""
         self.held.clear()
         self.writing.clear()
-        self._queued = Batch(prefix)
+        for request in self._requests.values():
+            request.leased.clear()
+        self._queued = Batch(self.prefix, self.generation)
         self._fenced_pins.clear()
         self._fenced_writes.clear()
         self.down = False
