@@ -88,6 +88,19 @@ def expected_block(tokens: Sequence[int], end: int, layer: int, page_bytes: int)
     return np.frombuffer(digest * (page_bytes // len(digest) + 1), dtype=np.uint8)[:page_bytes]
 
 
+class RecordingPublisher:
+    """Stands in for vLLM's KV-event publisher (zmq): keeps what the scheduler publishes."""
+
+    def __init__(self):
+        self.events: list[Any] = []
+
+    def publish(self, batch) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
 @dataclass
 class LoadRecord:
     req_id: str
@@ -109,6 +122,8 @@ class Engine:
     loads: dict[int, LoadRecord] = field(default_factory=dict)
     finished_loads: list[LoadRecord] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+    kv_events: RecordingPublisher = field(default_factory=RecordingPublisher)
     steps: int = 0
 
     @classmethod
@@ -152,7 +167,9 @@ class Engine:
                   for name in layers}
         worker_connector.register_kv_caches(caches)
         init_none_hash(sha256)
-        return cls(scheduler, worker_connector, caches, model)
+        engine = cls(scheduler, worker_connector, caches, model)
+        scheduler.kv_event_publisher = engine.kv_events
+        return engine
 
     # ------------------------------------------------------------------ parts
     @property
@@ -178,6 +195,7 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        self.preempted.update(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
         for job_id, job in meta.load_jobs.items():
             self.loads[job_id] = LoadRecord(job.req_id, job_id, job.dst_spec.block_ids.tolist(),
@@ -189,6 +207,8 @@ class Engine:
         self._compute(out)
         if out.total_num_scheduled_tokens > 0:
             wc.wait_for_save()
+        else:  # no forward pass to overlap with: let the copies finish, as a GPU step would
+            self.tiercache_worker.wait(self.tiercache_worker.jobs_in_flight)
         sending, recving = wc.get_finished(out.finished_req_ids)
         worker_meta = wc.build_connector_worker_meta()
         wc.clear_connector_metadata()
@@ -220,7 +240,12 @@ class Engine:
             if not self.scheduler.has_requests() and not self.scheduler.connector.has_pending_push_work():
                 return
             self.step()
-        raise AssertionError(f"engine still busy after {max_steps} steps")
+        book = self.manager.book
+        raise AssertionError(
+            f"engine still busy after {max_steps} steps: requests {list(self.scheduler.requests)}, "
+            f"jobs {list(self.scheduler.connector.connector_scheduler._jobs)}, "
+            f"tiercache pending {book.has_pending_work} (held {len(book.held)}, writing "
+            f"{len(book.writing)})")
 
     def shutdown(self) -> None:
         self.worker_connector.shutdown()

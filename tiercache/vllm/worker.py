@@ -93,6 +93,11 @@ class TierCacheWorker(OffloadingWorker):
     def worker(self) -> Worker:
         return self._worker
 
+    @property
+    def jobs_in_flight(self) -> set[int]:
+        """Jobs submitted and not yet reported by ``get_finished``."""
+        return set(self._directions)
+
     # ------------------------------------------------------------------ submitting
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: LoadStoreSpec) -> bool:
         cpu = _slots(dst_spec, job_id)
