@@ -15,22 +15,45 @@ HIT, MISS, PENDING, RETRY = "hit", "miss", "pending", "retry"
 P = b"ns000000"  # the namespace prefix
 
 
+class Book(LeaseBook):
+    """The book with requests named by their ReqContext stand-in, as the manager uses it."""
+
+    def new_request(self, req_id):  # noqa: D102 - returns the context the calls take
+        ctx = Ctx()
+        ctx.leases = super().new_request(req_id, ctx)
+        return ctx
+
+    def prepare_load(self, keys, ctx):
+        return super().prepare_load(keys, ctx.leases)
+
+    def request_finished(self, ctx):
+        return super().request_finished(ctx.leases)
+
+    def take_reserved(self, keys, ctx):
+        return super().take_reserved(keys, ctx.leases)
+
+
 def book() -> LeaseBook:
-    return LeaseBook(Answers(HIT, MISS, PENDING, RETRY), P)
+    return Book(Answers(HIT, MISS, PENDING, RETRY), P)
 
 
 def k(i: int) -> bytes:
     return bytes([i]) * 4
 
 
+class Ctx:
+    """Stands for vLLM's ReqContext (the book only uses its identity)."""
+
+
 def test_unknown_keys_are_retried_then_answered_from_one_batched_probe():
     b = book()
     r = b.new_request("r")
     assert [b.lookup(k(i), r) for i in range(4)] == [RETRY] * 4
-    assert [b.lookup(k(i), r) for i in range(4)] == [RETRY] * 4  # asked again: queued once
     batch = b.take_batch()
     assert [keys for _, keys in batch.probes] == [[k(0), k(1), k(2), k(3)]]
     assert batch.prefix == P and b.has_pending_work
+    assert [b.lookup(k(i), r) for i in range(4)] == [RETRY] * 4  # asked while out: not queued
+    assert not b.take_batch().probes
     b.apply(batch, [LeaseAnswer(2, False, [10, 11])])
     assert not b.has_pending_work
     assert [b.lookup(k(i), r) for i in range(4)] == [HIT, HIT, MISS, MISS]
@@ -117,8 +140,9 @@ def test_a_reset_moves_to_a_new_prefix_and_fences_pins_and_writes_until_flushed(
     b.lookup(k(2), r)
     in_flight = b.take_batch()  # a probe answered only after the reset
     b.reset(b"ns111111")
-    assert b.lookup(k(0), r) == RETRY and b.lookup(k(1), r) == RETRY
+    assert b.lookup(k(0), r) == RETRY, "the probe still out answers first"
     b.apply(in_flight, [LeaseAnswer(1, False, [9])])
+    assert b.lookup(k(0), r) == RETRY and b.lookup(k(1), r) == RETRY
     batch = b.take_batch()
     assert batch.releases == [P + k(2)], "a stale answer's pin goes back under its old prefix"
     assert batch.prefix == b"ns111111" and [keys for _, keys in batch.probes] == [[k(0), k(1)]]
@@ -153,3 +177,27 @@ def test_a_lost_session_forgets_leases_and_writes_without_releasing_them():
     assert b.lookup(k(0), r) == RETRY
     b.complete_store([k(1)], success=True)
     assert not b.take_batch().stores_done
+
+
+def test_reservations_answer_prepare_store_and_unused_ones_are_freed():
+    b = book()
+    r = b.new_request("r")
+    for i in range(4):
+        b.lookup(k(i), r)
+    b.apply(b.take_batch(), [LeaseAnswer(1, False, [0], reserved=[(k(1), 5), (k(3), 6)],
+                                         skipped=[k(2)])])
+    assert b.lookup(k(1), r) == MISS, "its own reservation is its to compute"
+    assert b.take_reserved([k(1), k(2), k(9)], r) == ([k(1)], [5], [k(9)])
+    assert b.lookup(k(1), r) == PENDING
+    b.request_finished(r)
+    assert b.take_batch().stores_failed == [P + k(3)], "the unused reservation is freed"
+
+
+def test_reservations_of_a_request_that_finished_meanwhile_are_freed():
+    b = book()
+    r = b.new_request("r")
+    b.lookup(k(0), r)
+    batch = b.take_batch()
+    b.request_finished(r)
+    b.apply(batch, [LeaseAnswer(0, False, [], reserved=[(k(0), 4)])])
+    assert b.take_batch().stores_failed == [P + k(0)]

@@ -113,13 +113,12 @@ def test_lookup_is_retry_then_answered_by_one_probe_per_step(sched, coordinator)
     with sched.manager.lock:
         sched.manager.get_stats()  # drains the flush timings so far
     assert sched.lookup(ctx, [key(1), key(2), key(3)]) == [RETRY] * 3
-    assert sched.lookup(ctx, [key(1), key(2), key(3)]) == [RETRY] * 3  # still unknown
     sched.end_step()
     assert sched.lookup(ctx, [key(1), key(2), key(3)]) == [HIT, HIT, MISS]
     with sched.manager.lock:
         values = sched.manager.get_stats().metric_sections()[1]
-    assert len(values["vllm:kv_offload_tiercache_flush_seconds"][()]) == 1, "one batch per step"
     assert values["vllm:kv_offload_tiercache_probed_keys"] == {(): 3}, "each key probed once"
+    assert len(values["vllm:kv_offload_tiercache_flush_seconds"][()]) == 1
 
 
 @needs_sessions
@@ -136,7 +135,7 @@ def test_a_hit_is_a_lease_that_no_store_can_evict_until_released(spec_for, start
     with sched.manager.lock:
         spec = sched.manager.prepare_load([key(1), key(2)], reader)
         sched.manager.on_request_finished(reader)
-    assert sorted(spec.slot_ids.tolist()) == [0, 1]
+    assert sorted(spec.slot_ids) == [0, 1]
     with sched.manager.lock:
         sched.manager.complete_load([key(1), key(2)], reader)
     sched.end_step()  # the releases go out

@@ -200,7 +200,7 @@ class Engine:
         meta = out.kv_connector_metadata
         for job_id, job in meta.load_jobs.items():
             self.loads[job_id] = LoadRecord(job.req_id, job_id, job.dst_spec.block_ids.tolist(),
-                                            job.src_spec.slot_ids.tolist())
+                                            list(job.src_spec.slot_ids))
         wc = self.worker_connector
         wc.handle_preemptions(meta)
         wc.bind_connector_metadata(meta)

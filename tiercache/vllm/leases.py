@@ -21,6 +21,14 @@ local count reaches zero, so a release never takes a pin another user still need
 A request's leases end when its load is prepared (the load holds its own ref until
 ``complete_load``) or when the request finishes.
 
+Reservations: the keys of a probe past its leased run are the chunks the request is about
+to compute and store, so the flusher reserves their slots in the same flush (one
+``prepare_store`` for the step; see ``tiercache.vllm.flusher``). vLLM's ``prepare_store``
+is then answered from ``reserved`` (and ``skip``: keys another engine holds already)
+without an RPC; only keys no probe covered (a GPU prefix hit, decode chunks) go to the
+coordinator on the spot. A request's own reserved keys answer MISS (they are its to
+compute); what it never stores is freed when it finishes.
+
 The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
 coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
 carries its prefix, so a reset that moves the engine to a new namespace can never confuse
@@ -36,6 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from tiercache.errors import StateError
+
+
+_ABSENT = object()
 
 
 class Answers(NamedTuple):
@@ -58,15 +69,20 @@ class _Held:
 class RequestLeases:
     """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
 
-    __slots__ = ("req_id", "leased", "answers", "answers_step", "probe", "probing", "finished")
+    __slots__ = ("req_id", "context_id", "fresh", "leased", "answers", "answers_step", "probe",
+                 "in_flight", "reserved", "skip", "finished")
 
-    def __init__(self, req_id: str):
+    def __init__(self, req_id: str, context_id: int = 0):
         self.req_id = req_id
+        self.context_id = context_id  # id() of the vLLM ReqContext it belongs to
+        self.fresh = True  # no lease, answer, reservation or probe sent yet (fast path)
         self.leased: dict[bytes, None] = {}  # keys this request holds a ref on (ordered)
         self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
         self.answers_step = -1
         self.probe: list[bytes] = []  # keys to probe at the next flush
-        self.probing: set[bytes] = set()  # queued or sent, answer not filed yet
+        self.in_flight = 0  # probes sent, answers not filed yet
+        self.reserved: dict[bytes, int] = {}  # stores reserved for this request: key -> slot
+        self.skip: set[bytes] = set()  # keys of its probes held by someone already
         self.finished = False
 
 
@@ -77,11 +93,15 @@ class Probe(NamedTuple):
 
 class LeaseAnswer(NamedTuple):
     """What the coordinator said about one probe: ``num_hit`` leading keys leased, at these
-    slots; ``pending``: the key after them is being written."""
+    slots; ``pending``: the key after them is being written; ``reserved``: (key, slot) of
+    the keys past the run whose store was reserved; ``skipped``: keys past the run that
+    were not reserved because they are held already."""
 
     num_hit: int
     pending: bool
     slot_ids: Sequence[int]
+    reserved: Sequence[tuple[bytes, int]] = ()
+    skipped: Sequence[bytes] = ()
 
 
 @dataclass
@@ -106,11 +126,16 @@ class LeaseBook:
 
     def __init__(self, answers: Answers, prefix: bytes):
         self.answers = answers
+        # Plain attributes for the hot path (a NamedTuple field costs a descriptor call).
+        self._hit, self._miss, self._pending, self._retry = answers
+        self._last_context: object = None  # vLLM asks a request's keys one after another
+        self._last_request: RequestLeases | None = None
         self.prefix = prefix
         self.generation = 0  # resets so far: answers of an older generation are stale
         self.held: dict[bytes, _Held] = {}
         self.writing: dict[bytes, int] = {}  # stores handed to vLLM, not completed yet
         self._requests: dict[str, RequestLeases] = {}
+        self._by_context: dict[int, RequestLeases] = {}  # id(ReqContext) -> its leases
         self._probing: dict[str, RequestLeases] = {}  # requests with keys queued to probe
         self._answered: dict[str, RequestLeases] = {}  # requests holding probe answers
         self._queued = Batch(prefix)
@@ -121,91 +146,150 @@ class LeaseBook:
         self.down = False  # the coordinator is unreachable: unknown keys are MISS
 
     # ------------------------------------------------------------------ the hot path
-    def lookup(self, key: bytes, request: RequestLeases) -> Any:
+    def lookup(self, key: bytes, context: object) -> Any:
+        """vLLM's ``lookup(key, req_context)``: the manager hands vLLM's call straight here
+        (one Python frame per key; the request is found by its context's identity)."""
+        if context is self._last_context:
+            request = self._last_request
+        else:
+            request = self._last_request = self._by_context[id(context)]
+            self._last_context = context
         if key in request.leased:
-            return self.answers.hit
+            return self._hit
+        if request.fresh:  # nothing known for this request yet: the admission step
+            if key not in self.held and key not in self.writing and not self.down:
+                if not request.probe:
+                    self._probing[request.req_id] = request
+                request.probe.append(key)
+                return self._retry
+            request.fresh = False
         held = self.held.get(key)
         if held is not None:
             held.refs += 1
             request.leased[key] = None
-            return self.answers.hit
+            return self._hit
         if key in self.writing:
-            return self.answers.pending
+            return self._pending
         answer = request.answers.get(key)
         if answer is not None:
             return answer
-        if self.down:
-            return self.answers.miss
-        if key not in request.probing:  # queued or sent: asked once until answered
+        if self.down or key in request.reserved:
+            return self._miss
+        if not request.in_flight:  # with a probe in flight, its answer covers these keys
             if not request.probe:
                 self._probing[request.req_id] = request
             request.probe.append(key)
-            request.probing.add(key)
-        return self.answers.retry
+        return self._retry
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Iterable[bytes], request: RequestLeases) -> list[int]:
-        """Slot ids co-indexed with ``keys``; each key gains a load ref, and the request's
-        leases end (the load now protects what it reads)."""
-        slots = []
-        for key in keys:
-            held = self.held.get(key)
-            if held is None:
-                raise StateError(
-                    f"prepare_load: key {key!r} of request {request.req_id} was never answered "
-                    "HIT (no lease); vLLM loads only keys its lookup saw as hits")
-            held.refs += 1
-            slots.append(held.slot_id)
+        """Slot ids co-indexed with ``keys``; the load holds a ref on each key until
+        ``complete_load`` (the request's lease ref passes to the load where it has one), and
+        the request's other leases end."""
+        keys = list(keys)
+        held_map = self.held
+        try:
+            slots = [held_map[key].slot_id for key in keys]
+        except KeyError as e:
+            raise StateError(
+                f"prepare_load: key {e.args[0]!r} of request {request.req_id} was never "
+                "answered HIT (no lease); vLLM loads only keys its lookup saw as hits") from None
+        leased = request.leased
+        before = len(leased)
+        pop = leased.pop
+        leases = [pop(key, _ABSENT) for key in keys]
+        if before - len(leased) != len(keys):  # some key had no lease of this request
+            for key, lease in zip(keys, leases):
+                if lease is _ABSENT:  # a ref of the load's own
+                    held_map[key].refs += 1
         self._end_leases(request)
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            self._drop_ref(key)
+        self._drop_refs(keys)
 
     # ------------------------------------------------------------------ stores
+    def take_reserved(self, keys: Iterable[bytes], request: RequestLeases
+                      ) -> tuple[list[bytes], list[int], list[bytes]]:
+        """Answer a ``prepare_store`` from the request's reservations: (keys to store, their
+        slots, keys none of its probes covered). Taken keys become ``writing``."""
+        keys = list(keys)
+        pop = request.reserved.pop
+        found = [pop(key, None) for key in keys]
+        if None not in found:  # the usual case: the probe reserved all of them
+            self.writing.update(zip(keys, found))
+            return keys, found, []
+        skip = request.skip
+        to_store, slots, unknown = [], [], []
+        for key, slot in zip(keys, found):
+            if slot is not None:
+                to_store.append(key)
+                slots.append(slot)
+            elif key not in skip:
+                unknown.append(key)
+        self.writing.update(zip(to_store, slots))
+        return to_store, slots, unknown
+
     def stores_prepared(self, keys: Sequence[bytes], slot_ids: Sequence[int]) -> None:
         self.writing.update(zip(keys, slot_ids))
 
     def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Queue the publication (or freeing) of our stores; keys not being written by this
         engine (repeated or stale completions) are ignored. Returns the keys taken."""
-        taken = [key for key in keys if self.writing.pop(key, None) is not None]
-        prefix = self.prefix
+        pop = self.writing.pop
+        taken = [key for key in keys if pop(key, None) is not None]
         (self._queued.stores_done if success else self._queued.stores_failed).extend(
-            [prefix + key for key in taken])
+            map(self.prefix.__add__, taken))
         return taken
 
     # ------------------------------------------------------------------ requests
-    def new_request(self, req_id: str) -> RequestLeases:
-        request = self._requests[req_id] = RequestLeases(req_id)
+    def new_request(self, req_id: str, context: object) -> RequestLeases:
+        """``context`` (vLLM's ReqContext) must stay alive until ``request_finished``."""
+        request = self._requests[req_id] = RequestLeases(req_id, id(context))
+        self._by_context[id(context)] = request
         return request
 
     def request_finished(self, request: RequestLeases) -> None:
         request.finished = True
         self._requests.pop(request.req_id, None)
+        self._by_context.pop(request.context_id, None)
+        if self._last_request is request:
+            self._last_context = self._last_request = None
         self._end_leases(request)
+        self._free_reserved(request)
         request.probe.clear()
-        request.probing.clear()
         request.answers.clear()
         self._probing.pop(request.req_id, None)
         self._answered.pop(request.req_id, None)
 
     def _end_leases(self, request: RequestLeases) -> None:
-        for key in request.leased:
-            self._drop_ref(key)
-        request.leased.clear()
+        if request.leased:
+            self._drop_refs(request.leased)
+            request.leased.clear()
 
-    def _drop_ref(self, key: bytes) -> None:
-        held = self.held.get(key)
-        if held is None:  # fenced by a reset or lost with the coordinator: nothing to drop
-            return
-        held.refs -= 1
-        if held.refs < 0:
-            raise StateError(f"key {key!r}: more refs dropped than taken")
-        if held.refs == 0:
-            del self.held[key]
-            self._queued.releases.append(self.prefix + key)
+    def _free_reserved(self, request: RequestLeases) -> None:
+        """Reservations the request never used: their slots are freed at the next flush."""
+        prefix = self.prefix
+        self._queued.stores_failed.extend(prefix + key for key in request.reserved)
+        request.reserved.clear()
+        request.skip.clear()
+
+    def _drop_refs(self, keys: Iterable[bytes]) -> None:
+        """One ref less on each key; a key with none left is released at the next flush.
+        Keys not held (fenced by a reset, lost with the coordinator) are skipped."""
+        held_map, releases, prefix = self.held, self._queued.releases, self.prefix
+        for key in keys:
+            held = held_map.get(key)
+            if held is None:
+                continue
+            refs = held.refs - 1
+            if refs > 0:
+                held.refs = refs
+            elif refs == 0:
+                del held_map[key]
+                releases.append(prefix + key)
+            else:
+                raise StateError(f"key {key!r}: more refs dropped than taken")
 
     # ------------------------------------------------------------------ the step boundary
     def take_batch(self) -> Batch:
@@ -219,8 +303,10 @@ class LeaseBook:
         batch, self._queued = self._queued, Batch(self.prefix, self.generation)
         batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
         for request in self._probing.values():
-            batch.probes.append(Probe(request, request.probe))
+            batch.probes.append(Probe(request, request.probe))  # the flusher drops repeats
             request.probe = []
+            request.in_flight += 1
+            request.fresh = False
         self._probing.clear()
         if batch:
             self._in_flight += 1
@@ -231,15 +317,18 @@ class LeaseBook:
         self._in_flight -= 1
         stale = batch.generation != self.generation
         for (request, keys), answer in zip(batch.probes, leases, strict=True):
-            request.probing.difference_update(keys)
+            request.in_flight -= 1
             leased = keys[:answer.num_hit]
             if stale or request.finished:
                 # Pins taken for a request that ended meanwhile, or under the namespace of
                 # before a reset: drop them, unless someone here still holds the key (then
-                # the extra pin goes with the holder's release).
+                # the extra pin goes with the holder's release); free its reservations.
                 self._queued.releases.extend(
                     batch.prefix + k for k in leased if stale or k not in self.held)
+                self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
                 continue
+            request.reserved.update(answer.reserved)
+            request.skip.update(answer.skipped)
             for key, slot_id in zip(leased, answer.slot_ids, strict=True):
                 held = self.held.get(key)
                 if held is None:
@@ -269,8 +358,8 @@ class LeaseBook:
         or ``session_lost``."""
         self._in_flight -= 1
         self.down = True
-        for request, keys in batch.probes:
-            request.probing.difference_update(keys)
+        for request, _ in batch.probes:
+            request.in_flight -= 1
         queued = self._queued
         queued.stores_done[:0] = batch.stores_done
         queued.stores_failed[:0] = batch.stores_failed
@@ -288,10 +377,12 @@ class LeaseBook:
         self.held.clear()
         self.writing.clear()
         for request in self._requests.values():
+            self._fenced_writes.extend(old + key for key in request.reserved)
+            request.reserved.clear()
+            request.skip.clear()
             request.leased.clear()
             request.answers.clear()
             request.probe.clear()
-            request.probing.clear()
         self._probing.clear()
         self._answered.clear()
         self.prefix = prefix
@@ -311,6 +402,8 @@ class LeaseBook:
         self.writing.clear()
         for request in self._requests.values():
             request.leased.clear()
+            request.reserved.clear()
+            request.skip.clear()
         self._queued = Batch(self.prefix, self.generation)
         self._fenced_pins.clear()
         self._fenced_writes.clear()

@@ -12,11 +12,13 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
   See ``tiercache.vllm.leases``.
 * ``prepare_load`` is answered from the leases (no RPC); ``complete_load`` drops the
   load's refs (releases are batched per step).
-* ``prepare_store`` is one RPC per call (vLLM calls it once per request per step with the
-  request's new chunks): keys already held by any engine of this namespace are skipped,
-  keys of the call are never evicted for each other, and ``None`` means no room (nothing
-  changed). While the coordinator is down it answers "nothing to store" instead, so vLLM
-  neither retries every step nor logs a failure per request.
+* ``prepare_store`` is answered from the reservations the step's probe flush made for the
+  chunks each request is about to compute (no RPC); keys no probe covered (a GPU prefix
+  hit, decode chunks) take one RPC per call for the rest. Keys already held by any engine
+  of this namespace are skipped, keys of one call are never evicted for each other, and
+  ``None`` means no room (nothing changed). While the coordinator is down it answers
+  "nothing to store" instead, so vLLM neither retries every step nor logs a failure per
+  request.
 * ``complete_store`` ignores keys this engine is not writing (vLLM repeats and goes
   stale) and is batched per step; stored blocks become visible at the next flush.
 * Events (when vLLM's KV events are on) are this engine's view: blocks it stored, and
@@ -62,19 +64,25 @@ from tiercache.vllm.flusher import Flusher, IndexSession
 from tiercache.vllm.leases import Answers, LeaseBook, RequestLeases
 from tiercache.vllm.namespace import Namespace
 
+_HOST = CacheHitSource.HOST
+
 
 class TierCacheLoadStoreSpec(LoadStoreSpec):
     """Slot ids in the coordinator's region (one per chunk), in transfer order. Travels in
-    vLLM's connector metadata from the scheduler to every worker; plain data only."""
+    vLLM's connector metadata from the scheduler to every worker; plain data only (a list:
+    the worker makes the array, off the scheduler's path)."""
 
-    def __init__(self, slot_ids: Sequence[int] | np.ndarray):
-        self.slot_ids = np.asarray(slot_ids, dtype=np.int64)
+    def __init__(self, slot_ids: Sequence[int]):
+        self.slot_ids = slot_ids if isinstance(slot_ids, list) else list(slot_ids)
+
+    def as_array(self) -> np.ndarray:
+        return np.asarray(self.slot_ids, dtype=np.int64)
 
     def __len__(self) -> int:
-        return int(self.slot_ids.size)
+        return len(self.slot_ids)
 
     def __repr__(self) -> str:
-        return f"TierCacheLoadStoreSpec({self.slot_ids.tolist()})"
+        return f"TierCacheLoadStoreSpec({self.slot_ids})"
 
 
 class TierCacheMetrics:
@@ -102,7 +110,7 @@ class TierCacheManager(OffloadingManager):
 
     def __init__(self, *, namespace: Namespace, bulk: IndexSession, writer: IndexSession,
                  info: TierCacheInfo, enable_events: bool = False,
-                 reconnect_interval_s: float = 1.0):
+                 reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0):
         self._lock = threading.Lock()
         self._namespace = namespace
         self._writer = writer
@@ -111,10 +119,13 @@ class TierCacheManager(OffloadingManager):
         answers = Answers(LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                           LookupResult.RETRY)
         self._book = LeaseBook(answers, namespace.digest)
+        # The hot path: vLLM's lookup(key, req_context) lands in the book directly.
+        self.lookup = self._book.lookup
         self._flush_seconds: deque[float] = deque()  # appended by the flusher thread
-        self._flusher = Flusher(self._book, self._lock, bulk, writer,
+        self._flusher = Flusher(self._book, self._lock, bulk, writer, reserve=reserve_on_probe,
                                 reconnect_interval_s=reconnect_interval_s,
-                                on_flush=self._flush_seconds.append)
+                                on_flush=self._flush_seconds.append,
+                                on_evicted=self._evicted)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._probed_keys = 0
         self._stores_skipped = 0
@@ -133,7 +144,7 @@ class TierCacheManager(OffloadingManager):
 
     # ------------------------------------------------------------------ requests
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        req_context.set_state(self._book.new_request(req_context.req_id))
+        req_context.set_state(self._book.new_request(req_context.req_id, req_context))
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -143,10 +154,11 @@ class TierCacheManager(OffloadingManager):
 
     # ------------------------------------------------------------------ lookups and loads
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return self._book.lookup(key, req_context.get_state(RequestLeases))
+        """Replaced per instance by the book's lookup (see ``__init__``)."""
+        return self._book.lookup(key, req_context)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST
+        return _HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> TierCacheLoadStoreSpec:
@@ -159,31 +171,44 @@ class TierCacheManager(OffloadingManager):
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        if not keys:
-            return PrepareStoreOutput([], TierCacheLoadStoreSpec([]), [])
+        to_store, slots, unknown = self._book.take_reserved(
+            keys, req_context.get_state(RequestLeases))
+        if not unknown:
+            return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
         if self._book.down:
-            return self._skip_store(keys)
+            return self._skip_store(unknown, to_store, slots)
         prefix = self._book.prefix
         try:
-            out = self._writer.prepare_store([prefix + key for key in keys])
+            out = self._writer.prepare_store([prefix + key for key in unknown])
         except CoordinatorGoneError:
             self._book.down = True
             self._flusher.coordinator_lost()
-            return self._skip_store(keys)
+            return self._skip_store(unknown, to_store, slots)
         if out is None:
+            if to_store:  # what was reserved is stored; the rest has no room
+                return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
             return None
         cut = len(prefix)
-        to_store = [OffloadKey(k[cut:]) for k in out.keys_to_store]
-        slot_ids = out.store_spec.block_ids
-        self._book.stores_prepared(to_store, slot_ids.tolist())
-        evicted = [OffloadKey(k[cut:]) for k in out.evicted_keys if k.startswith(prefix)]
+        asked = [OffloadKey(k[cut:]) for k in out.keys_to_store]
+        asked_slots = out.store_spec.block_ids.tolist()
+        self._book.stores_prepared(asked, asked_slots)
+        evicted = self._evicted(out.evicted_keys)
+        return PrepareStoreOutput(to_store + asked, TierCacheLoadStoreSpec(slots + asked_slots),
+                                  evicted)
+
+    def _evicted(self, wire_keys: Sequence[bytes]) -> list[OffloadKey]:
+        """This namespace's keys among ``wire_keys`` (evicted by our stores), as events."""
+        prefix = self._book.prefix
+        cut = len(prefix)
+        evicted = [OffloadKey(k[cut:]) for k in wire_keys if k.startswith(prefix)]
         if evicted and self._events is not None:
             self._events.append(OffloadingEvent(evicted, Medium.CPU, removed=True))
-        return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slot_ids), evicted)
+        return evicted
 
-    def _skip_store(self, keys: Collection[OffloadKey]) -> PrepareStoreOutput:
+    def _skip_store(self, keys: Collection[OffloadKey], to_store: list[OffloadKey],
+                    slots: list[int]) -> PrepareStoreOutput:
         self._stores_skipped += len(keys)
-        return PrepareStoreOutput([], TierCacheLoadStoreSpec([]), [])
+        return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

@@ -178,9 +178,14 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 writer.close()
                 raise
             info = TierCacheInfo(self.target.name, self.namespace.digest.hex(), layout.num_blocks)
+            # Reserving on probe assumes a probe is a prefix the request will store: true
+            # of full attention; sliding-window groups probe from the end.
+            full_attention = all(g.sliding_window_size_in_chunks is None
+                                 for g in self.config.groups)
             self._manager = TierCacheManager(
                 namespace=self.namespace, bulk=bulk, writer=writer, info=info,
-                enable_events=self.kv_events_config.enable_kv_cache_events)
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                reserve_on_probe=full_attention)
             log.info("tiercache: engine %s uses coordinator %s, namespace %s",
                      self.config.engine_id, self.target.name, self.namespace.describe())
         return self._manager

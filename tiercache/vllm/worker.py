@@ -150,4 +150,4 @@ def _slots(spec: LoadStoreSpec, job_id: int) -> CPULoadStoreSpec:
     if not isinstance(spec, TierCacheLoadStoreSpec):
         raise TypeError(f"job {job_id}: a {type(spec).__name__} reached the tiercache worker; "
                         "only TierCacheLoadStoreSpec (from TierCacheManager) is accepted")
-    return CPULoadStoreSpec(spec.slot_ids)
+    return CPULoadStoreSpec(spec.as_array())
