@@ -1,4 +1,4 @@
-"""``tiercache`` command line: serve, status, clean, bench, demo."""
+"""``tiercache`` command line: serve, status, clean, bench, demo, config-for-vllm."""
 
 from __future__ import annotations
 
@@ -137,6 +137,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def cmd_config_for_vllm(args: argparse.Namespace) -> int:
+    from tiercache.vllm.config_cmd import main as config_for_vllm_main
+
+    return config_for_vllm_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description=__doc__)
     parser.add_argument("--log-level", default="WARNING",
@@ -153,14 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--dry-run", action="store_true", help="only list what would go")
     clean.set_defaults(func=cmd_clean)
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
-                             ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)")):
+                             ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)"),
+                             ("config-for-vllm", cmd_config_for_vllm,
+                              "the coordinator config a vLLM engine fits (config-for-vllm -h)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
     return parser
 
 
-PASSTHROUGH_COMMANDS = ("bench", "demo")  # parse their own arguments
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm")  # parse their own arguments
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,3 +152,33 @@ def test_a_slot_outside_the_region_is_refused_at_submission(coordinator, tiny_mo
             worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), TierCacheLoadStoreSpec([10_000]))
     finally:
         worker.shutdown()
+
+
+def test_the_config_that_config_for_vllm_prints_fits_the_real_engine(model_dir, tmp_path,
+                                                                     instance_name):
+    """vLLM's own scheduler and worker connector start against a coordinator whose config
+    is exactly what `tiercache config-for-vllm` printed for the model."""
+    import subprocess
+    import sys
+    import tomllib
+    from dataclasses import replace
+
+    from tiercache.config import ExporterConfig, RegionConfig, config_from_dict
+    from tiercache.service.process import CoordinatorProcess
+    from vllm_harness import Engine, TinyModel
+
+    out = subprocess.run([sys.executable, "-m", "tiercache", "config-for-vllm", str(model_dir),
+                          "--name", instance_name, "--capacity", "1MiB"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    printed = config_from_dict(tomllib.loads(out.stdout))
+    config = replace(printed, exporter=ExporterConfig(enabled=False),
+                     control_socket=str(tmp_path / "c.sock"),
+                     region=replace(printed.region, prefault_threads=1))
+    assert isinstance(config.region, RegionConfig)
+    with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:
+        engine = Engine.build(TinyModel(), model_dir, coordinator.config_path)
+        try:
+            assert engine.tiercache_worker.worker.rank == 0
+            assert engine.manager.namespace.model == str(model_dir)
+        finally:
+            engine.shutdown()
