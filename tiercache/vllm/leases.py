@@ -154,15 +154,13 @@ class LeaseBook:
         else:
             request = self._last_request = self._by_context[id(context)]
             self._last_context = context
-        if key in request.leased:
-            return self._hit
-        if request.fresh:  # nothing known for this request yet: the admission step
-            if key not in self.held and key not in self.writing and not self.down:
-                if not request.probe:
-                    self._probing[request.req_id] = request
+        if request.fresh:  # nothing known for this request yet: its admission step
+            if key not in self.held and key not in self.writing:
                 request.probe.append(key)
                 return self._retry
             request.fresh = False
+        if key in request.leased:
+            return self._hit
         held = self.held.get(key)
         if held is not None:
             held.refs += 1
@@ -214,9 +212,11 @@ class LeaseBook:
         """Answer a ``prepare_store`` from the request's reservations: (keys to store, their
         slots, keys none of its probes covered). Taken keys become ``writing``."""
         keys = list(keys)
-        pop = request.reserved.pop
+        reserved = request.reserved
+        before = len(reserved)
+        pop = reserved.pop
         found = [pop(key, None) for key in keys]
-        if None not in found:  # the usual case: the probe reserved all of them
+        if before - len(reserved) == len(keys):  # the usual case: all of them were reserved
             self.writing.update(zip(keys, found))
             return keys, found, []
         skip = request.skip
@@ -247,6 +247,7 @@ class LeaseBook:
         """``context`` (vLLM's ReqContext) must stay alive until ``request_finished``."""
         request = self._requests[req_id] = RequestLeases(req_id, id(context))
         self._by_context[id(context)] = request
+        self._probing[req_id] = request  # fresh: its lookups only queue keys
         return request
 
     def request_finished(self, request: RequestLeases) -> None:
@@ -302,12 +303,16 @@ class LeaseBook:
                 del self._answered[req_id]
         batch, self._queued = self._queued, Batch(self.prefix, self.generation)
         batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
-        for request in self._probing.values():
-            batch.probes.append(Probe(request, request.probe))  # the flusher drops repeats
-            request.probe = []
-            request.in_flight += 1
-            request.fresh = False
-        self._probing.clear()
+        waiting = {}
+        for req_id, request in self._probing.items():
+            if request.probe:
+                batch.probes.append(Probe(request, request.probe))  # the flusher drops repeats
+                request.probe = []
+                request.in_flight += 1
+                request.fresh = False
+            elif request.fresh:  # not looked up yet
+                waiting[req_id] = request
+        self._probing = waiting
         if batch:
             self._in_flight += 1
         return batch
@@ -377,6 +382,7 @@ class LeaseBook:
         self.held.clear()
         self.writing.clear()
         for request in self._requests.values():
+            request.fresh = False  # the queue of fresh requests is dropped below
             self._fenced_writes.extend(old + key for key in request.reserved)
             request.reserved.clear()
             request.skip.clear()
@@ -417,7 +423,8 @@ class LeaseBook:
     @property
     def has_pending_work(self) -> bool:
         """Something waits for a flush (vLLM keeps stepping while this is True)."""
-        return bool(self._queued) or bool(self._probing) or self._in_flight > 0
+        return (bool(self._queued) or self._in_flight > 0
+                or any(request.probe for request in self._probing.values()))
 
     @property
     def num_held(self) -> int:
