@@ -124,7 +124,7 @@ def direct_steps(coordinator, num_requests: int, num_keys: int) -> dict[str, flo
     """Milliseconds per step of the calls vLLM makes, straight on the manager."""
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 
-    from test_manager import offloading_config
+    from vllm_harness import offloading_config
 
     spec = TierCacheOffloadingSpec(offloading_config(coordinator, TinyModel()))
     manager = spec.get_manager()
@@ -200,7 +200,8 @@ def direct_steps(coordinator, num_requests: int, num_keys: int) -> dict[str, flo
     for r in range(num_requests):
         for i in range(2 * num_keys):
             null.call(i, ctx)
-    results[f"floor: {2 * num_requests * num_keys} calls of a no-op method"] = (perf() - start) * 1e3
+    floor = f"floor: {2 * num_requests * num_keys} calls of a no-op method"
+    results[floor] = (perf() - start) * 1e3
     return results
 
 
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['pass']}: {r['steps']} steps with calls; worst {r['worst_step_ms']:.3f} ms, "
               f"mean {r['mean_step_ms']:.3f} ms of tiercache per step; worst step's calls "
               f"{r['worst_step_calls']}; loaded {r['loaded_tokens']} tokens; vLLM schedule() "
-              f"worst {r['vllm_schedule_worst_ms']:.1f} ms; timer {r['timer_overhead_ns']:.0f} ns/call")
+              f"worst {r['vllm_schedule_worst_ms']:.1f} ms; "
+              f"timer {r['timer_overhead_ns']:.0f} ns/call")
     for name, ms in direct.items():
         print(f"direct {name}: {ms:.3f} ms (best of {args.repeats})")
     if args.json:

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     if mode == "run":
         engine.add_request("r", prompt(seed) + [1])
         engine.run()
-        say(loaded_tokens=engine.loaded_tokens("r"), namespace=engine.manager.namespace.digest.hex())
+        say(loaded_tokens=engine.loaded_tokens("r"),
+            namespace=engine.manager.namespace.digest.hex())
         engine.shutdown()
         return 0
     if mode == "hold":

@@ -8,7 +8,6 @@ from vllm_env import require_vllm
 require_vllm()
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from conftest import needs_sessions  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402

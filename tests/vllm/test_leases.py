@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tiercache.errors import StateError
-from tiercache.vllm.leases import Answers, LeaseAnswer, LeaseBook
+from tiercache.vllm.batch import Answers, LeaseAnswer
+from tiercache.vllm.leases import LeaseBook
 
 HIT, MISS, PENDING, RETRY = "hit", "miss", "pending", "retry"
 P = b"ns000000"  # the namespace prefix

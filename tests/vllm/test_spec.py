@@ -15,7 +15,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from test_manager import offloading_config  # noqa: E402
+from vllm_harness import offloading_config  # noqa: E402
 from tiercache.errors import ConfigError, CoordinatorGoneError, LayoutMismatchError  # noqa: E402
 from tiercache.errors import RegionNotFoundError  # noqa: E402
 from tiercache.vllm.manager import TierCacheLoadStoreSpec  # noqa: E402
@@ -64,7 +64,8 @@ def test_a_geometry_mismatch_names_both_sides_and_the_config_that_fits(start_coo
 def test_an_engine_started_before_its_coordinator_is_refused(coordinator, tiny_model):
     config = offloading_config(coordinator, tiny_model)
     coordinator.stop()
-    with pytest.raises((RegionNotFoundError, CoordinatorGoneError), match="tiercache serve|no region"):
+    with pytest.raises((RegionNotFoundError, CoordinatorGoneError),
+                       match="tiercache serve|no region"):
         TierCacheOffloadingSpec(config).get_manager()
 
 
@@ -75,8 +76,9 @@ def canonical_caches(tiny_model, num_blocks=8, fill=True):
                           dtype=torch.float16) for _ in range(tiny_model.num_layers)]
     if fill:
         for i, layer in enumerate(layers):
-            layer.view(torch.uint8).copy_(torch.randint(0, 255, layer.view(torch.uint8).shape,
-                                                        dtype=torch.uint8, generator=torch.Generator().manual_seed(i)))
+            raw = layer.view(torch.uint8)
+            raw.copy_(torch.randint(0, 255, raw.shape, dtype=torch.uint8,
+                                    generator=torch.Generator().manual_seed(i)))
     page = tiny_model.page_bytes
     views = [t.view(torch.int8).reshape(num_blocks, page) for t in layers]
     caches = CanonicalKVCaches(
@@ -149,7 +151,8 @@ def test_a_slot_outside_the_region_is_refused_at_submission(coordinator, tiny_mo
     worker = spec.get_worker(caches)
     try:
         with pytest.raises(Exception, match="out of range"):
-            worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), TierCacheLoadStoreSpec([10_000]))
+            worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]),
+                                TierCacheLoadStoreSpec([10_000]))
     finally:
         worker.shutdown()
 

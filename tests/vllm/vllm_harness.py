@@ -38,6 +38,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
 from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
 
 BLOCK_TOKENS = 16
@@ -79,6 +84,21 @@ class TinyModel:
                                           prefault_threads=1),
                       exporter=ExporterConfig(enabled=False), control_socket=socket,
                       index_events=index_events)
+
+
+def offloading_config(coordinator, model, *, events=False, **extra) -> OffloadingConfig:
+    """An OffloadingConfig as vLLM's connector builds it for ``model`` on one rank."""
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers))
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, layers, 0),),
+        worker_kv_bytes_per_block=model.page_bytes * model.num_layers,
+        enable_kv_cache_events=events,
+        extra_config={"spec_name": "TierCacheOffloadingSpec", "spec_module_path": "tiercache.vllm",
+                      "tiercache_config": str(coordinator.config_path), **extra},
+        engine_id="engine-test", model=OffloadingModelConfig("tiny-llama", "float16", 4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+        kv_cache_layout="LBHNC")
 
 
 def expected_block(tokens: Sequence[int], end: int, layer: int, page_bytes: int) -> np.ndarray:
@@ -141,7 +161,8 @@ class Engine:
         cache_config = CacheConfig(block_size=BLOCK_TOKENS, gpu_memory_utilization=0.9,
                                    cache_dtype="auto", enable_prefix_caching=True)
         cache_config.kv_cache_layout = "LBHNC"  # what OffloadingConnector asks for
-        extra_config = {"spec_name": "TierCacheOffloadingSpec", "spec_module_path": "tiercache.vllm",
+        extra_config = {"spec_name": "TierCacheOffloadingSpec",
+                        "spec_module_path": "tiercache.vllm",
                         "tiercache_config": str(coordinator_config_path), **(extra or {})}
         if blocks_per_chunk != 1:
             extra_config["blocks_per_chunk"] = blocks_per_chunk
@@ -238,7 +259,8 @@ class Engine:
     def run(self, max_steps: int = 200) -> None:
         """Until every request finished and no transfer or flush is pending."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests() and not self.scheduler.connector.has_pending_push_work():
+            connector = self.scheduler.connector
+            if not self.scheduler.has_requests() and not connector.has_pending_push_work():
                 return
             self.step()
         book = self.manager.book

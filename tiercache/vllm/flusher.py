@@ -39,7 +39,8 @@ from typing import Any, Protocol
 
 from tiercache.errors import CoordinatorGoneError
 from tiercache.index.protocol import MAX_KEYS_PER_CALL
-from tiercache.vllm.leases import Batch, LeaseAnswer, LeaseBook, Probe
+from tiercache.vllm.batch import Batch, LeaseAnswer, Probe
+from tiercache.vllm.leases import LeaseBook
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml, format_bytes
+from tiercache.config import (
+    DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml, format_bytes,
+)
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
 

@@ -32,30 +32,21 @@ compute); what it never stores is freed when it finishes.
 The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
 coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
 carries its prefix, so a reset that moves the engine to a new namespace can never confuse
-an old key with a new one. The four answers are passed in (vLLM's ``LookupResult`` members), so this module
-imports nothing of vLLM and answers with no translation on the hot path. Not thread
-safe: every call is made under the manager's lock.
+an old key with a new one. The four answers are passed in (vLLM's ``LookupResult``
+members), so this module imports nothing of vLLM and answers with no translation on the
+hot path. Not thread safe: every call is made under the manager's lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from tiercache.errors import StateError
+from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
 
 
 _ABSENT = object()
-
-
-class Answers(NamedTuple):
-    """The values ``lookup`` returns (vLLM's ``LookupResult`` members in production)."""
-
-    hit: Any
-    miss: Any
-    pending: Any
-    retry: Any
 
 
 class _Held:
@@ -84,41 +75,6 @@ class RequestLeases:
         self.reserved: dict[bytes, int] = {}  # stores reserved for this request: key -> slot
         self.skip: set[bytes] = set()  # keys of its probes held by someone already
         self.finished = False
-
-
-class Probe(NamedTuple):
-    request: RequestLeases
-    keys: list[bytes]
-
-
-class LeaseAnswer(NamedTuple):
-    """What the coordinator said about one probe: ``num_hit`` leading keys leased, at these
-    slots; ``pending``: the key after them is being written; ``reserved``: (key, slot) of
-    the keys past the run whose store was reserved; ``skipped``: keys past the run that
-    were not reserved because they are held already."""
-
-    num_hit: int
-    pending: bool
-    slot_ids: Sequence[int]
-    reserved: Sequence[tuple[bytes, int]] = ()
-    skipped: Sequence[bytes] = ()
-
-
-@dataclass
-class Batch:
-    """Everything one step leaves for the coordinator, in the order it is sent:
-    completed stores (publish them), failed stores (free them), releases (all wire keys),
-    then probes (vLLM keys, sent as ``prefix + key``)."""
-
-    prefix: bytes = b""
-    generation: int = 0
-    stores_done: list[bytes] = field(default_factory=list)
-    stores_failed: list[bytes] = field(default_factory=list)
-    releases: list[bytes] = field(default_factory=list)
-    probes: list[Probe] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.stores_done or self.stores_failed or self.releases or self.probes)
 
 
 class LeaseBook:

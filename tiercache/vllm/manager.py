@@ -61,7 +61,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.errors import CoordinatorGoneError
 from tiercache.vllm.flusher import Flusher, IndexSession
-from tiercache.vllm.leases import Answers, LeaseBook, RequestLeases
+from tiercache.vllm.batch import Answers
+from tiercache.vllm.leases import LeaseBook, RequestLeases
 from tiercache.vllm.namespace import Namespace
 
 _HOST = CacheHitSource.HOST

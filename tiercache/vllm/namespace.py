@@ -70,6 +70,7 @@ class Namespace:
         tokens = sorted({g.tokens_per_block for g in self.groups})
         return (f"{self.model} {self.kv_dtype} {self.kv_layout}, TP{self.tp_size} PP{self.pp_size} "
                 f"PCP{self.pcp_size} DCP{self.dcp_size} (world {self.world_size}), "
-                f"{'/'.join(map(str, tokens))} tokens per block x {self.blocks_per_chunk} per chunk, "
+                f"{'/'.join(map(str, tokens))} tokens per block x {self.blocks_per_chunk} "
+                f"per chunk, "
                 f"{len(self.groups)} group(s)" + (f", salt {self.salt!r}" if self.salt else "")
                 + (f", epoch {self.epoch}" if self.epoch else "") + f" -> {self.digest.hex()}")

@@ -16,32 +16,18 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult, ReqContext, ScheduleEndContext, make_offload_key,
 )
 from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
-    OffloadingParallelConfig,
+    OffloadingCacheConfig, OffloadingModelConfig, OffloadingParallelConfig,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from conftest import needs_sessions  # noqa: E402
+from vllm_harness import offloading_config  # noqa: E402
 from tiercache.index.client import Client  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
 END = ScheduleEndContext((), ())
-
-
-def offloading_config(coordinator, model, *, events=False, **extra) -> OffloadingConfig:
-    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers))
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, layers, 0),),
-        worker_kv_bytes_per_block=model.page_bytes * model.num_layers,
-        enable_kv_cache_events=events,
-        extra_config={"spec_name": "TierCacheOffloadingSpec", "spec_module_path": "tiercache.vllm",
-                      "tiercache_config": str(coordinator.config_path), **extra},
-        engine_id="engine-test", model=OffloadingModelConfig("tiny-llama", "float16", 4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
-        kv_cache_layout="LBHNC")
 
 
 def key(i: int):
