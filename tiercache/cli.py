@@ -1,4 +1,5 @@
-"""The ``tiercache`` command line: serve, status, clean, bench, demo.
+"""The ``tiercache`` command line: serve, status, clean, bench, demo,
+config-for-vllm.
 
 Errors are one line on stderr (``tiercache: error: ...``) and exit status 1; bad usage is
 argparse's message and exit status 2.
@@ -176,6 +177,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def cmd_config_for_vllm(args: argparse.Namespace) -> int:
+    from tiercache.vllm.config_cmd import main as config_for_vllm_main
+
+    return config_for_vllm_main(args.rest)
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -205,14 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                              help="log threshold")
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
-                             ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)")):
+                             ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)"),
+                             ("config-for-vllm", cmd_config_for_vllm,
+                              "the coordinator config a vLLM engine fits (config-for-vllm -h)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
     return parser
 
 
-PASSTHROUGH_COMMANDS = ("bench", "demo")  # parse their own arguments
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm")  # parse their own arguments
 
 
 def main(argv: list[str] | None = None) -> int:

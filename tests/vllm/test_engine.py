@@ -1,0 +1,106 @@
+"""vLLM's own Scheduler and OffloadingConnector (both roles) with TierCacheOffloadingSpec,
+a real `tiercache serve`, CPU KV tensors and the cpu backend."""
+
+from __future__ import annotations
+
+from vllm_env import require_vllm
+
+require_vllm()
+
+import numpy as np  # noqa: E402
+
+from conftest import needs_sessions  # noqa: E402
+from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
+from vllm_harness import BLOCK_TOKENS  # noqa: E402
+
+PROMPT = list(range(100))  # 6 full blocks and a partial one
+OTHER = [200 + (i % 50) for i in range(230)]  # takes every GPU block of a 16-block engine
+
+
+def region_rows(coordinator, slots):
+    """Each slot's row of rank 0, as the coordinator's region holds it now."""
+    with SharedOffloadRegion.attach(coordinator.config.name) as region:
+        rows = region.rank_array(0)
+        return [rows[s].copy() for s in slots]
+
+
+@needs_sessions
+def test_a_stored_prefix_is_loaded_by_the_next_request_byte_for_byte(coordinator, make_engine):
+    # 16 GPU blocks: the request in between evicts the first prompt's blocks from the GPU,
+    # so the second request can only get its prefix from tiercache.
+    engine = make_engine(coordinator, num_gpu_blocks=16)
+    engine.add_request("r1", PROMPT)
+    engine.run()
+    stats = engine.manager.book
+    assert not stats.writing, "request 1's stores completed"
+    engine.add_request("between", OTHER)
+    engine.run()
+    engine.add_request("r2", PROMPT + [1, 2, 3])
+    engine.run()
+
+    assert engine.loaded_tokens("r2") == 6 * BLOCK_TOKENS
+    (load,) = [r for r in engine.finished_loads if r.req_id == "r2"]
+    rows = region_rows(coordinator, load.slots)
+    page = engine.model.page_bytes
+    for row, gpu_block in zip(rows, load.gpu_blocks):
+        for layer in range(engine.model.num_layers):
+            region_page = row[layer * page:(layer + 1) * page]  # page offsets: 256-aligned
+            assert np.array_equal(engine.block_bytes(gpu_block, layer), region_page)
+    assert engine.finished == {"r1", "between", "r2"}
+
+
+def prompt(seed: int, length: int = 96) -> list[int]:
+    return [(seed * 31 + i) % 250 for i in range(length)]
+
+
+@needs_sessions
+def test_eviction_under_pressure_drops_old_prefixes_and_reports_them(start_coordinator,
+                                                                     make_engine):
+    small = start_coordinator(num_chunks=8)
+    engine = make_engine(small, num_gpu_blocks=16, kv_events=True)
+    engine.add_request("old", prompt(1))  # 6 chunks
+    engine.run()
+    engine.add_request("new", prompt(2))  # 6 more: 4 of the old ones must go
+    engine.run()
+    removed = [e for e in engine.kv_events.events if type(e).__name__ == "BlockRemoved"
+               and e.medium == "CPU"]
+    assert sum(len(e.block_hashes) for e in removed) == 4
+    engine.add_request("filler", OTHER)  # clears the GPU prefix cache
+    engine.run()
+    engine.add_request("old-again", prompt(1) + [9])
+    engine.add_request("new-again", prompt(2) + [9])
+    engine.run()
+    assert engine.loaded_tokens("new-again") == 6 * BLOCK_TOKENS
+    assert engine.loaded_tokens("old-again") == 2 * BLOCK_TOKENS, "4 of its 6 chunks were evicted"
+
+
+@needs_sessions
+def test_a_preempted_request_resumes_from_tiercache(coordinator, make_engine):
+    # 15 usable GPU blocks; two requests of 6 prompt blocks decoding 90 tokens each need
+    # 12 blocks apiece: the later one is preempted, and its prompt comes back from tiercache.
+    engine = make_engine(coordinator, num_gpu_blocks=16)
+    engine.add_request("a", prompt(3), max_tokens=90)
+    engine.add_request("b", prompt(4), max_tokens=90)
+    engine.run(max_steps=400)
+    assert engine.preempted, "the engine preempted a request"
+    assert engine.finished == {"a", "b"}
+    (victim,) = engine.preempted
+    # Part of its prompt may still be in the GPU prefix cache; the rest comes from tiercache,
+    # and every block it reads was checked (the content rule).
+    assert engine.loaded_tokens(victim) > 0
+
+
+@needs_sessions
+def test_a_request_finishing_with_stores_in_flight_keeps_its_bytes(coordinator, make_engine):
+    # The store of a request's last blocks is submitted only at the next step, after the
+    # request finished and its blocks went back to the pool; the next request reuses them
+    # at once. vLLM fences the reuse on the store (jobs_to_flush): what lands in the region
+    # must be the finished request's KV, not the new request's.
+    engine = make_engine(coordinator, num_gpu_blocks=8)
+    engine.add_request("first", prompt(5))
+    engine.run()
+    engine.add_request("second", prompt(6))
+    engine.run()
+    engine.add_request("first-again", prompt(5) + [1])
+    engine.run()
+    assert engine.loaded_tokens("first-again") == 6 * BLOCK_TOKENS  # checked byte for byte

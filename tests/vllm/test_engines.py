@@ -1,0 +1,110 @@
+"""Several engines on one coordinator, each in its own process; engines killed; the
+coordinator restarted under a running engine."""
+
+from __future__ import annotations
+
+from vllm_env import require_vllm
+
+require_vllm()
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from conftest import needs_sessions  # noqa: E402
+from engine_proc import prompt  # noqa: E402
+from tiercache.index.client import Client  # noqa: E402
+from tiercache.service.process import CoordinatorProcess  # noqa: E402
+from vllm_harness import BLOCK_TOKENS  # noqa: E402
+
+SCRIPT = str(Path(__file__).with_name("engine_proc.py"))
+
+
+def engine_process(coordinator, model_dir, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCRIPT, str(coordinator.config_path), str(model_dir),
+                             *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def run_engine(coordinator, model_dir, seed, salt="") -> dict:
+    proc = engine_process(coordinator, model_dir, "run", seed, *([salt] if salt else []))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"engine process exited {proc.returncode}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def until(get, done, timeout_s=60.0):
+    """Poll ``get`` until ``done(value)`` (the coordinator frees a dead session's slots
+    after its grace period)."""
+    deadline = time.monotonic() + timeout_s
+    value = get()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = get()
+    return value
+
+
+def stats(coordinator):
+    with Client(coordinator.config) as client:
+        return client.stats()
+
+
+@needs_sessions
+def test_two_engines_share_blocks_and_another_namespace_shares_nothing(coordinator, model_dir):
+    first = run_engine(coordinator, model_dir, seed=7)
+    assert first["loaded_tokens"] == 0
+    second = run_engine(coordinator, model_dir, seed=7)
+    assert second["loaded_tokens"] == 6 * BLOCK_TOKENS  # byte-checked in that process
+    assert second["namespace"] == first["namespace"]
+    other = run_engine(coordinator, model_dir, seed=7, salt="other-weights")
+    assert other["loaded_tokens"] == 0 and other["namespace"] != first["namespace"]
+
+
+@needs_sessions
+def test_an_engine_killed_mid_request_leaves_no_leases_or_reservations(coordinator, model_dir):
+    run_engine(coordinator, model_dir, seed=8)  # stores the prefix
+    proc = engine_process(coordinator, model_dir, "hold", 8)
+    try:
+        held = json.loads(proc.stdout.readline())
+        assert held == {"holding": True, "leased": 6, "reserved": 1}
+        during = stats(coordinator)
+        assert during.loading_blocks == 6 and during.writing_blocks == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    after = until(lambda: stats(coordinator),
+                  lambda s: s.loading_blocks == 0 and s.writing_blocks == 0)
+    assert (after.loading_blocks, after.writing_blocks) == (0, 0)
+    assert after.ready_blocks == 6, "what was stored stays"
+
+
+@needs_sessions
+def test_the_coordinator_restarting_under_a_running_engine(coordinator, make_engine, tmp_path):
+    engine = make_engine(coordinator, num_gpu_blocks=16)
+    engine.add_request("before", prompt(9))
+    engine.run()
+    coordinator.kill()  # SIGKILL: the region stays, the socket goes
+
+    engine.add_request("during", prompt(10))  # lookups miss, stores are skipped
+    engine.run()
+    assert engine.finished >= {"before", "during"}
+    assert engine.manager.get_stats().metric_sections()[1][
+        "vllm:kv_offload_tiercache_coordinator_up"] == {(): 0.0}
+
+    again = CoordinatorProcess(coordinator.config, workdir=tmp_path / "restarted")
+    try:
+        up = until(lambda: engine.manager.get_stats().metric_sections()[1][
+            "vllm:kv_offload_tiercache_coordinator_up"], lambda v: v == {(): 1.0})
+        assert up == {(): 1.0}
+        engine.add_request("filler", [200 + (i % 50) for i in range(230)])
+        engine.run()
+        engine.add_request("after", prompt(9) + [1])
+        engine.run()
+        # the index came back from the region: the prefix stored before the crash is loaded
+        assert engine.loaded_tokens("after") == 6 * BLOCK_TOKENS
+    finally:
+        engine.shutdown()
+        again.cleanup()

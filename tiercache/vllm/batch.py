@@ -1,0 +1,55 @@
+"""What passes between the lease book and the flusher: each step's ``Batch`` of work for
+the coordinator, and the coordinator's ``LeaseAnswer`` per probe. Plain values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from tiercache.vllm.leases import RequestLeases
+
+
+class Answers(NamedTuple):
+    """The values ``lookup`` returns (vLLM's ``LookupResult`` members in production)."""
+
+    hit: Any
+    miss: Any
+    pending: Any
+    retry: Any
+
+
+class Probe(NamedTuple):
+    request: RequestLeases
+    keys: list[bytes]
+
+
+class LeaseAnswer(NamedTuple):
+    """What the coordinator said about one probe: ``num_hit`` leading keys leased, at these
+    slots; ``pending``: the key after them is being written; ``reserved``: (key, slot) of
+    the keys past the run whose store was reserved; ``skipped``: keys past the run that
+    were not reserved because they are held already."""
+
+    num_hit: int
+    pending: bool
+    slot_ids: Sequence[int]
+    reserved: Sequence[tuple[bytes, int]] = ()
+    skipped: Sequence[bytes] = ()
+
+
+@dataclass
+class Batch:
+    """Everything one step leaves for the coordinator, in the order it is sent:
+    completed stores (publish them), failed stores (free them), releases (all wire keys),
+    then probes (vLLM keys, sent as ``prefix + key``)."""
+
+    prefix: bytes = b""
+    generation: int = 0
+    stores_done: list[bytes] = field(default_factory=list)
+    stores_failed: list[bytes] = field(default_factory=list)
+    releases: list[bytes] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores_done or self.stores_failed or self.releases or self.probes)

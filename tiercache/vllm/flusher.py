@@ -1,0 +1,265 @@
+"""The flusher: one thread that sends each step's ``Batch`` to the coordinator.
+
+``on_schedule_end`` hands the step's batch over and returns at once; this thread sends it
+while the engine runs the model, then files the answers in the ``LeaseBook`` under the
+manager's lock (vLLM's own async lookups work the same way: one queue item per step, a
+background thread, a real lock). Per batch, in order: completed stores, failed stores
+(both on the *writer* session, which made those reservations), releases, then one
+``lease_batch`` for every probed request and one ``prepare_load`` of the leased keys for
+their slot ids (both on the *bulk* session, which owns the leases), then, with
+``reserve``, one ``prepare_store`` (writer session) for the keys past each request's
+leased run: the chunks it is about to compute, so vLLM's ``prepare_store`` for them is
+answered without an RPC (see ``tiercache.vllm.leases``). A key two requests miss is
+reserved for the first; a probe whose run ends at a pending key reserves nothing (it
+will be asked again); no room means no reservation (the store is asked on the spot).
+
+Two sessions, because the scheduler thread itself calls ``prepare_store`` on the writer
+while this thread may be in a long lease RPC on the bulk one; a client serves one call at
+a time, and a store must not wait behind a lookup batch.
+
+When the coordinator is gone a batch fails as a whole: the book re-queues its
+completions and releases, answers unknown keys MISS, and this thread pings every
+``reconnect_interval_s`` until it answers. Then a resumed session carries on; a new one
+(the coordinator restarted) means our pins and reservations are gone, so the book forgets
+them before the next answers are filed.
+
+Any other error in this thread (a bug, a refused call) is kept and raised in the
+scheduler at its next ``submit``: the engine stops with it instead of waiting forever
+for answers that will not come.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from tiercache.errors import CoordinatorGoneError
+from tiercache.index.protocol import MAX_KEYS_PER_CALL
+from tiercache.vllm.batch import Batch, LeaseAnswer, Probe
+from tiercache.vllm.leases import LeaseBook
+
+log = logging.getLogger(__name__)
+
+RECONNECT_INTERVAL_S = 1.0
+
+
+class IndexSession(Protocol):
+    """The part of ``tiercache.Client`` the adapter uses (SESSIONS.md names)."""
+
+    resumed: bool
+
+    def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[Any]: ...
+    def release(self, keys: Sequence[bytes]) -> int: ...
+    def prepare_load(self, keys: Sequence[bytes]) -> Any: ...
+    def prepare_store(self, keys: Sequence[bytes]) -> Any: ...
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None: ...
+    def ping(self) -> float: ...
+    def close(self) -> None: ...
+
+
+def _chunks(keys: Sequence[bytes], size: int = MAX_KEYS_PER_CALL):
+    for start in range(0, len(keys), size):
+        yield keys[start:start + size]
+
+
+def _list_groups(key_lists: list[list[bytes]]):
+    """Consecutive groups of lists with at most MAX_KEYS_PER_CALL keys in all (a longer
+    list is cut: keys past the cut are answered MISS, never leased)."""
+    group: list[list[bytes]] = []
+    total = 0
+    for keys in key_lists:
+        keys = keys[:MAX_KEYS_PER_CALL]
+        if group and total + len(keys) > MAX_KEYS_PER_CALL:
+            yield group
+            group, total = [], 0
+        group.append(keys)
+        total += len(keys)
+    if group:
+        yield group
+
+
+class Flusher:
+    """See the module docstring. ``lock`` is the manager's lock."""
+
+    def __init__(self, book: LeaseBook, lock: threading.Lock, bulk: IndexSession,
+                 writer: IndexSession, *, reserve: bool = True,
+                 reconnect_interval_s: float = RECONNECT_INTERVAL_S,
+                 on_flush: Callable[[float], None] | None = None,
+                 on_evicted: Callable[[list[bytes]], None] | None = None):
+        self._book = book
+        self._lock = lock
+        self._bulk = bulk
+        self._writer = writer
+        self._reconnect_interval_s = reconnect_interval_s
+        self._on_flush = on_flush
+        self._on_evicted = on_evicted  # wire keys evicted by reservations (under the lock)
+        self._reserve = reserve
+        self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0  # batches submitted and not yet filed
+        self._down_since: float | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiercache-flusher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the scheduler's side
+    def submit(self, batch: Batch) -> None:
+        self.raise_if_failed()
+        with self._idle:
+            self._pending += 1
+        self._queue.put(batch)
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"tiercache flusher thread failed: {self._error!r}") from self._error
+
+    def coordinator_lost(self) -> None:
+        """The scheduler thread saw the coordinator gone: start pinging for it."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("tiercache: coordinator gone; lookups answer MISS and stores are "
+                        "skipped until it is back (transfers in flight finish)")
+            self._queue.put(None)  # wake the thread to ping
+
+    @property
+    def coordinator_up(self) -> bool:
+        return self._down_since is None
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every submitted batch is filed (tests, shutdown); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._closed:
+            timeout = self._reconnect_interval_s if self._down_since is not None else None
+            try:
+                batch = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                batch = None
+            if self._closed:
+                break
+            if self._down_since is not None and not self._try_reconnect():
+                if batch is not None:
+                    self._fail(batch)
+                continue
+            if batch is not None:
+                self._flush(batch)
+        while True:  # closing: whatever is left is not sent
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if batch is not None:
+                self._fail(batch)
+
+    def _flush(self, batch: Batch) -> None:
+        start = time.perf_counter()
+        try:
+            answers, evicted = self._send(batch)
+            with self._lock:
+                self._book.apply(batch, answers)
+                if evicted and self._on_evicted is not None:
+                    self._on_evicted(evicted)
+        except CoordinatorGoneError as e:
+            log.warning("tiercache: a batch was not sent (%s)", e)
+            self.coordinator_lost()
+            self._fail(batch)
+            return
+        except BaseException as e:
+            log.exception("tiercache: flusher failed")
+            self._error = e
+            self._done()
+            return
+        self._done()
+        if self._on_flush is not None:
+            self._on_flush(time.perf_counter() - start)
+
+    def _fail(self, batch: Batch) -> None:
+        with self._lock:
+            self._book.batch_failed(batch)
+        self._done()
+
+    def _done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _try_reconnect(self) -> bool:
+        try:
+            self._bulk.ping()
+            self._writer.ping()
+        except CoordinatorGoneError:
+            return False
+        resumed = self._bulk.resumed and self._writer.resumed
+        with self._lock:
+            if resumed:
+                self._book.reconnected()
+            else:
+                self._book.session_lost()
+        log.warning("tiercache: coordinator back after %.1f s (%s)",
+                    time.monotonic() - (self._down_since or 0.0),
+                    "session resumed" if resumed else "new session: earlier leases are gone")
+        self._down_since = None
+        return True
+
+    def _send(self, batch: Batch) -> tuple[list[LeaseAnswer], list[bytes]]:
+        for keys in _chunks(batch.stores_done):
+            self._writer.complete_store(keys, True)
+        for keys in _chunks(batch.stores_failed):
+            self._writer.complete_store(keys, False)
+        for keys in _chunks(batch.releases):
+            self._bulk.release(keys)
+        if not batch.probes:
+            return [], []
+        prefix = batch.prefix
+        # A key asked twice in one step (vLLM's bridge lookups) is probed once; the batch is
+        # this thread's now, and apply() reads the same lists.
+        batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
+        wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
+        answers: list[LeaseAnswer] = []
+        evicted: list[bytes] = []
+        for group in _list_groups(wire_lists):
+            results = self._bulk.lease_batch(group)
+            leased = [key for keys, r in zip(group, results) for key in keys[:r.num_hit]]
+            slots = [int(s) for keys in _chunks(leased)
+                     for s in self._bulk.prepare_load(keys).block_ids]
+            rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
+                     for keys, r in zip(group, results)]
+            reserved, held, group_evicted = self._reserve_stores(rests)
+            evicted += group_evicted
+            at = 0
+            cut = len(prefix)
+            for rest, r in zip(rests, results):
+                mine = [(k[cut:], reserved.pop(k)) for k in rest if k in reserved]
+                skipped = [k[cut:] for k in rest if k in held]
+                answers.append(LeaseAnswer(r.num_hit, r.pending, slots[at:at + r.num_hit],
+                                           mine, skipped))
+                at += r.num_hit
+        return answers, evicted
+
+    def _reserve_stores(self, rests: list[list[bytes]]
+                        ) -> tuple[dict[bytes, int], set[bytes], list[bytes]]:
+        """(wire key -> reserved slot, keys held already, keys evicted) for these keys."""
+        wanted = list(dict.fromkeys(k for rest in rests for k in rest))
+        if not wanted:
+            return {}, set(), []
+        out = self._writer.prepare_store(wanted)
+        if out is None:  # no room for all of them: vLLM's prepare_store asks on the spot
+            return {}, set(), []
+        reserved = dict(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
+        held = set(wanted).difference(reserved)
+        return reserved, held, list(out.evicted_keys)

@@ -1,0 +1,390 @@
+"""The engine-side book of leases: what the scheduler may answer without asking anyone.
+
+vLLM asks ``lookup`` once per key, in a Python loop, while it holds the manager lock for
+the whole scheduling step (a cached 32k-token prompt is ~2000 calls). One RPC per key
+would put ~2000 round trips on that path, so the book answers every lookup from memory:
+
+* a key this engine holds a lease on (``held``) is a HIT: the coordinator keeps the block
+  pinned for this engine's session until the book releases it, so it cannot be evicted
+  between the HIT and vLLM's ``prepare_load`` (which is answered from the book as well);
+* a key this engine is storing right now is HIT_PENDING;
+* a key answered by the last probe is MISS or HIT_PENDING, for one step;
+* any other key is RETRY, and is queued: at the end of the step (``take_batch``, from
+  ``on_schedule_end``) the queued keys of every request go out in one batched lease RPC
+  (``Client.lease_batch``: per request the leading run of READY keys is pinned), sent by
+  the flusher thread while the model runs; ``apply`` files the answers under the lock,
+  and the request, deferred by vLLM for that step, finds them at its next lookup.
+
+Refs: a held key counts its local users (each request lease and each load in flight);
+the coordinator may hold several pins for it, and ``release`` drops them all once the
+local count reaches zero, so a release never takes a pin another user still needs.
+A request's leases end when its load is prepared (the load holds its own ref until
+``complete_load``) or when the request finishes.
+
+Reservations: the keys of a probe past its leased run are the chunks the request is about
+to compute and store, so the flusher reserves their slots in the same flush (one
+``prepare_store`` for the step; see ``tiercache.vllm.flusher``). vLLM's ``prepare_store``
+is then answered from ``reserved`` (and ``skip``: keys another engine holds already)
+without an RPC; only keys no probe covered (a GPU prefix hit, decode chunks) go to the
+coordinator on the spot. A request's own reserved keys answer MISS (they are its to
+compute); what it never stores is freed when it finishes.
+
+The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
+coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
+carries its prefix, so a reset that moves the engine to a new namespace can never confuse
+an old key with a new one. The four answers are passed in (vLLM's ``LookupResult``
+members), so this module imports nothing of vLLM and answers with no translation on the
+hot path. Not thread safe: every call is made under the manager's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from tiercache.errors import StateError
+from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
+
+
+_ABSENT = object()
+
+
+class _Held:
+    __slots__ = ("slot_id", "refs")
+
+    def __init__(self, slot_id: int):
+        self.slot_id = slot_id
+        self.refs = 0
+
+
+class RequestLeases:
+    """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
+
+    __slots__ = ("req_id", "context_id", "fresh", "leased", "answers", "answers_step", "probe",
+                 "in_flight", "reserved", "skip", "finished")
+
+    def __init__(self, req_id: str, context_id: int = 0):
+        self.req_id = req_id
+        self.context_id = context_id  # id() of the vLLM ReqContext it belongs to
+        self.fresh = True  # no lease, answer, reservation or probe sent yet (fast path)
+        self.leased: dict[bytes, None] = {}  # keys this request holds a ref on (ordered)
+        self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
+        self.answers_step = -1
+        self.probe: list[bytes] = []  # keys to probe at the next flush
+        self.in_flight = 0  # probes sent, answers not filed yet
+        self.reserved: dict[bytes, int] = {}  # stores reserved for this request: key -> slot
+        self.skip: set[bytes] = set()  # keys of its probes held by someone already
+        self.finished = False
+
+
+class LeaseBook:
+    """See the module docstring. ``answers`` are the four lookup results."""
+
+    def __init__(self, answers: Answers, prefix: bytes):
+        self.answers = answers
+        # Plain attributes for the hot path (a NamedTuple field costs a descriptor call).
+        self._hit, self._miss, self._pending, self._retry = answers
+        self._last_context: object = None  # vLLM asks a request's keys one after another
+        self._last_request: RequestLeases | None = None
+        self.prefix = prefix
+        self.generation = 0  # resets so far: answers of an older generation are stale
+        self.held: dict[bytes, _Held] = {}
+        self.writing: dict[bytes, int] = {}  # stores handed to vLLM, not completed yet
+        self._requests: dict[str, RequestLeases] = {}
+        self._by_context: dict[int, RequestLeases] = {}  # id(ReqContext) -> its leases
+        self._probing: dict[str, RequestLeases] = {}  # requests with keys queued to probe
+        self._answered: dict[str, RequestLeases] = {}  # requests holding probe answers
+        self._queued = Batch(prefix)
+        self._fenced_pins: list[bytes] = []  # held before a reset: released once flushed
+        self._fenced_writes: list[bytes] = []  # written before a reset: failed once flushed
+        self._in_flight = 0  # batches taken and not yet applied
+        self.step = 0
+        self.down = False  # the coordinator is unreachable: unknown keys are MISS
+
+    # ------------------------------------------------------------------ the hot path
+    def lookup(self, key: bytes, context: object) -> Any:
+        """vLLM's ``lookup(key, req_context)``: the manager hands vLLM's call straight here
+        (one Python frame per key; the request is found by its context's identity)."""
+        if context is self._last_context:
+            request = self._last_request
+        else:
+            request = self._last_request = self._by_context[id(context)]
+            self._last_context = context
+        if request.fresh:  # nothing known for this request yet: its admission step
+            if key not in self.held and key not in self.writing:
+                request.probe.append(key)
+                return self._retry
+            request.fresh = False
+        if key in request.leased:
+            return self._hit
+        held = self.held.get(key)
+        if held is not None:
+            held.refs += 1
+            request.leased[key] = None
+            return self._hit
+        if key in self.writing:
+            return self._pending
+        answer = request.answers.get(key)
+        if answer is not None:
+            return answer
+        if self.down or key in request.reserved:
+            return self._miss
+        if not request.in_flight:  # with a probe in flight, its answer covers these keys
+            if not request.probe:
+                self._probing[request.req_id] = request
+            request.probe.append(key)
+        return self._retry
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Iterable[bytes], request: RequestLeases) -> list[int]:
+        """Slot ids co-indexed with ``keys``; the load holds a ref on each key until
+        ``complete_load`` (the request's lease ref passes to the load where it has one), and
+        the request's other leases end."""
+        keys = list(keys)
+        held_map = self.held
+        try:
+            slots = [held_map[key].slot_id for key in keys]
+        except KeyError as e:
+            raise StateError(
+                f"prepare_load: key {e.args[0]!r} of request {request.req_id} was never "
+                "answered HIT (no lease); vLLM loads only keys its lookup saw as hits") from None
+        leased = request.leased
+        before = len(leased)
+        pop = leased.pop
+        leases = [pop(key, _ABSENT) for key in keys]
+        if before - len(leased) != len(keys):  # some key had no lease of this request
+            for key, lease in zip(keys, leases):
+                if lease is _ABSENT:  # a ref of the load's own
+                    held_map[key].refs += 1
+        self._end_leases(request)
+        return slots
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        self._drop_refs(keys)
+
+    # ------------------------------------------------------------------ stores
+    def take_reserved(self, keys: Iterable[bytes], request: RequestLeases
+                      ) -> tuple[list[bytes], list[int], list[bytes]]:
+        """Answer a ``prepare_store`` from the request's reservations: (keys to store, their
+        slots, keys none of its probes covered). Taken keys become ``writing``."""
+        keys = list(keys)
+        reserved = request.reserved
+        before = len(reserved)
+        pop = reserved.pop
+        found = [pop(key, None) for key in keys]
+        if before - len(reserved) == len(keys):  # the usual case: all of them were reserved
+            self.writing.update(zip(keys, found))
+            return keys, found, []
+        skip = request.skip
+        to_store, slots, unknown = [], [], []
+        for key, slot in zip(keys, found):
+            if slot is not None:
+                to_store.append(key)
+                slots.append(slot)
+            elif key not in skip:
+                unknown.append(key)
+        self.writing.update(zip(to_store, slots))
+        return to_store, slots, unknown
+
+    def stores_prepared(self, keys: Sequence[bytes], slot_ids: Sequence[int]) -> None:
+        self.writing.update(zip(keys, slot_ids))
+
+    def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
+        """Queue the publication (or freeing) of our stores; keys not being written by this
+        engine (repeated or stale completions) are ignored. Returns the keys taken."""
+        pop = self.writing.pop
+        taken = [key for key in keys if pop(key, None) is not None]
+        (self._queued.stores_done if success else self._queued.stores_failed).extend(
+            map(self.prefix.__add__, taken))
+        return taken
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, req_id: str, context: object) -> RequestLeases:
+        """``context`` (vLLM's ReqContext) must stay alive until ``request_finished``."""
+        request = self._requests[req_id] = RequestLeases(req_id, id(context))
+        self._by_context[id(context)] = request
+        self._probing[req_id] = request  # fresh: its lookups only queue keys
+        return request
+
+    def request_finished(self, request: RequestLeases) -> None:
+        request.finished = True
+        self._requests.pop(request.req_id, None)
+        self._by_context.pop(request.context_id, None)
+        if self._last_request is request:
+            self._last_context = self._last_request = None
+        self._end_leases(request)
+        self._free_reserved(request)
+        request.probe.clear()
+        request.answers.clear()
+        self._probing.pop(request.req_id, None)
+        self._answered.pop(request.req_id, None)
+
+    def _end_leases(self, request: RequestLeases) -> None:
+        if request.leased:
+            self._drop_refs(request.leased)
+            request.leased.clear()
+
+    def _free_reserved(self, request: RequestLeases) -> None:
+        """Reservations the request never used: their slots are freed at the next flush."""
+        prefix = self.prefix
+        self._queued.stores_failed.extend(prefix + key for key in request.reserved)
+        request.reserved.clear()
+        request.skip.clear()
+
+    def _drop_refs(self, keys: Iterable[bytes]) -> None:
+        """One ref less on each key; a key with none left is released at the next flush.
+        Keys not held (fenced by a reset, lost with the coordinator) are skipped."""
+        held_map, releases, prefix = self.held, self._queued.releases, self.prefix
+        for key in keys:
+            held = held_map.get(key)
+            if held is None:
+                continue
+            refs = held.refs - 1
+            if refs > 0:
+                held.refs = refs
+            elif refs == 0:
+                del held_map[key]
+                releases.append(prefix + key)
+            else:
+                raise StateError(f"key {key!r}: more refs dropped than taken")
+
+    # ------------------------------------------------------------------ the step boundary
+    def take_batch(self) -> Batch:
+        """End of a step: hand over what is queued; probe answers filed before this step
+        have now been visible for a whole step and are dropped."""
+        self.step += 1
+        for req_id, request in list(self._answered.items()):
+            if request.answers_step < self.step:  # visible during the step that just ended
+                request.answers.clear()
+                del self._answered[req_id]
+        batch, self._queued = self._queued, Batch(self.prefix, self.generation)
+        batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
+        waiting = {}
+        for req_id, request in self._probing.items():
+            if request.probe:
+                batch.probes.append(Probe(request, request.probe))  # the flusher drops repeats
+                request.probe = []
+                request.in_flight += 1
+                request.fresh = False
+            elif request.fresh:  # not looked up yet
+                waiting[req_id] = request
+        self._probing = waiting
+        if batch:
+            self._in_flight += 1
+        return batch
+
+    def apply(self, batch: Batch, leases: Sequence[LeaseAnswer]) -> None:
+        """File the coordinator's answers to ``batch.probes`` (co-indexed)."""
+        self._in_flight -= 1
+        stale = batch.generation != self.generation
+        for (request, keys), answer in zip(batch.probes, leases, strict=True):
+            request.in_flight -= 1
+            leased = keys[:answer.num_hit]
+            if stale or request.finished:
+                # Pins taken for a request that ended meanwhile, or under the namespace of
+                # before a reset: drop them, unless someone here still holds the key (then
+                # the extra pin goes with the holder's release); free its reservations.
+                self._queued.releases.extend(
+                    batch.prefix + k for k in leased if stale or k not in self.held)
+                self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
+                continue
+            request.reserved.update(answer.reserved)
+            request.skip.update(answer.skipped)
+            for key, slot_id in zip(leased, answer.slot_ids, strict=True):
+                held = self.held.get(key)
+                if held is None:
+                    held = self.held[key] = _Held(slot_id)
+                elif held.slot_id != slot_id:
+                    raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
+                                     f"lease says slot {slot_id}")
+                if key not in request.leased:
+                    held.refs += 1
+                    request.leased[key] = None
+            rest = keys[answer.num_hit:]
+            if rest:
+                request.answers[rest[0]] = (self.answers.pending if answer.pending
+                                            else self.answers.miss)
+                # Keys past the first non-hit are not known to be absent, but only a leading
+                # run is ever leased; a MISS is never wrong, only a lost chance (and a prefix
+                # lookup stops at the first MISS anyway).
+                for key in rest[1:]:
+                    request.answers[key] = self.answers.miss
+                request.answers_step = self.step
+                self._answered[request.req_id] = request
+
+    def batch_failed(self, batch: Batch) -> None:
+        """The coordinator did not answer ``batch`` (it is gone). Its completions and
+        releases are queued again (both are idempotent, and they matter if our session is
+        resumed); its probes are dropped, and unknown keys are MISS until ``reconnected``
+        or ``session_lost``."""
+        self._in_flight -= 1
+        self.down = True
+        for request, _ in batch.probes:
+            request.in_flight -= 1
+        queued = self._queued
+        queued.stores_done[:0] = batch.stores_done
+        queued.stores_failed[:0] = batch.stores_failed
+        queued.releases[:0] = batch.releases
+
+    # ------------------------------------------------------------------ resets and losses
+    def reset(self, prefix: bytes) -> None:
+        """vLLM's ``reset_cache``: move to namespace ``prefix`` and forget every lease and
+        answer. Pins and stores still in flight are fenced until ``reset_flushed`` (a worker
+        may still be reading or writing those slots, so they must not be reused before);
+        answers to probes in flight are stale and released when they arrive."""
+        old = self.prefix
+        self._fenced_pins.extend(old + key for key in self.held)
+        self._fenced_writes.extend(old + key for key in self.writing)
+        self.held.clear()
+        self.writing.clear()
+        for request in self._requests.values():
+            request.fresh = False  # the queue of fresh requests is dropped below
+            self._fenced_writes.extend(old + key for key in request.reserved)
+            request.reserved.clear()
+            request.skip.clear()
+            request.leased.clear()
+            request.answers.clear()
+            request.probe.clear()
+        self._probing.clear()
+        self._answered.clear()
+        self.prefix = prefix
+        self._queued.prefix = prefix
+        self.generation += 1
+
+    def reset_flushed(self) -> None:
+        self._queued.releases.extend(self._fenced_pins)
+        self._queued.stores_failed.extend(self._fenced_writes)
+        self._fenced_pins.clear()
+        self._fenced_writes.clear()
+
+    def session_lost(self) -> None:
+        """The coordinator restarted: its pins and our write reservations are gone with our
+        session, so nothing is released or completed; leases are forgotten."""
+        self.held.clear()
+        self.writing.clear()
+        for request in self._requests.values():
+            request.leased.clear()
+            request.reserved.clear()
+            request.skip.clear()
+        self._queued = Batch(self.prefix, self.generation)
+        self._fenced_pins.clear()
+        self._fenced_writes.clear()
+        self.down = False
+
+    def reconnected(self) -> None:
+        """The coordinator answers again with our session intact."""
+        self.down = False
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def has_pending_work(self) -> bool:
+        """Something waits for a flush (vLLM keeps stepping while this is True)."""
+        return (bool(self._queued) or self._in_flight > 0
+                or any(request.probe for request in self._probing.values()))
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    def request_leases(self, request: RequestLeases) -> Collection[bytes]:
+        return request.leased.keys()

@@ -1,0 +1,272 @@
+"""``TierCacheManager``: vLLM's scheduler-side ``OffloadingManager`` over a shared coordinator.
+
+Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is met:
+
+* ``lock`` is a real lock: the flusher thread files answers under it, and vLLM holds it
+  for the whole scheduling step, so a HIT and the ``prepare_load`` that follows cannot be
+  separated by anything this engine does; other engines cannot evict it either, because a
+  HIT is a lease (a pin of this engine's session in the coordinator).
+* ``lookup`` never makes an RPC: HIT (leased), HIT_PENDING (this engine is storing it, or
+  the last probe said so), MISS (the last probe said so, or the coordinator is down),
+  RETRY (unknown: probed in one batched RPC after the step, answered by the next step).
+  See ``tiercache.vllm.leases``.
+* ``prepare_load`` is answered from the leases (no RPC); ``complete_load`` drops the
+  load's refs (releases are batched per step).
+* ``prepare_store`` is answered from the reservations the step's probe flush made for the
+  chunks each request is about to compute (no RPC); keys no probe covered (a GPU prefix
+  hit, decode chunks) take one RPC per call for the rest. Keys already held by any engine
+  of this namespace are skipped, keys of one call are never evicted for each other, and
+  ``None`` means no room (nothing changed). While the coordinator is down it answers
+  "nothing to store" instead, so vLLM neither retries every step nor logs a failure per
+  request.
+* ``complete_store`` ignores keys this engine is not writing (vLLM repeats and goes
+  stale) and is batched per step; stored blocks become visible at the next flush.
+* Events (when vLLM's KV events are on) are this engine's view: blocks it stored, and
+  blocks its own stores evicted from this namespace. Evictions caused by other engines are
+  not seen here (a router may then send a request that misses; never a wrong hit).
+* ``reset_cache`` moves the engine to a fresh namespace epoch (it never loads a block
+  computed before the reset, and other engines keep theirs); pins and writes in flight
+  are fenced until ``on_reset_flushed``.
+* ``get_load_source`` is HOST; ``get_stats`` adds tiercache's own metrics (declared by
+  the spec's ``build_metric_definitions``); ``shutdown`` stops the flusher and closes both
+  sessions (the coordinator frees whatever they still held).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfo,
+    ConfigInfoMapping,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiercache.errors import CoordinatorGoneError
+from tiercache.vllm.flusher import Flusher, IndexSession
+from tiercache.vllm.batch import Answers
+from tiercache.vllm.leases import LeaseBook, RequestLeases
+from tiercache.vllm.namespace import Namespace
+
+_HOST = CacheHitSource.HOST
+
+
+class TierCacheLoadStoreSpec(LoadStoreSpec):
+    """Slot ids in the coordinator's region (one per chunk), in transfer order. Travels in
+    vLLM's connector metadata from the scheduler to every worker; plain data only (a list:
+    the worker makes the array, off the scheduler's path)."""
+
+    def __init__(self, slot_ids: Sequence[int]):
+        self.slot_ids = slot_ids if isinstance(slot_ids, list) else list(slot_ids)
+
+    def as_array(self) -> np.ndarray:
+        return np.asarray(self.slot_ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.slot_ids)
+
+    def __repr__(self) -> str:
+        return f"TierCacheLoadStoreSpec({self.slot_ids})"
+
+
+class TierCacheMetrics:
+    """Metric names (declared in ``TierCacheOffloadingSpec.build_metric_definitions``)."""
+
+    COORDINATOR_UP = "vllm:kv_offload_tiercache_coordinator_up"
+    LEASED_CHUNKS = "vllm:kv_offload_tiercache_leased_chunks"
+    PROBED_KEYS = "vllm:kv_offload_tiercache_probed_keys"
+    STORES_SKIPPED = "vllm:kv_offload_tiercache_stores_skipped"
+    FLUSH_SECONDS = "vllm:kv_offload_tiercache_flush_seconds"
+
+
+@dataclass(frozen=True)
+class TierCacheInfo(ConfigInfo):
+    """Static facts on ``vllm:kv_offload_config_info``."""
+
+    tiercache_instance: str
+    tiercache_namespace: str
+    tiercache_region_chunks: int
+
+
+class TierCacheManager(OffloadingManager):
+    """See the module docstring. ``bulk`` and ``writer`` are two sessions (clients) of the
+    same coordinator: leases on one, store reservations on the other."""
+
+    def __init__(self, *, namespace: Namespace, bulk: IndexSession, writer: IndexSession,
+                 info: TierCacheInfo, enable_events: bool = False,
+                 reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0):
+        self._lock = threading.Lock()
+        self._namespace = namespace
+        self._writer = writer
+        self._bulk = bulk
+        self._info = info
+        answers = Answers(LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                          LookupResult.RETRY)
+        self._book = LeaseBook(answers, namespace.digest)
+        # The hot path: vLLM's lookup(key, req_context) lands in the book directly.
+        self.lookup = self._book.lookup
+        self._flush_seconds: deque[float] = deque()  # appended by the flusher thread
+        self._flusher = Flusher(self._book, self._lock, bulk, writer, reserve=reserve_on_probe,
+                                reconnect_interval_s=reconnect_interval_s,
+                                on_flush=self._flush_seconds.append,
+                                on_evicted=self._evicted)
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._probed_keys = 0
+        self._stores_skipped = 0
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def book(self) -> LeaseBook:
+        return self._book
+
+    # ------------------------------------------------------------------ requests
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        req_context.set_state(self._book.new_request(req_context.req_id, req_context))
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        request = req_context.get_state(RequestLeases)
+        if request is not None:
+            self._book.request_finished(request)
+
+    # ------------------------------------------------------------------ lookups and loads
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Replaced per instance by the book's lookup (see ``__init__``)."""
+        return self._book.lookup(key, req_context)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return _HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
+                     ) -> TierCacheLoadStoreSpec:
+        request = req_context.get_state(RequestLeases)
+        return TierCacheLoadStoreSpec(self._book.prepare_load(keys, request))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._book.complete_load(keys)
+
+    # ------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
+                      ) -> PrepareStoreOutput | None:
+        to_store, slots, unknown = self._book.take_reserved(
+            keys, req_context.get_state(RequestLeases))
+        if not unknown:
+            return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
+        if self._book.down:
+            return self._skip_store(unknown, to_store, slots)
+        prefix = self._book.prefix
+        try:
+            out = self._writer.prepare_store([prefix + key for key in unknown])
+        except CoordinatorGoneError:
+            self._book.down = True
+            self._flusher.coordinator_lost()
+            return self._skip_store(unknown, to_store, slots)
+        if out is None:
+            if to_store:  # what was reserved is stored; the rest has no room
+                return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
+            return None
+        cut = len(prefix)
+        asked = [OffloadKey(k[cut:]) for k in out.keys_to_store]
+        asked_slots = out.store_spec.block_ids.tolist()
+        self._book.stores_prepared(asked, asked_slots)
+        evicted = self._evicted(out.evicted_keys)
+        return PrepareStoreOutput(to_store + asked, TierCacheLoadStoreSpec(slots + asked_slots),
+                                  evicted)
+
+    def _evicted(self, wire_keys: Sequence[bytes]) -> list[OffloadKey]:
+        """This namespace's keys among ``wire_keys`` (evicted by our stores), as events."""
+        prefix = self._book.prefix
+        cut = len(prefix)
+        evicted = [OffloadKey(k[cut:]) for k in wire_keys if k.startswith(prefix)]
+        if evicted and self._events is not None:
+            self._events.append(OffloadingEvent(evicted, Medium.CPU, removed=True))
+        return evicted
+
+    def _skip_store(self, keys: Collection[OffloadKey], to_store: list[OffloadKey],
+                    slots: list[int]) -> PrepareStoreOutput:
+        self._stores_skipped += len(keys)
+        return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        taken = self._book.complete_store(keys, success)
+        if success and taken and self._events is not None:
+            self._events.append(OffloadingEvent(taken, Medium.CPU, removed=False))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM 0.33 never calls it; recency comes from the leases (a lease is an access)."""
+
+    # ------------------------------------------------------------------ the step
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        batch = self._book.take_batch()
+        if batch:
+            self._probed_keys += sum(len(keys) for _, keys in batch.probes)
+            self._flusher.submit(batch)
+
+    def has_pending_work(self) -> bool:
+        return self._flusher.coordinator_up and self._book.has_pending_work
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        self._namespace = self._namespace.next_epoch()
+        self._book.reset(self._namespace.digest)
+
+    def on_reset_flushed(self) -> None:
+        self._book.reset_flushed()
+
+    # ------------------------------------------------------------------ reporting
+    def get_stats(self) -> OffloadingConnectorStats:
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(TierCacheMetrics.COORDINATOR_UP, float(self._flusher.coordinator_up))
+        stats.set_gauge(TierCacheMetrics.LEASED_CHUNKS, float(self._book.num_held))
+        if self._probed_keys:
+            stats.increase_counter(TierCacheMetrics.PROBED_KEYS, self._probed_keys)
+            self._probed_keys = 0
+        if self._stores_skipped:
+            stats.increase_counter(TierCacheMetrics.STORES_SKIPPED, self._stores_skipped)
+            self._stores_skipped = 0
+        while self._flush_seconds:
+            stats.observe_histogram(TierCacheMetrics.FLUSH_SECONDS, self._flush_seconds.popleft())
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._info.as_config_info()]
+
+    def wait_flushed(self, timeout_s: float = 30.0) -> bool:
+        """Until every step handed over so far has been sent and answered (tests, tools)."""
+        return self._flusher.wait_idle(timeout_s)
+
+    def shutdown(self) -> None:
+        self._flusher.wait_idle(5.0)
+        self._flusher.close()
+        self._bulk.close()
+        self._writer.close()
