@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.base import (
 from tiercache.config import Config
 from tiercache.errors import LayoutMismatchError, TiercacheError
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
+from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.worker import Worker, attach
 from tiercache.vllm.geometry import EngineGeometry
 from tiercache.vllm.manager import TierCacheLoadStoreSpec
@@ -100,9 +100,12 @@ class TierCacheWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ submitting
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: LoadStoreSpec) -> bool:
+        """A refused submission still yields a failed result, which ``get_finished`` raises;
+        vLLM asserts this returns True."""
         cpu = _slots(dst_spec, job_id)
         self._directions[job_id] = "store"
-        return self._submit(job_id, (_gpu(src_spec), cpu))
+        self._worker.submit_store(job_id, _gpu(src_spec), cpu)
+        return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: VllmGPUSpec,
                     expedited: bool = False) -> bool:
@@ -110,13 +113,7 @@ class TierCacheWorker(OffloadingWorker):
         load handler until the transfer Worker grows a separate expedited queue."""
         cpu = _slots(src_spec, job_id)
         self._directions[job_id] = "load"
-        return self._submit(job_id, (cpu, _gpu(dst_spec)))
-
-    def _submit(self, job_id: int, transfer: TransferSpec) -> bool:
-        """The one call into the transfer Worker (``Worker.submit_store``/``submit_load``
-        replace ``transfer_async`` here once they land). A refused submission still yields
-        a failed result, which ``get_finished`` raises; vLLM asserts this returns True."""
-        self._worker.transfer_async(job_id, transfer)
+        self._worker.submit_load(job_id, cpu, _gpu(dst_spec), expedited=expedited)
         return True
 
     # ------------------------------------------------------------------ completing
