@@ -126,11 +126,11 @@ class _FailedTransfers:
 
     rank = 0
 
-    def transfer_async(self, job_id, transfer):
+    def submit_store(self, job_id, gpu_spec, cpu_spec):
         return True
 
     def get_finished(self):
-        from tiercache.region.stats import Direction
+        from tiercache.specs import Direction
         from tiercache.transfer.handlers import TransferResult
 
         return [TransferResult(1, False, 4096, 0.0, Direction.GPU_TO_CPU)]

@@ -16,8 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tiercache.config import DTYPE_BYTES, parse_size
+from tiercache.config import DTYPE_BYTES
 from tiercache.errors import ConfigError
+from tiercache.sizes import parse_size
 from tiercache.vllm.geometry import ModelShape, coordinator_toml
 
 _TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.config import (
-    DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml, format_bytes,
-)
+from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
+from tiercache.sizes import format_bytes
 
 
 @dataclass(frozen=True)
