@@ -13,9 +13,8 @@ import os
 import sys
 
 from tiercache.config import Config, load_config
-from tiercache.errors import RegionNotFoundError, RegionTrustError, StatsStuckError, TiercacheError
+from tiercache.errors import RegionNotFoundError, RegionTrustError, TiercacheError
 from tiercache.region.header import RegionState
-from tiercache.region.hostmem import process_alive
 from tiercache.region.stale import RegionListing, list_regions, remove_stale
 from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
@@ -77,29 +76,46 @@ def _print_index(socket_path: str) -> None:
 
 
 def _print_ranks(listing: RegionListing) -> None:
+    """Per rank: a line of its totals over every attachment, then one line per attachment
+    ever made (slot, pid, up, pin state, bytes moved; a slot's counters include its
+    earlier holders')."""
+    from tiercache.region.attachments import AttachmentReader
     from tiercache.region.shared import SharedOffloadRegion
 
     region = SharedOffloadRegion.attach(listing.name)
     try:
+        reader = AttachmentReader(region, region.layout)
         for rank in range(region.layout.world_size):
-            try:
-                s = region.stats(rank).snapshot()
-            except StatsStuckError:
-                print(f"  rank {rank}: stats block left mid-update (its worker died while "
-                      "writing; the next worker of this rank repairs it)")
+            summary = reader.read(rank)
+            for slot in summary.unreadable_slots:
+                print(f"  rank {rank}: stats block left mid-update (attachment {slot}: its worker "
+                      "died while writing; the next worker in this slot repairs it)")
+            if not summary.readable:
                 continue
-            up = process_alive(s.pid, s.pid_start_ns)
-            worker = f"worker pid {s.pid} {'up' if up else 'DOWN'}" if s.pid else "no worker"
-            moved = ", ".join(
-                f"{d.label} {format_bytes(s.directions[d].bytes_total)} in "
-                f"{s.directions[d].transfers_ok} ok/{s.directions[d].transfers_failed} failed"
-                f" ({s.backends[d].label})"
-                for d in Direction)
-            print(f"  rank {rank}: {worker}, attached {s.attach_count}x, pre-faulted in "
-                  f"{s.prefault_seconds:.2f} s, pin {s.pin_state.label} "
-                  f"{format_bytes(s.pinned_bytes)} in {s.pin_seconds:.2f} s; {moved}")
+            current, live = summary.current, len(summary.live)
+            state = f"{live} attachment(s) up" if live else (
+                "no worker" if not summary.attachments else "worker DOWN")
+            backends = tuple("+".join(sorted({c.backends[d].label for c in current}))
+                             for d in Direction)
+            print(f"  rank {rank}: {state}, attached {summary.attach_count}x, pre-faulted in "
+                  f"{max(c.prefault_seconds for c in current):.2f} s, pin "
+                  f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
+                  f" in {max(c.pin_seconds for c in current):.2f} s; "
+                  f"{_moved(summary.directions, backends)}")
+            for a in summary.attachments:
+                s = a.snapshot
+                worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
+                print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
+                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
+                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
     finally:
         region.close()
+
+
+def _moved(directions, backends: tuple[str, ...]) -> str:
+    return ", ".join(f"{d.label} {format_bytes(directions[d].bytes_total)} in "
+                     f"{directions[d].transfers_ok} ok/{directions[d].transfers_failed} failed"
+                     f" ({backends[d]})" for d in Direction)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from tiercache.sizes import parse_size
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
 INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
+MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 
 
@@ -79,6 +80,7 @@ class RegionConfig:
     prefault_threads: int = 4
     pinning: PinningPolicy = PinningPolicy.ALLOW_UNPINNED
     check_host_memory: bool = True
+    attachments_per_rank: int = 4  # worker processes that may attach one rank at once
 
     def __post_init__(self) -> None:
         if (self.capacity_bytes is None) == (self.num_blocks is None):
@@ -87,6 +89,9 @@ class RegionConfig:
             raise ConfigError(f"region.num_blocks = {self.num_blocks}: must be >= 1")
         if not 1 <= self.prefault_threads <= 256:
             raise ConfigError(f"region.prefault_threads = {self.prefault_threads}: allowed 1..256")
+        if not 1 <= self.attachments_per_rank <= MAX_ATTACHMENTS_PER_RANK:
+            raise ConfigError(f"region.attachments_per_rank = {self.attachments_per_rank}: "
+                              f"allowed 1..{MAX_ATTACHMENTS_PER_RANK}")
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "instance": {"name": str, "world_size": int},
     "region": {
         "capacity": (int, str), "num_blocks": int, "prefault_threads": int,
-        "pinning": str, "check_host_memory": bool,
+        "pinning": str, "check_host_memory": bool, "attachments_per_rank": int,
     },
     "kv": {
         "num_tensors": int, "page_bytes": (int, str, list),
@@ -257,7 +262,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     if "capacity" in reg and "num_blocks" in reg:
         raise ConfigError("region: set either region.capacity or region.num_blocks, not both")
     region = _present(reg, {"num_blocks": "num_blocks", "prefault_threads": "prefault_threads",
-                            "check_host_memory": "check_host_memory"})
+                            "check_host_memory": "check_host_memory",
+                            "attachments_per_rank": "attachments_per_rank"})
     if "capacity" in reg:
         region["capacity_bytes"] = parse_size(reg["capacity"], "region.capacity")
     elif "num_blocks" in reg:
@@ -319,7 +325,8 @@ def config_to_toml(config: Config) -> str:
     tables = {
         "instance": {"name": config.name, "world_size": config.world_size},
         "region": {**size, "prefault_threads": reg.prefault_threads, "pinning": reg.pinning.value,
-                   "check_host_memory": reg.check_host_memory},
+                   "check_host_memory": reg.check_host_memory,
+                   "attachments_per_rank": reg.attachments_per_rank},
         "kv": {"page_bytes": list(kv.page_bytes), "block_size_factor": kv.block_size_factor,
                "block_tokens": kv.block_tokens},
         "transfer": {"backend": config.backend.label},

@@ -33,8 +33,8 @@ class FakeRegion:
     def info(self) -> HeaderInfo:
         return self.header.read()
 
-    def stats(self, rank: int) -> RankStats:
-        return RankStats(self.buffer, self.layout.stats_offset(rank), rank)
+    def stats(self, rank: int, slot: int | None = None) -> RankStats:
+        return RankStats(self.buffer, self.layout.stats_offset(rank, slot or 0), rank)
 
     def set_seq(self, rank: int, value: int) -> None:
         """Word 0 of a stats block is its sequence lock (see tiercache.region.stats)."""

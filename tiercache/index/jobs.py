@@ -23,7 +23,8 @@ already: job ids, keys, one message per rank per job, and it outlives a coordina
 Contract of ``JobTracker`` (one per engine; pure bookkeeping, one thread):
 
 * A job is begun with every rank up (``observe`` gave each rank an incarnation; a
-  worker's incarnation is its rank's ``attach_count``); it is then pending on each.
+  worker's incarnation is ``Worker.incarnation``: its attachment slot and that slot's
+  ``attach_count``); it is then pending on each.
 * It finishes when every rank either acked it or was lost: its worker died, or the
   rank re-attached as another incarnation. So a job never hangs on a dead rank, and
   ``complete_*`` is never called while a live rank may still touch the job's slots.
@@ -35,8 +36,13 @@ Contract of ``JobTracker`` (one per engine; pure bookkeeping, one thread):
 * ``reset()`` drops every pending job (returned as failed, not to be completed: use it
   when the index that prepared them is gone, e.g. the coordinator was replaced).
 
-``RankMonitor`` turns the stats blocks into incarnations: a rank is up when its block
-names a pid that runs and started at the recorded time (``process_alive``).
+``RankMonitor`` turns the stats blocks into incarnations: a rank is up while any of its
+attachments (one worker process per engine may attach a rank, each with its own block,
+``tiercache.region.attachments``) names a pid that runs and started at the recorded time
+(``process_alive``). Which one is the engine's own: the one it follows (``incarnations
+(following)``, the tracker's current ones) while that one lives, else the newest live one
+(an engine that re-attached its rank). Another engine attaching or leaving the same rank
+therefore never loses this engine's jobs.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.errors import JobError, RankError
-from tiercache.region.hostmem import process_alive
+from tiercache.region.attachments import AttachmentReader
+from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import RankStats
 
 
@@ -209,24 +216,31 @@ class JobTracker:
 class StatsBlocks(Protocol):
     """What the monitor reads (``SharedOffloadRegion`` satisfies it)."""
 
-    def stats(self, rank: int) -> RankStats: ...
+    layout: RegionLayout
+
+    def stats(self, rank: int, slot: int | None = None) -> RankStats: ...
 
 
 class RankMonitor:
-    """Liveness of each rank's worker, read from the stats blocks in the region header."""
+    """Liveness of each rank's workers, read from the attachment blocks in the region header."""
 
     def __init__(self, region: StatsBlocks, world_size: int):
-        self._views = [region.stats(r) for r in range(world_size)]
+        self._reader = AttachmentReader(region, region.layout)
+        self._world_size = world_size
 
-    def incarnations(self) -> list[int | None]:
-        """Per rank: the attached worker's incarnation (its attach count) if it is alive."""
+    def incarnations(self, following: Sequence[int | None] | None = None) -> list[int | None]:
+        """Per rank: the incarnation in ``following`` if that attachment is still up, else the
+        newest live attachment's (the latest-started process), else None."""
         found: list[int | None] = []
-        for view in self._views:
-            try:
-                snap = view.snapshot()
-            except TimeoutError:  # a writer killed mid-update: its process is gone
+        for rank in range(self._world_size):
+            live = self._reader.read(rank).live
+            wanted = None if following is None else following[rank]
+            if any(a.incarnation == wanted for a in live):
+                found.append(wanted)
+            elif live:
+                newest = max(live, key=lambda a: (a.snapshot.pid_start_ns, a.snapshot.heartbeat_ns))
+                found.append(newest.incarnation)
+            else:
                 found.append(None)
-                continue
-            alive = snap.pid != 0 and process_alive(snap.pid, snap.pid_start_ns)
-            found.append(snap.attach_count if alive else None)
+        self._reader.take_errors()  # a block left mid-update reads as its last snapshot
         return found

@@ -9,12 +9,21 @@ re-exported here)::
     ...
     exporter.close()          # before the region is unmapped
 
-Each scrape reads, per rank, a consistent snapshot of the stats block (the worker is
-its single writer, see ``tiercache.region.stats``), checks the recorded worker pid, and reads
-the region header and the index counters. Nothing is cached between scrapes except
-each rank's last consistent snapshot: a worker SIGKILLed between the two sequence
-bumps of a stats update leaves its block odd for good, and the rank must still be
-reported (as down, with its last counters) rather than fail the scrape.
+Each scrape reads, per rank, a consistent snapshot of each of its attachment blocks
+(one per worker process attached to the rank, each its block's single writer, see
+``tiercache.region.stats`` and ``tiercache.region.attachments``), checks the recorded
+worker pids, and reads the region header and the index counters. Nothing is cached
+between scrapes except each block's last consistent snapshot: a worker SIGKILLed between
+the two sequence bumps of a stats update leaves its block odd for good, and the rank must
+still be reported (as down, with its last counters) rather than fail the scrape.
+
+Per-rank families aggregate the rank's attachments (``RankSummary``): counters and
+histograms are sums over every block the rank ever used, live or not (a block keeps its
+counters when its process dies and the next holder of the slot continues from them), so
+they never go backwards; ``worker_up`` is 1 while any attachment is up. Where the
+attachment itself is the point (up, pid, pin state, bytes moved) the ``tiercache_attachment_*``
+families carry an ``attachment`` label: the slot number, bounded by
+``region.attachments_per_rank`` (never a pid, which would grow without bound).
 
 Metric names, types and labels are a contract users and dashboards rely on (README
 "Metrics and dashboards", docs/observability.md). ``Family``
@@ -26,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import threading
 from collections.abc import Callable, Iterator
 from enum import Enum
 from operator import attrgetter
@@ -42,17 +50,15 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tiercache import __version__
-from tiercache.errors import StatsStuckError
 from tiercache.metrics.exporter import Exporter, start_exporter
 from tiercache.region.header import HeaderInfo, RegionState
-from tiercache.region.hostmem import process_alive
+from tiercache.region.attachments import AttachmentReader, RankSummary
 from tiercache.region.layout import FORMAT_VERSION, RegionLayout
 from tiercache.region.stats import (
     DURATION_BUCKETS_S,
     SIZE_BUCKETS_BYTES,
     PinState,
     RankStats,
-    RankStatsSnapshot,
 )
 from tiercache.specs import Direction
 
@@ -65,6 +71,7 @@ _DURATION_LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS_S) + ("+Inf",)
 _SIZE_LE = tuple(floatToGoString(b) for b in SIZE_BUCKETS_BYTES) + ("+Inf",)
 INDEX_BLOCK_STATES = ("free", "writing", "ready", "loading")
 _RANK, _RANK_DIR = ("rank",), ("rank", "direction")
+_ATTACHMENT = ("rank", "attachment")
 _TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
           "histogram": HistogramMetricFamily}
 
@@ -87,27 +94,42 @@ class Family(Enum):
     REGION_GENERATION = ("gauge", "tiercache_region_generation",
                          "How many times a coordinator has (re)adopted the region.")
     WORKER_UP = ("gauge", "tiercache_worker_up",
-                 "1 while the rank's attached worker process is alive, else 0.", _RANK)
-    ATTACHES = ("counter", "tiercache_worker_attaches", "Times a worker attached this rank.",
-                _RANK)
+                 "1 while any worker process attached to the rank is alive, else 0.", _RANK)
+    ATTACHES = ("counter", "tiercache_worker_attaches",
+                "Times a worker attached this rank (all attachment slots).", _RANK)
     HEARTBEAT = ("gauge", "tiercache_worker_heartbeat_timestamp_seconds",
                  "Wall-clock time of the rank's last stats update (Unix seconds).", _RANK)
     READ_FAILURES = ("counter", "tiercache_stats_read_failures",
-                     "Scrapes that found the rank's stats block mid-update and exported its "
-                     "last snapshot.", _RANK)
+                     "Scrapes that found one of the rank's stats blocks mid-update and exported "
+                     "its last snapshot.", _RANK)
     REGION_PINNED = ("gauge", "tiercache_region_pinned",
-                     "1 when the rank's slice is pinned for its GPU, else 0.", _RANK)
-    PIN_STATE = ("gauge", "tiercache_pin_state", "1 for the rank's current pin state, else 0.",
+                     "1 when the rank's slice is pinned for its GPU (by every live attachment), "
+                     "else 0.", _RANK)
+    PIN_STATE = ("gauge", "tiercache_pin_state",
+                 "1 for the rank's current pin state (the worst of its live attachments), else 0.",
                  _RANK + ("state",))
     PINNED_BYTES = ("gauge", "tiercache_pinned_bytes",
-                    "Bytes of the rank's slice registered with the GPU driver.", _RANK)
+                    "Bytes of the rank's slice registered with the GPU driver, summed over its "
+                    "live attachments (each process registers its own).", _RANK)
     PIN_SECONDS = ("gauge", "tiercache_pin_duration_seconds",
-                   "Time the rank's pinning (registration) took.", _RANK)
+                   "Time the rank's pinning (registration) took (the slowest attachment).", _RANK)
     PREFAULT_SECONDS = ("gauge", "tiercache_prefault_duration_seconds",
-                        "Time the rank's worker took to pre-fault its slice at attach.", _RANK)
+                        "Time the rank's worker took to pre-fault its slice at attach (the "
+                        "slowest attachment).", _RANK)
     BACKEND = ("gauge", "tiercache_transfer_backend_info",
-               "Copy backend of the rank's handler per direction; the value is always 1.",
+               "Copy backend of the rank's handlers per direction; the value is always 1.",
                _RANK_DIR + ("backend",))
+    ATTACHMENT_UP = ("gauge", "tiercache_attachment_up",
+                     "1 while the worker process holding this attachment slot is alive, else 0.",
+                     _ATTACHMENT)
+    ATTACHMENT_PID = ("gauge", "tiercache_attachment_pid",
+                      "Process id of the attachment's worker (0 after it detached).", _ATTACHMENT)
+    ATTACHMENT_PIN_STATE = ("gauge", "tiercache_attachment_pin_state",
+                            "1 for the attachment's pin state, else 0.", _ATTACHMENT + ("state",))
+    ATTACHMENT_BYTES = ("counter", "tiercache_attachment_transfer_bytes",
+                        "Bytes moved by successful transfers through this attachment slot (all "
+                        "its holders); the rank's tiercache_transfer_bytes_total is the sum.",
+                        _ATTACHMENT + ("direction",))
     TRANSFER_BYTES = ("counter", "tiercache_transfer_bytes",
                       "Bytes moved by successful transfers.", _RANK_DIR)
     TRANSFER_SECONDS = ("counter", "tiercache_transfer_seconds",
@@ -194,8 +216,8 @@ class RegionView(Protocol):
     def info(self) -> HeaderInfo:
         """The header as it is now."""
 
-    def stats(self, rank: int) -> RankStats:
-        """The reader view of ``rank``'s stats block."""
+    def stats(self, rank: int, slot: int | None = None) -> RankStats:
+        """The reader view of ``rank``'s stats block of attachment ``slot``."""
 
 
 class TiercacheCollector(Collector):
@@ -212,11 +234,8 @@ class TiercacheCollector(Collector):
                  manager_stats: Callable[[], ManagerStats] | None = None):
         self._region = region
         self._layout = region.layout
-        self._views = tuple(region.stats(r) for r in range(self._layout.world_size))
+        self._reader = AttachmentReader(region, self._layout)
         self._manager_stats = manager_stats
-        self._lock = threading.Lock()
-        self._last: list[RankStatsSnapshot | None] = [None] * self._layout.world_size
-        self._read_failures = [0] * self._layout.world_size
 
     def describe(self) -> Iterator[Metric]:
         """Names only: registering must not read shared memory."""
@@ -225,8 +244,10 @@ class TiercacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         f = _families(self._manager_stats is not None)
         self._collect_region(f, self._region.info())
-        for view in self._views:
-            self._collect_rank(f, view)
+        for rank in range(self._layout.world_size):
+            self._collect_rank(f, self._reader.read(rank))
+        for message in self._reader.take_errors():
+            log.warning("%s; exporting the block's last consistent snapshot", message)
         if self._manager_stats is not None:
             self._collect_index(f, self._manager_stats())
         yield from f.values()
@@ -243,42 +264,31 @@ class TiercacheCollector(Collector):
             f[Family.REGION_STATE].add_metric([state.label], 1 if header.state == state else 0)
         f[Family.REGION_GENERATION].add_metric([], header.generation)
 
-    def _snapshot(self, view: RankStats) -> RankStatsSnapshot | None:
-        """The rank's consistent snapshot, or its last one (counted and logged) when the
-        block stays mid-update; ``None`` if it was never read consistently."""
-        try:
-            snap = view.snapshot()
-        except StatsStuckError as e:
-            with self._lock:
-                self._read_failures[view.rank] += 1
-            log.warning("%s; exporting rank %d's last consistent snapshot", e, view.rank)
-            return self._last[view.rank]
-        self._last[view.rank] = snap
-        return snap
-
-    def _collect_rank(self, f: Families, view: RankStats) -> None:
-        rank = str(view.rank)
-        snap = self._snapshot(view)
-        f[Family.READ_FAILURES].add_metric([rank], self._read_failures[view.rank])
-        if snap is None:
+    def _collect_rank(self, f: Families, summary: RankSummary) -> None:
+        rank = str(summary.rank)
+        f[Family.READ_FAILURES].add_metric([rank], self._reader.read_failures[summary.rank])
+        if not summary.readable:
             f[Family.WORKER_UP].add_metric([rank], 0)
             return
-        alive = process_alive(snap.pid, snap.pid_start_ns)
-        for family, value in ((Family.WORKER_UP, 1 if alive else 0),
-                              (Family.ATTACHES, snap.attach_count),
-                              (Family.HEARTBEAT, snap.heartbeat_ns / 1e9),
-                              (Family.REGION_PINNED, 1 if snap.pin_state == PinState.PINNED else 0)):
+        current = summary.current
+        pin_state = summary.pin_state
+        for family, value in ((Family.WORKER_UP, 1 if summary.up else 0),
+                              (Family.ATTACHES, summary.attach_count),
+                              (Family.HEARTBEAT, summary.heartbeat_ns / 1e9),
+                              (Family.REGION_PINNED, 1 if pin_state == PinState.PINNED else 0)):
             f[family].add_metric([rank], value)
         for state in PinState:
-            f[Family.PIN_STATE].add_metric([rank, state.label], 1 if snap.pin_state == state else 0)
-        for family, value in ((Family.PINNED_BYTES, snap.pinned_bytes),
-                              (Family.PIN_SECONDS, snap.pin_seconds),
-                              (Family.PREFAULT_SECONDS, snap.prefault_seconds)):
+            f[Family.PIN_STATE].add_metric([rank, state.label], 1 if pin_state == state else 0)
+        for family, value in ((Family.PINNED_BYTES, sum(s.pinned_bytes for s in current)),
+                              (Family.PIN_SECONDS, max(s.pin_seconds for s in current)),
+                              (Family.PREFAULT_SECONDS, max(s.prefault_seconds for s in current))):
             f[family].add_metric([rank], value)
+        directions = summary.directions
         for direction in Direction:
-            d = snap.directions[direction]
+            d = directions[direction]
             labels = [rank, direction.label]
-            f[Family.BACKEND].add_metric(labels + [snap.backends[direction].label], 1)
+            for backend in sorted({s.backends[direction].label for s in current}):
+                f[Family.BACKEND].add_metric(labels + [backend], 1)
             f[Family.TRANSFER_BYTES].add_metric(labels, d.bytes_total)
             f[Family.TRANSFER_SECONDS].add_metric(labels, d.busy_seconds_total)
             f[Family.TRANSFERS].add_metric(labels + ["ok"], d.transfers_ok)
@@ -287,6 +297,22 @@ class TiercacheCollector(Collector):
                                           d.busy_seconds_total)
             f[Family.SIZE].add_metric(labels, _cumulative(_SIZE_LE, d.size_counts),
                                       d.bytes_total)
+        self._collect_attachments(f, summary)
+
+    @staticmethod
+    def _collect_attachments(f: Families, summary: RankSummary) -> None:
+        """One series set per slot ever claimed (``attachment`` = slot number)."""
+        rank = str(summary.rank)
+        for a in summary.attachments:
+            labels = [rank, str(a.slot)]
+            f[Family.ATTACHMENT_UP].add_metric(labels, 1 if a.up else 0)
+            f[Family.ATTACHMENT_PID].add_metric(labels, a.snapshot.pid)
+            for state in PinState:
+                f[Family.ATTACHMENT_PIN_STATE].add_metric(
+                    labels + [state.label], 1 if a.snapshot.pin_state == state else 0)
+            for direction in Direction:
+                f[Family.ATTACHMENT_BYTES].add_metric(
+                    labels + [direction.label], a.snapshot.directions[direction].bytes_total)
 
     def _collect_index(self, f: Families, stats: ManagerStats) -> None:
         for family in _INDEX_COUNTERS:

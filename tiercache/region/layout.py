@@ -22,13 +22,13 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 
-from tiercache.config import MAX_TENSORS, Config
+from tiercache.config import MAX_ATTACHMENTS_PER_RANK, MAX_TENSORS, Config
 from tiercache.sizes import format_bytes
 from tiercache.errors import ConfigError, RankError
 from tiercache.region.ledger import RECORD_BYTES as LEDGER_RECORD_BYTES
 from tiercache.region.stats import STATS_BLOCK_BYTES
 
-FORMAT_VERSION = 2  # 2: the index ledger between the stats blocks and the slices
+FORMAT_VERSION = 3  # 2: the index ledger after the stats blocks; 3: attachments_per_rank blocks per rank
 HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
@@ -49,6 +49,7 @@ class RegionLayout:
     num_blocks: int
     page_bytes: tuple[int, ...]  # GPU page bytes per tensor
     block_size_factor: int = 1
+    attachments_per_rank: int = 4  # stats blocks (attachment slots) per rank
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -62,6 +63,9 @@ class RegionLayout:
                               f"most {MAX_TENSORS}")
         if self.block_size_factor < 1:
             raise ConfigError(f"block_size_factor = {self.block_size_factor}: must be >= 1")
+        if not 1 <= self.attachments_per_rank <= MAX_ATTACHMENTS_PER_RANK:
+            raise ConfigError(f"attachments_per_rank = {self.attachments_per_rank}: allowed "
+                              f"1..{MAX_ATTACHMENTS_PER_RANK}")
 
     @classmethod
     def from_config(cls, config: Config) -> RegionLayout:
@@ -69,7 +73,8 @@ class RegionLayout:
         num_blocks = region.num_blocks
         if num_blocks is None:
             assert region.capacity_bytes is not None
-            probe = cls(config.world_size, 1, kv.page_bytes, kv.block_size_factor)
+            probe = cls(config.world_size, 1, kv.page_bytes, kv.block_size_factor,
+                        region.attachments_per_rank)
             per_block = probe.row_stride * config.world_size
             num_blocks = region.capacity_bytes // per_block
             if num_blocks < 1:
@@ -77,7 +82,8 @@ class RegionLayout:
                     f"region.capacity = {format_bytes(region.capacity_bytes)} is smaller than one "
                     f"CPU block across {config.world_size} rank(s) ({format_bytes(per_block)})"
                 )
-        return cls(config.world_size, num_blocks, kv.page_bytes, kv.block_size_factor)
+        return cls(config.world_size, num_blocks, kv.page_bytes, kv.block_size_factor,
+                   region.attachments_per_rank)
 
     # ------------------------------------------------------------ rows
     @property
@@ -111,7 +117,7 @@ class RegionLayout:
     @property
     def ledger_offset(self) -> int:
         """Where the index ledger starts: right after the stats blocks (see region.ledger)."""
-        return HEADER_FIXED_BYTES + self.world_size * STATS_BLOCK_BYTES
+        return HEADER_FIXED_BYTES + self.world_size * self.attachments_per_rank * STATS_BLOCK_BYTES
 
     @property
     def ledger_bytes(self) -> int:
@@ -122,9 +128,12 @@ class RegionLayout:
     def header_bytes(self) -> int:
         return round_up(self.ledger_offset + self.ledger_bytes, SLICE_ALIGN)
 
-    def stats_offset(self, rank: int) -> int:
+    def stats_offset(self, rank: int, slot: int = 0) -> int:
+        """Offset of the stats block of ``rank``'s attachment slot ``slot``: the blocks of
+        rank r are ``attachments_per_rank`` consecutive ones (see region.attachments)."""
         self.check_rank(rank)
-        return HEADER_FIXED_BYTES + rank * STATS_BLOCK_BYTES
+        self.check_slot(slot)
+        return HEADER_FIXED_BYTES + (rank * self.attachments_per_rank + slot) * STATS_BLOCK_BYTES
 
     @property
     def slice_bytes(self) -> int:
@@ -155,6 +164,11 @@ class RegionLayout:
             raise RankError(f"rank {rank!r} is outside 0..{self.world_size - 1} "
                             f"(world_size {self.world_size})")
 
+    def check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.attachments_per_rank:
+            raise RankError(f"attachment slot {slot!r} is outside 0..{self.attachments_per_rank - 1}"
+                            f" (attachments_per_rank {self.attachments_per_rank})")
+
     # ------------------------------------------------------------ work splitting
     def pin_chunks(self, rank: int, max_chunk_bytes: int = MAX_PIN_CHUNK_BYTES) -> list[tuple[int, int]]:
         """(offset, length) registrations covering ``rank``'s rows, each <= max_chunk_bytes
@@ -178,15 +192,16 @@ class RegionLayout:
     def encode(self) -> bytes:
         """The geometry as stored in the region header (see RegionHeader)."""
         return struct.pack(
-            f"<IIQI{self.num_tensors}Q", self.world_size, self.block_size_factor,
-            self.num_blocks, self.num_tensors, *self.page_bytes,
+            f"<IIQI{self.num_tensors}QI", self.world_size, self.block_size_factor,
+            self.num_blocks, self.num_tensors, *self.page_bytes, self.attachments_per_rank,
         )
 
     @classmethod
     def decode(cls, data: bytes) -> RegionLayout:
         world, factor, blocks, ntensors = struct.unpack_from("<IIQI", data)
         pages = struct.unpack_from(f"<{ntensors}Q", data, struct.calcsize("<IIQI"))
-        return cls(world, blocks, tuple(pages), factor)
+        (attachments,) = struct.unpack_from("<I", data, struct.calcsize(f"<IIQI{ntensors}Q"))
+        return cls(world, blocks, tuple(pages), factor, attachments)
 
     @cached_property
     def digest(self) -> bytes:
@@ -196,6 +211,7 @@ class RegionLayout:
     def describe(self) -> str:
         return (
             f"{self.world_size} rank(s) x {self.num_blocks} blocks x {format_bytes(self.row_stride)} "
-            f"rows ({self.num_tensors} tensors, block_size_factor {self.block_size_factor}); "
+            f"rows ({self.num_tensors} tensors, block_size_factor {self.block_size_factor}, "
+            f"{self.attachments_per_rank} attachment(s) per rank); "
             f"{format_bytes(self.total_bytes)} in all"
         )

@@ -3,7 +3,9 @@
 Lifecycle: the coordinator ``create``\\ s the region (space checks, a new 0600 object,
 ``posix_fallocate``, the header written with READY last) and holds its owner lock for as
 long as it lives (``tiercache.region.shm``). Workers ``attach`` by name and rank, validate
-the header, map the region and pin only their slice. Workers never unlink.
+the header, claim one of the rank's attachment slots (``tiercache.region.attachments``:
+several processes, one per engine, may attach one rank at once), map the region and pin
+only their slice. Workers never unlink.
 
 Decisions and their reasons:
 
@@ -52,6 +54,7 @@ from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, create_entry, open_entry, read_header,
     still_named, take_owner_lock, unlink_if_same,
 )
+from tiercache.region.attachments import claim_slot, unlock_slot
 from tiercache.region.stale import YOUNG_S
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
@@ -93,7 +96,8 @@ class SharedOffloadRegion:
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
-        self._stats: dict[int, RankStats] = {}
+        self._stats: dict[tuple[int, int], RankStats] = {}
+        self.slot: int | None = None  # the attachment slot this mapping holds (a worker's)
         self._pinner: HostPinner | None = None
         self.setup_times = SetupTimes()
 
@@ -204,7 +208,10 @@ class SharedOffloadRegion:
                     f"[{layout.describe()}]")
             if rank is not None:
                 info.layout.check_rank(rank)
-            return cls(entry, info.layout, rank=rank, owner=False)
+                slot = claim_slot(entry.fd, info.layout, rank)
+            region = cls(entry, info.layout, rank=rank, owner=False)
+            region.slot = None if rank is None else slot
+            return region
         except BaseException:
             entry.close()
             raise
@@ -228,10 +235,15 @@ class SharedOffloadRegion:
         info = self.header.read()
         return process_alive(info.owner_pid, info.owner_start_ns)
 
-    def stats(self, rank: int) -> RankStats:
-        if rank not in self._stats:
-            self._stats[rank] = RankStats(self._bytes, self.layout.stats_offset(rank), rank)
-        return self._stats[rank]
+    def stats(self, rank: int, slot: int | None = None) -> RankStats:
+        """The stats block of ``rank``'s attachment ``slot``; by default the slot this
+        mapping holds for its rank, else slot 0."""
+        if slot is None:
+            slot = self.slot if rank == self.rank and self.slot is not None else 0
+        if (rank, slot) not in self._stats:
+            self._stats[rank, slot] = RankStats(self._bytes, self.layout.stats_offset(rank, slot),
+                                                rank)
+        return self._stats[rank, slot]
 
     def rank_array(self, rank: int) -> np.ndarray:
         """uint8 ``(num_blocks, row_stride)`` view of ``rank``'s slice."""
@@ -333,6 +345,9 @@ class SharedOffloadRegion:
                 self._release_mapping()
             if unlink:
                 unlink_if_same(self._entry)  # we hold its lock: it is still ours
+            if self.slot is not None:  # the mapping (if kept) would keep the lock: drop it
+                unlock_slot(self._fd, self.layout, self.rank, self.slot)
+                self.slot = None
             self._entry.close()
             self._fd = -1
 

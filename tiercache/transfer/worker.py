@@ -1,12 +1,15 @@
 """A worker: one rank's region slice, pinned, with both transfer handlers over it.
 
 ``attach`` does, in order: map the region by name and rank (waiting up to
-``ready_timeout_s`` for READY), check ``gpu_caches`` against the region's geometry and
-the backend against the caches' device, mark the rank attached in its stats block (pid
-and process start time), pin the slice per the pinning policy (host-only backends need
-no pinning: state UNPINNED), build the backend of each direction (recorded in the stats
-block) and the handlers. Anything failing on the way undoes what was done and raises.
-``Worker.close`` drains the handlers, unpins, marks the rank detached and unmaps.
+``ready_timeout_s`` for READY) and claim one of the rank's attachment slots (one process
+per engine may attach the same rank: ``tiercache.region.attachments``), check
+``gpu_caches`` against the region's geometry and the backend against the caches' device,
+mark the attachment in its own stats block (pid and process start time; counters continue
+from the slot's earlier holders), pin the slice per the pinning policy (host-only backends
+need no pinning: state UNPINNED), build the backend of each direction (recorded in the
+stats block) and the handlers. Anything failing on the way undoes what was done and raises.
+``Worker.close`` drains the handlers, unpins, marks the attachment detached, unmaps and
+frees the slot.
 
 Transfers enter with their direction in the verb, vLLM 0.33's worker API:
 ``submit_store(job_id, gpu_spec, cpu_spec)`` and ``submit_load(job_id, cpu_spec,
@@ -34,6 +37,7 @@ from tiercache.backends.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
 from tiercache.pages import PageArray
+from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
@@ -60,7 +64,20 @@ class Worker:
 
     @property
     def stats(self) -> RankStats:
+        """This attachment's own stats block (its slot's)."""
         return self.region.stats(self.rank)
+
+    @property
+    def slot(self) -> int:
+        """The attachment slot of the rank this worker holds."""
+        assert self.region.slot is not None
+        return self.region.slot
+
+    @property
+    def incarnation(self) -> int:
+        """This attachment's incarnation (``tiercache.region.attachments.incarnation``): what
+        ``RankMonitor`` reports for the rank while this worker is up."""
+        return incarnation(self.slot, self.stats.snapshot().attach_count)
 
     @property
     def backends(self) -> dict[Direction, BackendKind]:

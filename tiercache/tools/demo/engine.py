@@ -28,6 +28,7 @@ from tiercache.index.client import Client
 from tiercache.config import Config
 from tiercache.errors import CoordinatorGoneError, JobError, RanksDownError, WorkerError
 from tiercache.index.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
+from tiercache.region.attachments import AttachmentReader
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.specs import Direction
@@ -74,7 +75,8 @@ class DemoEngine:
         self.pool = RankPool(config, options)
         self.outcomes: dict[int, JobOutcome] = {}  # finished jobs, for callers that look
         self.bench_reports: list[Report] = []
-        self._baseline = [self.region.stats(r).snapshot() for r in range(self.world_size)]
+        self._counters = AttachmentReader(self.region, self.region.layout)  # all attachments of a rank
+        self._baseline = [self._counters.read(r).directions for r in range(self.world_size)]
         self._generation = self.region.info().generation
         self._epoch = 0  # bumped whenever the index that prepared pending jobs is gone
         self._job_epoch: dict[int, int] = {}
@@ -221,7 +223,7 @@ class DemoEngine:
                         self._generation, generation)
             self._generation = generation
             self._drop_pending()
-        changed = self.tracker.observe(self.monitor.incarnations())
+        changed = self.tracker.observe(self.monitor.incarnations(self.tracker.incarnations))
         for rank in changed:
             if self.tracker.incarnations[rank] is None:
                 log.warning("rank %d is down; its in-flight jobs fail", rank)
@@ -282,8 +284,8 @@ class DemoEngine:
     def stats_agree(self) -> bool:
         """Did the stats blocks count exactly what the workers reported since the start?"""
         for rank, dirs in enumerate(self.totals.ranks):
-            now = self.region.stats(rank).snapshot().directions
-            then = self._baseline[rank].directions
+            now = self._counters.read(rank).directions
+            then = self._baseline[rank]
             for d in Direction:
                 counted = (now[d].bytes_total - then[d].bytes_total,
                            now[d].transfers_ok - then[d].transfers_ok,

@@ -70,7 +70,7 @@ class RankSession:
         self.factor = kv.block_size_factor
         self.worker: Worker = attach(config, rank, self.caches, backend=options.backend,
                                      ready_timeout_s=options.ready_timeout_s)
-        self.incarnation = self.worker.stats.snapshot().attach_count
+        self.incarnation = self.worker.incarnation
         self._jobs: dict[int, _Job] = {}
         self._gate: threading.Event | None = None
 
