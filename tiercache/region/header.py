@@ -14,13 +14,15 @@ Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
     64      8     total_bytes      u64, size of the whole region
     72      4     layout_len       u32, bytes of the encoded layout that follow
     76      4     reserved
-    80      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages)
+    80      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages,
+                                   attachments_per_rank)
     3968    2     socket_len       u16, bytes of the control socket path that follow
     3970    126   socket_path      the coordinator's control socket (UTF-8), so clients and
                                    ``tiercache status`` find it whatever their environment
 
-Then, at ``HEADER_FIXED_BYTES + rank * STATS_BLOCK_BYTES``, one stats block per rank
-(see ``tiercache.region.stats``), then the index ledger (``tiercache.region.ledger``). The
+Then, at ``HEADER_FIXED_BYTES + (rank * attachments_per_rank + slot) * STATS_BLOCK_BYTES``,
+one stats block per attachment slot of each rank (see ``tiercache.region.stats`` and
+``tiercache.region.attachments``), then the index ledger (``tiercache.region.ledger``). The
 header is padded to a 2 MiB boundary (``header_bytes``).
 """
 

@@ -4,7 +4,8 @@
 
     offset 0                     header_bytes           + slice_bytes          + slice_bytes
     | header (fixed part, stats  | rank 0 slice          | rank 1 slice         | ...
-    |  block per rank, index     | row 0 | row 1 | ...   | row 0 | row 1 | ... |
+    |  blocks: attachments_per_  | row 0 | row 1 | ...   | row 0 | row 1 | ... |
+    |  rank per rank, index      |
     |  ledger, padding)          |
 
 A slice is ``num_blocks`` rows of ``row_stride`` bytes, starting on a 2 MiB boundary,

@@ -1,11 +1,12 @@
-"""Per-rank stats blocks in the region header: one writer (the rank's worker), many readers.
+"""Stats blocks in the region header, one per attachment slot of each rank: one writer (the
+worker process holding the slot, ``tiercache.region.attachments``), many readers.
 
 Each block is ``STATS_BLOCK_BYTES`` of little-endian, 8-byte aligned uint64 words,
 viewed as a numpy array (one aligned 8-byte store per word, so no word tears).
 Multi-word consistency comes from a sequence lock: the writer makes ``seq`` odd,
 writes, then makes it even again; a reader copies the block and retries if ``seq``
 was odd or changed. Counters live in the region, so they survive a worker restart
-and only ever go up.
+and only ever go up: the next holder of the slot continues from them.
 
 Word layout (index = byte offset / 8)::
 
