@@ -284,3 +284,47 @@ def test_promtool_accepts_the_exposition():
     view.record_transfer(C2G, 65536, 0, success=False)
     collector = TiercacheCollector(region, manager_stats=sample_manager_stats)
     promtool_check(encode_text(collector.collect()))
+
+
+def test_a_rank_aggregates_its_attachments_and_keeps_a_stuck_ones_last_counters():
+    """Two attachment blocks of rank 0: the live one (this process) and a dead one."""
+    region = FakeRegion()
+    live = region.stats(0, 0)
+    live.mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    live.set_pin(PinState.UNPINNED)
+    live.record_transfer(G2C, 4096, 1e-3, success=True)
+    dead = region.stats(0, 1)
+    dead.mark_attached(os.getpid(), process_start_ns(os.getpid()) + 10**7)  # another process
+    dead.set_pin(PinState.PINNED, 1 << 20, 0.5)
+    dead.record_transfer(G2C, 8192, 2e-3, success=True)
+    reg = registry_of(TiercacheCollector(region))
+    g2c = {"rank": "0", "direction": "gpu_to_cpu"}
+
+    def check() -> None:
+        assert reg.get_sample_value("tiercache_transfer_bytes_total", g2c) == 4096 + 8192
+        assert reg.get_sample_value("tiercache_transfer_duration_seconds_count", g2c) == 2
+        assert reg.get_sample_value("tiercache_worker_up", {"rank": "0"}) == 1
+        assert reg.get_sample_value("tiercache_worker_attaches_total", {"rank": "0"}) == 2
+        # the rank's pin state is its live attachments' (the dead one's pinned is history)
+        assert reg.get_sample_value("tiercache_pin_state", {"rank": "0", "state": "unpinned"}) == 1
+        assert reg.get_sample_value("tiercache_pinned_bytes", {"rank": "0"}) == 0
+        for slot, up, state, moved in (("0", 1, "unpinned", 4096), ("1", 0, "pinned", 8192)):
+            labels = {"rank": "0", "attachment": slot}
+            assert reg.get_sample_value("tiercache_attachment_up", labels) == up
+            assert reg.get_sample_value("tiercache_attachment_pin_state",
+                                        {**labels, "state": state}) == 1
+            assert reg.get_sample_value("tiercache_attachment_transfer_bytes_total",
+                                        {**labels, "direction": "gpu_to_cpu"}) == moved
+        assert reg.get_sample_value("tiercache_attachment_up",
+                                    {"rank": "0", "attachment": "2"}) is None  # never used
+        assert reg.get_sample_value("tiercache_attachment_up",
+                                    {"rank": "1", "attachment": "0"}) is None
+
+    check()
+    offset = region.layout.stats_offset(0, 1)
+    seq = int.from_bytes(region.buffer[offset:offset + 8], "little")
+    region.buffer[offset:offset + 8] = (seq + 1).to_bytes(8, "little")  # its writer died mid-update
+    check()  # its last snapshot still counts: the rank's totals do not drop
+    failures = reg.get_sample_value("tiercache_stats_read_failures_total", {"rank": "0"})
+    assert failures > 0  # every collect (each get_sample_value is one) counts one more
+    assert reg.get_sample_value("tiercache_stats_read_failures_total", {"rank": "0"}) == failures + 1
