@@ -104,7 +104,8 @@ def main() -> None:
                     kv=KVGeometry(page_bytes=(page,) * args.tensors),
                     region=RegionConfig(capacity_bytes=None,
                                         num_blocks=2 * args.blocks * args.engines,
-                                        prefault_threads=8))
+                                        prefault_threads=8,
+                                        attachments_per_rank=max(4, args.engines)))
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, CoordinatorProcess(config, tmp):
         barrier, results = ctx.Barrier(args.engines), ctx.Queue()
