@@ -59,6 +59,56 @@ def test_two_ranks_each_pin_their_own_slice_and_copy_exactly(make_config):
         region.close()
 
 
+def _pin_and_hold(name: str, rank: int, result, release) -> None:
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    try:
+        state = region.pin(PinningPolicy.REQUIRED)
+        result.put((region.slot, state.value, region.stats(rank).snapshot().pinned_bytes))
+        release.wait(120)
+    finally:
+        region.close()
+
+
+def test_two_attachments_of_one_rank_each_pin_it_in_their_own_context(make_config):
+    """Two engines' workers on rank 0: each registers the slice in its own CUDA context
+    (registration is per process) and exports it in its own attachment block."""
+    from prometheus_client import CollectorRegistry
+
+    from tiercache.metrics.collector import TiercacheCollector
+
+    cfg = make_config(world_size=1, kv=KVGeometry(page_bytes=(32768,) * 4),
+                      region=RegionConfig(capacity_bytes=None, num_blocks=64, prefault_threads=2))
+    region = SharedOffloadRegion.create(cfg)
+    release = SPAWN.Event()
+    procs = []
+    try:
+        result = SPAWN.Queue()
+        procs = [SPAWN.Process(target=_pin_and_hold, args=(cfg.name, 0, result, release))
+                 for _ in range(2)]
+        for p in procs:
+            p.start()
+        got = sorted(result.get(timeout=120) for _ in procs)
+        slice_bytes = region.layout.slice_used_bytes
+        pinned = PinState.PINNED.value
+        assert got == [(0, pinned, slice_bytes), (1, pinned, slice_bytes)]
+        registry = CollectorRegistry()
+        registry.register(TiercacheCollector(region))
+        assert registry.get_sample_value("tiercache_region_pinned", {"rank": "0"}) == 1
+        assert registry.get_sample_value("tiercache_pinned_bytes", {"rank": "0"}) == 2 * slice_bytes
+        for slot in ("0", "1"):
+            assert registry.get_sample_value("tiercache_attachment_pin_state", {
+                "rank": "0", "attachment": slot, "state": "pinned"}) == 1
+        release.set()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        release.set()
+        for p in procs:
+            p.join(60)
+        region.close()
+
+
 def test_failed_chunk_rolls_back_the_chunks_before_it(make_config):
     region = SharedOffloadRegion.create(make_config(
         region=RegionConfig(capacity_bytes=None, num_blocks=64, prefault_threads=2)))

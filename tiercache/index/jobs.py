@@ -10,7 +10,7 @@ already gathers per-rank results (it must know when a request's KV is on every G
     spec = client.prepare_store(keys) ...
     tracker.begin(job_id, JobKind.STORE, keys) ──► worker.transfer_async(job_id, spec)
     tracker.ack(r, incarnation, job_id, ok)    ◄── worker.get_finished()  (engine's own IPC)
-    tracker.observe(monitor.incarnations())        (liveness: the ranks' stats blocks)
+    tracker.observe(monitor.incarnations(tracker.incarnations))  (liveness: stats blocks)
     for outcome in tracker.take_finished():
         outcome.complete(client)       # complete_store(keys, ok) / complete_load(keys)
 

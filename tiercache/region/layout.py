@@ -29,7 +29,8 @@ from tiercache.errors import ConfigError, RankError
 from tiercache.region.ledger import RECORD_BYTES as LEDGER_RECORD_BYTES
 from tiercache.region.stats import STATS_BLOCK_BYTES
 
-FORMAT_VERSION = 3  # 2: the index ledger after the stats blocks; 3: attachments_per_rank blocks per rank
+# 2: the index ledger after the stats blocks; 3: attachments_per_rank stats blocks per rank
+FORMAT_VERSION = 3
 HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256

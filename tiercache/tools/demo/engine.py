@@ -75,7 +75,8 @@ class DemoEngine:
         self.pool = RankPool(config, options)
         self.outcomes: dict[int, JobOutcome] = {}  # finished jobs, for callers that look
         self.bench_reports: list[Report] = []
-        self._counters = AttachmentReader(self.region, self.region.layout)  # all attachments of a rank
+        # a rank's counters are the sums over all its attachment blocks
+        self._counters = AttachmentReader(self.region, self.region.layout)
         self._baseline = [self._counters.read(r).directions for r in range(self.world_size)]
         self._generation = self.region.info().generation
         self._epoch = 0  # bumped whenever the index that prepared pending jobs is gone
