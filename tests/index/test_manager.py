@@ -193,6 +193,8 @@ class ManagerMachine(RuleBasedStateMachine):
         owner, key = data.draw(st.sampled_from(sorted(k for k, n in self.pins.items() if n)))
         self.m.complete_load([key], owner=owner)
         self.pins[owner, key] -= 1
+        if not self.pins[owner, key]:  # an unpinned block may be evicted: the model forgets it
+            del self.pins[owner, key]
 
     @rule(keys=keys, owner=owners)
     def lease(self, keys, owner):
