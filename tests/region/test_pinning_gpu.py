@@ -2,6 +2,7 @@
 process; failures roll back; pinned memory round-trips bytes exactly."""
 
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -20,8 +21,11 @@ SPAWN = mp.get_context("spawn")
 
 
 def _pin_and_copy(name: str, rank: int, result) -> None:
+    from tiercache.region.hostmem import process_start_ns
+
     region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
-    try:
+    try:  # as attach() does: the attachment is live while this process is
+        region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
         state = region.pin(PinningPolicy.REQUIRED)
         rows = region.rank_array(rank)
         host = torch.from_numpy(rows)
@@ -60,8 +64,11 @@ def test_two_ranks_each_pin_their_own_slice_and_copy_exactly(make_config):
 
 
 def _pin_and_hold(name: str, rank: int, result, release) -> None:
+    from tiercache.region.hostmem import process_start_ns
+
     region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
-    try:
+    try:  # as attach() does: the attachment is live while this process is
+        region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
         state = region.pin(PinningPolicy.REQUIRED)
         result.put((region.slot, state.value, region.stats(rank).snapshot().pinned_bytes))
         release.wait(120)
