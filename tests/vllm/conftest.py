@@ -9,15 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.index.client import Client
-
-# The lease verbs of the index sessions work (/work/notes/SESSIONS.md). Until they are in
-# this branch, the tests that need a HIT (which is a lease) are skipped, naming this.
-needs_sessions = pytest.mark.skipif(
-    not hasattr(Client, "lease_batch"),
-    reason="waits for Client.lease_batch / Client.release / sessions (index sessions work, "
-           "SESSIONS.md): a HIT is a lease")
-
 
 @pytest.fixture
 def tiny_model():

@@ -9,7 +9,6 @@ require_vllm()
 
 import numpy as np  # noqa: E402
 
-from conftest import needs_sessions  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
 from vllm_harness import BLOCK_TOKENS  # noqa: E402
 
@@ -24,7 +23,6 @@ def region_rows(coordinator, slots):
         return [rows[s].copy() for s in slots]
 
 
-@needs_sessions
 def test_a_stored_prefix_is_loaded_by_the_next_request_byte_for_byte(coordinator, make_engine):
     # 16 GPU blocks: the request in between evicts the first prompt's blocks from the GPU,
     # so the second request can only get its prefix from tiercache.
@@ -53,7 +51,6 @@ def prompt(seed: int, length: int = 96) -> list[int]:
     return [(seed * 31 + i) % 250 for i in range(length)]
 
 
-@needs_sessions
 def test_eviction_under_pressure_drops_old_prefixes_and_reports_them(start_coordinator,
                                                                      make_engine):
     small = start_coordinator(num_chunks=8)
@@ -74,7 +71,6 @@ def test_eviction_under_pressure_drops_old_prefixes_and_reports_them(start_coord
     assert engine.loaded_tokens("old-again") == 2 * BLOCK_TOKENS, "4 of its 6 chunks were evicted"
 
 
-@needs_sessions
 def test_a_preempted_request_resumes_from_tiercache(coordinator, make_engine):
     # 15 usable GPU blocks; two requests of 6 prompt blocks decoding 90 tokens each need
     # 12 blocks apiece: the later one is preempted, and its prompt comes back from tiercache.
@@ -90,7 +86,6 @@ def test_a_preempted_request_resumes_from_tiercache(coordinator, make_engine):
     assert engine.loaded_tokens(victim) > 0
 
 
-@needs_sessions
 def test_a_request_finishing_with_stores_in_flight_keeps_its_bytes(coordinator, make_engine):
     # The store of a request's last blocks is submitted only at the next step, after the
     # request finished and its blocks went back to the pool; the next request reuses them

@@ -14,7 +14,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from conftest import needs_sessions  # noqa: E402
 from engine_proc import prompt  # noqa: E402
 from tiercache.index.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
@@ -52,7 +51,6 @@ def stats(coordinator):
         return client.stats()
 
 
-@needs_sessions
 def test_two_engines_share_blocks_and_another_namespace_shares_nothing(coordinator, model_dir):
     first = run_engine(coordinator, model_dir, seed=7)
     assert first["loaded_tokens"] == 0
@@ -63,7 +61,6 @@ def test_two_engines_share_blocks_and_another_namespace_shares_nothing(coordinat
     assert other["loaded_tokens"] == 0 and other["namespace"] != first["namespace"]
 
 
-@needs_sessions
 def test_an_engine_killed_mid_request_leaves_no_leases_or_reservations(coordinator, model_dir):
     run_engine(coordinator, model_dir, seed=8)  # stores the prefix
     proc = engine_process(coordinator, model_dir, "hold", 8)
@@ -81,7 +78,6 @@ def test_an_engine_killed_mid_request_leaves_no_leases_or_reservations(coordinat
     assert after.ready_blocks == 6, "what was stored stays"
 
 
-@needs_sessions
 def test_the_coordinator_restarting_under_a_running_engine(coordinator, make_engine, tmp_path):
     engine = make_engine(coordinator, num_gpu_blocks=16)
     engine.add_request("before", prompt(9))

@@ -9,10 +9,8 @@ require_vllm()
 import json  # noqa: E402
 
 from bench_step_cost import main  # noqa: E402
-from conftest import needs_sessions  # noqa: E402
 
 
-@needs_sessions
 def test_bench_step_cost_runs_at_a_toy_size(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["--requests", "2", "--keys", "4", "--repeats", "1", "--json", str(out)]) == 0

@@ -20,7 +20,6 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from conftest import needs_sessions  # noqa: E402
 from vllm_harness import offloading_config  # noqa: E402
 from tiercache.index.client import Client  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
@@ -91,7 +90,6 @@ def coordinator_stats(coordinator):
         return client.stats()
 
 
-@needs_sessions
 def test_lookup_is_retry_then_answered_by_one_probe_per_step(sched, coordinator):
     ctx = sched.request("r1")
     sched.store(ctx, [key(1), key(2)])
@@ -107,7 +105,6 @@ def test_lookup_is_retry_then_answered_by_one_probe_per_step(sched, coordinator)
     assert len(values["vllm:kv_offload_tiercache_flush_seconds"][()]) == 1
 
 
-@needs_sessions
 def test_a_hit_is_a_lease_that_no_store_can_evict_until_released(spec_for, start_coordinator):
     small = start_coordinator(num_chunks=2)
     sched = Scheduler(spec_for(small).get_manager())
@@ -129,7 +126,6 @@ def test_a_hit_is_a_lease_that_no_store_can_evict_until_released(spec_for, start
     assert out is not None and out.keys_to_store == [key(3)] and len(out.evicted_keys) == 1
 
 
-@needs_sessions
 def test_prepare_store_skips_held_keys_and_complete_store_tolerates_stale_keys(sched):
     ctx = sched.request("r")
     with sched.manager.lock:
@@ -146,7 +142,6 @@ def test_prepare_store_skips_held_keys_and_complete_store_tolerates_stale_keys(s
     assert sched.lookup(other, [key(1), key(2), key(3)]) == [HIT, HIT, HIT]
 
 
-@needs_sessions
 def test_own_stores_in_flight_are_hit_pending(sched):
     ctx = sched.request("r")
     with sched.manager.lock:
@@ -154,7 +149,6 @@ def test_own_stores_in_flight_are_hit_pending(sched):
     assert sched.lookup(ctx, [key(1)]) == [PENDING]
 
 
-@needs_sessions
 def test_another_engines_store_in_flight_is_hit_pending(spec_for, coordinator):
     a = Scheduler(spec_for(coordinator).get_manager())
     b = Scheduler(spec_for(coordinator).get_manager())
@@ -167,7 +161,6 @@ def test_another_engines_store_in_flight_is_hit_pending(spec_for, coordinator):
     assert b.lookup(ctx, [key(1)]) == [PENDING]
 
 
-@needs_sessions
 def test_a_failed_store_frees_its_slots(sched, coordinator):
     ctx = sched.request("r")
     sched.store(ctx, [key(1), key(2)], success=False)
@@ -178,7 +171,6 @@ def test_a_failed_store_frees_its_slots(sched, coordinator):
     assert sched.lookup(ctx, [key(1)]) == [MISS]
 
 
-@needs_sessions
 def test_events_report_this_engines_stores_and_evictions(spec_for, start_coordinator):
     small = start_coordinator(num_chunks=2)
     sched = Scheduler(spec_for(small, events=True).get_manager())
@@ -195,7 +187,6 @@ def test_events_report_this_engines_stores_and_evictions(spec_for, start_coordin
         assert list(sched.manager.take_events()) == []
 
 
-@needs_sessions
 def test_reset_moves_to_a_fresh_namespace_and_keeps_fenced_pins_until_flushed(sched, coordinator):
     ctx = sched.request("r")
     sched.store(ctx, [key(1)])
@@ -219,7 +210,6 @@ def test_reset_moves_to_a_fresh_namespace_and_keeps_fenced_pins_until_flushed(sc
     assert coordinator_stats(coordinator).loading_blocks == 0
 
 
-@needs_sessions
 def test_the_lock_is_real_and_shutdown_ends_the_sessions(sched, coordinator):
     ctx = sched.request("r")
     sched.store(ctx, [key(1)])

@@ -48,7 +48,7 @@ RECONNECT_INTERVAL_S = 1.0
 
 
 class IndexSession(Protocol):
-    """The part of ``tiercache.Client`` the adapter uses (SESSIONS.md names)."""
+    """The part of ``tiercache.Client`` the adapter uses."""
 
     resumed: bool
 
