@@ -58,19 +58,18 @@ def bench(num_tensors: int, page: int, factor: int, gpu_blocks: int, skip: int, 
     gpu_spec = GPULoadStoreSpec(rng.permutation(GPU_BLOCKS)[:gpu_blocks], None, [skip])
     cpu_spec = CPULoadStoreSpec(rng.permutation(CPU_BLOCKS)[:rows])
     spec = (gpu_spec, cpu_spec) if store else (cpu_spec, gpu_spec)
+    direction = Direction.GPU_TO_CPU if store else Direction.CPU_TO_GPU
     buffers, scratch = PlanBuffers(), Scratch()
     staging = BlockStaging.of_planner(planner, CHUNK_BYTES, load_whole_rows=whole)
     ring = [(1 << 45) + s * (CHUNK_BYTES + DIRECT_BYTES) for s in range(4)]
 
     def per_page():
-        plan = planner.plan(spec, out=buffers)
+        plan = planner.plan(direction, spec, out=buffers)
         host, gpu = (plan.dst, plan.src) if store else (plan.src, plan.dst)
         return plan_staging(host, gpu, plan.sizes, CHUNK_BYTES, DIRECT_BYTES, scratch)
 
     def work():
-        if store:
-            return planner.pairs(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec))
-        return planner.pairs(Direction.CPU_TO_GPU, (cpu_spec, gpu_spec))
+        return planner.pairs(direction, spec)
 
     done = work()
 
@@ -85,7 +84,7 @@ def bench(num_tensors: int, page: int, factor: int, gpu_blocks: int, skip: int, 
     layout = block()
     old = per_page()
     return {"per_page_us": _median_us(per_page, reps), "plan_us": _median_us(
-                lambda: planner.plan(spec, out=buffers), reps),
+                lambda: planner.plan(direction, spec, out=buffers), reps),
             "block_us": _median_us(block, reps), "validate_us": _median_us(work, reps),
             "layout_us": _median_us(block_layout, reps),
             "pages": gpu_blocks * num_tensors, "pairs": layout.num_pairs,
