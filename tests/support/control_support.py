@@ -102,6 +102,16 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = STAR
         time.sleep(0.01)
 
 
+def drained_stats(config):
+    """The index's stats of ``config``'s coordinator once nothing is WRITING or LOADING,
+    else None (a ``wait_for`` condition: a dead client's session ends after its grace)."""
+    from tiercache.index.client import Client
+
+    with Client(config) as client:
+        stats = client.stats()
+    return stats if (stats.loading_blocks, stats.writing_blocks) == (0, 0) else None
+
+
 def kill_all(procs) -> None:
     """SIGKILL every spawned process still alive, then reap them all."""
     for proc in procs:

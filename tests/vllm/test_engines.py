@@ -11,9 +11,9 @@ import json  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from control_support import drained_stats, wait_for  # noqa: E402
 from engine_proc import prompt  # noqa: E402
 from tiercache.index.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
@@ -33,17 +33,6 @@ def run_engine(coordinator, model_dir, seed, salt="") -> dict:
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, f"engine process exited {proc.returncode}"
     return json.loads(out.strip().splitlines()[-1])
-
-
-def until(get, done, timeout_s=60.0):
-    """Poll ``get`` until ``done(value)`` (the coordinator frees a dead session's slots
-    after its grace period)."""
-    deadline = time.monotonic() + timeout_s
-    value = get()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        value = get()
-    return value
 
 
 def stats(coordinator):
@@ -72,9 +61,8 @@ def test_an_engine_killed_mid_request_leaves_no_leases_or_reservations(coordinat
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    after = until(lambda: stats(coordinator),
-                  lambda s: s.loading_blocks == 0 and s.writing_blocks == 0)
-    assert (after.loading_blocks, after.writing_blocks) == (0, 0)
+    after = wait_for(lambda: drained_stats(coordinator.config),
+                     "the SIGKILLed engine's pins and reservations released", 60)
     assert after.ready_blocks == 6, "what was stored stays"
 
 
@@ -92,9 +80,9 @@ def test_the_coordinator_restarting_under_a_running_engine(coordinator, make_eng
 
     again = CoordinatorProcess(coordinator.config, workdir=tmp_path / "restarted")
     try:
-        up = until(lambda: engine.manager.get_stats().metric_sections()[1][
-            "vllm:kv_offload_tiercache_coordinator_up"], lambda v: v == {(): 1.0})
-        assert up == {(): 1.0}
+        wait_for(lambda: engine.manager.get_stats().metric_sections()[1][
+            "vllm:kv_offload_tiercache_coordinator_up"] == {(): 1.0},
+            "the engine reconnected to the restarted coordinator", 60)
         engine.add_request("filler", [200 + (i % 50) for i in range(230)])
         engine.run()
         engine.add_request("after", prompt(9) + [1])

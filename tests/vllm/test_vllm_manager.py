@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from control_support import drained_stats, wait_for  # noqa: E402
 from vllm_harness import offloading_config  # noqa: E402
 from tiercache.index.client import Client  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
@@ -224,9 +225,8 @@ def test_the_lock_is_real_and_shutdown_ends_the_sessions(sched, coordinator):
         sched.manager.prepare_store([key(2)], ctx)  # a reservation left open
     assert coordinator_stats(coordinator).loading_blocks == 1
     sched.manager.shutdown()
-    stats = _wait_for(lambda: coordinator_stats(coordinator),
-                      lambda s: s.loading_blocks == 0 and s.writing_blocks == 0)
-    assert (stats.loading_blocks, stats.writing_blocks) == (0, 0)
+    wait_for(lambda: drained_stats(coordinator.config),
+             "the shut-down manager's pins and reservations released", 30)
 
 
 def test_load_source_stats_and_config_info(spec_for, coordinator):
@@ -260,14 +260,3 @@ def test_the_namespace_names_everything_that_shapes_the_bytes(tiny_model, coordi
     assert len(digests) == 8
     same = TierCacheOffloadingSpec(replace(base, engine_id="another-engine")).namespace.digest
     assert same in digests, "the engine's identity is not part of the namespace"
-
-
-def _wait_for(get, done, timeout_s=30.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    value = get()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        value = get()
-    return value
