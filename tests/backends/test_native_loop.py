@@ -1,0 +1,329 @@
+"""The native chunk loop (``backends/native/chunk_loop.c``) on the CPU, driven by a
+driver table of Python functions that do what the GPU would, on numpy memory.
+
+The loop is the real compiled C on its own thread; only the five driver entry points are
+stand-ins (no GPU here): a launch runs the numpy model of the pack / unpack kernel over
+the pair range and slot base it was given, a batch copies its descriptors, and event
+records / waits are logged. Each case (hypothesis-drawn geometries and transfers, the
+same as test_block_staging's) must then leave exactly the bytes the per-page plan
+leaves, and the calls must come in the order of staged's pipeline contract. A slot is
+poisoned when a chunk claims it (its ``free`` wait), so a DMA or an unpack that read
+bytes the chunk did not write would show.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from block_reference import (
+    CPU_BASE, GPU_BASE, HypDraw, Memory, aligned, assert_same, draw_case, expected_after, fill,
+    page_places,
+)
+from tiercache.backends import native_loop
+from tiercache.backends.block_staging import BlockStaging
+from tiercache.backends.native_loop import ChunkLoop, LoopDriver, LoopKernel
+from tiercache.errors import BackendError
+from tiercache.transfer.planner import TransferPlanner
+
+RING_BASE = 0x30_0000_0000
+SLOT_POISON = 0xA5
+NUM_SLOTS = 3
+EXTRA_PARAMS = 2  # Triton's scratch pointers: passed as zero
+ABI_12_8, ABI_13_0 = 12080, 13000
+
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint,
+                           ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                           ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                           ctypes.c_void_p)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_BATCH = {ABI_13_0: ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_size_t,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_void_p),
+          ABI_12_8: ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_size_t,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_void_p, ctypes.c_void_p)}
+_CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+# handles: small distinct integers (the stand-ins only compare them)
+STREAM, DMA, PACK, UNPACK = 0x100, 0x200, 0x300, 0x301
+START, END, PREV, TABLE, BEGIN, DONE = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15
+FREE = [0x40 + s for s in range(NUM_SLOTS)]
+READY = [0x60 + s for s in range(NUM_SLOTS)]
+NAMES = {STREAM: "S", DMA: "D", START: "start", END: "end", PREV: "prev", TABLE: "table",
+         BEGIN: "begin", DONE: "done", **{e: f"free{s}" for s, e in enumerate(FREE)},
+         **{e: f"ready{s}" for s, e in enumerate(READY)}}
+
+
+def _u64s(address: int, count: int) -> list[int]:
+    return list((ctypes.c_uint64 * count).from_address(address)) if count else []
+
+
+class FakeGpu:
+    """The driver table: executes launches and batches on numpy memory, logs the rest."""
+
+    def __init__(self, case, layout, gpu_pages, cpu_pages, gpu: Memory, cpu: Memory,
+                 slot_bytes: int, abi: int = ABI_13_0, fail_batch: int = 0):
+        self.case, self.layout = case, layout
+        self.gpu_pages, self.cpu_pages = gpu_pages, cpu_pages
+        self.ring = Memory(aligned(NUM_SLOTS * slot_bytes, SLOT_POISON), RING_BASE)
+        self.slot_bytes = slot_bytes
+        self.memories = (gpu, cpu, self.ring)
+        self.trace: list[tuple] = []
+        self.errors: list[BaseException] = []
+        self.fail_batch = fail_batch
+        self.threads: set[int] = set()
+        self.claimed = -1  # the slot of the chunk being issued (its free wait came last)
+        self.c_launch = _LAUNCH(self._guard(self.launch))
+        self.c_record = _RECORD(self._guard(self.record))
+        self.c_wait = _WAIT(self._guard(self.wait))
+        self.c_batch = _BATCH[abi](self._guard(self.batch))
+        self.c_ctx = _CTX(self._guard(lambda ctx: self.trace.append(("ctx", ctx)) or 0))
+        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        self.driver = LoopDriver(address(self.c_launch), address(self.c_record),
+                                 address(self.c_wait), address(self.c_batch),
+                                 address(self.c_ctx), abi, 0xC7)
+
+    def _guard(self, fn):
+        def call(*args):
+            self.threads.add(threading.get_ident())
+            try:
+                return fn(*args)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the test
+                self.errors.append(e)
+                return 999
+        return call
+
+    def memory(self, address: int, n: int) -> np.ndarray:
+        for m in self.memories:
+            if m.base <= address < m.base + m.data.size:
+                return m.at(address, n)
+        raise AssertionError(f"{address:#x} is in no memory")
+
+    def record(self, event, stream):
+        self.trace.append(("record", NAMES[event], NAMES[stream]))
+        return 0
+
+    def wait(self, stream, event, flags):
+        assert flags == 0
+        self.trace.append(("wait", NAMES[stream], NAMES[event]))
+        if event in FREE:  # a chunk claims slot s: whatever it held is gone
+            s = self.claimed = FREE.index(event)
+            self.ring.data[s * self.slot_bytes:(s + 1) * self.slot_bytes] = SLOT_POISON
+        return 0
+
+    def launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        values = [ctypes.c_uint64.from_address(params[i]).value for i in range(9)]
+        pairs, num_pairs, first, count, slot_base = values[:5]
+        tail = [ctypes.c_uint64.from_address(params[i]).value for i in range(9, 9 + EXTRA_PARAMS)]
+        assert tail == [0] * EXTRA_PARAMS and values[5:] == [0xAA, 4, 0xBB, 1]
+        assert extra is None and (gy, gz, bx, by, bz) == (7, 1, 128, 1, 1)
+        assert shared == (16 if function == PACK else 8) and NAMES[stream] == "S"
+        table = np.ctypeslib.as_array((ctypes.c_int64 * (4 * num_pairs)).from_address(pairs))
+        np.testing.assert_array_equal(table.reshape(4, -1), self.layout.pairs)
+        assert gx == min(count, 5)  # max_grid_x bounds the first dimension
+        store = function == PACK
+        assert store == self.case.store
+        assert slot_base == RING_BASE + self.claimed * self.slot_bytes, "not the claimed slot"
+
+        self.trace.append(("launch", "pack" if store else "unpack", first, count))
+        places = page_places(self.case, self.gpu_pages, self.cpu_pages,
+                             self.layout.pairs[:, first:first + count])
+        for address, offset, n in places:
+            slot = self.ring.at(slot_base + offset, n)
+            page = self.memory(address, n)
+            if store:
+                slot[:] = page
+            else:
+                page[:] = slot
+        return 0
+
+    def batch(self, dsts, srcs, sizes, count, attrs, attr_idx, num_attrs, *rest):
+        stream = rest[-1]
+        if len(rest) == 2:
+            ctypes.c_size_t.from_address(rest[0]).value  # the 12.8 ABI's failIdx is writable
+        order = ctypes.c_int.from_address(attrs).value
+        assert num_attrs == 1 and ctypes.c_size_t.from_address(attr_idx).value == 0
+        assert order == (1 if self.case.store else 3) and NAMES[stream] == "D"
+        self.trace.append(("batch", count))
+        if self.fail_batch and sum(1 for t in self.trace if t[0] == "batch") == self.fail_batch:
+            return 700
+        slot = RING_BASE + self.claimed * self.slot_bytes
+        staged = _u64s(srcs if self.case.store else dsts, count)
+        assert all(slot <= a and a + n <= slot + self.slot_bytes
+                   for a, n in zip(staged, _u64s(sizes, count))), "a DMA outside the claimed slot"
+        for d, s, n in zip(_u64s(dsts, count), _u64s(srcs, count), _u64s(sizes, count)):
+            self.memory(d, n)[:] = self.memory(s, n)
+        return 0
+
+
+def _loop(fake: FakeGpu, slot_bytes: int) -> ChunkLoop:
+    attrs = (bytes([3, 0, 0, 0]) + bytes(20), bytes([1, 0, 0, 0]) + bytes(20))
+    kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
+    return ChunkLoop(fake.driver, kernel, dma_stream=DMA, ring_base=RING_BASE,
+                     slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
+                     begin_event=BEGIN, done_event=DONE, attrs=attrs)
+
+
+def _contract(layout, store: bool, cursor: int) -> list[tuple]:
+    """staged's pipeline order (backends/staged.py docstring), written out independently."""
+    out = [("wait", "S", "prev"), ("record", "start", "S")]
+    if layout.num_chunks:
+        out += [("record", "begin", "S"), ("wait", "D", "begin")]
+    for k in range(layout.num_chunks):
+        s = (cursor + k) % NUM_SLOTS
+        first, count = layout.pair_range(k)
+        n = int(layout.dma_first[k + 1] - layout.dma_first[k])
+        launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
+        dma = [("batch", n)] if n else []
+        if store:
+            out += [("wait", "S", f"free{s}"), *launch, ("record", f"ready{s}", "S"),
+                    ("wait", "D", f"ready{s}"), *dma, ("record", f"free{s}", "D")]
+        else:
+            out += [("wait", "D", f"free{s}"), *dma, ("record", f"ready{s}", "D"),
+                    ("wait", "S", f"ready{s}"), *launch, ("record", f"free{s}", "S")]
+    if layout.num_chunks:
+        out += [("record", "table", "S"), ("record", "done", "D"), ("wait", "S", "done")]
+    return out + [("record", "end", "S")]
+
+
+def _submit(loop: ChunkLoop, layout, store: bool, cursor: int):
+    pairs = np.ascontiguousarray(layout.pairs)
+    return loop.submit(stream=STREAM, prev_end=PREV, start_event=START, end_event=END,
+                       table_event=TABLE, store=store, cursor=cursor, pairs=pairs.ctypes.data,
+                       num_pairs=layout.num_pairs, pair_first=layout.pair_first,
+                       dma_host=layout.dma_host, dma_slot=layout.dma_slot,
+                       dma_bytes=layout.dma_bytes, dma_first=layout.dma_first, keep=pairs)
+
+
+def _prepare(case):
+    gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
+    planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
+    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    layout = staging.layout(planner.pairs(case.direction, case.spec), case.store)
+    gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
+    cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
+    fill(case, gpu_data, cpu_data, 0)
+    return planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from([ABI_13_0, ABI_12_8]), st.integers(0, NUM_SLOTS - 1))
+def test_loop_moves_the_plans_bytes_in_the_pipeline_order(data, abi, cursor):
+    case = draw_case(HypDraw(data))
+    planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = _prepare(case)
+    plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
+                                                      GPU_BASE, CPU_BASE)
+    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
+                   Memory(cpu_data, CPU_BASE), case.chunk_bytes, abi)
+    loop = _loop(fake, case.chunk_bytes)
+    try:
+        ticket = _submit(loop, layout, case.store, cursor)
+        ticket.wait()
+        assert ticket.issued() and ticket.status == 0
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    assert fake.trace[0] == ("ctx", 0xC7)  # the context is made current before any job
+    assert fake.trace[1:] == _contract(layout, case.store, cursor)
+    assert threading.get_ident() not in fake.threads  # every call came from the loop thread
+    assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
+
+
+
+
+def _multi_chunk_store():
+    """A drawn store case that has at least two chunks."""
+    from block_reference import RngDraw
+    for seed in range(500):
+        case = draw_case(RngDraw(seed))
+        if not case.store:
+            continue
+        prepared = _prepare(case)
+        if prepared[1].num_chunks >= 2:
+            return case, prepared
+    raise AssertionError("no two-chunk store among the drawn cases")
+
+
+def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
+    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
+                   Memory(cpu_data, CPU_BASE), case.chunk_bytes, fail_batch=1)
+    loop = _loop(fake, case.chunk_bytes)
+    try:
+        failed = _submit(loop, layout, True, 0)
+        later = _submit(loop, layout, True, layout.num_chunks % NUM_SLOTS)
+        loop.wait()
+        assert failed.status == 700 and later.status == 0
+        assert loop.num_issued == 2
+    finally:
+        loop.close()
+    first_end = fake.trace.index(("record", "end", "S"))
+    batches_before = [t for t in fake.trace[:first_end] if t[0] == "batch"]
+    assert len(batches_before) == 1  # the chunks after the failure were skipped
+    assert fake.trace[first_end - 1] != ("record", "done", "D")  # skipped as well
+    assert fake.trace.count(("record", "end", "S")) == 2
+    second = fake.trace[first_end + 1:]
+    assert second == _contract(layout, True, layout.num_chunks % NUM_SLOTS)
+
+
+def test_an_empty_job_only_orders():
+    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
+                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
+    loop = _loop(fake, case.chunk_bytes)
+    none = np.zeros(0, dtype=np.uint64)
+    try:
+        ticket = loop.submit(stream=STREAM, prev_end=PREV, start_event=START, end_event=END,
+                             table_event=0, store=True, cursor=0, pairs=0, num_pairs=0,
+                             pair_first=np.zeros(1, np.int64), dma_host=none, dma_slot=none,
+                             dma_bytes=none, dma_first=np.zeros(1, np.int64))
+        ticket.wait()
+        assert ticket.status == 0
+    finally:
+        loop.close()
+    assert fake.trace[1:] == [("wait", "S", "prev"), ("record", "start", "S"),
+                              ("record", "end", "S")]
+
+
+def test_bad_configurations_are_refused():
+    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
+                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
+    kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
+    with pytest.raises(BackendError, match="8 parameters"):
+        ChunkLoop(fake.driver, kernel, dma_stream=DMA, ring_base=RING_BASE, slot_bytes=256,
+                  free_events=FREE, ready_events=READY, begin_event=BEGIN, done_event=DONE,
+                  attrs=(bytes(24), bytes(24)))
+    loop = _loop(fake, case.chunk_bytes)
+    loop.close()
+    with pytest.raises(BackendError, match="closed"):
+        _submit(loop, layout, True, 0)
+
+
+def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-cc-tiercache")
+    with pytest.raises(BackendError, match="no-such-cc-tiercache"):
+        native_loop.build(directory=tmp_path)
+
+
+def test_a_broken_source_is_an_error_with_the_compilers_message(tmp_path):
+    source = tmp_path / "broken.c"
+    source.write_text("int f( {\n")
+    with pytest.raises(BackendError, match="broken.c"):
+        native_loop.build(source, tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so"))  # nothing half-built left
+
+
+def test_builds_once_per_source_version(tmp_path):
+    first = native_loop.build(directory=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native_loop.build(directory=tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
