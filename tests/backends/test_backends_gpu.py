@@ -75,6 +75,8 @@ PLANNED = {
     # a row image (4 x 32 KiB x factor) or two per chunk: the ring wraps every chunk or two
     "staged-blocks-small": lambda planner: _staged(planner=planner, chunk_bytes=320 << 10,
                                                    num_slots=2, direct_bytes=64 << 10),
+    # the same pipeline issued from Python on the caller's thread (the native loop off)
+    "staged-blocks-python": lambda planner: _staged(planner=planner, native=False),
 }
 
 
@@ -340,7 +342,8 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
 
 
 @pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small",
-                                  "staged-blocks", "staged-blocks-small"])
+                                  "staged-blocks", "staged-blocks-small",
+                                  "staged-blocks-python"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
@@ -388,7 +391,7 @@ def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     handlers.shutdown()
 
 
-@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small"])
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-python"])
 def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     """block_size_factor 2, a load starting at the second sub-page of its first CPU block
     (vLLM's block_indices): the pages land byte-exact and no other GPU byte changes."""
@@ -418,4 +421,49 @@ def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     assert np.array_equal(got, expected)
     (result,) = handlers.get_finished()
     assert result.success and result.transfer_size == 7 * tensors * page
+    handlers.shutdown()
+
+
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small"])
+def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buffers):
+    """Transfers submitted without waiting (the native loop issues them while the caller
+    submits more): stores of random blocks, then loads of them into other GPU blocks,
+    results in submission order, every page byte-exact, the loop's tables reused safely."""
+    from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+    gpu, host = buffers
+    tensors, page = 4, 32768
+    rng = np.random.default_rng(8)
+    handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
+                                 factor=1)
+    assert handlers.gpu_to_cpu_handler.backend.native
+    written = torch.from_numpy(rng.integers(0, 256, GPU_BYTES, dtype=np.uint8)).cuda()
+    gpu.copy_(written)
+    host.fill_(0)
+    torch.cuda.synchronize()
+    jobs, loads = [], []
+    for k in range(8):  # stores of 4 blocks each into rows 4k..4k+3, then loads of them
+        src = rng.permutation(32)[:4].tolist()
+        rows = list(range(4 * k, 4 * k + 4))
+        assert handlers.transfer_async(k, (GPULoadStoreSpec(src), CPULoadStoreSpec(rows)))
+        jobs.append(k)
+        loads.append((src, rows))
+    handlers.wait(jobs)  # the two directions are not ordered with each other (the engine's job)
+    for k, (src, rows) in enumerate(loads):
+        dst = [32 + b for b in rng.permutation(32)[:4].tolist()]
+        assert handlers.transfer_async(100 + k, (CPULoadStoreSpec(rows), GPULoadStoreSpec(dst)))
+        jobs.append(100 + k)
+        loads[k] = (src, dst)
+    results = []
+    while len(results) < len(jobs):
+        results += handlers.get_finished()
+    assert [r.job_id for r in results if r.transfer_type is Direction.GPU_TO_CPU] == jobs[:8]
+    assert [r.job_id for r in results if r.transfer_type is Direction.CPU_TO_GPU] == jobs[8:]
+    assert all(r.success and r.transfer_time > 0 for r in results)
+    want, got = written.cpu().numpy(), gpu.cpu().numpy()
+    for src, dst in loads:
+        for t in range(tensors):
+            for a, b in zip(src, dst):
+                base = t * 64 * page
+                assert np.array_equal(got[base + b * page:][:page], want[base + a * page:][:page])
     handlers.shutdown()

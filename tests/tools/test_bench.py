@@ -45,7 +45,7 @@ def test_cpu_runs_alone_and_unknown_names_are_refused_naming_the_choices():
     run = bench("--backend", "warp")
     assert run.returncode == 2
     assert ("--backend = 'warp': allowed 'auto', 'ce', 'kernel', 'staged', 'cpu', 'ce_loop', "
-            "or a variant: ce-stream, staged-CHUNKMIB-SLOTS") in run.stderr
+            "or a variant: ce-stream, staged-python, staged-CHUNKMIB-SLOTS") in run.stderr
 
 
 def test_help_explains_every_option_in_plain_text():

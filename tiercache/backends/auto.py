@@ -84,13 +84,33 @@ class AutoBackend(CopyBackend):
         self.planner = planner
         self.takes_blocks = chosen.takes_blocks and (small is None or planner is not None)
 
+    def _is_small(self, plan: CopyPlan | BlockPlan) -> bool:
+        if self.small is None:
+            return False
+        n = plan.num_pages if isinstance(plan, BlockPlan) else plan.num_descriptors
+        return n <= SMALL_PLAN_DESCRIPTORS
+
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
+                       start: Any, end: Any) -> Submitted | None:
+        """Small plans on the calling thread (after the chosen backend's thread issued
+        what it holds: the previous end event must be recorded before it is waited on);
+        the rest through the chosen backend, which may issue on its own thread."""
+        if plan is not None and self._is_small(plan):
+            return super().submit_ordered(plan, stream, previous, start, end)
+        return self.chosen.submit_ordered(plan, stream, previous, start, end)
+
+    def drain(self) -> None:
+        self.chosen.drain()
+        if self.small is not None:
+            self.small.drain()
+
     def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
-        if self.small is not None and plan.num_pages <= SMALL_PLAN_DESCRIPTORS:
+        if self._is_small(plan):
             return self.small.copy_async(self.planner.expand(plan), stream)
         return self.chosen.copy_blocks_async(plan, stream)
 
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
-        if self.small is not None and plan.num_descriptors <= SMALL_PLAN_DESCRIPTORS:
+        if self._is_small(plan):
             return self.small.copy_async(plan, stream)
         return self.chosen.copy_async(plan, stream)
 

@@ -95,9 +95,12 @@ class BackendContext:
 class Submitted:
     """What ``copy_async`` returns: everything the device still reads after the call
     (pointer arrays, descriptor tables, staging layouts), kept alive by holding this
-    until the stream has passed the copies."""
+    until the stream has passed the copies. ``ticket`` (``native_loop.Ticket``) is set
+    when a thread of the backend's still issues the work: its events mean nothing before
+    ``ticket.issued()``, and ``ticket.status`` is then the first failing CUresult (0: none)."""
 
     keep: tuple[Any, ...]
+    ticket: Any = None
 
 
 class CopyBackend(ABC):
@@ -132,6 +135,29 @@ class CopyBackend(ABC):
         """``copy_async`` for a block-level plan (only when ``takes_blocks``): the same
         guarantees, with the pages expanded on the device."""
         raise BackendError(f"the {self.kind.label} backend takes page plans, not block plans")
+
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
+                       start: Any, end: Any) -> Submitted | None:
+        """One handler transfer on ``stream`` (which already waits for the compute
+        stream): wait for ``previous`` (the last transfer's end event, or None), record
+        ``start``, enqueue the plan's copies (None: none), record ``end``. ``end`` is
+        recorded whatever happens, in order, so later transfers can wait on it; a failure
+        to submit raises (``BackendError``) after that. Here all of it runs on the calling
+        thread, after ``drain``; a backend that issues on a thread of its own overrides it
+        and returns a ``Submitted`` with a ticket."""
+        self.drain()
+        try:
+            if previous is not None:
+                stream.wait_event(previous)
+            start.record(stream)
+            return None if plan is None else self.submit_plan(plan, stream)
+        finally:
+            end.record(stream)
+
+    def drain(self) -> None:
+        """Block until everything submitted was issued to the device (a backend with an
+        issuing thread; nothing to do here). Work enqueued on the calling thread after
+        this is ordered after it."""
 
     def close(self) -> None:
         """Release buffers; called once after every transfer has finished."""

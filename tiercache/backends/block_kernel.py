@@ -25,6 +25,7 @@ launch is one Triton call with no allocation.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,11 @@ from triton.compiler import CompiledKernel
 
 from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
 from tiercache.backends.driver import CudaDriver
+from tiercache.backends.native_loop import KERNEL_ARGS, LoopKernel
 from tiercache.errors import BackendError
+
+# parameter bytes of _move_pages as the native loop passes them: addresses i64, the rest i32
+LOOP_PARAM_BYTES = (8, 4, 4, 4, 8, 8, 4, 8, 4)
 
 _THREAD_BYTES_PER_STEP = 128  # bytes each thread moves per step: 8 x 16-byte accesses in flight
 _ELEMENT = {16: (tl.int64, 8), 8: (tl.int64, 8), 4: (tl.int32, 4), 2: (tl.int16, 2),
@@ -119,6 +124,43 @@ class BlockKernel:
         """Load half: the reverse of ``pack`` (slot -> GPU pages)."""
         self._launch(pairs, num_pairs, first, count, slot_base, False)
 
+    def loop_kernel(self, slot_base: int) -> LoopKernel:
+        """Both directions compiled now (one launch over no pairs each, on the current
+        stream: the addresses passed are only typed, never read) and described for the
+        native chunk loop, which launches them with ``cuLaunchKernel``. The parameter
+        list is read from the PTX: the loop's nine arguments first, in the sizes it
+        passes (``LOOP_PARAM_BYTES``), then Triton's own (scratch pointers), passed as
+        zero. Anything else (a different Triton ABI, an interpreted kernel, clusters)
+        raises ``BackendError``: the loop would launch it wrongly."""
+        if slot_base % SLOT_ALIGN:
+            raise BackendError(f"slot_base = {slot_base:#x}: must be a multiple of {SLOT_ALIGN}")
+        functions, shared, sizes, warps = [], [], None, None
+        for store in (False, True):
+            grid = (1, self.num_tensor_columns, 1)
+            kernel = _move_pages[grid](self.tensors.data_ptr(), 0, 0, 0, slot_base, *self._static,
+                                       STORE=store, **self._meta)
+            if not isinstance(kernel, CompiledKernel):
+                raise BackendError("the native chunk loop needs the compiled kernel (it was "
+                                   "interpreted: TRITON_INTERPRET is set)")
+            meta = kernel.metadata
+            if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
+                    or getattr(meta, "launch_pdl", False):
+                raise BackendError(f"the pack kernel needs launch attributes the native loop does "
+                                   f"not set ({meta})")
+            if self.compiled_launch:
+                self._compiled[store] = kernel
+            params = ptx_param_bytes(kernel.asm["ptx"], kernel.name)
+            if tuple(params[:KERNEL_ARGS]) != LOOP_PARAM_BYTES or sizes not in (None, params):
+                raise BackendError(f"the pack kernel's parameters are {params} bytes: the native "
+                                   f"loop passes {list(LOOP_PARAM_BYTES)} first (Triton ABI changed?)")
+            kernel._init_handles()
+            functions.append(int(kernel.function))
+            shared.append(int(meta.shared))
+            sizes, warps = params, int(meta.num_warps)
+        return LoopKernel((functions[0], functions[1]), 32 * warps, (shared[0], shared[1]),
+                          self.num_tensor_columns, self.max_pair_programs or 0, len(sizes),
+                          self._static)
+
     def _launch(self, pairs: int, num_pairs: int, first: int, count: int, slot_base: int,
                 store: bool) -> None:
         if count <= 0:
@@ -137,6 +179,14 @@ class BlockKernel:
             self._compiled[store] = kernel
 
 
+def ptx_param_bytes(ptx: str, name: str) -> list[int]:
+    """The bytes of each parameter of kernel ``name`` in ``ptx``, in order."""
+    found = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.DOTALL)
+    if found is None:
+        raise BackendError(f"no .entry {name} in the kernel's PTX")
+    return [int(bits) // 8 for bits in re.findall(r"\.param\s+\.[a-z]+?(\d+)\b", found.group(1))]
+
+
 class PairTables:
     """Per-transfer pair tables in pinned host memory, read by the kernels through UVA.
 
@@ -152,19 +202,20 @@ class PairTables:
     def __init__(self, device: torch.device | str, driver: CudaDriver | None = None):
         self.device = torch.device(device)
         self.driver = driver or CudaDriver()
-        self._idle: list[tuple[torch.Tensor, int]] = []  # (pinned buffer, its event)
+        self._idle: list[tuple[torch.Tensor, int, Any]] = []  # (pinned buffer, event, ticket)
         self._events: list[int] = []
 
     def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
         """(address of the (4, P) int64 table the kernels read, token for ``release``)."""
         n = int(pairs.size)
-        for i, (host, event) in enumerate(self._idle):
-            if host.numel() >= n and self.driver.event_done(event):
+        for i, (host, event, ticket) in enumerate(self._idle):
+            if host.numel() >= n and (ticket is None or ticket.issued()) \
+                    and self.driver.event_done(event):
                 entry = self._idle.pop(i)
                 break
         else:
             entry = (torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True),
-                     self.driver.event_create())
+                     self.driver.event_create(), None)
             self._events.append(entry[1])
         entry[0].numpy()[:n] = pairs.reshape(-1)
         return entry[0].data_ptr(), entry
@@ -172,6 +223,16 @@ class PairTables:
     def release(self, token: Any, stream: Any) -> None:
         self.driver.event_record(token[1], int(stream.cuda_stream))
         self._idle.append(token)
+
+    @staticmethod
+    def table_event(token: Any) -> int:
+        """The event the chunk loop records after the table's last launch."""
+        return token[1]
+
+    def release_after(self, token: Any, ticket: Any) -> None:
+        """``release`` for a table the chunk loop reads: reusable once ``ticket`` is issued
+        and the loop's record of ``table_event(token)`` completed."""
+        self._idle.append((token[0], token[1], ticket))
 
     def close(self) -> None:
         """Call once nothing in flight reads a table (the backend's close)."""

@@ -82,6 +82,10 @@ class CeBackend(CopyBackend):
                                    if start else str(e)) from e
             start, batch = stop, min(2 * batch, MAX_BATCH)
 
+    def attributes(self, order: SrcAccessOrder) -> MemcpyAttributes:
+        """The batch attributes of ``order`` (what the native chunk loop passes too)."""
+        return self._attrs[order]
+
     def submit_range(self, arrays: DescriptorArrays, start: int, stop: int,
                      order: SrcAccessOrder, handle: int) -> None:
         """Enqueue descriptors ``[start, stop)`` of ``arrays`` (used by ``staged`` per chunk)."""

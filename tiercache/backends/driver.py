@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.backends.base import CopyPlan
+from tiercache.backends.native_loop import LoopDriver
 from tiercache.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,12 @@ class CudaDriver:
         self.driver_version = version.value
         self._batch_abi: int | None = None
         self._batch = None
+        self._batch_address = 0
         for abi, proto in ((_ABI_12_8, _BATCH_12_8), (_ABI_13_0, _BATCH_13_0)):
             address = self._proc_address(b"cuMemcpyBatchAsync", abi)
             if address:
                 self._batch, self._batch_abi = proto(address), abi
+                self._batch_address = address
                 break
         address = self._proc_address(b"cuMemcpyAsync", 4000)
         if not address:
@@ -115,6 +118,11 @@ class CudaDriver:
         lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+        lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        self._elapsed = elapsed
         self._event_record = lib.cuEventRecord
         self._stream_wait_event = lib.cuStreamWaitEvent
         self._fail_index = ctypes.c_size_t(0)
@@ -196,12 +204,21 @@ class CudaDriver:
         """``cuMemHostUnregister``; returns the CUresult."""
         return self._lib.cuMemHostUnregister(address)
 
-    # ------------------------------------------------------------ events (no timing)
-    def event_create(self) -> int:
+    # ------------------------------------------------------------ events
+    def event_create(self, timing: bool = False) -> int:
         event = ctypes.c_void_p(0)
-        self._check(self._lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+        self._check(self._lib.cuEventCreate(ctypes.byref(event),
+                                            0 if timing else _EVENT_DISABLE_TIMING),
                     "cuEventCreate")
         return int(event.value)
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        ms = ctypes.c_float(0.0)
+        self._check(self._elapsed(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        return float(ms.value)
 
     def event_destroy(self, event: int) -> None:
         self._check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
@@ -220,6 +237,22 @@ class CudaDriver:
     def stream_wait_event(self, stream_handle: int, event: int) -> None:
         self._check(self._stream_wait_event(stream_handle, event, 0), "cuStreamWaitEvent")
 
+    # ------------------------------------------------------------ the native chunk loop
+    def loop_driver(self) -> LoopDriver:
+        """The entry points ``native_loop.ChunkLoop`` calls, and the calling thread's
+        current context (the loop's thread makes it current)."""
+        if not self._batch_address:
+            raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyBatchAsync "
+                               "(needs R570 / CUDA 12.8 or newer)")
+        ctx = ctypes.c_void_p(0)
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            raise BackendError("no CUDA context is current: the chunk loop needs the device's")
+        address = lambda name: ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value  # noqa: E731
+        return LoopDriver(address("cuLaunchKernel"), address("cuEventRecord"),
+                          address("cuStreamWaitEvent"), self._batch_address,
+                          address("cuCtxSetCurrent"), int(self._batch_abi), int(ctx.value))
+
     # ------------------------------------------------------------ stream entry
     def enter(self, stream: Any, device: int) -> int:
         """The raw handle of ``stream`` (see ``stream_handle``), with ``device``'s primary
@@ -231,6 +264,36 @@ class CudaDriver:
 
             torch.cuda.set_device(device)  # makes the primary context current
         return handle
+
+
+class DriverEvent:
+    """A timing CUDA event behind the handlers' ``Event`` interface (streams.py), with its
+    raw ``handle``: the chunk loop records and waits on it from its own thread, which a
+    torch event (created lazily, handle hidden) does not allow. Errors of work before it
+    raise ``BackendError`` from ``query`` / ``synchronize``."""
+
+    __slots__ = ("_driver", "handle")
+
+    def __init__(self, driver: CudaDriver):
+        self._driver = driver
+        self.handle = driver.event_create(timing=True)
+
+    def record(self, stream: Any) -> None:
+        self._driver.event_record(self.handle, int(stream.cuda_stream))
+
+    def query(self) -> bool:
+        return self._driver.event_done(self.handle)
+
+    def synchronize(self) -> None:
+        self._driver.event_synchronize(self.handle)
+
+    def elapsed_time(self, end_event: DriverEvent) -> float:
+        return self._driver.event_elapsed_ms(self.handle, end_event.handle)
+
+    def destroy(self) -> None:
+        if self.handle:
+            self._driver.event_destroy(self.handle)
+            self.handle = 0
 
 
 def stream_handle(stream) -> int:

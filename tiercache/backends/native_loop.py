@@ -242,7 +242,15 @@ class ChunkLoop:
         1``; zero chunks queue only the ordering events."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
+        pair_first, dma_first = (np.ascontiguousarray(a, dtype=np.int64)
+                                 for a in (pair_first, dma_first))
+        dma_host, dma_slot, dma_bytes = (np.ascontiguousarray(a, dtype=np.uint64)
+                                         for a in (dma_host, dma_slot, dma_bytes))
         num_chunks = max(int(pair_first.size) - 1, 0)
+        if num_chunks and (dma_first.size != pair_first.size
+                           or int(dma_first[-1]) != dma_host.size):
+            raise BackendError(f"a job of {num_chunks} chunks with {dma_first.size - 1} DMA "
+                               f"ranges over {dma_host.size} DMAs")
         stage = np.empty(int(dma_host.size), dtype=np.uint64)
         status = ctypes.c_int32(STATUS_PENDING)
         j = LoopJob()

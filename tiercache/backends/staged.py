@@ -62,6 +62,8 @@ from tiercache.backends.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
 )
 from tiercache.backends.kind import BackendKind
+from tiercache.backends.native_loop import ChunkLoop
+from tiercache.backends.block_staging import SLOT_ALIGN
 from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.errors import BackendError
@@ -84,7 +86,7 @@ class StagedBackend(CopyBackend):
                  num_slots: int = DEFAULT_NUM_SLOTS, direct_bytes: int = DEFAULT_DIRECT_BYTES,
                  pack_programs: int | None = None, driver: CudaDriver | None = None,
                  load_order: SrcAccessOrder = SrcAccessOrder.ANY, planner: Any = None,
-                 load_whole_rows: bool = True):
+                 load_whole_rows: bool = True, native: bool = True):
         if num_slots < 2:
             raise BackendError(f"num_slots = {num_slots}: staged needs >= 2 to overlap")
         if not 0 < direct_bytes <= chunk_bytes:
@@ -113,6 +115,7 @@ class StagedBackend(CopyBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
         self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
+        self._loop = self._chunk_loop() if native and self._blocks is not None else None
 
     def _block_path(self, planner: Any, load_whole_rows: bool
                     ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
@@ -126,12 +129,69 @@ class StagedBackend(CopyBackend):
         return (staging, BlockKernel(staging, self.device, compiled_launch=True),
                 PairTables(self.device, self.driver))
 
+    def _chunk_loop(self) -> ChunkLoop:
+        """The native chunk loop over this ring (``native_loop``); raises BackendError
+        when it cannot be built or started (no quiet fallback to the Python loop)."""
+        kernel = self._blocks[1].loop_kernel(self._ring_base)
+        if self.slot_bytes % SLOT_ALIGN:
+            raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
+        attrs = tuple(bytes(self._ce.attributes(order))
+                      for order in (self.load_order, SrcAccessOrder.STREAM))
+        return ChunkLoop(self.driver.loop_driver(), kernel, dma_stream=self._dma,
+                         ring_base=self._ring_base, slot_bytes=self.slot_bytes,
+                         free_events=self._free, ready_events=self._ready,
+                         begin_event=self._start, done_event=self._done, attrs=attrs)
+
     @property
     def takes_blocks(self) -> bool:  # type: ignore[override]
         return self._blocks is not None
 
+    @property
+    def native(self) -> bool:
+        """Block transfers are issued by the native chunk loop's thread."""
+        return self._loop is not None
+
+    def drain(self) -> None:
+        if self._loop is not None:
+            self._loop.wait()
+
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
+                       start: Any, end: Any) -> Submitted | None:
+        """Block plans (and empty transfers) go to the chunk loop whole, with the handler's
+        events: the caller's thread only lays the transfer out. Page plans: the base."""
+        if self._loop is None or isinstance(plan, CopyPlan):
+            return super().submit_ordered(plan, stream, previous, start, end)
+        return self._submit_native(plan, stream, previous, start, end)
+
+    def _submit_native(self, plan: BlockPlan | None, stream: Any, previous: Any, start: Any,
+                       end: Any) -> Submitted:
+        staging, _, tables = self._blocks
+        handle = self.driver.enter(stream, self._ce.device)
+        order = dict(stream=handle, prev_end=0 if previous is None else previous.handle,
+                     start_event=0 if start is None else start.handle,
+                     end_event=0 if end is None else end.handle)
+        try:
+            layout = None if plan is None else \
+                staging.layout(plan.pairs, plan.direction is Direction.GPU_TO_CPU)
+        except BackendError:
+            self._loop.submit(**order, **_NO_CHUNKS)  # the end event is still recorded in order
+            raise
+        if layout is None or not layout.num_chunks:
+            return Submitted((), self._loop.submit(**order, **_NO_CHUNKS))
+        address, token = tables.upload(layout.pairs, stream)
+        ticket = self._loop.submit(
+            **order, table_event=tables.table_event(token),
+            store=plan.direction is Direction.GPU_TO_CPU, cursor=self._cursor, pairs=address,
+            num_pairs=layout.num_pairs, pair_first=layout.pair_first, dma_host=layout.dma_host,
+            dma_slot=layout.dma_slot, dma_bytes=layout.dma_bytes, dma_first=layout.dma_first,
+            keep=layout)
+        tables.release_after(token, ticket)
+        self._cursor = (self._cursor + layout.num_chunks) % self.num_slots
+        return Submitted((layout,), ticket)
+
     # ------------------------------------------------------------ submit
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+        self.drain()  # the ring's events: the loop's records come first
         handle = self.driver.enter(stream, self._ce.device)
         src, dst, sizes = plan_arrays(plan)
         store = plan.direction is Direction.GPU_TO_CPU
@@ -153,6 +213,13 @@ class StagedBackend(CopyBackend):
         if self._blocks is None:
             raise BackendError("staged has no block layout for this geometry (built without "
                                "a planner, or the layout refused it): pass a page plan")
+        if self._loop is not None:  # issued by the loop; the caller orders after it on return
+            submitted = self._submit_native(plan, stream, None, None, None)
+            submitted.ticket.wait()
+            if submitted.ticket.status:
+                raise BackendError(f"the chunk loop failed: "
+                                   f"{self.driver.error_name(submitted.ticket.status)}")
+            return Submitted(submitted.keep)
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
         store = plan.direction is Direction.GPU_TO_CPU
@@ -254,12 +321,22 @@ class StagedBackend(CopyBackend):
         """Call only after every submitted transfer has finished (the handler drains)."""
         if self._ring is None:
             return
+        if self._loop is not None:
+            self._loop.close()  # issues what is queued first
+            self._loop = None
         self._dma_stream.synchronize()
         for event in (*self._free, *self._ready, self._start, self._done):
             self.driver.event_destroy(event)
         if self._blocks is not None:
             self._blocks[2].close()
         self._ring = None  # type: ignore[assignment]
+
+
+_EMPTY_U64 = np.zeros(0, dtype=np.uint64)
+_EMPTY_FIRST = np.zeros(1, dtype=np.int64)
+_NO_CHUNKS = dict(table_event=0, store=False, cursor=0, pairs=0, num_pairs=0,
+                  pair_first=_EMPTY_FIRST, dma_host=_EMPTY_U64, dma_slot=_EMPTY_U64,
+                  dma_bytes=_EMPTY_U64, dma_first=_EMPTY_FIRST)
 
 
 def create(context: BackendContext) -> StagedBackend:

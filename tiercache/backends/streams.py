@@ -57,19 +57,35 @@ class StreamPlatform(ABC):
 
 
 class CudaStreams(StreamPlatform):
-    """torch.cuda streams and events on one device (what the GPU backends receive)."""
+    """torch.cuda streams on one device, and driver events with raw handles
+    (``DriverEvent``: a backend that issues on a thread of its own records them there)."""
 
     def __init__(self, device: Any):
         import torch
 
+        from tiercache.backends.driver import CudaDriver
+
         self._torch = torch
         self.device = torch.device(device)
+        self._driver = CudaDriver()
+        self._events: list[Any] = []
 
     def new_stream(self) -> Stream:
         return self._torch.cuda.Stream(device=self.device)
 
     def new_timing_event(self) -> Event:
-        return self._torch.cuda.Event(enable_timing=True)
+        from tiercache.backends.driver import DriverEvent
+
+        if not self._driver.has_current_context():
+            self._torch.cuda.set_device(self.device)  # the primary context, current
+        event = DriverEvent(self._driver)
+        self._events.append(event)
+        return event
+
+    def close(self) -> None:
+        for event in self._events:
+            event.destroy()
+        self._events.clear()
 
     def current_stream(self) -> Stream:
         return self._torch.cuda.current_stream(self.device)

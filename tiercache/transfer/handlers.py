@@ -21,12 +21,14 @@ thread):
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
-Submission runs on the caller's thread. A submit thread per handler was tried, to take the
-per-chunk driver calls off the engine's thread: under the GIL it made things far worse (a
-caller polling ``get_finished`` kept the GIL, and the submit thread waited a switch
-interval, 5 ms, per step: one-block loads took 40-80 ms; docs/benchmarks.md, "Host
-path"). Host time is cut where it is spent instead: block-level plans (O(blocks)), pages
-expanded on the device by ``staged``.
+Planning and the layout run on the caller's thread; the backend orders and enqueues the
+transfer (``CopyBackend.submit_ordered``: wait for the previous transfer, record the start,
+the copies, record the end). ``staged`` hands that to its native chunk loop's thread, so
+the caller is not held for the per-chunk driver calls; a transfer's events then mean
+something only once its ticket says issued, which ``get_finished`` and ``wait`` check
+first, and a failure on that thread is ``success=False`` like a device failure. (A Python
+submit thread was tried before and reverted: under the GIL it waited a 5 ms switch
+interval per step while the caller polled; docs/benchmarks.md, "Host path".)
 
 ``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
 direction once (``Direction.of``) and hands the transfer to that direction's handler.
@@ -128,22 +130,32 @@ class SingleDirectionOffloadingHandler:
     def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
                  end: Event) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
+        empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
+        ok = True
         try:
             stream.wait_stream(self._streams.current_stream())
-            if previous is not None:
-                stream.wait_event(previous)
-            start.record(stream)
-            empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
-            return True, None if empty else self.backend.submit_plan(plan, stream)
         except _DEVICE_ERRORS as e:
-            log.error("%s job %d: the %s backend could not submit %d bytes: %s",
-                      self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, e)
+            self._log_refusal(job_id, plan, e)
+            ok = False
+        try:  # the backend records ``end`` in order whatever happens (later transfers wait on it)
+            token = self.backend.submit_ordered(plan if ok and not empty else None, stream,
+                                                previous, start, end)
+        except _DEVICE_ERRORS as e:
+            self._log_refusal(job_id, plan, e)
             return False, None
-        finally:
-            end.record(stream)  # later transfers order after this one whatever happened
+        return ok, token
+
+    def _log_refusal(self, job_id: int, plan: CopyPlan | BlockPlan, error: BaseException) -> None:
+        log.error("%s job %d: the %s backend could not submit %d bytes: %s",
+                  self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, error)
 
     # ---------------------------------------------------------------- complete
     def _is_done(self, transfer: _Transfer) -> bool:
+        ticket = transfer.keep_alive.ticket if transfer.keep_alive is not None else None
+        if ticket is not None:
+            if not ticket.issued():  # its events are not recorded yet
+                return False
+            self._note_issue_failure(transfer, ticket)
         try:
             return transfer.end_event.query()
         except _DEVICE_ERRORS as e:
@@ -154,6 +166,13 @@ class SingleDirectionOffloadingHandler:
         if not transfer.failed_on_device:
             log.error("%s job %d failed on the device: %s", self.direction.label,
                       transfer.job_id, error)
+            transfer.failed_on_device = True
+
+    def _note_issue_failure(self, transfer: _Transfer, ticket) -> None:
+        if ticket.status and not transfer.failed_on_device:
+            log.error("%s job %d: the %s backend's issuing thread failed: CUresult %d",
+                      self.direction.label, transfer.job_id, self.backend.kind.label,
+                      ticket.status)
             transfer.failed_on_device = True
 
     def _finish(self, transfer: _Transfer) -> TransferResult:
@@ -181,6 +200,10 @@ class SingleDirectionOffloadingHandler:
         return results
 
     def _synchronize(self, transfer: _Transfer) -> None:
+        ticket = transfer.keep_alive.ticket if transfer.keep_alive is not None else None
+        if ticket is not None:
+            ticket.wait()
+            self._note_issue_failure(transfer, ticket)
         try:
             transfer.end_event.synchronize()
         except _DEVICE_ERRORS as e:

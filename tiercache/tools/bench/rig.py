@@ -38,9 +38,18 @@ def _staged_ring(chunk_mib: int, num_slots: int, context: BackendContext) -> Cop
                          num_slots=num_slots, planner=context.planner)
 
 
+def _staged_python(context: BackendContext) -> CopyBackend:
+    from tiercache.backends.driver import device_index
+    from tiercache.backends.staged import StagedBackend
+
+    return StagedBackend(device_index(context.device), planner=context.planner, native=False)
+
+
 # Variants of a kind with non-default settings, for A/B runs: name -> (kind, factory).
 VARIANTS: dict[str, tuple[BackendKind, Callable[[BackendContext], CopyBackend]]] = {
     "ce-stream": (BackendKind.CE, _ce_stream_loads),  # loads with srcAccessOrder STREAM
+    # the staged pipeline issued from Python on the caller's thread (no native chunk loop)
+    "staged-python": (BackendKind.STAGED, _staged_python),
 }
 _STAGED_RING = re.compile(r"staged-(\d+)-(\d+)")  # staged-CHUNKMIB-SLOTS, e.g. staged-32-2
 
