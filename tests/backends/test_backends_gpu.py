@@ -449,8 +449,9 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
         jobs.append(k)
         loads.append((src, rows))
     handlers.wait(jobs)  # the two directions are not ordered with each other (the engine's job)
+    targets = (32 + rng.permutation(32)).reshape(8, 4).tolist()  # no GPU block loaded twice
     for k, (src, rows) in enumerate(loads):
-        dst = [32 + b for b in rng.permutation(32)[:4].tolist()]
+        dst = targets[k]
         assert handlers.transfer_async(100 + k, (CPULoadStoreSpec(rows), GPULoadStoreSpec(dst)))
         jobs.append(100 + k)
         loads[k] = (src, dst)
