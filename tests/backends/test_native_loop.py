@@ -1,14 +1,15 @@
 """The native chunk loop (``backends/native/chunk_loop.c``) on the CPU, driven by a
 driver table of Python functions that do what the GPU would, on numpy memory.
 
-The loop is the real compiled C on its own thread; only the five driver entry points are
-stand-ins (no GPU here): a launch runs the numpy model of the pack / unpack kernel over
-the pair range and slot base it was given, a batch copies its descriptors, and event
-records / waits are logged. Each case (hypothesis-drawn geometries and transfers, the
-same as test_block_staging's) must then leave exactly the bytes the per-page plan
-leaves, and the calls must come in the order of staged's pipeline contract. A slot is
-poisoned when a chunk claims it (its ``free`` wait), so a DMA or an unpack that read
-bytes the chunk did not write would show.
+The loop is the real compiled C on its own thread, laying transfers out itself; only the
+five driver entry points are stand-ins (no GPU here): a launch runs the numpy model of
+the pack / unpack kernel over the pair table, range and slot base it was given, a batch
+copies its descriptors, and event records / waits are logged. Each case
+(hypothesis-drawn geometries and transfers, the same as test_block_staging's) must leave
+exactly the bytes the per-page plan leaves; the pair table, the DMAs and the calls must be
+those of the numpy layout (``BlockStaging.layout``, the specification) in the order of
+staged's pipeline contract. A slot is poisoned when a chunk claims it (its ``free``
+wait), so a DMA or an unpack that read bytes the chunk did not write would show.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_reference import (
-    CPU_BASE, GPU_BASE, HypDraw, Memory, aligned, assert_same, draw_case, expected_after, fill,
+    CPU_BASE, GPU_BASE, Case, HypDraw, Memory, aligned, assert_same, draw_case, expected_after, fill,
     page_places,
 )
 from tiercache.backends import native_loop
 from tiercache.backends.block_staging import BlockStaging
-from tiercache.backends.native_loop import ChunkLoop, LoopDriver, LoopKernel
+from tiercache.backends.native_loop import ChunkLoop, Geometry, LoopDriver, LoopKernel
 from tiercache.errors import BackendError
+from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.planner import TransferPlanner
 
 RING_BASE = 0x30_0000_0000
@@ -53,11 +55,11 @@ _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 # handles: small distinct integers (the stand-ins only compare them)
 STREAM, DMA, PACK, UNPACK = 0x100, 0x200, 0x300, 0x301
-START, END, PREV, TABLE, BEGIN, DONE = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15
+START, END, PREV, TABLE, BEGIN, DONE, AFTER = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16
 FREE = [0x40 + s for s in range(NUM_SLOTS)]
 READY = [0x60 + s for s in range(NUM_SLOTS)]
 NAMES = {STREAM: "S", DMA: "D", START: "start", END: "end", PREV: "prev", TABLE: "table",
-         BEGIN: "begin", DONE: "done", **{e: f"free{s}" for s, e in enumerate(FREE)},
+         BEGIN: "begin", DONE: "done", AFTER: "after", **{e: f"free{s}" for s, e in enumerate(FREE)},
          **{e: f"ready{s}" for s, e in enumerate(READY)}}
 
 
@@ -80,6 +82,8 @@ class FakeGpu:
         self.fail_batch = fail_batch
         self.threads: set[int] = set()
         self.claimed = -1  # the slot of the chunk being issued (its free wait came last)
+        self.tables: list[np.ndarray] = []  # the pair table of each launch, as the kernel saw it
+        self.dmas: list[tuple[int, int, int]] = []  # (host, slot offset, bytes), issue order
         self.c_launch = _LAUNCH(self._guard(self.launch))
         self.c_record = _RECORD(self._guard(self.record))
         self.c_wait = _WAIT(self._guard(self.wait))
@@ -126,7 +130,8 @@ class FakeGpu:
         assert extra is None and (gy, gz, bx, by, bz) == (7, 1, 128, 1, 1)
         assert shared == (16 if function == PACK else 8) and NAMES[stream] == "S"
         table = np.ctypeslib.as_array((ctypes.c_int64 * (4 * num_pairs)).from_address(pairs))
-        np.testing.assert_array_equal(table.reshape(4, -1), self.layout.pairs)
+        table = table.reshape(4, -1).copy()
+        self.tables.append(table)
         assert gx == min(count, 5)  # max_grid_x bounds the first dimension
         store = function == PACK
         assert store == self.case.store
@@ -134,7 +139,7 @@ class FakeGpu:
 
         self.trace.append(("launch", "pack" if store else "unpack", first, count))
         places = page_places(self.case, self.gpu_pages, self.cpu_pages,
-                             self.layout.pairs[:, first:first + count])
+                             table[:, first:first + count])
         for address, offset, n in places:
             slot = self.ring.at(slot_base + offset, n)
             page = self.memory(address, n)
@@ -156,24 +161,27 @@ class FakeGpu:
             return 700
         slot = RING_BASE + self.claimed * self.slot_bytes
         staged = _u64s(srcs if self.case.store else dsts, count)
+        hosts = _u64s(dsts if self.case.store else srcs, count)
         assert all(slot <= a and a + n <= slot + self.slot_bytes
                    for a, n in zip(staged, _u64s(sizes, count))), "a DMA outside the claimed slot"
+        self.dmas += [(h, a - slot, n) for h, a, n in zip(hosts, staged, _u64s(sizes, count))]
         for d, s, n in zip(_u64s(dsts, count), _u64s(srcs, count), _u64s(sizes, count)):
             self.memory(d, n)[:] = self.memory(s, n)
         return 0
 
 
-def _loop(fake: FakeGpu, slot_bytes: int) -> ChunkLoop:
+def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging) -> ChunkLoop:
     attrs = (bytes([3, 0, 0, 0]) + bytes(20), bytes([1, 0, 0, 0]) + bytes(20))
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
-    return ChunkLoop(fake.driver, kernel, dma_stream=DMA, ring_base=RING_BASE,
+    return ChunkLoop(fake.driver, kernel, Geometry.of(staging), dma_stream=DMA,
+                     ring_base=RING_BASE,
                      slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
                      begin_event=BEGIN, done_event=DONE, attrs=attrs)
 
 
 def _contract(layout, store: bool, cursor: int) -> list[tuple]:
     """staged's pipeline order (backends/staged.py docstring), written out independently."""
-    out = [("wait", "S", "prev"), ("record", "start", "S")]
+    out = [("wait", "S", "after"), ("wait", "S", "prev"), ("record", "start", "S")]
     if layout.num_chunks:
         out += [("record", "begin", "S"), ("wait", "D", "begin")]
     for k in range(layout.num_chunks):
@@ -193,49 +201,115 @@ def _contract(layout, store: bool, cursor: int) -> list[tuple]:
     return out + [("record", "end", "S")]
 
 
-def _submit(loop: ChunkLoop, layout, store: bool, cursor: int):
-    pairs = np.ascontiguousarray(layout.pairs)
-    return loop.submit(stream=STREAM, prev_end=PREV, start_event=START, end_event=END,
-                       table_event=TABLE, store=store, cursor=cursor, pairs=pairs.ctypes.data,
-                       num_pairs=layout.num_pairs, pair_first=layout.pair_first,
-                       dma_host=layout.dma_host, dma_slot=layout.dma_slot,
-                       dma_bytes=layout.dma_bytes, dma_first=layout.dma_first, keep=pairs)
+def _submit(loop: ChunkLoop, staging: BlockStaging, work, store: bool):
+    """Queue ``work`` with a fresh pair-table buffer (returned with the ticket)."""
+    pairs = np.full((4, sum(int(w.gpu_ids.size) for w in work)), -1, dtype=np.int64)
+    ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
+                         end_event=END, table_event=TABLE, store=store,
+                         works=staging.work_items(work), pairs=pairs.ctypes.data, keep=pairs)
+    return ticket, pairs
 
 
 def _prepare(case):
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    layout = staging.layout(planner.pairs(case.direction, case.spec), case.store)
+    work = planner.pairs(case.direction, case.spec)
+    layout = staging.layout(work, case.store)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, 0)
-    return planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data
+    return planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data
+
+
+def _row_order_is_unique(case, work) -> bool:
+    """False when a group's rows repeat out of order: numpy's argsort may then order equal
+    rows either way, the loop keeps them in pair order (both are valid layouts)."""
+    if case.factor == 1:
+        return True  # the planner sorted the rows stably already
+    for w in work:
+        rows = np.asarray(w.cpu_rows)
+        if not (rows[1:] >= rows[:-1]).all() and np.unique(rows).size < _num_rows(case, w):
+            return False
+    return True
+
+
+def _num_rows(case, w) -> int:
+    skip = int(w.sub_pages[0])
+    return (skip + int(w.gpu_ids.size) - 1) // case.factor + 1
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from([ABI_13_0, ABI_12_8]), st.integers(0, NUM_SLOTS - 1))
-def test_loop_moves_the_plans_bytes_in_the_pipeline_order(data, abi, cursor):
-    case = draw_case(HypDraw(data))
-    planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = _prepare(case)
+@given(st.data(), st.sampled_from([ABI_13_0, ABI_12_8]))
+def test_loop_lays_out_and_moves_the_plans_bytes_in_the_pipeline_order(data, abi):
+    _check(draw_case(HypDraw(data)), abi)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_adjacent_rows_merge_into_one_dma_per_chunk_run(store, factor):
+    """Region-like rows (the stride is the pitch) and consecutive CPU blocks: the loop
+    merges neighbours into one DMA up to each chunk's end, as the numpy layout does."""
+    pages, tensors, blocks = 4096, 4, 64
+    n = 24 * factor - (factor - 1)  # factor 2: the last CPU block half used
+    rng = np.random.default_rng(factor)
+    case = Case(factor=factor, pages=[pages] * tensors,
+                gpu_offset=[t * blocks * pages for t in range(tensors)],
+                gpu_stride=[pages] * tensors, num_gpu_blocks=blocks,
+                cpu_offset=[t * factor * pages for t in range(tensors)],
+                cpu_stride=tensors * factor * pages, num_cpu_blocks=blocks,
+                groups=[list(range(tensors))],
+                gpu_spec=GPULoadStoreSpec(rng.permutation(blocks)[:n].tolist()),
+                cpu_spec=CPULoadStoreSpec(list(range(10, 10 + 24))), store=store, chunk_rows=5)
+    layout = _check(case, ABI_13_0)
+    partial = int(factor > 1)  # the last row: sub-page 0 of each tensor only, four runs
+    assert layout.dma_first[-1 - partial] == layout.num_chunks - partial  # one DMA per chunk
+    assert layout.num_chunks > 1 and layout.dma_bytes.size < layout.num_rows
+
+
+def _check(case, abi):
+    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = _prepare(case)
     plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
                                                       GPU_BASE, CPU_BASE)
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes, abi)
-    loop = _loop(fake, case.chunk_bytes)
+    loop = _loop(fake, case.chunk_bytes, staging)
     try:
-        ticket = _submit(loop, layout, case.store, cursor)
+        ticket, table = _submit(loop, staging, work, case.store)
         ticket.wait()
         assert ticket.issued() and ticket.status == 0
     finally:
         loop.close()
     assert not fake.errors, fake.errors
-    assert fake.trace[0] == ("ctx", 0xC7)  # the context is made current before any job
-    assert fake.trace[1:] == _contract(layout, case.store, cursor)
     assert threading.get_ident() not in fake.threads  # every call came from the loop thread
     assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
+    assert all(np.array_equal(t, table) for t in fake.tables)  # the launches read the table
+    assert fake.trace[0] == ("ctx", 0xC7)  # the context is made current before any job
+    if _row_order_is_unique(case, work):  # the numpy layout, exactly
+        np.testing.assert_array_equal(table, layout.pairs)
+        assert fake.dmas == list(zip(layout.dma_host.tolist(), layout.dma_slot.tolist(),
+                                     layout.dma_bytes.tolist()))
+        assert fake.trace[1:] == _contract(layout, case.store, 0)
+    return layout
 
 
+def test_the_ring_cursor_carries_over_between_jobs():
+    case, prepared = _multi_chunk_store()
+    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
+    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
+                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
+    loop = _loop(fake, case.chunk_bytes, staging)
+    try:
+        tickets = [_submit(loop, staging, work, True) for _ in range(3)]
+        loop.wait()
+        assert [t.status for t, _ in tickets] == [0, 0, 0]
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    ends = [i for i, t in enumerate(fake.trace) if t == ("record", "end", "S")]
+    starts = [1] + [e + 1 for e in ends[:-1]]
+    for n, (lo, hi) in enumerate(zip(starts, ends)):
+        assert fake.trace[lo:hi + 1] == _contract(layout, True, n * layout.num_chunks % NUM_SLOTS)
 
 
 def _multi_chunk_store():
@@ -246,19 +320,20 @@ def _multi_chunk_store():
         if not case.store:
             continue
         prepared = _prepare(case)
-        if prepared[1].num_chunks >= 2:
+        if prepared[3].num_chunks >= 2:
             return case, prepared
     raise AssertionError("no two-chunk store among the drawn cases")
 
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
-    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+    case, prepared = _multi_chunk_store()
+    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes, fail_batch=1)
-    loop = _loop(fake, case.chunk_bytes)
+    loop = _loop(fake, case.chunk_bytes, staging)
     try:
-        failed = _submit(loop, layout, True, 0)
-        later = _submit(loop, layout, True, layout.num_chunks % NUM_SLOTS)
+        failed, _ = _submit(loop, staging, work, True)
+        later, _ = _submit(loop, staging, work, True)
         loop.wait()
         assert failed.status == 700 and later.status == 0
         assert loop.num_issued == 2
@@ -270,41 +345,45 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
     assert fake.trace[first_end - 1] != ("record", "done", "D")  # skipped as well
     assert fake.trace.count(("record", "end", "S")) == 2
     second = fake.trace[first_end + 1:]
+    # the failed job still advanced the cursor past the chunks it planned
     assert second == _contract(layout, True, layout.num_chunks % NUM_SLOTS)
 
 
 def test_an_empty_job_only_orders():
-    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+    case, prepared = _multi_chunk_store()
+    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes)
-    none = np.zeros(0, dtype=np.uint64)
+    loop = _loop(fake, case.chunk_bytes, staging)
     try:
-        ticket = loop.submit(stream=STREAM, prev_end=PREV, start_event=START, end_event=END,
-                             table_event=0, store=True, cursor=0, pairs=0, num_pairs=0,
-                             pair_first=np.zeros(1, np.int64), dma_host=none, dma_slot=none,
-                             dma_bytes=none, dma_first=np.zeros(1, np.int64))
+        ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
+                             end_event=END)
         ticket.wait()
         assert ticket.status == 0
     finally:
         loop.close()
-    assert fake.trace[1:] == [("wait", "S", "prev"), ("record", "start", "S"),
-                              ("record", "end", "S")]
+    assert fake.trace[1:] == [("wait", "S", "after"), ("wait", "S", "prev"),
+                              ("record", "start", "S"), ("record", "end", "S")]
 
 
-def test_bad_configurations_are_refused():
-    case, (planner, layout, gpu_pages, cpu_pages, gpu_data, cpu_data) = _multi_chunk_store()
+def test_bad_configurations_and_jobs_are_refused():
+    case, prepared = _multi_chunk_store()
+    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes)
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
     with pytest.raises(BackendError, match="8 parameters"):
-        ChunkLoop(fake.driver, kernel, dma_stream=DMA, ring_base=RING_BASE, slot_bytes=256,
-                  free_events=FREE, ready_events=READY, begin_event=BEGIN, done_event=DONE,
-                  attrs=(bytes(24), bytes(24)))
-    loop = _loop(fake, case.chunk_bytes)
-    loop.close()
+        ChunkLoop(fake.driver, kernel, Geometry.of(staging), dma_stream=DMA,
+                  ring_base=RING_BASE, slot_bytes=256, free_events=FREE, ready_events=READY,
+                  begin_event=BEGIN, done_event=DONE, attrs=(bytes(24), bytes(24)))
+    loop = _loop(fake, case.chunk_bytes, staging)
+    try:
+        with pytest.raises(BackendError, match="as many"):
+            loop.submit(stream=STREAM, works=[(0, np.arange(3), np.arange(2), None)], pairs=1)
+    finally:
+        loop.close()
     with pytest.raises(BackendError, match="closed"):
-        _submit(loop, layout, True, 0)
+        _submit(loop, staging, work, True)
 
 
 def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):

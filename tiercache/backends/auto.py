@@ -90,14 +90,14 @@ class AutoBackend(CopyBackend):
         n = plan.num_pages if isinstance(plan, BlockPlan) else plan.num_descriptors
         return n <= SMALL_PLAN_DESCRIPTORS
 
-    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
-                       start: Any, end: Any) -> Submitted | None:
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
+                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:
         """Small plans on the calling thread (after the chosen backend's thread issued
         what it holds: the previous end event must be recorded before it is waited on);
         the rest through the chosen backend, which may issue on its own thread."""
         if plan is not None and self._is_small(plan):
-            return super().submit_ordered(plan, stream, previous, start, end)
-        return self.chosen.submit_ordered(plan, stream, previous, start, end)
+            return super().submit_ordered(plan, stream, after, start, end)
+        return self.chosen.submit_ordered(plan, stream, after, start, end)
 
     def drain(self) -> None:
         self.chosen.drain()

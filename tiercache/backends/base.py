@@ -136,10 +136,10 @@ class CopyBackend(ABC):
         guarantees, with the pages expanded on the device."""
         raise BackendError(f"the {self.kind.label} backend takes page plans, not block plans")
 
-    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
-                       start: Any, end: Any) -> Submitted | None:
-        """One handler transfer on ``stream`` (which already waits for the compute
-        stream): wait for ``previous`` (the last transfer's end event, or None), record
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
+                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:
+        """One handler transfer on ``stream``: wait for the events ``after`` (the compute
+        stream's mark, the previous transfer's end; None entries skipped), record
         ``start``, enqueue the plan's copies (None: none), record ``end``. ``end`` is
         recorded whatever happens, in order, so later transfers can wait on it; a failure
         to submit raises (``BackendError``) after that. Here all of it runs on the calling
@@ -147,8 +147,9 @@ class CopyBackend(ABC):
         and returns a ``Submitted`` with a ticket."""
         self.drain()
         try:
-            if previous is not None:
-                stream.wait_event(previous)
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
             start.record(stream)
             return None if plan is None else self.submit_plan(plan, stream)
         finally:

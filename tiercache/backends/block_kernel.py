@@ -207,7 +207,14 @@ class PairTables:
 
     def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
         """(address of the (4, P) int64 table the kernels read, token for ``release``)."""
-        n = int(pairs.size)
+        address, entry = self.reserve(int(pairs.shape[1]) if pairs.ndim == 2 else 0)
+        entry[0].numpy()[:pairs.size] = pairs.reshape(-1)
+        return address, entry
+
+    def reserve(self, num_pairs: int) -> tuple[int, Any]:
+        """A buffer for a (4, ``num_pairs``) table that the caller (or the chunk loop)
+        writes: (its address, token for ``release`` / ``release_after``)."""
+        n = 4 * int(num_pairs)
         for i, (host, event, ticket) in enumerate(self._idle):
             if host.numel() >= n and (ticket is None or ticket.issued()) \
                     and self.driver.event_done(event):
@@ -217,7 +224,6 @@ class PairTables:
             entry = (torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True),
                      self.driver.event_create(), None)
             self._events.append(entry[1])
-        entry[0].numpy()[:n] = pairs.reshape(-1)
         return entry[0].data_ptr(), entry
 
     def release(self, token: Any, stream: Any) -> None:

@@ -212,6 +212,19 @@ class BlockStaging:
         staging._group_of = {id(g): i for i, g in enumerate(groups)}
         return staging
 
+    def work_items(self, work: Sequence[GroupWork]) -> list[tuple[int, np.ndarray, np.ndarray,
+                                                                  np.ndarray | None]]:
+        """(group index, GPU ids, CPU rows, sub-pages) of each GroupWork: what the native
+        chunk loop lays out (``native_loop.ChunkLoop.submit``)."""
+        items = []
+        for w in work:
+            g = self._group_of.get(id(w.group))
+            if g is None:
+                raise BackendError("GroupWork of a planner this BlockStaging was not built for "
+                                   "(build it with BlockStaging.of_planner(planner, ...))")
+            items.append((g, w.gpu_ids, w.cpu_rows, w.sub_pages))
+        return items
+
     @property
     def num_groups(self) -> int:
         return int(self.group_first.size)

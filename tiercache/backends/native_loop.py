@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,25 @@ _i64p = ctypes.POINTER(ctypes.c_int64)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
+class LoopGeometry(ctypes.Structure):
+    """``tc_geometry``: a BlockStaging's static tables (the arrays stay the caller's)."""
+
+    _fields_ = [
+        ("factor", ctypes.c_int32), ("num_groups", ctypes.c_int32),
+        ("whole_rows", ctypes.c_int32), ("_pad", ctypes.c_int32),
+        ("chunk_bytes", ctypes.c_uint64),
+        ("cpu_stride", _vp), ("row_origin", _vp), ("pitch", _vp),
+        ("tpl_first", _vp), ("tpl_count", _vp), ("run_offset", _vp), ("run_bytes", _vp),
+    ]
+
+
+class LoopWork(ctypes.Structure):
+    """``tc_work``: one non-empty group of a transfer."""
+
+    _fields_ = [("group", ctypes.c_int32), ("count", ctypes.c_int32),
+                ("gpu_ids", _vp), ("cpu_rows", _vp), ("sub_pages", _vp)]
+
+
 class LoopConfig(ctypes.Structure):
     """``tc_config``: one backend's constant part (ring, events, kernels, driver)."""
 
@@ -61,6 +81,7 @@ class LoopConfig(ctypes.Structure):
         ("num_params", ctypes.c_int32),
         ("static_args", ctypes.c_uint64 * 4),
         ("attrs", (ctypes.c_uint8 * 24) * 2),
+        ("geometry", ctypes.POINTER(LoopGeometry)),
     ]
 
 
@@ -68,14 +89,54 @@ class LoopJob(ctypes.Structure):
     """``tc_job``: one transfer (its arrays must live until it is issued)."""
 
     _fields_ = [
-        ("stream", _vp), ("prev_end", _vp), ("start_ev", _vp), ("end_ev", _vp),
-        ("table_ev", _vp),
-        ("store", ctypes.c_int32), ("num_chunks", ctypes.c_int32), ("cursor", ctypes.c_int32),
-        ("num_pairs", ctypes.c_int32),
-        ("pairs", ctypes.c_uint64),
-        ("pair_first", _vp), ("dma_host", _vp), ("dma_slot", _vp), ("dma_bytes", _vp),
-        ("dma_first", _vp), ("stage", _vp), ("status", _vp),
+        ("stream", _vp), ("after", _vp), ("prev_end", _vp), ("start_ev", _vp),
+        ("end_ev", _vp), ("table_ev", _vp),
+        ("store", ctypes.c_int32), ("num_works", ctypes.c_int32),
+        ("works", ctypes.POINTER(LoopWork)),
+        ("pairs", _vp), ("num_pairs", ctypes.c_int64),
+        ("dma_host", _vp), ("dma_slot", _vp), ("dma_bytes", _vp), ("stage", _vp),
+        ("max_dmas", ctypes.c_int64),
+        ("status", _vp),
     ]
+
+
+@dataclass(frozen=True, eq=False)
+class Geometry:
+    """What the loop lays transfers out with: a BlockStaging's static tables (block
+    factor, groups' CPU strides, row origins and pitches, run templates), the chunk size
+    and whether loads read whole row images. ``of`` takes them from a BlockStaging."""
+
+    factor: int
+    chunk_bytes: int
+    whole_rows: bool
+    cpu_stride: np.ndarray
+    row_origin: np.ndarray
+    pitch: np.ndarray
+    tpl_first: np.ndarray
+    tpl_count: np.ndarray
+    run_offset: np.ndarray
+    run_bytes: np.ndarray
+
+    @classmethod
+    def of(cls, staging: Any) -> Geometry:
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        return cls(int(staging.factor), int(staging.chunk_bytes), bool(staging.load_whole_rows),
+                   i64(staging.cpu_stride), i64(staging.row_origin), i64(staging.pitch),
+                   i64(staging.tpl_first), i64(staging.tpl_count), i64(staging.runs[0]),
+                   i64(staging.runs[1]))
+
+    @property
+    def max_runs(self) -> int:
+        """The most runs one row's template has."""
+        return max(int(self.tpl_count.max()), 1)
+
+    def struct(self) -> LoopGeometry:
+        g = LoopGeometry(self.factor, int(self.pitch.size), int(self.whole_rows), 0,
+                         self.chunk_bytes)
+        for name in ("cpu_stride", "row_origin", "pitch", "tpl_first", "tpl_count",
+                     "run_offset", "run_bytes"):
+            setattr(g, name, getattr(self, name).ctypes.data)
+        return g
 
 
 _lock = threading.Lock()
@@ -197,8 +258,8 @@ class LoopDriver:
 class ChunkLoop:
     """One backend's loop thread (``close`` issues what is queued, then stops it)."""
 
-    def __init__(self, driver: LoopDriver, kernel: LoopKernel, *, dma_stream: int,
-                 ring_base: int, slot_bytes: int, free_events: list[int],
+    def __init__(self, driver: LoopDriver, kernel: LoopKernel, geometry: Geometry, *,
+                 dma_stream: int, ring_base: int, slot_bytes: int, free_events: list[int],
                  ready_events: list[int], begin_event: int, done_event: int,
                  attrs: tuple[bytes, bytes]):
         n = len(free_events)
@@ -225,6 +286,13 @@ class ChunkLoop:
             c.static_args[i] = value
         for i, raw in enumerate(attrs):
             ctypes.memmove(c.attrs[i], raw, min(len(raw), 24))
+        if geometry.factor < 1 or int(geometry.pitch.max()) > geometry.chunk_bytes:
+            raise BackendError(f"a geometry of factor {geometry.factor} and row pitches "
+                               f"{geometry.pitch.tolist()} for chunks of {geometry.chunk_bytes} "
+                               "bytes: a row must fit a chunk")
+        self.geometry = geometry
+        self._geometry = geometry.struct()
+        c.geometry = ctypes.pointer(self._geometry)
         self._config = c  # function pointers and events stay alive with the loop
         self._lib = library()
         self._queue = self._lib.tc_open(ctypes.byref(c))
@@ -233,47 +301,59 @@ class ChunkLoop:
         self.num_slots = n
         self._pending: deque[tuple[ctypes.c_int32, Any]] = deque()  # alive until issued
 
-    def submit(self, *, stream: int, prev_end: int, start_event: int, end_event: int,
-               table_event: int, store: bool, cursor: int, pairs: int, num_pairs: int,
-               pair_first: np.ndarray, dma_host: np.ndarray, dma_slot: np.ndarray,
-               dma_bytes: np.ndarray, dma_first: np.ndarray, keep: Any = None) -> Ticket:
-        """Queue one transfer; the arrays (int64 ``*_first``, uint64 ``dma_*``, C order)
-        are held by the ticket until it is issued. ``num_chunks`` is ``pair_first.size -
-        1``; zero chunks queue only the ordering events."""
+    def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
+               end_event: int = 0, table_event: int = 0, store: bool = False,
+               works: Sequence[Any] = (), pairs: int = 0, keep: Any = None) -> Ticket:
+        """Queue one transfer: ``works`` are the planner's GroupWork (group index as the
+        geometry numbers it, GPU ids, CPU rows, sub-pages), laid out by the loop into the
+        pair table at ``pairs`` ((4, P) int64, P the works' pairs, the memory the kernels
+        read) and DMA arrays held by the ticket. No works: only the ordering events (wait
+        for ``after``, then ``prev_end``; record ``start_event``, ``end_event``)."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
-        pair_first, dma_first = (np.ascontiguousarray(a, dtype=np.int64)
-                                 for a in (pair_first, dma_first))
-        dma_host, dma_slot, dma_bytes = (np.ascontiguousarray(a, dtype=np.uint64)
-                                         for a in (dma_host, dma_slot, dma_bytes))
-        num_chunks = max(int(pair_first.size) - 1, 0)
-        if num_chunks and (dma_first.size != pair_first.size
-                           or int(dma_first[-1]) != dma_host.size):
-            raise BackendError(f"a job of {num_chunks} chunks with {dma_first.size - 1} DMA "
-                               f"ranges over {dma_host.size} DMAs")
-        stage = np.empty(int(dma_host.size), dtype=np.uint64)
         status = ctypes.c_int32(STATUS_PENDING)
         j = LoopJob()
-        j.stream, j.prev_end, j.start_ev, j.end_ev = stream, prev_end or None, \
-            start_event or None, end_event or None
-        j.table_ev = table_event or None
-        j.store, j.num_chunks, j.cursor, j.num_pairs = int(store), num_chunks, cursor, num_pairs
-        j.pairs = pairs
-        if num_chunks:
-            for name, array in (("pair_first", pair_first), ("dma_first", dma_first),
-                                ("dma_host", dma_host), ("dma_slot", dma_slot),
-                                ("dma_bytes", dma_bytes), ("stage", stage)):
-                setattr(j, name, array.ctypes.data)
+        j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
+        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
+            table_event or None
+        j.store = int(store)
         j.status = ctypes.addressof(status)
-        arrays = (pair_first, dma_host, dma_slot, dma_bytes, dma_first, stage, keep)
+        held: tuple[Any, ...] = (keep,)
+        if works:
+            items = (LoopWork * len(works))()
+            arrays, num_pairs = [], 0
+            for item, (group, gpu_ids, cpu_rows, sub_pages) in zip(items, works):
+                gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
+                cpu_rows = np.ascontiguousarray(cpu_rows, dtype=np.int64)
+                if not 0 < gpu_ids.size == cpu_rows.size < 2 ** 31:
+                    raise BackendError(f"a work of {gpu_ids.size} GPU ids and {cpu_rows.size} "
+                                       "CPU rows: need as many, at least one")
+                item.group, item.count = group, gpu_ids.size
+                item.gpu_ids, item.cpu_rows = gpu_ids.ctypes.data, cpu_rows.ctypes.data
+                arrays += (gpu_ids, cpu_rows)
+                if self.geometry.factor > 1:
+                    subs = np.ascontiguousarray(sub_pages, dtype=np.uint64)
+                    if subs.size != gpu_ids.size:
+                        raise BackendError(f"{subs.size} sub-pages for {gpu_ids.size} GPU ids")
+                    item.sub_pages = subs.ctypes.data
+                    arrays.append(subs)
+                num_pairs += gpu_ids.size
+            # rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row
+            max_dmas = (num_pairs + len(works)) * self.geometry.max_runs
+            dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
+            j.num_works, j.works, j.pairs, j.num_pairs = len(works), items, pairs, num_pairs
+            j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (
+                dmas.ctypes.data + i * 8 * max_dmas for i in range(4))
+            j.max_dmas = max_dmas
+            held = (keep, items, arrays, dmas)
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:
             pending.popleft()  # issued: the loop no longer reads its arrays or status cell
         seq = self._lib.tc_submit(self._queue, ctypes.byref(j))
         if not seq:
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
-        pending.append((status, arrays))  # whatever the caller drops, the loop's memory lives
-        return Ticket(self, int(seq), status, arrays)
+        pending.append((status, held))  # whatever the caller drops, the loop's memory lives
+        return Ticket(self, int(seq), status, held)
 
     def wait(self, seq: int = 0) -> None:
         """Block (GIL released) until job ``seq`` (0: every job so far) was issued."""

@@ -62,7 +62,7 @@ from tiercache.backends.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
 )
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.native_loop import ChunkLoop
+from tiercache.backends.native_loop import ChunkLoop, Geometry
 from tiercache.backends.block_staging import SLOT_ALIGN
 from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
@@ -137,7 +137,8 @@ class StagedBackend(CopyBackend):
             raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
         attrs = tuple(bytes(self._ce.attributes(order))
                       for order in (self.load_order, SrcAccessOrder.STREAM))
-        return ChunkLoop(self.driver.loop_driver(), kernel, dma_stream=self._dma,
+        return ChunkLoop(self.driver.loop_driver(), kernel, Geometry.of(self._blocks[0]),
+                         dma_stream=self._dma,
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
                          free_events=self._free, ready_events=self._ready,
                          begin_event=self._start, done_event=self._done, attrs=attrs)
@@ -155,39 +156,37 @@ class StagedBackend(CopyBackend):
         if self._loop is not None:
             self._loop.wait()
 
-    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any, previous: Any,
-                       start: Any, end: Any) -> Submitted | None:
+    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
+                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:
         """Block plans (and empty transfers) go to the chunk loop whole, with the handler's
-        events: the caller's thread only lays the transfer out. Page plans: the base."""
+        events: the calling thread only picks a pair-table buffer. Page plans: the base."""
         if self._loop is None or isinstance(plan, CopyPlan):
-            return super().submit_ordered(plan, stream, previous, start, end)
-        return self._submit_native(plan, stream, previous, start, end)
+            return super().submit_ordered(plan, stream, after, start, end)
+        return self._submit_native(plan, stream, after, start, end)
 
-    def _submit_native(self, plan: BlockPlan | None, stream: Any, previous: Any, start: Any,
-                       end: Any) -> Submitted:
+    def _submit_native(self, plan: BlockPlan | None, stream: Any, after: tuple[Any, ...],
+                       start: Any, end: Any) -> Submitted:
         staging, _, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
-        order = dict(stream=handle, prev_end=0 if previous is None else previous.handle,
+        marks = [0 if e is None else e.handle for e in after] + [0, 0]
+        order = dict(stream=handle, after=marks[0], prev_end=marks[1],
                      start_event=0 if start is None else start.handle,
                      end_event=0 if end is None else end.handle)
+        if len(after) > 2:
+            raise BackendError(f"{len(after)} events to wait for: the chunk loop takes two")
         try:
-            layout = None if plan is None else \
-                staging.layout(plan.pairs, plan.direction is Direction.GPU_TO_CPU)
+            items = [] if plan is None else staging.work_items(plan.pairs)
         except BackendError:
-            self._loop.submit(**order, **_NO_CHUNKS)  # the end event is still recorded in order
+            self._loop.submit(**order)  # the end event is still recorded in order
             raise
-        if layout is None or not layout.num_chunks:
-            return Submitted((), self._loop.submit(**order, **_NO_CHUNKS))
-        address, token = tables.upload(layout.pairs, stream)
-        ticket = self._loop.submit(
-            **order, table_event=tables.table_event(token),
-            store=plan.direction is Direction.GPU_TO_CPU, cursor=self._cursor, pairs=address,
-            num_pairs=layout.num_pairs, pair_first=layout.pair_first, dma_host=layout.dma_host,
-            dma_slot=layout.dma_slot, dma_bytes=layout.dma_bytes, dma_first=layout.dma_first,
-            keep=layout)
+        if not items:
+            return Submitted((), self._loop.submit(**order))
+        address, token = tables.reserve(plan.num_pairs)
+        ticket = self._loop.submit(**order, table_event=tables.table_event(token),
+                                   store=plan.direction is Direction.GPU_TO_CPU, works=items,
+                                   pairs=address, keep=plan)
         tables.release_after(token, ticket)
-        self._cursor = (self._cursor + layout.num_chunks) % self.num_slots
-        return Submitted((layout,), ticket)
+        return Submitted((plan,), ticket)
 
     # ------------------------------------------------------------ submit
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
@@ -214,7 +213,7 @@ class StagedBackend(CopyBackend):
             raise BackendError("staged has no block layout for this geometry (built without "
                                "a planner, or the layout refused it): pass a page plan")
         if self._loop is not None:  # issued by the loop; the caller orders after it on return
-            submitted = self._submit_native(plan, stream, None, None, None)
+            submitted = self._submit_native(plan, stream, (), None, None)
             submitted.ticket.wait()
             if submitted.ticket.status:
                 raise BackendError(f"the chunk loop failed: "
@@ -330,13 +329,6 @@ class StagedBackend(CopyBackend):
         if self._blocks is not None:
             self._blocks[2].close()
         self._ring = None  # type: ignore[assignment]
-
-
-_EMPTY_U64 = np.zeros(0, dtype=np.uint64)
-_EMPTY_FIRST = np.zeros(1, dtype=np.int64)
-_NO_CHUNKS = dict(table_event=0, store=False, cursor=0, pairs=0, num_pairs=0,
-                  pair_first=_EMPTY_FIRST, dma_host=_EMPTY_U64, dma_slot=_EMPTY_U64,
-                  dma_bytes=_EMPTY_U64, dma_first=_EMPTY_FIRST)
 
 
 def create(context: BackendContext) -> StagedBackend:

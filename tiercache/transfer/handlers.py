@@ -79,6 +79,7 @@ class _Transfer:
     stream: Stream
     start_event: Event
     end_event: Event
+    compute_mark: Event  # the compute stream's work at submit time, which the transfer waits for
     buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
     keep_alive: Submitted | None = field(default=None, repr=False)  # the backend's token
@@ -118,28 +119,28 @@ class SingleDirectionOffloadingHandler:
             self._buffer_pool.append(buffers)
             raise
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
-        start, end = (self._event_pool.pop() if self._event_pool
-                      else self._streams.new_timing_event() for _ in range(2))
-        submitted, token = self._enqueue(job_id, plan, stream, start, end)
-        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, buffers, submitted,
-                              token)
+        start, end, mark = (self._event_pool.pop() if self._event_pool
+                            else self._streams.new_timing_event() for _ in range(3))
+        submitted, token = self._enqueue(job_id, plan, stream, start, end, mark)
+        transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, mark, buffers,
+                              submitted, token)
         self._transfers.append(transfer_)
         self._by_job[job_id] = transfer_
         return submitted
 
     def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
-                 end: Event) -> tuple[bool, Submitted | None]:
+                 end: Event, mark: Event) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
         empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
         ok = True
-        try:
-            stream.wait_stream(self._streams.current_stream())
+        try:  # the compute stream's work so far: the transfer starts after it
+            mark.record(self._streams.current_stream())
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             ok = False
         try:  # the backend records ``end`` in order whatever happens (later transfers wait on it)
             token = self.backend.submit_ordered(plan if ok and not empty else None, stream,
-                                                previous, start, end)
+                                                (mark if ok else None, previous), start, end)
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             return False, None
@@ -186,7 +187,7 @@ class SingleDirectionOffloadingHandler:
                 success = False
         del self._by_job[transfer.job_id]
         self._stream_pool.append(transfer.stream)
-        self._event_pool += (transfer.start_event, transfer.end_event)
+        self._event_pool += (transfer.start_event, transfer.end_event, transfer.compute_mark)
         self._buffer_pool.append(transfer.buffers)
         if self._stats is not None:
             self._stats.record_transfer(self.direction, transfer.num_bytes, seconds, success)

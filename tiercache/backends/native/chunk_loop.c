@@ -1,11 +1,13 @@
 /* The staged chunk loop on a thread of its own: the host side of a staged transfer.
  *
- * The engine's thread lays a transfer out (numpy, O(blocks)) and hands it here in one
- * call (tc_submit); this thread enqueues it on the GPU: per chunk one pack/unpack launch,
- * one cuMemcpyBatchAsync and four event calls (backends/staged.py's module docstring has
- * the order). It never takes the GIL and never waits for the device: it only enqueues, so
- * a transfer's calls are issued within microseconds of each other, the first DMA is not
- * delayed by the later chunks' calls, and the engine's thread is held for none of them.
+ * The engine's thread validates a transfer (its block ids) and hands it here in one call
+ * (tc_submit): per KV-cache group the GPU ids, CPU rows and sub-pages. This thread lays it
+ * out (block_staging.py's module docstring is the specification: rows in ascending host
+ * address within a group, chunks of rows at their pitch, the pair table the kernels read,
+ * each row's template runs as DMAs, neighbours merged) and enqueues it on the GPU: per
+ * chunk one pack/unpack launch, one cuMemcpyBatchAsync and four event calls (staged.py's
+ * module docstring has the order). It never takes the GIL and never waits for the device:
+ * it only enqueues, so the engine's thread is held for none of this.
  *
  * Jobs are issued strictly in submission order (a FIFO, one thread). Each job also
  * carries the handler's ordering events (wait for the previous transfer, record the
@@ -42,6 +44,22 @@ typedef int (*ctx_fn)(void *ctx);
                             tensor_stride, groups, num_groups */
 #define TC_ABI_12_8 12080
 
+/* The static tables of a BlockStaging (block_staging.py), owned by the caller. */
+typedef struct {
+    int32_t factor, num_groups, whole_rows, _pad; /* whole_rows: loads take whole images */
+    uint64_t chunk_bytes;
+    const int64_t *cpu_stride, *row_origin, *pitch; /* per group */
+    const int64_t *tpl_first, *tpl_count;           /* per template */
+    const int64_t *run_offset, *run_bytes;          /* per run */
+} tc_geometry;
+
+/* One non-empty group of a transfer (the planner's GroupWork, validated). */
+typedef struct {
+    int32_t group, count;
+    const int64_t *gpu_ids, *cpu_rows; /* count each: per GPU page its CPU block */
+    const uint64_t *sub_pages;         /* count, or NULL when factor == 1 */
+} tc_work;
+
 typedef struct {
     void *launch, *record, *wait, *batch, *ctx_set; /* driver entry points */
     int32_t batch_abi;                              /* 12080 (with failIdx) or 13000 */
@@ -57,19 +75,20 @@ typedef struct {
     int32_t num_params;          /* the kernel's parameters; past the first 9 all zero */
     uint64_t static_args[4];     /* tensors, tensor_stride, groups, num_groups */
     uint8_t attrs[2][24];        /* CUmemcpyAttributes of loads [0] and stores [1] */
+    const tc_geometry *geometry;
 } tc_config;
 
 typedef struct {
     void *stream;                 /* the transfer's stream */
-    void *prev_end;               /* wait for it first (NULL: none) */
+    void *after, *prev_end;       /* waited for first, in this order (NULL: none) */
     void *start_ev, *end_ev;      /* recorded on stream around the transfer (NULL: none) */
     void *table_ev;               /* recorded on stream after the last launch (NULL: none) */
-    int32_t store, num_chunks, cursor, num_pairs;
-    uint64_t pairs;               /* the pair table, as the kernel reads it */
-    const int64_t *pair_first;    /* num_chunks + 1 */
-    const uint64_t *dma_host, *dma_slot, *dma_bytes; /* dma_first[num_chunks] each */
-    const int64_t *dma_first;     /* num_chunks + 1 */
-    uint64_t *stage;              /* dma_first[num_chunks]: filled with the DMAs' slot ends */
+    int32_t store, num_works;
+    const tc_work *works;
+    int64_t *pairs;               /* out: the (4, num_pairs) table the kernels read */
+    int64_t num_pairs;            /* the works' counts summed */
+    uint64_t *dma_host, *dma_slot, *dma_bytes, *stage; /* out: room for max_dmas each */
+    int64_t max_dmas;
     volatile int32_t *status;     /* written last: 0, or the first failing CUresult */
 } tc_job;
 
@@ -85,8 +104,12 @@ typedef struct {
     pthread_cond_t work, issued_cv;
     node *head, *tail;
     uint64_t submitted, issued;
+    int64_t cursor; /* the ring slot the next chunk takes (this thread's only) */
     int stop;
 } tc_queue;
+
+#define TC_ERROR_INVALID_VALUE 1
+#define TC_ERROR_OUT_OF_MEMORY 2
 
 static int launch(const tc_config *c, const tc_job *j, int64_t first, int64_t count,
                   uint64_t slot_base) {
@@ -94,7 +117,7 @@ static int launch(const tc_config *c, const tc_job *j, int64_t first, int64_t co
         return 0;
     uint64_t values[TC_MAX_PARAMS] = {0};
     void *params[TC_MAX_PARAMS];
-    values[0] = j->pairs;
+    values[0] = (uint64_t)(uintptr_t)j->pairs;
     values[1] = (uint64_t)j->num_pairs;
     values[2] = (uint64_t)first;
     values[3] = (uint64_t)count;
@@ -122,32 +145,175 @@ static int batch(const tc_config *c, const uint64_t *dst, const uint64_t *src,
     return ((batch_13_fn)c->batch)(dst, src, size, count, attrs, &attr_idx, 1, stream);
 }
 
+/* ------------------------------------------------------------------ layout */
+
+typedef struct {
+    int64_t cpu_row;    /* sort key */
+    int64_t lo, hi;     /* the row's pairs: indices lo..hi-1 of its work */
+    int64_t tpl;        /* run template */
+    int32_t work;       /* index into the job's works */
+} row_t;
+
+static int row_before(const void *x, const void *y) {
+    const row_t *a = x, *b = y;
+    if (a->cpu_row != b->cpu_row)
+        return a->cpu_row < b->cpu_row ? -1 : 1;
+    return a->lo < b->lo ? -1 : (a->lo > b->lo); /* ties keep their order: a stable sort */
+}
+
+/* Rows of work w at rows[0..], ascending CPU row (stable): returns how many. ``whole``:
+ * every row takes its group's whole-image template (loads with whole_rows). */
+static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index, int whole,
+                         row_t *rows) {
+    int64_t f = geo->factor, g = w->group, n = w->count, num_rows;
+    int64_t whole_tpl = (int64_t)geo->num_groups * f * f + g;
+    if (f == 1) {
+        for (int64_t i = 0; i < n; i++)
+            rows[i] = (row_t){w->cpu_rows[i], i, i + 1, whole ? whole_tpl : g, index};
+        num_rows = n;
+    } else {
+        int64_t skip = (int64_t)w->sub_pages[0], last = (int64_t)w->sub_pages[n - 1];
+        num_rows = (skip + n - 1) / f + 1;
+        for (int64_t r = 0; r < num_rows; r++) {
+            int64_t lo = r * f - skip, hi = (r + 1) * f - skip;
+            lo = lo < 0 ? 0 : lo;
+            hi = hi > n ? n : hi;
+            int64_t tpl = (g * f) * f + f - 1; /* sub-pages 0..F-1 */
+            if (whole)
+                tpl = whole_tpl;
+            else if (!(skip == 0 && last == f - 1)) {
+                if (r == num_rows - 1)
+                    tpl = (g * f) * f + last;
+                if (r == 0)
+                    tpl = (g * f + skip) * f + (num_rows == 1 ? last : f - 1);
+            }
+            rows[r] = (row_t){w->cpu_rows[lo], lo, hi, tpl, index};
+        }
+    }
+    for (int64_t r = 1; r < num_rows; r++)
+        if (rows[r].cpu_row < rows[r - 1].cpu_row) {
+            qsort(rows, (size_t)num_rows, sizeof *rows, row_before);
+            break;
+        }
+    return num_rows;
+}
+
+/* Lay the job out: pairs into j->pairs, DMAs into j->dma_*, chunk boundaries into
+ * *pair_first / *dma_first (malloc'd, num_chunks + 1 each). Returns 0 or an error. */
+static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first,
+                   int64_t **dma_first, int64_t *num_chunks) {
+    int64_t f = geo->factor, total = 0, P = j->num_pairs;
+    *pair_first = *dma_first = NULL;
+    *num_chunks = 0;
+    for (int32_t i = 0; i < j->num_works; i++) {
+        const tc_work *w = &j->works[i];
+        if (w->count <= 0 || w->group < 0 || w->group >= geo->num_groups
+            || (f > 1 && !w->sub_pages))
+            return TC_ERROR_INVALID_VALUE;
+        total += f == 1 ? w->count : ((int64_t)w->sub_pages[0] + w->count - 1) / f + 1;
+    }
+    row_t *rows = malloc((size_t)(total ? total : 1) * sizeof *rows);
+    int64_t *pf = malloc((size_t)(total + 1) * sizeof *pf);
+    int64_t *df = malloc((size_t)(total + 1) * sizeof *df);
+    if (!rows || !pf || !df) {
+        free(rows), free(pf), free(df);
+        return TC_ERROR_OUT_OF_MEMORY;
+    }
+    int64_t at = 0;
+    for (int32_t i = 0; i < j->num_works; i++)
+        at += work_rows(geo, &j->works[i], i, geo->whole_rows && !j->store, rows + at);
+    int64_t k = -1, offset = 0, p = 0, d = 0;
+    int err = 0;
+    for (int64_t r = 0; r < total && !err; r++) {
+        const row_t *row = &rows[r];
+        const tc_work *w = &j->works[row->work];
+        int64_t g = w->group, pitch = geo->pitch[g];
+        if (k < 0 || (offset > 0 && (uint64_t)(offset + pitch) > geo->chunk_bytes)) {
+            k++;
+            pf[k] = p;
+            df[k] = d;
+            offset = 0;
+        }
+        int64_t slot = offset, host = row->cpu_row * geo->cpu_stride[g] + geo->row_origin[g];
+        offset += pitch;
+        for (int64_t q = row->lo; q < row->hi; q++, p++) {
+            if (p >= P) {
+                err = TC_ERROR_INVALID_VALUE;
+                break;
+            }
+            j->pairs[p] = w->gpu_ids[q];
+            j->pairs[P + p] = slot;
+            j->pairs[2 * P + p] = f == 1 ? 0 : (int64_t)w->sub_pages[q];
+            j->pairs[3 * P + p] = g;
+        }
+        int64_t first = geo->tpl_first[row->tpl], runs = geo->tpl_count[row->tpl];
+        for (int64_t u = first; u < first + runs && !err; u++) {
+            uint64_t h = (uint64_t)(host + geo->run_offset[u]);
+            uint64_t s = (uint64_t)(slot + geo->run_offset[u]), n = (uint64_t)geo->run_bytes[u];
+            if (d > df[k] && j->dma_host[d - 1] + j->dma_bytes[d - 1] == h
+                && j->dma_slot[d - 1] + j->dma_bytes[d - 1] == s) {
+                j->dma_bytes[d - 1] += n; /* continues its neighbour on both sides */
+                continue;
+            }
+            if (d >= j->max_dmas) {
+                err = TC_ERROR_INVALID_VALUE;
+                break;
+            }
+            j->dma_host[d] = h;
+            j->dma_slot[d] = s;
+            j->dma_bytes[d] = n;
+            d++;
+        }
+    }
+    free(rows);
+    if (!err && p != P)
+        err = TC_ERROR_INVALID_VALUE;
+    if (err) {
+        free(pf), free(df);
+        return err;
+    }
+    *num_chunks = k + 1;
+    pf[k + 1] = p;
+    df[k + 1] = d;
+    *pair_first = pf;
+    *dma_first = df;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ issue */
+
 /* One job; returns 0 or the first failing CUresult. After a failure the remaining chunks
  * are skipped, but the job's end event is still recorded (later transfers order on it). */
-static int run_job(const tc_config *c, const tc_job *j) {
+static int run_job(tc_queue *q, const tc_job *j) {
+    const tc_config *c = &q->cfg;
     record_fn record = (record_fn)c->record;
     wait_fn wait = (wait_fn)c->wait;
     void *S = j->stream, *D = c->dma_stream;
     int err = 0, rc;
+    int64_t *pair_first = NULL, *dma_first = NULL, num_chunks = 0;
 #define CALL(x)                                                                            \
     do {                                                                                   \
         if (!err && (rc = (x)) != 0)                                                       \
             err = rc;                                                                      \
     } while (0)
+    if (j->after)
+        CALL(wait(S, j->after, 0));
     if (j->prev_end)
         CALL(wait(S, j->prev_end, 0));
     if (j->start_ev)
         CALL(record(j->start_ev, S));
-    if (j->num_chunks > 0) {
+    if (j->num_works > 0 && !err)
+        err = lay_out(c->geometry, j, &pair_first, &dma_first, &num_chunks);
+    if (num_chunks > 0 && !err) {
         CALL(record(c->begin_ev, S));
         CALL(wait(D, c->begin_ev, 0));
-        for (int32_t k = 0; k < j->num_chunks && !err; k++) {
-            int s = (j->cursor + k) % c->num_slots;
+        for (int64_t k = 0; k < num_chunks && !err; k++) {
+            int s = (int)((q->cursor + k) % c->num_slots);
             uint64_t base = c->ring_base + (uint64_t)s * c->slot_bytes;
-            int64_t lo = j->dma_first[k], hi = j->dma_first[k + 1];
+            int64_t lo = dma_first[k], hi = dma_first[k + 1];
             for (int64_t i = lo; i < hi; i++)
                 j->stage[i] = base + j->dma_slot[i];
-            int64_t first = j->pair_first[k], count = j->pair_first[k + 1] - first;
+            int64_t first = pair_first[k], count = pair_first[k + 1] - first;
             if (j->store) {
                 CALL(wait(S, c->free_ev[s], 0));
                 CALL(launch(c, j, first, count, base));
@@ -166,11 +332,14 @@ static int run_job(const tc_config *c, const tc_job *j) {
                 CALL(record(c->free_ev[s], S));
             }
         }
+        q->cursor = (q->cursor + num_chunks) % c->num_slots;
         if (j->table_ev)
             CALL(record(j->table_ev, S));
         CALL(record(c->done_ev, D));
         CALL(wait(S, c->done_ev, 0));
     }
+    free(pair_first);
+    free(dma_first);
     if (j->end_ev) {
         rc = record(j->end_ev, S);
         if (!err)
@@ -191,7 +360,7 @@ static void *loop(void *arg) {
             break; /* stop, and nothing left */
         node *n = q->head;
         pthread_mutex_unlock(&q->mu);
-        int rc = ctx_rc ? ctx_rc : run_job(&q->cfg, &n->job);
+        int rc = ctx_rc ? ctx_rc : run_job(q, &n->job);
         __atomic_store_n(n->job.status, rc, __ATOMIC_RELEASE);
         pthread_mutex_lock(&q->mu);
         q->head = n->next;
@@ -208,7 +377,7 @@ static void *loop(void *arg) {
 /* A queue and its thread, or NULL (bad config or no thread). */
 tc_queue *tc_open(const tc_config *cfg) {
     if (cfg->num_slots < 1 || cfg->num_slots > TC_MAX_SLOTS || cfg->num_params < TC_KERNEL_ARGS
-        || cfg->num_params > TC_MAX_PARAMS)
+        || cfg->num_params > TC_MAX_PARAMS || !cfg->geometry || cfg->geometry->factor < 1)
         return NULL;
     tc_queue *q = calloc(1, sizeof *q);
     if (!q)
