@@ -218,7 +218,7 @@ class StagedBackend(CopyBackend):
             if submitted.ticket.status:
                 raise BackendError(f"the chunk loop failed: "
                                    f"{self.driver.error_name(submitted.ticket.status)}")
-            return Submitted(submitted.keep)
+            return Submitted(submitted.keep + (submitted.ticket,))  # its arrays with it
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
         store = plan.direction is Direction.GPU_TO_CPU
