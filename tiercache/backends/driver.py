@@ -284,6 +284,11 @@ class DriverEvent:
     def query(self) -> bool:
         return self._driver.event_done(self.handle)
 
+    def wait(self, stream: Any) -> None:
+        """Work enqueued on ``stream`` later waits for this event (what torch's
+        ``Stream.wait_event`` calls)."""
+        self._driver.stream_wait_event(int(stream.cuda_stream), self.handle)
+
     def synchronize(self) -> None:
         self._driver.event_synchronize(self.handle)
 
