@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", nargs="+", type=_backend, default=None, metavar="NAME",
                    help=f"backends to measure: config names ({gpu_kinds}; cpu runs alone, "
                         "on host memory only) or variants (ce-stream: loads "
-                        "with srcAccessOrder STREAM; staged-CHUNKMIB-SLOTS, e.g. staged-32-2: "
+                        "with srcAccessOrder STREAM; staged-python: staged issued from Python on "
+                        "the caller's thread, without the native chunk loop; "
+                        "staged-CHUNKMIB-SLOTS, e.g. staged-32-2: "
                         f"another staging ring). Default: {gpu_default} with CUDA, else cpu")
     p.add_argument("--page-kib", nargs="+", type=float, default=list(DEFAULT_PAGE_KIB),
                    metavar="KIB", help="page sizes to sweep, in KiB; each keeps 512 MiB per "
