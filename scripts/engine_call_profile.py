@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from tiercache.backends.streams import CudaStreams
 from tiercache.specs import Direction
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
@@ -68,12 +70,35 @@ def main() -> None:
         store()
         drain()
 
+    def after_load() -> None:
+        handlers.transfer_async(next(jobs), plans.load_spec)
+        drain()
+
+    flood = np.empty(512 << 20, dtype=np.uint8)
+
+    def after_memset() -> None:  # the CPU itself writes 512 MiB: every cache level flushed
+        flood.fill(1)
+
     global REPS
     reps, REPS = REPS, 30
-    for label in ("block_plan (validate 256 pairs)", "transfer_async, 1-block load"):
-        print(f"RESULT {label + ', after a store':52s} {host_us(steps[label], after_store):8.1f} us",
-              flush=True)
+    for label in ("block_plan (validate 256 pairs)", "transfer_async, 1-block load",
+                  "transfer_async, 256-block store"):
+        for what, sync in (("after a store", after_store), ("after a load", after_load),
+                           ("after a 512 MiB memset", after_memset)):
+            print(f"RESULT {label + ', ' + what:64s} {host_us(steps[label], sync):8.1f} us",
+                  flush=True)
     REPS = reps
+
+    def back_to_back() -> float:  # a second store submitted while the first one runs
+        store()
+        t0 = time.perf_counter_ns()
+        store()
+        took = time.perf_counter_ns() - t0
+        drain()
+        return took / 1e3
+
+    print(f"RESULT {'transfer_async, store behind a store':64s} "
+          f"{statistics.median(back_to_back() for _ in range(30)):8.1f} us", flush=True)
     for label, fn in (("256-block store", store), ("1-block load", one)):
         spans = Spans()
         for _ in range(REPS):
