@@ -28,8 +28,10 @@ from block_reference import (
 )
 from tiercache.backends import native_loop
 from tiercache.backends.block_staging import BlockStaging
-from tiercache.backends.native_loop import ChunkLoop, Geometry, LoopDriver, LoopKernel
-from tiercache.errors import BackendError
+from tiercache.backends.native_loop import (
+    SPEC_ERRORS, ChunkLoop, Geometry, LoopDriver, LoopKernel, Validated,
+)
+from tiercache.errors import BackendError, SpecError
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.planner import TransferPlanner
 
@@ -170,10 +172,10 @@ class FakeGpu:
         return 0
 
 
-def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging) -> ChunkLoop:
+def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging, planner) -> ChunkLoop:
     attrs = (bytes([3, 0, 0, 0]) + bytes(20), bytes([1, 0, 0, 0]) + bytes(20))
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
-    return ChunkLoop(fake.driver, kernel, Geometry.of(staging), dma_stream=DMA,
+    return ChunkLoop(fake.driver, kernel, Geometry.of(staging, planner), dma_stream=DMA,
                      ring_base=RING_BASE,
                      slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
                      begin_event=BEGIN, done_event=DONE, attrs=attrs)
@@ -201,13 +203,22 @@ def _contract(layout, store: bool, cursor: int) -> list[tuple]:
     return out + [("record", "end", "S")]
 
 
-def _submit(loop: ChunkLoop, staging: BlockStaging, work, store: bool):
-    """Queue ``work`` with a fresh pair-table buffer (returned with the ticket)."""
-    pairs = np.full((4, sum(int(w.gpu_ids.size) for w in work)), -1, dtype=np.int64)
+def _validate(loop: ChunkLoop, case):
+    gpu, cpu = case.gpu_spec, case.cpu_spec
+    return loop.validate(case.store, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
+                         cpu.block_ids)
+
+
+def _submit(loop: ChunkLoop, case):
+    """Validate ``case``'s transfer in C and queue it with a fresh pair-table buffer
+    (returned with the ticket and what the validation wrote)."""
+    validated = _validate(loop, case)
+    assert not isinstance(validated, int), f"refused: {validated}"
+    pairs = np.full((4, validated.num_pairs), -1, dtype=np.int64)
     ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
-                         end_event=END, table_event=TABLE, store=store,
-                         works=staging.work_items(work), pairs=pairs.ctypes.data, keep=pairs)
-    return ticket, pairs
+                         end_event=END, table_event=TABLE, store=case.store,
+                         validated=validated, pairs=pairs.ctypes.data, keep=pairs)
+    return ticket, pairs, validated
 
 
 def _prepare(case):
@@ -273,13 +284,17 @@ def _check(case, abi):
                                                       GPU_BASE, CPU_BASE)
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes, abi)
-    loop = _loop(fake, case.chunk_bytes, staging)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
     try:
-        ticket, table = _submit(loop, staging, work, case.store)
+        ticket, table, validated = _submit(loop, case)
         ticket.wait()
         assert ticket.issued() and ticket.status == 0
     finally:
         loop.close()
+    reference = Validated.of_items(staging.work_items(work))  # the planner's validation
+    np.testing.assert_array_equal(validated.pairs, reference.pairs)
+    np.testing.assert_array_equal(validated.meta[:validated.num_works],
+                                  reference.meta[:reference.num_works])
     assert not fake.errors, fake.errors
     assert threading.get_ident() not in fake.threads  # every call came from the loop thread
     assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
@@ -298,11 +313,11 @@ def test_the_ring_cursor_carries_over_between_jobs():
     planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes, staging)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
     try:
-        tickets = [_submit(loop, staging, work, True) for _ in range(3)]
+        tickets = [_submit(loop, case) for _ in range(3)]
         loop.wait()
-        assert [t.status for t, _ in tickets] == [0, 0, 0]
+        assert [t.status for t, _, _ in tickets] == [0, 0, 0]
     finally:
         loop.close()
     assert not fake.errors, fake.errors
@@ -330,10 +345,10 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
     planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes, fail_batch=1)
-    loop = _loop(fake, case.chunk_bytes, staging)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
     try:
-        failed, _ = _submit(loop, staging, work, True)
-        later, _ = _submit(loop, staging, work, True)
+        failed, _, _ = _submit(loop, case)
+        later, _, _ = _submit(loop, case)
         loop.wait()
         assert failed.status == 700 and later.status == 0
         assert loop.num_issued == 2
@@ -354,7 +369,7 @@ def test_an_empty_job_only_orders():
     planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
     fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes, staging)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
     try:
         ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
                              end_event=END)
@@ -373,17 +388,68 @@ def test_bad_configurations_and_jobs_are_refused():
                    Memory(cpu_data, CPU_BASE), case.chunk_bytes)
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
     with pytest.raises(BackendError, match="8 parameters"):
-        ChunkLoop(fake.driver, kernel, Geometry.of(staging), dma_stream=DMA,
+        ChunkLoop(fake.driver, kernel, Geometry.of(staging, planner), dma_stream=DMA,
                   ring_base=RING_BASE, slot_bytes=256, free_events=FREE, ready_events=READY,
                   begin_event=BEGIN, done_event=DONE, attrs=(bytes(24), bytes(24)))
-    loop = _loop(fake, case.chunk_bytes, staging)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    loop.close()
+    with pytest.raises(BackendError, match="closed"):
+        _submit(loop, case)
+
+
+def _spoil(d, case):
+    """``case`` with one thing wrong (or nothing): out-of-range or repeated ids, a CPU id
+    too few or too many, a group more, block_indices moved."""
+    gpu = case.gpu_spec.block_ids.tolist()
+    cpu = case.cpu_spec.block_ids.tolist()
+    sizes, starts = list(case.gpu_spec.group_sizes), list(case.gpu_spec.block_indices)
+    how = d.int(0, 7)
+    if how == 1 and gpu:
+        gpu[d.int(0, len(gpu) - 1)] = case.num_gpu_blocks + d.int(0, 2)
+    elif how == 2 and cpu:
+        cpu[d.int(0, len(cpu) - 1)] = case.num_cpu_blocks + d.int(0, 2)
+    elif how == 3 and len(gpu) > 1:
+        gpu[d.int(1, len(gpu) - 1)] = gpu[0]
+    elif how == 4 and len(cpu) > 1:
+        cpu[d.int(1, len(cpu) - 1)] = cpu[0]
+    elif how == 5:
+        cpu = cpu[:-1] if cpu and d.int(0, 1) else cpu + [0]
+    elif how == 6:
+        sizes, starts = sizes + [0], starts + [0]
+    elif how == 7 and starts:
+        starts[d.int(0, len(starts) - 1)] += d.int(1, 3)
+    return GPULoadStoreSpec(gpu, sizes, starts), CPULoadStoreSpec(cpu)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_validation_accepts_and_refuses_what_the_planner_does(data):
+    """Drawn transfers, some spoiled: the loop's validation refuses exactly those the
+    planner refuses, and writes what the planner's works hold for the others."""
+    case = draw_case(HypDraw(data))
+    gpu, cpu = _spoil(HypDraw(data), case)
+    gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
+    planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
+    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    spec = (gpu, cpu) if case.store else (cpu, gpu)
     try:
-        with pytest.raises(BackendError, match="as many"):
-            loop.submit(stream=STREAM, works=[(0, np.arange(3), np.arange(2), None)], pairs=1)
+        work = planner.pairs(case.direction, spec)
+    except SpecError:
+        work = None
+    fake = FakeGpu(case, None, gpu_pages, cpu_pages, None, None, case.chunk_bytes)
+    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    try:
+        got = loop.validate(case.store, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
+                            cpu.block_ids)
     finally:
         loop.close()
-    with pytest.raises(BackendError, match="closed"):
-        _submit(loop, staging, work, True)
+    if work is None:
+        assert isinstance(got, int) and got in SPEC_ERRORS
+        return
+    assert not isinstance(got, int), SPEC_ERRORS.get(got)
+    reference = Validated.of_items(staging.work_items(work))
+    np.testing.assert_array_equal(got.pairs, reference.pairs)
+    np.testing.assert_array_equal(got.meta[:got.num_works], reference.meta[:reference.num_works])
 
 
 def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):

@@ -125,6 +125,16 @@ class CopyBackend(ABC):
     def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
         """Enqueue the plan's copies on ``stream``; return the keep-alive token."""
 
+    def plan(self, planner: Any, direction: Direction, transfer: Any, out: Any = None) -> Any:
+        """``transfer`` validated and planned the way this backend takes it: a BlockPlan
+        when it ``takes_blocks``, else a CopyPlan (into ``out``, the handler's reused
+        buffers). Raises ``SpecError`` naming what is wrong; nothing is enqueued. The
+        handler reads ``num_bytes`` and ``num_pairs`` / ``num_descriptors`` of the result
+        and passes it back to ``submit_ordered``."""
+        if self.takes_blocks:
+            return planner.block_plan(direction, transfer)
+        return planner.plan(direction, transfer, out=out)
+
     def submit_plan(self, plan: CopyPlan | BlockPlan, stream: Any) -> Submitted:
         """``copy_async`` or ``copy_blocks_async``, whichever the plan is for."""
         if isinstance(plan, BlockPlan):

@@ -53,16 +53,10 @@ class LoopGeometry(ctypes.Structure):
         ("factor", ctypes.c_int32), ("num_groups", ctypes.c_int32),
         ("whole_rows", ctypes.c_int32), ("_pad", ctypes.c_int32),
         ("chunk_bytes", ctypes.c_uint64),
+        ("num_gpu_blocks", _vp), ("num_cpu_blocks", _vp),
         ("cpu_stride", _vp), ("row_origin", _vp), ("pitch", _vp),
         ("tpl_first", _vp), ("tpl_count", _vp), ("run_offset", _vp), ("run_bytes", _vp),
     ]
-
-
-class LoopWork(ctypes.Structure):
-    """``tc_work``: one non-empty group of a transfer."""
-
-    _fields_ = [("group", ctypes.c_int32), ("count", ctypes.c_int32),
-                ("gpu_ids", _vp), ("cpu_rows", _vp), ("sub_pages", _vp)]
 
 
 class LoopConfig(ctypes.Structure):
@@ -92,7 +86,7 @@ class LoopJob(ctypes.Structure):
         ("stream", _vp), ("after", _vp), ("prev_end", _vp), ("start_ev", _vp),
         ("end_ev", _vp), ("table_ev", _vp),
         ("store", ctypes.c_int32), ("num_works", ctypes.c_int32),
-        ("works", ctypes.POINTER(LoopWork)),
+        ("validated", _vp), ("work_meta", _vp),
         ("pairs", _vp), ("num_pairs", ctypes.c_int64),
         ("dma_host", _vp), ("dma_slot", _vp), ("dma_bytes", _vp), ("stage", _vp),
         ("max_dmas", ctypes.c_int64),
@@ -100,15 +94,26 @@ class LoopJob(ctypes.Structure):
     ]
 
 
+# what tc_validate refuses: its codes, named
+SPEC_ERRORS = {1: "not one group_sizes entry per KV-cache group",
+               2: "group_sizes do not add up to the GPU block ids",
+               3: "the CPU block ids are not as many as the groups need",
+               4: "a GPU block id out of range", 5: "a CPU block id out of range",
+               6: "a destination block twice", 7: "out of memory"}
+
+
 @dataclass(frozen=True, eq=False)
 class Geometry:
-    """What the loop lays transfers out with: a BlockStaging's static tables (block
-    factor, groups' CPU strides, row origins and pitches, run templates), the chunk size
-    and whether loads read whole row images. ``of`` takes them from a BlockStaging."""
+    """What the loop validates and lays transfers out with: the planner's block counts per
+    group, a BlockStaging's static tables (block factor, groups' CPU strides, row origins
+    and pitches, run templates), the chunk size and whether loads read whole row images.
+    ``of`` takes them from a BlockStaging and the planner it was built for."""
 
     factor: int
     chunk_bytes: int
     whole_rows: bool
+    num_gpu_blocks: np.ndarray
+    num_cpu_blocks: np.ndarray
     cpu_stride: np.ndarray
     row_origin: np.ndarray
     pitch: np.ndarray
@@ -118,9 +123,14 @@ class Geometry:
     run_bytes: np.ndarray
 
     @classmethod
-    def of(cls, staging: Any) -> Geometry:
+    def of(cls, staging: Any, planner: Any) -> Geometry:
         i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        groups = planner.groups
+        if len(groups) != staging.num_groups or planner.block_size_factor != staging.factor:
+            raise BackendError("a BlockStaging and a planner of different geometries")
         return cls(int(staging.factor), int(staging.chunk_bytes), bool(staging.load_whole_rows),
+                   i64([g.num_gpu_blocks for g in groups]),
+                   i64([g.num_cpu_blocks for g in groups]),
                    i64(staging.cpu_stride), i64(staging.row_origin), i64(staging.pitch),
                    i64(staging.tpl_first), i64(staging.tpl_count), i64(staging.runs[0]),
                    i64(staging.runs[1]))
@@ -133,10 +143,16 @@ class Geometry:
     def struct(self) -> LoopGeometry:
         g = LoopGeometry(self.factor, int(self.pitch.size), int(self.whole_rows), 0,
                          self.chunk_bytes)
-        for name in ("cpu_stride", "row_origin", "pitch", "tpl_first", "tpl_count",
-                     "run_offset", "run_bytes"):
+        for name in ("num_gpu_blocks", "num_cpu_blocks", "cpu_stride", "row_origin", "pitch",
+                     "tpl_first", "tpl_count", "run_offset", "run_bytes"):
             setattr(g, name, getattr(self, name).ctypes.data)
         return g
+
+
+def _address(array: np.ndarray) -> int:
+    """The address of a C-contiguous array's first byte (``.ctypes.data`` builds an object
+    per call; the array interface is a dict lookup)."""
+    return array.__array_interface__["data"][0]
 
 
 _lock = threading.Lock()
@@ -197,8 +213,43 @@ def library() -> ctypes.CDLL:
             lib.tc_issued.restype = ctypes.c_uint64
             lib.tc_close.argtypes = [_vp]
             lib.tc_close.restype = None
+            lib.tc_validate.argtypes = [_vp, ctypes.c_int32, ctypes.c_int32, _vp, _vp, _vp,
+                                        ctypes.c_int64, _vp, ctypes.c_int64, _vp, _vp,
+                                        ctypes.POINTER(ctypes.c_int32)]
+            lib.tc_validate.restype = ctypes.c_int
             _library = lib
         return _library
+
+
+@dataclass(frozen=True, eq=False)
+class Validated:
+    """One transfer's validated works, as the loop lays them out: ``pairs`` (3, P) int64
+    (GPU ids, CPU rows, sub-pages; each group's pairs back to back) and ``meta`` (W, 2)
+    (group, count of each non-empty group, in group order)."""
+
+    pairs: np.ndarray
+    meta: np.ndarray
+    num_works: int
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pairs.shape[1])
+
+    @classmethod
+    def of_items(cls, items: Sequence[tuple[int, np.ndarray, np.ndarray, Any]]) -> Validated:
+        """From GroupWork already validated by the planner (``BlockStaging.work_items``)."""
+        n = sum(int(np.size(ids)) for _, ids, _, _ in items)
+        pairs = np.zeros((3, n), dtype=np.int64)
+        meta = np.zeros((max(len(items), 1), 2), dtype=np.int64)
+        at = 0
+        for w, (group, ids, rows, subs) in enumerate(items):
+            k = int(np.size(ids))
+            pairs[0, at:at + k], pairs[1, at:at + k] = ids, rows
+            if subs is not None:
+                pairs[2, at:at + k] = subs
+            meta[w] = group, k
+            at += k
+        return cls(pairs, meta, len(items))
 
 
 class Ticket:
@@ -301,14 +352,31 @@ class ChunkLoop:
         self.num_slots = n
         self._pending: deque[tuple[ctypes.c_int32, Any]] = deque()  # alive until issued
 
+    def validate(self, store: bool, gpu_ids: np.ndarray, group_sizes: Sequence[int],
+                 block_indices: Sequence[int], cpu_ids: np.ndarray) -> Validated | int:
+        """Check one transfer's ids as the planner does (``tc_validate``), on the calling
+        thread: its ``Validated`` works, or the refusal's code (``SPEC_ERRORS``)."""
+        g = len(group_sizes)
+        groups = np.array((group_sizes, block_indices) if g else ((), ()), dtype=np.int64)
+        gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
+        cpu_ids = np.ascontiguousarray(cpu_ids, dtype=np.int64)
+        n = gpu_ids.size
+        pairs = np.empty((3, n), dtype=np.int64)
+        meta = np.empty((max(g, 1), 2), dtype=np.int64)
+        works = ctypes.c_int32(0)
+        data = _address
+        rc = self._lib.tc_validate(ctypes.byref(self._geometry), int(store), g, data(groups[0]),
+                                   data(groups[1]), data(gpu_ids), n, data(cpu_ids),
+                                   cpu_ids.size, data(pairs), data(meta), ctypes.byref(works))
+        return rc if rc else Validated(pairs, meta, works.value)
+
     def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
                end_event: int = 0, table_event: int = 0, store: bool = False,
-               works: Sequence[Any] = (), pairs: int = 0, keep: Any = None) -> Ticket:
-        """Queue one transfer: ``works`` are the planner's GroupWork (group index as the
-        geometry numbers it, GPU ids, CPU rows, sub-pages), laid out by the loop into the
-        pair table at ``pairs`` ((4, P) int64, P the works' pairs, the memory the kernels
-        read) and DMA arrays held by the ticket. No works: only the ordering events (wait
-        for ``after``, then ``prev_end``; record ``start_event``, ``end_event``)."""
+               validated: Validated | None = None, pairs: int = 0, keep: Any = None) -> Ticket:
+        """Queue one transfer: ``validated`` works, laid out by the loop into the pair
+        table at ``pairs`` ((4, P) int64: the memory the kernels read) and DMA arrays the
+        ticket holds. None: only the ordering events (wait for ``after``, then
+        ``prev_end``; record ``start_event``, ``end_event``)."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
         status = ctypes.c_int32(STATUS_PENDING)
@@ -319,33 +387,18 @@ class ChunkLoop:
         j.store = int(store)
         j.status = ctypes.addressof(status)
         held: tuple[Any, ...] = (keep,)
-        if works:
-            items = (LoopWork * len(works))()
-            arrays, num_pairs = [], 0
-            for item, (group, gpu_ids, cpu_rows, sub_pages) in zip(items, works):
-                gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
-                cpu_rows = np.ascontiguousarray(cpu_rows, dtype=np.int64)
-                if not 0 < gpu_ids.size == cpu_rows.size < 2 ** 31:
-                    raise BackendError(f"a work of {gpu_ids.size} GPU ids and {cpu_rows.size} "
-                                       "CPU rows: need as many, at least one")
-                item.group, item.count = group, gpu_ids.size
-                item.gpu_ids, item.cpu_rows = gpu_ids.ctypes.data, cpu_rows.ctypes.data
-                arrays += (gpu_ids, cpu_rows)
-                if self.geometry.factor > 1:
-                    subs = np.ascontiguousarray(sub_pages, dtype=np.uint64)
-                    if subs.size != gpu_ids.size:
-                        raise BackendError(f"{subs.size} sub-pages for {gpu_ids.size} GPU ids")
-                    item.sub_pages = subs.ctypes.data
-                    arrays.append(subs)
-                num_pairs += gpu_ids.size
+        if validated is not None and validated.num_works:
+            num_pairs = validated.num_pairs
             # rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row
-            max_dmas = (num_pairs + len(works)) * self.geometry.max_runs
+            max_dmas = (num_pairs + validated.num_works) * self.geometry.max_runs
             dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
-            j.num_works, j.works, j.pairs, j.num_pairs = len(works), items, pairs, num_pairs
-            j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (
-                dmas.ctypes.data + i * 8 * max_dmas for i in range(4))
-            j.max_dmas = max_dmas
-            held = (keep, items, arrays, dmas)
+            base = _address(dmas)
+            j.num_works, j.validated, j.work_meta = validated.num_works, \
+                _address(validated.pairs), _address(validated.meta)
+            j.pairs, j.num_pairs, j.max_dmas = pairs, num_pairs, max_dmas
+            j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (base + i * 8 * max_dmas
+                                                            for i in range(4))
+            held = (keep, validated, dmas)
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:
             pending.popleft()  # issued: the loop no longer reads its arrays or status cell

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,11 +63,11 @@ from tiercache.backends.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
 )
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.native_loop import ChunkLoop, Geometry
+from tiercache.backends.native_loop import SPEC_ERRORS, ChunkLoop, Geometry, Validated
 from tiercache.backends.block_staging import SLOT_ALIGN
 from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
-from tiercache.errors import BackendError
+from tiercache.errors import BackendError, SpecError
 from tiercache.specs import Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
@@ -75,6 +76,21 @@ DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling una
 PACK_PROGRAMS_PER_SM = 2
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class NativePlan:
+    """A transfer validated by the chunk loop (``StagedBackend.plan``), for its
+    ``submit_ordered``: the works it lays out, and what the handler reports."""
+
+    direction: Direction
+    validated: Validated
+    num_bytes: int
+    num_pages: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.validated.num_pairs
 
 
 class StagedBackend(CopyBackend):
@@ -114,6 +130,7 @@ class StagedBackend(CopyBackend):
         self._scratch = Scratch()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
+        self._planner = planner
         self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
 
@@ -133,11 +150,16 @@ class StagedBackend(CopyBackend):
         """The native chunk loop over this ring (``native_loop``); raises BackendError
         when it cannot be built or started (no quiet fallback to the Python loop)."""
         kernel = self._blocks[1].loop_kernel(self._ring_base)
+        groups = self._planner.groups
+        self._pair_bytes = [int(np.sum(g.page_bytes)) if np.ndim(g.page_bytes)
+                            else int(g.page_bytes) * len(g.tensors) for g in groups]
+        self._pair_pages = [len(g.tensors) for g in groups]
         if self.slot_bytes % SLOT_ALIGN:
             raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
         attrs = tuple(bytes(self._ce.attributes(order))
                       for order in (self.load_order, SrcAccessOrder.STREAM))
-        return ChunkLoop(self.driver.loop_driver(), kernel, Geometry.of(self._blocks[0]),
+        return ChunkLoop(self.driver.loop_driver(), kernel,
+                         Geometry.of(self._blocks[0], self._planner),
                          dma_stream=self._dma,
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
                          free_events=self._free, ready_events=self._ready,
@@ -156,35 +178,60 @@ class StagedBackend(CopyBackend):
         if self._loop is not None:
             self._loop.wait()
 
-    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
-                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:
-        """Block plans (and empty transfers) go to the chunk loop whole, with the handler's
-        events: the calling thread only picks a pair-table buffer. Page plans: the base."""
+    def plan(self, planner: Any, direction: Direction, transfer: Any, out: Any = None) -> Any:
+        """With the chunk loop: the transfer's ids validated in C on the calling thread
+        (``tc_validate``, the planner's rules; a refusal is re-checked by the planner, whose
+        ``SpecError`` names what is wrong). Otherwise the base's plans."""
+        if self._loop is None or planner is not self._planner:
+            return super().plan(planner, direction, transfer, out)
+        if not isinstance(transfer, tuple) or len(transfer) != 2:
+            raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
+        gpu, cpu = direction.gpu_cpu(*transfer)
+        sizes = gpu.group_sizes
+        validated = self._loop.validate(direction is Direction.GPU_TO_CPU, gpu.block_ids, sizes,
+                                        gpu.block_indices, cpu.block_ids)
+        if isinstance(validated, int):
+            planner.block_plan(direction, transfer)  # raises the SpecError that says why
+            raise SpecError(f"transfer refused: {SPEC_ERRORS.get(validated, validated)}")
+        if len(sizes) == 1:
+            n = sizes[0]
+            return NativePlan(direction, validated, n * self._pair_bytes[0],
+                              n * self._pair_pages[0])
+        return NativePlan(direction, validated,
+                          sum(n * b for n, b in zip(sizes, self._pair_bytes)),
+                          sum(n * k for n, k in zip(sizes, self._pair_pages)))
+
+    def submit_ordered(self, plan: Any, stream: Any, after: tuple[Any, ...], start: Any,
+                       end: Any) -> Submitted | None:
+        """Native plans, block plans and empty transfers go to the chunk loop whole, with
+        the handler's events: the calling thread only picks a pair-table buffer. Page
+        plans: the base."""
         if self._loop is None or isinstance(plan, CopyPlan):
             return super().submit_ordered(plan, stream, after, start, end)
         return self._submit_native(plan, stream, after, start, end)
 
-    def _submit_native(self, plan: BlockPlan | None, stream: Any, after: tuple[Any, ...],
-                       start: Any, end: Any) -> Submitted:
+    def _submit_native(self, plan: NativePlan | BlockPlan | None, stream: Any,
+                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted:
         staging, _, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
+        if len(after) > 2:
+            raise BackendError(f"{len(after)} events to wait for: the chunk loop takes two")
         marks = [0 if e is None else e.handle for e in after] + [0, 0]
         order = dict(stream=handle, after=marks[0], prev_end=marks[1],
                      start_event=0 if start is None else start.handle,
                      end_event=0 if end is None else end.handle)
-        if len(after) > 2:
-            raise BackendError(f"{len(after)} events to wait for: the chunk loop takes two")
         try:
-            items = [] if plan is None else staging.work_items(plan.pairs)
+            validated = None if plan is None else plan.validated if isinstance(plan, NativePlan) \
+                else Validated.of_items(staging.work_items(plan.pairs))
         except BackendError:
             self._loop.submit(**order)  # the end event is still recorded in order
             raise
-        if not items:
+        if validated is None or not validated.num_works:
             return Submitted((), self._loop.submit(**order))
-        address, token = tables.reserve(plan.num_pairs)
+        address, token = tables.reserve(validated.num_pairs)
         ticket = self._loop.submit(**order, table_event=tables.table_event(token),
-                                   store=plan.direction is Direction.GPU_TO_CPU, works=items,
-                                   pairs=address, keep=plan)
+                                   store=plan.direction is Direction.GPU_TO_CPU,
+                                   validated=validated, pairs=address, keep=plan)
         tables.release_after(token, ticket)
         return Submitted((plan,), ticket)
 

@@ -113,8 +113,7 @@ class SingleDirectionOffloadingHandler:
                             f"{self.direction.label} handler; job ids must be unique")
         buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
         try:
-            plan = self.planner.block_plan(self.direction, transfer) if self.backend.takes_blocks \
-                else self.planner.plan(self.direction, transfer, out=buffers)
+            plan = self.backend.plan(self.planner, self.direction, transfer, buffers)
         except SpecError:
             self._buffer_pool.append(buffers)
             raise
@@ -131,7 +130,7 @@ class SingleDirectionOffloadingHandler:
     def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
                  end: Event, mark: Event) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
-        empty = not (plan.num_pairs if isinstance(plan, BlockPlan) else plan.num_descriptors)
+        empty = not (plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pairs)
         ok = True
         try:  # the compute stream's work so far: the transfer starts after it
             mark.record(self._streams.current_stream())

@@ -44,20 +44,22 @@ typedef int (*ctx_fn)(void *ctx);
                             tensor_stride, groups, num_groups */
 #define TC_ABI_12_8 12080
 
-/* The static tables of a BlockStaging (block_staging.py), owned by the caller. */
+/* The static tables of a BlockStaging (block_staging.py) and the planner's block counts,
+ * owned by the caller. */
 typedef struct {
     int32_t factor, num_groups, whole_rows, _pad; /* whole_rows: loads take whole images */
     uint64_t chunk_bytes;
+    const int64_t *num_gpu_blocks, *num_cpu_blocks; /* per group: the ids' bounds */
     const int64_t *cpu_stride, *row_origin, *pitch; /* per group */
     const int64_t *tpl_first, *tpl_count;           /* per template */
     const int64_t *run_offset, *run_bytes;          /* per run */
 } tc_geometry;
 
-/* One non-empty group of a transfer (the planner's GroupWork, validated). */
+/* One non-empty group of a transfer, validated (tc_validate; the planner's GroupWork). */
 typedef struct {
     int32_t group, count;
     const int64_t *gpu_ids, *cpu_rows; /* count each: per GPU page its CPU block */
-    const uint64_t *sub_pages;         /* count, or NULL when factor == 1 */
+    const int64_t *sub_pages;          /* count: the sub-page inside the CPU block */
 } tc_work;
 
 typedef struct {
@@ -84,7 +86,8 @@ typedef struct {
     void *start_ev, *end_ev;      /* recorded on stream around the transfer (NULL: none) */
     void *table_ev;               /* recorded on stream after the last launch (NULL: none) */
     int32_t store, num_works;
-    const tc_work *works;
+    const int64_t *validated;     /* (3, num_pairs): GPU ids, CPU rows, sub-pages (tc_validate) */
+    const int64_t *work_meta;     /* (num_works, 2): group, count; works back to back */
     int64_t *pairs;               /* out: the (4, num_pairs) table the kernels read */
     int64_t num_pairs;            /* the works' counts summed */
     uint64_t *dma_host, *dma_slot, *dma_bytes, *stage; /* out: room for max_dmas each */
@@ -172,7 +175,7 @@ static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index
             rows[i] = (row_t){w->cpu_rows[i], i, i + 1, whole ? whole_tpl : g, index};
         num_rows = n;
     } else {
-        int64_t skip = (int64_t)w->sub_pages[0], last = (int64_t)w->sub_pages[n - 1];
+        int64_t skip = w->sub_pages[0], last = w->sub_pages[n - 1];
         num_rows = (skip + n - 1) / f + 1;
         for (int64_t r = 0; r < num_rows; r++) {
             int64_t lo = r * f - skip, hi = (r + 1) * f - skip;
@@ -202,31 +205,41 @@ static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index
  * *pair_first / *dma_first (malloc'd, num_chunks + 1 each). Returns 0 or an error. */
 static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first,
                    int64_t **dma_first, int64_t *num_chunks) {
-    int64_t f = geo->factor, total = 0, P = j->num_pairs;
+    int64_t f = geo->factor, total = 0, P = j->num_pairs, at = 0;
     *pair_first = *dma_first = NULL;
     *num_chunks = 0;
+    tc_work *works = malloc((size_t)j->num_works * sizeof *works);
+    if (!works)
+        return TC_ERROR_OUT_OF_MEMORY;
     for (int32_t i = 0; i < j->num_works; i++) {
-        const tc_work *w = &j->works[i];
-        if (w->count <= 0 || w->group < 0 || w->group >= geo->num_groups
-            || (f > 1 && !w->sub_pages))
+        tc_work *w = &works[i];
+        w->group = (int32_t)j->work_meta[2 * i];
+        w->count = (int32_t)j->work_meta[2 * i + 1];
+        if (w->count <= 0 || w->group < 0 || w->group >= geo->num_groups || at + w->count > P) {
+            free(works);
             return TC_ERROR_INVALID_VALUE;
-        total += f == 1 ? w->count : ((int64_t)w->sub_pages[0] + w->count - 1) / f + 1;
+        }
+        w->gpu_ids = j->validated + at;
+        w->cpu_rows = j->validated + P + at;
+        w->sub_pages = j->validated + 2 * P + at;
+        at += w->count;
+        total += f == 1 ? w->count : (w->sub_pages[0] + w->count - 1) / f + 1;
     }
     row_t *rows = malloc((size_t)(total ? total : 1) * sizeof *rows);
     int64_t *pf = malloc((size_t)(total + 1) * sizeof *pf);
     int64_t *df = malloc((size_t)(total + 1) * sizeof *df);
     if (!rows || !pf || !df) {
-        free(rows), free(pf), free(df);
+        free(rows), free(pf), free(df), free(works);
         return TC_ERROR_OUT_OF_MEMORY;
     }
-    int64_t at = 0;
+    at = 0;
     for (int32_t i = 0; i < j->num_works; i++)
-        at += work_rows(geo, &j->works[i], i, geo->whole_rows && !j->store, rows + at);
+        at += work_rows(geo, &works[i], i, geo->whole_rows && !j->store, rows + at);
     int64_t k = -1, offset = 0, p = 0, d = 0;
     int err = 0;
     for (int64_t r = 0; r < total && !err; r++) {
         const row_t *row = &rows[r];
-        const tc_work *w = &j->works[row->work];
+        const tc_work *w = &works[row->work];
         int64_t g = w->group, pitch = geo->pitch[g];
         if (k < 0 || (offset > 0 && (uint64_t)(offset + pitch) > geo->chunk_bytes)) {
             k++;
@@ -243,7 +256,7 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first
             }
             j->pairs[p] = w->gpu_ids[q];
             j->pairs[P + p] = slot;
-            j->pairs[2 * P + p] = f == 1 ? 0 : (int64_t)w->sub_pages[q];
+            j->pairs[2 * P + p] = w->sub_pages[q];
             j->pairs[3 * P + p] = g;
         }
         int64_t first = geo->tpl_first[row->tpl], runs = geo->tpl_count[row->tpl];
@@ -266,6 +279,7 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first
         }
     }
     free(rows);
+    free(works);
     if (!err && p != P)
         err = TC_ERROR_INVALID_VALUE;
     if (err) {
@@ -278,6 +292,117 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first
     *pair_first = pf;
     *dma_first = df;
     return 0;
+}
+
+/* ------------------------------------------------------------------ validation */
+
+/* What tc_validate refuses (the planner's SpecError cases, transfer/planner.py). */
+enum {
+    TC_SPEC_GROUPS = 1,    /* not one group_sizes entry per KV-cache group */
+    TC_SPEC_GPU_COUNT,     /* group_sizes do not add up to the GPU ids */
+    TC_SPEC_CPU_COUNT,     /* the CPU ids are not the count the groups need */
+    TC_SPEC_GPU_RANGE,     /* a GPU id out of its group's range */
+    TC_SPEC_CPU_RANGE,     /* a CPU id out of its group's range */
+    TC_SPEC_REPEATED,      /* a destination block twice (CPU ids of a store, GPU of a load) */
+    TC_SPEC_NO_MEMORY,
+};
+
+typedef struct {
+    int64_t key, index;
+} keyed_t;
+
+static int keyed_before(const void *x, const void *y) {
+    const keyed_t *a = x, *b = y;
+    if (a->key != b->key)
+        return a->key < b->key ? -1 : 1;
+    return a->index < b->index ? -1 : (a->index > b->index);
+}
+
+/* Sorts keys[0..n) (scratch) and says whether two are equal. */
+static int has_repeat(keyed_t *keys, int64_t n) {
+    qsort(keys, (size_t)n, sizeof *keys, keyed_before);
+    for (int64_t i = 1; i < n; i++)
+        if (keys[i].key == keys[i - 1].key)
+            return 1;
+    return 0;
+}
+
+/* Validate one transfer as the planner does and write its works: out is (3, num_gpu)
+ * (GPU ids, CPU rows, sub-pages; with factor 1 the pairs in ascending CPU row, stable),
+ * meta (G, 2) (group, count of each non-empty group, in group order). Returns 0 with
+ * *num_works set, or a TC_SPEC_* code (nothing else is then meaningful). */
+int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
+                const int64_t *group_sizes, const int64_t *block_indices,
+                const int64_t *gpu_ids, int64_t num_gpu, const int64_t *cpu_ids,
+                int64_t num_cpu, int64_t *out, int64_t *meta, int32_t *num_works) {
+    int64_t f = geo->factor, sum = 0, need = 0;
+    *num_works = 0;
+    if (num_groups != geo->num_groups)
+        return TC_SPEC_GROUPS;
+    for (int32_t g = 0; g < num_groups; g++) {
+        int64_t n = group_sizes[g], skip = block_indices[g] % f;
+        sum += n;
+        need += n ? (n + skip + f - 1) / f : 0;
+    }
+    if (sum != num_gpu)
+        return TC_SPEC_GPU_COUNT;
+    if (need != num_cpu)
+        return TC_SPEC_CPU_COUNT;
+    keyed_t *keys = malloc((size_t)(num_gpu ? num_gpu : 1) * sizeof *keys);
+    if (!keys)
+        return TC_SPEC_NO_MEMORY;
+    int64_t gat = 0, cat = 0, works = 0;
+    int rc = 0;
+    for (int32_t g = 0; g < num_groups && !rc; g++) {
+        int64_t n = group_sizes[g], skip = block_indices[g] % f;
+        if (!n)
+            continue;
+        int64_t count = (n + skip + f - 1) / f;
+        const int64_t *gids = gpu_ids + gat, *cids = cpu_ids + cat;
+        for (int64_t i = 0; i < n && !rc; i++)
+            if (gids[i] < 0 || gids[i] >= geo->num_gpu_blocks[g])
+                rc = TC_SPEC_GPU_RANGE;
+        for (int64_t i = 0; i < count && !rc; i++)
+            if (cids[i] < 0 || cids[i] >= geo->num_cpu_blocks[g])
+                rc = TC_SPEC_CPU_RANGE;
+        if (rc)
+            break;
+        int64_t *o_gpu = out + gat, *o_row = out + num_gpu + gat, *o_sub = out + 2 * num_gpu + gat;
+        if (f == 1) { /* pairs in ascending CPU row, stable */
+            int ascending = 1;
+            for (int64_t i = 1; i < n && ascending; i++)
+                ascending = cids[i] > cids[i - 1];
+            for (int64_t i = 0; i < n; i++)
+                keys[i] = (keyed_t){cids[i], i};
+            if (!ascending)
+                qsort(keys, (size_t)n, sizeof *keys, keyed_before);
+            for (int64_t i = 0; i < n; i++) {
+                o_gpu[i] = gids[keys[i].index];
+                o_row[i] = keys[i].key;
+                o_sub[i] = 0;
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                o_gpu[i] = gids[i];
+                o_row[i] = cids[(skip + i) / f];
+                o_sub[i] = (skip + i) % f;
+            }
+        }
+        int64_t m = store ? count : n; /* the destination side's ids */
+        for (int64_t i = 0; i < m; i++)
+            keys[i] = (keyed_t){store ? cids[i] : gids[i], i};
+        if (has_repeat(keys, m))
+            rc = TC_SPEC_REPEATED;
+        meta[2 * works] = g;
+        meta[2 * works + 1] = n;
+        works++;
+        gat += n;
+        cat += count;
+    }
+    free(keys);
+    if (!rc)
+        *num_works = (int32_t)works;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ issue */
