@@ -468,3 +468,24 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
                 base = t * 64 * page
                 assert np.array_equal(got[base + b * page:][:page], want[base + a * page:][:page])
     handlers.shutdown()
+
+
+def test_chunk_loop_validation_refuses_bad_ids_with_the_planners_message(buffers):
+    """The native path validates in C; a refusal raises the planner's SpecError, nothing
+    is enqueued, and the handler goes on with the next transfer."""
+    from tiercache.errors import SpecError
+    from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+    gpu, host = buffers
+    handlers, layout = _handlers("staged-blocks", gpu, host, 4, 32768, gpu_blocks=64,
+                                 cpu_blocks=32, factor=1)
+    with pytest.raises(SpecError, match="CPU block id 32 in group 0 is out of range"):
+        handlers.transfer_async(1, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3, 32])))
+    with pytest.raises(SpecError, match="repeat|twice|more than once"):
+        handlers.transfer_async(2, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3, 3])))
+    assert handlers.gpu_to_cpu_handler.num_in_flight == 0
+    assert handlers.transfer_async(3, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3, 4])))
+    handlers.wait([3])
+    (result,) = handlers.get_finished()
+    assert result.job_id == 3 and result.success
+    handlers.shutdown()

@@ -380,11 +380,8 @@ class ChunkLoop:
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
         status = ctypes.c_int32(STATUS_PENDING)
-        j = LoopJob()
-        j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
-        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
-            table_event or None
-        j.store = int(store)
+        j = LoopJob(stream, after or None, prev_end or None, start_event or None,
+                    end_event or None, table_event or None, int(store))
         j.status = ctypes.addressof(status)
         held: tuple[Any, ...] = (keep,)
         if validated is not None and validated.num_works:
