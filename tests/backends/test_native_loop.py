@@ -157,8 +157,8 @@ class FakeGpu:
             ctypes.c_size_t.from_address(rest[0]).value  # the 12.8 ABI's failIdx is writable
         order = ctypes.c_int.from_address(attrs).value
         assert num_attrs == 1 and ctypes.c_size_t.from_address(attr_idx).value == 0
-        assert order == (1 if self.case.store else 3) and NAMES[stream] == "D"
-        self.trace.append(("batch", count))
+        assert order == (1 if self.case.store else 3)
+        self.trace.append(("batch", count, NAMES[stream]))
         if self.fail_batch and sum(1 for t in self.trace if t[0] == "batch") == self.fail_batch:
             return 700
         slot = RING_BASE + self.claimed * self.slot_bytes
@@ -184,6 +184,15 @@ def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging, planner) -> Chu
 def _contract(layout, store: bool, cursor: int) -> list[tuple]:
     """staged's pipeline order (backends/staged.py docstring), written out independently."""
     out = [("wait", "S", "after"), ("wait", "S", "prev"), ("record", "start", "S")]
+    if layout.num_chunks == 1:  # nothing to overlap: everything on the transfer's stream
+        first, count = layout.pair_range(0)
+        n = int(layout.dma_first[1])
+        launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
+        dma = [("batch", n, "S")] if n else []
+        s = cursor % NUM_SLOTS
+        body = [*launch, *dma] if store else [*dma, *launch]
+        return out + [("wait", "S", f"free{s}"), *body, ("record", f"free{s}", "S"),
+                      ("record", "table", "S"), ("record", "end", "S")]
     if layout.num_chunks:
         out += [("record", "begin", "S"), ("wait", "D", "begin")]
     for k in range(layout.num_chunks):
@@ -191,7 +200,7 @@ def _contract(layout, store: bool, cursor: int) -> list[tuple]:
         first, count = layout.pair_range(k)
         n = int(layout.dma_first[k + 1] - layout.dma_first[k])
         launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
-        dma = [("batch", n)] if n else []
+        dma = [("batch", n, "D")] if n else []
         if store:
             out += [("wait", "S", f"free{s}"), *launch, ("record", f"ready{s}", "S"),
                     ("wait", "D", f"ready{s}"), *dma, ("record", f"free{s}", "D")]
@@ -355,7 +364,7 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
     finally:
         loop.close()
     first_end = fake.trace.index(("record", "end", "S"))
-    batches_before = [t for t in fake.trace[:first_end] if t[0] == "batch"]
+    batches_before = [t for t in fake.trace[:first_end] if t[0] == "batch"]  # noqa: F841
     assert len(batches_before) == 1  # the chunks after the failure were skipped
     assert fake.trace[first_end - 1] != ("record", "done", "D")  # skipped as well
     assert fake.trace.count(("record", "end", "S")) == 2

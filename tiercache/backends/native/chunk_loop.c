@@ -429,9 +429,15 @@ static int run_job(tc_queue *q, const tc_job *j) {
         CALL(record(j->start_ev, S));
     if (j->num_works > 0 && !err)
         err = lay_out(c->geometry, j, &pair_first, &dma_first, &num_chunks);
+    /* One chunk has nothing to overlap: all of it on the transfer's stream, no hops to
+     * the DMA stream and back (the slot's free event still orders it with the ring). */
+    int hop = num_chunks > 1;
+    void *X = hop ? D : S; /* where the DMAs go */
     if (num_chunks > 0 && !err) {
-        CALL(record(c->begin_ev, S));
-        CALL(wait(D, c->begin_ev, 0));
+        if (hop) {
+            CALL(record(c->begin_ev, S));
+            CALL(wait(D, c->begin_ev, 0));
+        }
         for (int64_t k = 0; k < num_chunks && !err; k++) {
             int s = (int)((q->cursor + k) % c->num_slots);
             uint64_t base = c->ring_base + (uint64_t)s * c->slot_bytes;
@@ -442,17 +448,21 @@ static int run_job(tc_queue *q, const tc_job *j) {
             if (j->store) {
                 CALL(wait(S, c->free_ev[s], 0));
                 CALL(launch(c, j, first, count, base));
-                CALL(record(c->ready_ev[s], S));
-                CALL(wait(D, c->ready_ev[s], 0));
+                if (hop) {
+                    CALL(record(c->ready_ev[s], S));
+                    CALL(wait(D, c->ready_ev[s], 0));
+                }
                 CALL(batch(c, j->dma_host + lo, j->stage + lo, j->dma_bytes + lo,
-                           (size_t)(hi - lo), 1, D));
-                CALL(record(c->free_ev[s], D));
+                           (size_t)(hi - lo), 1, X));
+                CALL(record(c->free_ev[s], X));
             } else {
-                CALL(wait(D, c->free_ev[s], 0));
+                CALL(wait(X, c->free_ev[s], 0));
                 CALL(batch(c, j->stage + lo, j->dma_host + lo, j->dma_bytes + lo,
-                           (size_t)(hi - lo), 0, D));
-                CALL(record(c->ready_ev[s], D));
-                CALL(wait(S, c->ready_ev[s], 0));
+                           (size_t)(hi - lo), 0, X));
+                if (hop) {
+                    CALL(record(c->ready_ev[s], D));
+                    CALL(wait(S, c->ready_ev[s], 0));
+                }
                 CALL(launch(c, j, first, count, base));
                 CALL(record(c->free_ev[s], S));
             }
@@ -460,8 +470,10 @@ static int run_job(tc_queue *q, const tc_job *j) {
         q->cursor = (q->cursor + num_chunks) % c->num_slots;
         if (j->table_ev)
             CALL(record(j->table_ev, S));
-        CALL(record(c->done_ev, D));
-        CALL(wait(S, c->done_ev, 0));
+        if (hop) {
+            CALL(record(c->done_ev, D));
+            CALL(wait(S, c->done_ev, 0));
+        }
     }
     free(pair_first);
     free(dma_first);
