@@ -18,11 +18,14 @@ backend kind it records in the rank's stats block):
    transfer; both directions at once then reach only 0.64 of the ceiling). Among the
    rest, the higher rate wins.
 
-When ``staged`` wins, plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors still go
-to ``ce``: staging costs ~0.1–0.2 ms of fixed host work per transfer (layout, table,
-launch) and two cross-stream hops, more than the driver's ~0.5 µs per descriptor on a
-small plan; one block (64 pages) then completes in ~60–70 µs instead of ~200–300
-(H100, 32 KiB pages).
+When ``staged`` wins it takes every plan: its native chunk loop validates in C and issues
+on its own thread, and a one-chunk transfer runs on one stream, so one block (64 pages
+of 32 KiB) took 93-96 µs GPU-timed and 132 µs from the call to the result, against
+142-144 and 298 µs through ``ce`` (H100, docs/benchmarks.md, "Host path"). Only a
+``staged`` issuing from Python (``native=False``) still hands plans of at most
+``SMALL_PLAN_DESCRIPTORS`` descriptors to ``ce``: its fixed host work per transfer
+(layout, table, launch, two cross-stream hops) is more than the driver's ~0.5 µs per
+descriptor of a small plan.
 
 ``kernel`` is never chosen here: it holds SMs for the whole transfer (a concurrent
 matmul was measured to lose half its speed); configure it by name where latency
@@ -274,6 +277,6 @@ def create(context: BackendContext) -> AutoBackend:
     choice, backend = choose(context)
     log.info("transfer backend %s", choice.describe())
     small = None
-    if isinstance(backend, StagedBackend):
+    if isinstance(backend, StagedBackend) and not backend.native:
         small = CeBackend(device_index(context.device), backend.driver)
     return AutoBackend(backend, choice, small, context.planner)
