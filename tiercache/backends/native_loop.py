@@ -213,9 +213,8 @@ def library() -> ctypes.CDLL:
             lib.tc_issued.restype = ctypes.c_uint64
             lib.tc_close.argtypes = [_vp]
             lib.tc_close.restype = None
-            lib.tc_validate.argtypes = [_vp, ctypes.c_int32, ctypes.c_int32, _vp, _vp, _vp,
-                                        ctypes.c_int64, _vp, ctypes.c_int64, _vp, _vp,
-                                        ctypes.POINTER(ctypes.c_int32)]
+            lib.tc_validate.argtypes = [_vp, ctypes.c_int32, ctypes.c_int32, _vp, _vp,
+                                        ctypes.c_int64, _vp, ctypes.c_int64, _vp]
             lib.tc_validate.restype = ctypes.c_int
             _library = lib
         return _library
@@ -223,24 +222,29 @@ def library() -> ctypes.CDLL:
 
 @dataclass(frozen=True, eq=False)
 class Validated:
-    """One transfer's validated works, as the loop lays them out: ``pairs`` (3, P) int64
-    (GPU ids, CPU rows, sub-pages; each group's pairs back to back) and ``meta`` (W, 2)
-    (group, count of each non-empty group, in group order)."""
+    """One transfer's validated works, as the loop lays them out, in one int64 buffer:
+    ``pairs`` (3, P) (GPU ids, CPU rows, sub-pages; each group's pairs back to back),
+    then ``meta`` (G, 2) (group, count of each non-empty group, in group order; the
+    first ``num_works`` rows are used)."""
 
-    pairs: np.ndarray
-    meta: np.ndarray
+    buffer: np.ndarray
+    num_pairs: int
     num_works: int
 
     @property
-    def num_pairs(self) -> int:
-        return int(self.pairs.shape[1])
+    def pairs(self) -> np.ndarray:
+        return self.buffer[:3 * self.num_pairs].reshape(3, -1)
+
+    @property
+    def meta(self) -> np.ndarray:
+        return self.buffer[3 * self.num_pairs:].reshape(-1, 2)
 
     @classmethod
     def of_items(cls, items: Sequence[tuple[int, np.ndarray, np.ndarray, Any]]) -> Validated:
         """From GroupWork already validated by the planner (``BlockStaging.work_items``)."""
         n = sum(int(np.size(ids)) for _, ids, _, _ in items)
-        pairs = np.zeros((3, n), dtype=np.int64)
-        meta = np.zeros((max(len(items), 1), 2), dtype=np.int64)
+        buffer = np.zeros(3 * n + 2 * max(len(items), 1), dtype=np.int64)
+        pairs, meta = buffer[:3 * n].reshape(3, n), buffer[3 * n:].reshape(-1, 2)
         at = 0
         for w, (group, ids, rows, subs) in enumerate(items):
             k = int(np.size(ids))
@@ -249,7 +253,7 @@ class Validated:
                 pairs[2, at:at + k] = subs
             meta[w] = group, k
             at += k
-        return cls(pairs, meta, len(items))
+        return cls(buffer, n, len(items))
 
 
 class Ticket:
@@ -343,6 +347,9 @@ class ChunkLoop:
                                "bytes: a row must fit a chunk")
         self.geometry = geometry
         self._geometry = geometry.struct()
+        self._geometry_ref = ctypes.addressof(self._geometry)
+        self._num_groups = int(geometry.pitch.size)
+        self._groups_type = ctypes.c_int64 * (2 * self._num_groups)
         c.geometry = ctypes.pointer(self._geometry)
         self._config = c  # function pointers and events stay alive with the loop
         self._lib = library()
@@ -355,20 +362,21 @@ class ChunkLoop:
     def validate(self, store: bool, gpu_ids: np.ndarray, group_sizes: Sequence[int],
                  block_indices: Sequence[int], cpu_ids: np.ndarray) -> Validated | int:
         """Check one transfer's ids as the planner does (``tc_validate``), on the calling
-        thread: its ``Validated`` works, or the refusal's code (``SPEC_ERRORS``)."""
+        thread: its ``Validated`` works, or the refusal's code (``SPEC_ERRORS``). The ids
+        are int64 (a spec's ``block_ids``); anything else is converted first."""
         g = len(group_sizes)
-        groups = np.array((group_sizes, block_indices) if g else ((), ()), dtype=np.int64)
-        gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
-        cpu_ids = np.ascontiguousarray(cpu_ids, dtype=np.int64)
+        if g != self._num_groups:
+            return 1
+        groups = self._groups_type(*group_sizes, *block_indices)
+        if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
+            gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
+        if cpu_ids.dtype != np.int64 or not cpu_ids.flags.c_contiguous:
+            cpu_ids = np.ascontiguousarray(cpu_ids, dtype=np.int64)
         n = gpu_ids.size
-        pairs = np.empty((3, n), dtype=np.int64)
-        meta = np.empty((max(g, 1), 2), dtype=np.int64)
-        works = ctypes.c_int32(0)
-        data = _address
-        rc = self._lib.tc_validate(ctypes.byref(self._geometry), int(store), g, data(groups[0]),
-                                   data(groups[1]), data(gpu_ids), n, data(cpu_ids),
-                                   cpu_ids.size, data(pairs), data(meta), ctypes.byref(works))
-        return rc if rc else Validated(pairs, meta, works.value)
+        out = np.empty(3 * n + 2 * g, dtype=np.int64)
+        rc = self._lib.tc_validate(self._geometry_ref, int(store), g, groups, _address(gpu_ids),
+                                   n, _address(cpu_ids), cpu_ids.size, _address(out))
+        return -rc if rc < 0 else Validated(out, n, rc)
 
     def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
                end_event: int = 0, table_event: int = 0, store: bool = False,
@@ -390,8 +398,8 @@ class ChunkLoop:
             max_dmas = (num_pairs + validated.num_works) * self.geometry.max_runs
             dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
             base = _address(dmas)
-            j.num_works, j.validated, j.work_meta = validated.num_works, \
-                _address(validated.pairs), _address(validated.meta)
+            at = _address(validated.buffer)
+            j.num_works, j.validated, j.work_meta = validated.num_works, at, at + 24 * num_pairs
             j.pairs, j.num_pairs, j.max_dmas = pairs, num_pairs, max_dmas
             j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (base + i * 8 * max_dmas
                                                             for i in range(4))

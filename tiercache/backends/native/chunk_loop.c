@@ -311,46 +311,70 @@ typedef struct {
     int64_t key, index;
 } keyed_t;
 
-static int keyed_before(const void *x, const void *y) {
-    const keyed_t *a = x, *b = y;
-    if (a->key != b->key)
-        return a->key < b->key ? -1 : 1;
-    return a->index < b->index ? -1 : (a->index > b->index);
+/* Stable sort of a[0..n) by key (bottom-up merge sort through tmp[0..n)): a few
+ * thousand inline comparisons for a few hundred ids, no comparator calls. */
+static void sort_keyed(keyed_t *a, keyed_t *tmp, int64_t n) {
+    int64_t i = 1;
+    while (i < n && a[i - 1].key <= a[i].key)
+        i++;
+    if (i >= n)
+        return; /* already ascending */
+    keyed_t *src = a, *dst = tmp;
+    for (int64_t width = 1; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            int64_t mid = lo + width < n ? lo + width : n;
+            int64_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t x = lo, y = mid, o = lo;
+            while (x < mid && y < hi)
+                dst[o++] = src[y].key < src[x].key ? src[y++] : src[x++];
+            while (x < mid)
+                dst[o++] = src[x++];
+            while (y < hi)
+                dst[o++] = src[y++];
+        }
+        keyed_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a)
+        memcpy(a, src, (size_t)n * sizeof *a);
 }
 
-/* Sorts keys[0..n) (scratch) and says whether two are equal. */
-static int has_repeat(keyed_t *keys, int64_t n) {
-    qsort(keys, (size_t)n, sizeof *keys, keyed_before);
+/* Sorts keys[0..n) (tmp: scratch of n) and says whether two are equal. */
+static int has_repeat(keyed_t *keys, keyed_t *tmp, int64_t n) {
+    sort_keyed(keys, tmp, n);
     for (int64_t i = 1; i < n; i++)
         if (keys[i].key == keys[i - 1].key)
             return 1;
     return 0;
 }
 
-/* Validate one transfer as the planner does and write its works: out is (3, num_gpu)
- * (GPU ids, CPU rows, sub-pages; with factor 1 the pairs in ascending CPU row, stable),
- * meta (G, 2) (group, count of each non-empty group, in group order). Returns 0 with
- * *num_works set, or a TC_SPEC_* code (nothing else is then meaningful). */
+/* Validate one transfer as the planner does and write its works into out: first
+ * (3, num_gpu) (GPU ids, CPU rows, sub-pages; with factor 1 the pairs in ascending CPU
+ * row, stable), then (G, 2) (group, count of each non-empty group, in group order).
+ * groups is (2, num_groups): group_sizes, then block_indices. Returns the number of
+ * works, or minus a TC_SPEC_* code (out is then meaningless). */
 int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
-                const int64_t *group_sizes, const int64_t *block_indices,
-                const int64_t *gpu_ids, int64_t num_gpu, const int64_t *cpu_ids,
-                int64_t num_cpu, int64_t *out, int64_t *meta, int32_t *num_works) {
+                const int64_t *groups, const int64_t *gpu_ids, int64_t num_gpu,
+                const int64_t *cpu_ids, int64_t num_cpu, int64_t *out) {
     int64_t f = geo->factor, sum = 0, need = 0;
-    *num_works = 0;
+    const int64_t *group_sizes = groups, *block_indices = groups + num_groups;
+    int64_t *meta = out + 3 * num_gpu;
     if (num_groups != geo->num_groups)
-        return TC_SPEC_GROUPS;
+        return -TC_SPEC_GROUPS;
     for (int32_t g = 0; g < num_groups; g++) {
         int64_t n = group_sizes[g], skip = block_indices[g] % f;
         sum += n;
         need += n ? (n + skip + f - 1) / f : 0;
     }
     if (sum != num_gpu)
-        return TC_SPEC_GPU_COUNT;
+        return -TC_SPEC_GPU_COUNT;
     if (need != num_cpu)
-        return TC_SPEC_CPU_COUNT;
-    keyed_t *keys = malloc((size_t)(num_gpu ? num_gpu : 1) * sizeof *keys);
+        return -TC_SPEC_CPU_COUNT;
+    keyed_t *keys = malloc(2 * (size_t)(num_gpu ? num_gpu : 1) * sizeof *keys);
     if (!keys)
-        return TC_SPEC_NO_MEMORY;
+        return -TC_SPEC_NO_MEMORY;
+    keyed_t *tmp = keys + (num_gpu ? num_gpu : 1);
     int64_t gat = 0, cat = 0, works = 0;
     int rc = 0;
     for (int32_t g = 0; g < num_groups && !rc; g++) {
@@ -375,7 +399,7 @@ int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
             for (int64_t i = 0; i < n; i++)
                 keys[i] = (keyed_t){cids[i], i};
             if (!ascending)
-                qsort(keys, (size_t)n, sizeof *keys, keyed_before);
+                sort_keyed(keys, tmp, n);
             for (int64_t i = 0; i < n; i++) {
                 o_gpu[i] = gids[keys[i].index];
                 o_row[i] = keys[i].key;
@@ -388,11 +412,17 @@ int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
                 o_sub[i] = (skip + i) % f;
             }
         }
-        int64_t m = store ? count : n; /* the destination side's ids */
-        for (int64_t i = 0; i < m; i++)
-            keys[i] = (keyed_t){store ? cids[i] : gids[i], i};
-        if (has_repeat(keys, m))
-            rc = TC_SPEC_REPEATED;
+        if (f == 1 && store) { /* the destination: the CPU rows, just sorted */
+            for (int64_t i = 1; i < n && !rc; i++)
+                if (o_row[i] == o_row[i - 1])
+                    rc = TC_SPEC_REPEATED;
+        } else {
+            int64_t m = store ? count : n; /* the destination side's ids */
+            for (int64_t i = 0; i < m; i++)
+                keys[i] = (keyed_t){store ? cids[i] : gids[i], i};
+            if (has_repeat(keys, tmp, m))
+                rc = TC_SPEC_REPEATED;
+        }
         meta[2 * works] = g;
         meta[2 * works + 1] = n;
         works++;
@@ -400,9 +430,7 @@ int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
         cat += count;
     }
     free(keys);
-    if (!rc)
-        *num_works = (int32_t)works;
-    return rc;
+    return rc ? -rc : (int)works;
 }
 
 /* ------------------------------------------------------------------ issue */
