@@ -109,6 +109,11 @@ class AutoBackend(CopyBackend):
             return super().submit_ordered(plan, stream, after, start, end)
         return self.chosen.submit_ordered(plan, stream, after, start, end)
 
+    def submit_plan(self, plan: Any, stream: Any) -> Submitted:
+        if isinstance(plan, (CopyPlan, BlockPlan)):
+            return super().submit_plan(plan, stream)
+        return self.chosen.submit_plan(plan, stream)  # the chosen backend's own plan
+
     def drain(self) -> None:
         self.chosen.drain()
         if self.small is not None:

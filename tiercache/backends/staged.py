@@ -216,6 +216,23 @@ class StagedBackend(CopyBackend):
             return super().submit_ordered(plan, stream, after, start, end)
         return self._submit_native(plan, stream, after, start, end)
 
+    def submit_plan(self, plan: Any, stream: Any) -> Submitted:
+        """``submit_plan`` of the base, and of what ``plan`` returns (a NativePlan)."""
+        if isinstance(plan, NativePlan):
+            return self._submit_direct(plan, stream)
+        return super().submit_plan(plan, stream)
+
+    def _submit_direct(self, plan: NativePlan | BlockPlan, stream: Any) -> Submitted:
+        """A transfer outside the handlers (bench, calibration): issued by the loop, and
+        waited for until issued, so work the caller enqueues on ``stream`` after this call
+        comes after it."""
+        submitted = self._submit_native(plan, stream, (), None, None)
+        submitted.ticket.wait()
+        if submitted.ticket.status:
+            raise BackendError(f"the chunk loop failed: "
+                               f"{self.driver.error_name(submitted.ticket.status)}")
+        return Submitted(submitted.keep + (submitted.ticket,))  # its arrays with it
+
     def _submit_native(self, plan: NativePlan | BlockPlan | None, stream: Any,
                        after: tuple[Any, ...], start: Any, end: Any) -> Submitted:
         staging, _, tables = self._blocks
@@ -265,13 +282,8 @@ class StagedBackend(CopyBackend):
         if self._blocks is None:
             raise BackendError("staged has no block layout for this geometry (built without "
                                "a planner, or the layout refused it): pass a page plan")
-        if self._loop is not None:  # issued by the loop; the caller orders after it on return
-            submitted = self._submit_native(plan, stream, (), None, None)
-            submitted.ticket.wait()
-            if submitted.ticket.status:
-                raise BackendError(f"the chunk loop failed: "
-                                   f"{self.driver.error_name(submitted.ticket.status)}")
-            return Submitted(submitted.keep + (submitted.ticket,))  # its arrays with it
+        if self._loop is not None:
+            return self._submit_direct(plan, stream)
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
         store = plan.direction is Direction.GPU_TO_CPU

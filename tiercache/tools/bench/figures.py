@@ -133,8 +133,7 @@ def latency_and_submit(rig: GpuRig, plans: RigPlans, store_b: CopyBackend, load_
     for _ in range(max(reps, SUBMIT_REPS)):
         s.synchronize()
         t0 = time.perf_counter()
-        plan = plans.planner.block_plan(G2C, plans.store_spec) if store_b.takes_blocks \
-            else plans.planner.plan(G2C, plans.store_spec, out=buffers)
+        plan = store_b.plan(plans.planner, G2C, plans.store_spec, buffers)
         t1 = time.perf_counter()
         token = store_b.submit_plan(plan, s)
         submit.append(time.perf_counter() - t1)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
 from tiercache.backends import create_backend
-from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan
+from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan
 from tiercache.backends.kind import BackendKind
 from tiercache.errors import ConfigError
 from tiercache.pages import PageArray
@@ -97,15 +98,12 @@ class RigPlans:
     one_store_spec: TransferSpec
     one_load_spec: TransferSpec
 
-    def make(self, backend: CopyBackend, direction: Direction, spec: TransferSpec
-             ) -> CopyPlan | BlockPlan:
-        """The plan ``backend`` takes for ``spec``: block level or pages, as a handler does."""
-        if backend.takes_blocks:
-            return self.planner.block_plan(direction, spec)
-        return self.planner.plan(direction, spec)
+    def make(self, backend: CopyBackend, direction: Direction, spec: TransferSpec) -> Any:
+        """The plan ``backend`` takes for ``spec`` (``backend.plan``, as a handler asks)."""
+        return backend.plan(self.planner, direction, spec)
 
     def for_backend(self, built: dict[Direction, CopyBackend]
-                    ) -> tuple[CopyPlan | BlockPlan, CopyPlan | BlockPlan]:
+                    ) -> tuple[Any, Any]:
         """(store plan, load plan) in the form each direction's backend takes."""
         g2c, c2g = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
         return (self.make(built[g2c], g2c, self.store_spec),
