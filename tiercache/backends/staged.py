@@ -41,7 +41,8 @@ thread, ``submit_ordered`` queues the transfer with the handler's ordering event
 loop's own thread (no GIL) lays it out (the same layout as ``block_staging``, which is its
 specification and its test oracle) and makes every driver call above, in order. The
 caller's thread is held for validation and one queue call, not for the chunks: 256 blocks
-of 64 x 32 KiB cost it 77-118 µs instead of 640-800 µs through the Python loop (H100). A
+of 64 x 32 KiB cost it 77-364 µs (the spread is the host's cache after a large transfer)
+instead of 637-1170 µs through the Python loop, in the same runs (H100). A
 transfer of one chunk has nothing to overlap and runs on ``stream`` alone (no hops to the
 DMA stream). Page plans, and ``native=False``, issue the same pipeline from Python.
 
