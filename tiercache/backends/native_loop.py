@@ -180,7 +180,8 @@ def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise BackendError(f"the staged backend's chunk loop needs a C compiler: {compiler!r} "
-                           "not found (install gcc, or set CC)")
+                           "not found (install gcc or set CC; or configure transfer.backend = "
+                           "'ce', which needs none)")
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
