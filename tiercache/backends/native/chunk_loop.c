@@ -436,7 +436,8 @@ int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
 /* ------------------------------------------------------------------ issue */
 
 /* One job; returns 0 or the first failing CUresult. After a failure the remaining chunks
- * are skipped, but the job's end event is still recorded (later transfers order on it). */
+ * are skipped, but the joins and the job's end event are still recorded (later transfers,
+ * the pair table's reuse and the handler's completion order on them). */
 static int run_job(tc_queue *q, const tc_job *j) {
     const tc_config *c = &q->cfg;
     record_fn record = (record_fn)c->record;
@@ -447,6 +448,11 @@ static int run_job(tc_queue *q, const tc_job *j) {
 #define CALL(x)                                                                            \
     do {                                                                                   \
         if (!err && (rc = (x)) != 0)                                                       \
+            err = rc;                                                                      \
+    } while (0)
+#define ALWAYS(x)                                                                          \
+    do {                                                                                   \
+        if ((rc = (x)) != 0 && !err)                                                       \
             err = rc;                                                                      \
     } while (0)
     if (j->after)
@@ -496,11 +502,14 @@ static int run_job(tc_queue *q, const tc_job *j) {
             }
         }
         q->cursor = (q->cursor + num_chunks) % c->num_slots;
+        /* Even after a failure: the table's event must follow the launches that did go
+         * out (the buffer is reused once it completes), and the end must follow the DMAs
+         * that did (the handler reports the transfer finished at its end). */
         if (j->table_ev)
-            CALL(record(j->table_ev, S));
+            ALWAYS(record(j->table_ev, S));
         if (hop) {
-            CALL(record(c->done_ev, D));
-            CALL(wait(S, c->done_ev, 0));
+            ALWAYS(record(c->done_ev, D));
+            ALWAYS(wait(S, c->done_ev, 0));
         }
     }
     free(pair_first);
@@ -511,6 +520,7 @@ static int run_job(tc_queue *q, const tc_job *j) {
             err = rc;
     }
 #undef CALL
+#undef ALWAYS
     return err;
 }
 
