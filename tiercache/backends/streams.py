@@ -52,6 +52,11 @@ class StreamPlatform(ABC):
     def current_stream(self) -> Stream:
         """The compute stream of the calling thread."""
 
+    def mark_current(self, event: Event) -> None:
+        """Record ``event`` on the calling thread's compute stream: work that waits for it
+        starts after everything enqueued there so far."""
+        event.record(self.current_stream())
+
     def close(self) -> None:
         """Release what the platform created; called after every transfer has finished."""
 
@@ -67,8 +72,13 @@ class CudaStreams(StreamPlatform):
 
         self._torch = torch
         self.device = torch.device(device)
+        self._index = torch.cuda.current_device() if self.device.index is None \
+            else int(self.device.index)
         self._driver = CudaDriver()
         self._events: list[Any] = []
+        # the current stream's raw handle without building a torch Stream object (the
+        # handler marks the compute stream on every transfer); CUDA builds of torch have it
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def new_stream(self) -> Stream:
         return self._torch.cuda.Stream(device=self.device)
@@ -81,6 +91,12 @@ class CudaStreams(StreamPlatform):
         event = DriverEvent(self._driver)
         self._events.append(event)
         return event
+
+    def mark_current(self, event: Event) -> None:
+        if self._raw_current is None:
+            super().mark_current(event)
+            return
+        self._driver.event_record(event.handle, self._raw_current(self._index))
 
     def close(self) -> None:
         for event in self._events:

@@ -133,7 +133,7 @@ class SingleDirectionOffloadingHandler:
         empty = not (plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pairs)
         ok = True
         try:  # the compute stream's work so far: the transfer starts after it
-            mark.record(self._streams.current_stream())
+            self._streams.mark_current(mark)
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             ok = False
