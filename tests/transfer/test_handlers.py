@@ -383,6 +383,67 @@ def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend, accepte
     assert (snap.directions[C2G].transfers_ok, snap.directions[C2G].bytes_total) == (1, page_sum)
 
 
+class HeldTicket:
+    """``native_loop.Ticket``'s contract, issued when the test says so (a backend whose own
+    thread enqueues the transfer: ``staged``'s chunk loop)."""
+
+    def __init__(self, status: int):
+        self._issued = threading.Event()
+        self._status = status
+
+    def issue(self) -> None:
+        self._issued.set()
+
+    def issued(self) -> bool:
+        return self._issued.is_set()
+
+    def wait(self) -> None:
+        assert self._issued.wait(timeout=30)
+
+    @property
+    def status(self) -> int:
+        return self._status if self.issued() else -1
+
+
+class LateIssuingBackend(CpuCopyBackend):
+    """Copies as ``cpu`` does, then reports the transfer issued only when the test issues
+    its ticket, with ``status`` (a CUresult: 0, or the failure of the issuing thread)."""
+
+    def __init__(self, status: int):
+        super().__init__()
+        self.status = status
+        self.tickets: list[HeldTicket] = []
+
+    def submit_ordered(self, plan, stream, after, start, end):
+        done = super().submit_ordered(plan, stream, after, start, end)
+        self.tickets.append(HeldTicket(self.status))
+        return Submitted(() if done is None else done.keep, self.tickets[-1])
+
+
+@pytest.mark.parametrize("status", [0, 700])
+def test_a_transfer_is_done_only_once_its_ticket_says_issued(rigs, status):
+    """Its end event may have passed already: until the backend's thread says issued the
+    transfer is not reported and ``wait`` blocks; a failing status is ``success=False``."""
+    world = make_world("separate", 1)
+    backend = LateIssuingBackend(status)
+    rig = rigs(world, backends={G2C: backend, C2G: CpuCopyBackend()})
+    assert rig.handlers.transfer_async(1, (GPULoadStoreSpec([0]), CPULoadStoreSpec([0])))
+    rig.handlers.gpu_to_cpu_handler._transfers[0].end_event.synchronize()
+    assert rig.handlers.get_finished() == []
+    waiter = threading.Thread(target=rig.handlers.wait, args=([1],))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # wait() holds until the ticket is issued
+    backend.tickets[0].issue()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    (result,) = rig.handlers.get_finished()
+    assert result.job_id == 1 and result.success is (status == 0)
+    direction = rig.stats.snapshot().directions[G2C]
+    assert (direction.transfers_ok, direction.transfers_failed) == \
+        ((1, 0) if status == 0 else (0, 1))
+
+
 def test_bad_spec_raises_before_anything_is_enqueued(rigs):
     rig = rigs(make_world("separate", 1))
     with pytest.raises(SpecError, match="GPU block id 24"):

@@ -87,18 +87,14 @@ class AutoBackend(CopyBackend):
         self.planner = planner
         self.takes_blocks = chosen.takes_blocks and (small is None or planner is not None)
 
-    def _is_small(self, plan: Any) -> bool:
-        if self.small is None:
+    def _is_small(self, plan: CopyPlan | BlockPlan) -> bool:
+        if self.small is None:  # always so beside a native staged: its plans are its own
             return False
         n = plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pages
         return n <= SMALL_PLAN_DESCRIPTORS
 
     def plan(self, planner: Any, direction: Direction, transfer: Any, out: Any = None) -> Any:
-        """The chosen backend's plan; a small one as the block plan ``small`` expands."""
-        chosen = self.chosen.plan(planner, direction, transfer, out)
-        if self._is_small(chosen) and not isinstance(chosen, (BlockPlan, CopyPlan)):
-            return planner.block_plan(direction, transfer)
-        return chosen
+        return self.chosen.plan(planner, direction, transfer, out)
 
     def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
                        after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:

@@ -207,7 +207,7 @@ class PairTables:
 
     def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
         """(address of the (4, P) int64 table the kernels read, token for ``release``)."""
-        address, entry = self.reserve(int(pairs.shape[1]) if pairs.ndim == 2 else 0)
+        address, entry = self.reserve(pairs.shape[1])
         entry[0].numpy()[:pairs.size] = pairs.reshape(-1)
         return address, entry
 

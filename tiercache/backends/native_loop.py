@@ -5,8 +5,8 @@ a ``cuMemcpyBatchAsync`` and four event calls. Issued from Python on the engine'
 that was ~35-50 µs a chunk, 0.6-0.8 ms a transfer (docs/benchmarks.md, "Host path"). A
 Python thread cannot take it over: under the GIL it waits a switch interval per step
 while the engine's thread runs Python. A native thread needs no GIL: the engine's
-thread lays the transfer out and hands it over in one call, and the loop issues the
-chunks while the first DMA already runs.
+thread validates the transfer (``validate``, in C) and hands it over in one call
+(``submit``); the loop lays it out and issues the chunks while the first DMA already runs.
 
 This module is torch-free: it builds the C file with the system's C compiler (``$CC``,
 else ``cc``) into a per-user cache, once per source version, and binds it with ctypes.
@@ -42,8 +42,6 @@ KERNEL_ARGS = 9  # pairs, pair_stride, first, count, slot_base, tensors, tensor_
 STATUS_PENDING = -1
 
 _vp = ctypes.c_void_p
-_i64p = ctypes.POINTER(ctypes.c_int64)
-_u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
 class LoopGeometry(ctypes.Structure):

@@ -93,7 +93,6 @@ class NativePlan:
     direction: Direction
     validated: Validated
     num_bytes: int
-    num_pages: int
 
     @property
     def num_pairs(self) -> int:
@@ -157,10 +156,7 @@ class StagedBackend(CopyBackend):
         """The native chunk loop over this ring (``native_loop``); raises BackendError
         when it cannot be built or started (no quiet fallback to the Python loop)."""
         kernel = self._blocks[1].loop_kernel(self._ring_base)
-        groups = self._planner.groups
-        self._pair_bytes = [int(np.sum(g.page_bytes)) if np.ndim(g.page_bytes)
-                            else int(g.page_bytes) * len(g.tensors) for g in groups]
-        self._pair_pages = [len(g.tensors) for g in groups]
+        self._pair_bytes = [g.pair_bytes for g in self._planner.groups]
         if self.slot_bytes % SLOT_ALIGN:
             raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
         attrs = tuple(bytes(self._ce.attributes(order))
@@ -191,22 +187,15 @@ class StagedBackend(CopyBackend):
         ``SpecError`` names what is wrong). Otherwise the base's plans."""
         if self._loop is None or planner is not self._planner:
             return super().plan(planner, direction, transfer, out)
-        if not isinstance(transfer, tuple) or len(transfer) != 2:
-            raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
-        gpu, cpu = direction.gpu_cpu(*transfer)
+        gpu, cpu = planner.specs(direction, transfer)
         sizes = gpu.group_sizes
         validated = self._loop.validate(direction is Direction.GPU_TO_CPU, gpu.block_ids, sizes,
                                         gpu.block_indices, cpu.block_ids)
         if isinstance(validated, int):
             planner.block_plan(direction, transfer)  # raises the SpecError that says why
             raise SpecError(f"transfer refused: {SPEC_ERRORS.get(validated, validated)}")
-        if len(sizes) == 1:
-            n = sizes[0]
-            return NativePlan(direction, validated, n * self._pair_bytes[0],
-                              n * self._pair_pages[0])
         return NativePlan(direction, validated,
-                          sum(n * b for n, b in zip(sizes, self._pair_bytes)),
-                          sum(n * k for n, k in zip(sizes, self._pair_pages)))
+                          sum(n * b for n, b in zip(sizes, self._pair_bytes)))
 
     def submit_ordered(self, plan: Any, stream: Any, after: tuple[Any, ...], start: Any,
                        end: Any) -> Submitted | None:

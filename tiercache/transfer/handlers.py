@@ -21,12 +21,14 @@ thread):
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
-Planning and the layout run on the caller's thread; the backend orders and enqueues the
-transfer (``CopyBackend.submit_ordered``: wait for the previous transfer, record the start,
-the copies, record the end). ``staged`` hands that to its native chunk loop's thread, so
-the caller is not held for the per-chunk driver calls; a transfer's events then mean
-something only once its ticket says issued, which ``get_finished`` and ``wait`` check
-first, and a failure on that thread is ``success=False`` like a device failure. (A Python
+Planning (``CopyBackend.plan``: validation, and for page backends the descriptors) runs
+on the caller's thread; the backend orders and enqueues the transfer
+(``CopyBackend.submit_ordered``: wait for the previous transfer, record the start, the
+copies, record the end). ``staged`` hands the layout and all of that to its native chunk
+loop's thread, so the caller is not held for the per-chunk driver calls; a transfer's
+events then mean something only once its ticket says issued, which ``get_finished`` and
+``wait`` check first, and a failure on that thread is ``success=False`` like a device
+failure. (A Python
 submit thread was tried before and reverted: under the GIL it waited a 5 ms switch
 interval per step while the caller polled; docs/benchmarks.md, "Host path".)
 
@@ -84,6 +86,11 @@ class _Transfer:
     submitted: bool  # the backend accepted the copies
     keep_alive: Submitted | None = field(default=None, repr=False)  # the backend's token
     failed_on_device: bool = False
+
+    @property
+    def ticket(self):
+        """The backend thread's ticket, when one still issues this transfer (else None)."""
+        return None if self.keep_alive is None else self.keep_alive.ticket
 
 
 class SingleDirectionOffloadingHandler:
@@ -151,7 +158,7 @@ class SingleDirectionOffloadingHandler:
 
     # ---------------------------------------------------------------- complete
     def _is_done(self, transfer: _Transfer) -> bool:
-        ticket = transfer.keep_alive.ticket if transfer.keep_alive is not None else None
+        ticket = transfer.ticket
         if ticket is not None:
             if not ticket.issued():  # its events are not recorded yet
                 return False
@@ -200,7 +207,7 @@ class SingleDirectionOffloadingHandler:
         return results
 
     def _synchronize(self, transfer: _Transfer) -> None:
-        ticket = transfer.keep_alive.ticket if transfer.keep_alive is not None else None
+        ticket = transfer.ticket
         if ticket is not None:
             ticket.wait()
             self._note_issue_failure(transfer, ticket)

@@ -79,6 +79,13 @@ class GroupPages:
     cpu_side_by_side: np.ndarray | None
     side_by_side: np.ndarray | None
 
+    @property
+    def pair_bytes(self) -> int:
+        """Bytes one (GPU block, CPU row, sub-page) pair moves: a page of every tensor."""
+        if np.ndim(self.page_bytes) == 0:
+            return int(self.page_bytes) * len(self.tensors)
+        return int(self.page_bytes.sum())
+
     @classmethod
     def of(cls, tensors: tuple[int, ...], gpu: Sequence[PageArray], cpu: Sequence[PageArray],
            factor: int) -> GroupPages:
@@ -148,11 +155,8 @@ class GroupWork:
     @property
     def num_bytes(self) -> int:
         """Bytes this group's pages hold (every tensor's page for every pair)."""
-        per_pair = self.group.page_bytes
-        per_pair = int(per_pair) * len(self.group.tensors) if np.ndim(per_pair) == 0 \
-            else int(per_pair.sum())
-        return per_pair * int(self.gpu_ids.size if self.run_pages is None
-                              else self.run_pages.sum())
+        return self.group.pair_bytes * int(self.gpu_ids.size if self.run_pages is None
+                                           else self.run_pages.sum())
 
     @property
     def num_descriptors(self) -> int:

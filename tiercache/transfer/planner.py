@@ -153,10 +153,17 @@ class TransferPlanner:
         """The block-level form of ``transfer``: per non-empty group its validated
         (GPU id, CPU row, sub-page) pairs, O(blocks), no page descriptors. Raises SpecError
         like ``plan``; ``staged`` expands these on the device (``backends.block_staging``)."""
+        gpu_spec, cpu_spec = self.specs(direction, transfer)
+        return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+
+    @staticmethod
+    def specs(direction: Direction, transfer: TransferSpec
+              ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+        """``(gpu_spec, cpu_spec)`` of a transfer moving in ``direction``; ``SpecError`` when
+        it is not such a pair (what every validation starts with)."""
         if not isinstance(transfer, tuple) or len(transfer) != 2:
             raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
-        gpu_spec, cpu_spec = direction.gpu_cpu(*transfer)
-        return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+        return direction.gpu_cpu(*transfer)
 
     def block_plan(self, direction: Direction, transfer: TransferSpec) -> BlockPlan:
         """``pairs`` as the plan a block-level backend takes."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
