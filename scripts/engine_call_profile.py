@@ -89,27 +89,18 @@ def main() -> None:
                   flush=True)
     REPS = reps
 
-    def back_to_back() -> float:  # a second store submitted while the first one runs
-        store()
+    def behind(fn) -> float:  # a second call while the first transfer runs: code warm
+        fn()
         t0 = time.perf_counter_ns()
-        store()
+        fn()
         took = time.perf_counter_ns() - t0
         drain()
         return took / 1e3
 
-    print(f"RESULT {'transfer_async, store behind a store':64s} "
-          f"{statistics.median(back_to_back() for _ in range(30)):8.1f} us", flush=True)
-
-    def one_after_one() -> float:  # one-block loads back to back: the code is warm
-        one()
-        t0 = time.perf_counter_ns()
-        one()
-        took = time.perf_counter_ns() - t0
-        drain()
-        return took / 1e3
-
-    print(f"RESULT {'transfer_async, 1-block load behind a 1-block load':64s} "
-          f"{statistics.median(one_after_one() for _ in range(100)):8.1f} us", flush=True)
+    for label, fn, reps in (("store behind a store", store, 30),
+                            ("1-block load behind a 1-block load", one, 100)):
+        print(f"RESULT {'transfer_async, ' + label:64s} "
+              f"{statistics.median(behind(fn) for _ in range(reps)):8.1f} us", flush=True)
     for label, fn in (("256-block store", store), ("1-block load", one)):
         spans = Spans()
         for _ in range(REPS):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -230,7 +231,29 @@ def _submit(loop: ChunkLoop, case):
     return ticket, pairs, validated
 
 
-def _prepare(case):
+@dataclass
+class Prepared:
+    """One case's planner, layout (the numpy specification) and filled memories."""
+
+    case: Case
+    planner: TransferPlanner
+    staging: BlockStaging
+    work: list
+    layout: object
+    gpu_pages: list
+    cpu_pages: list
+    gpu_data: np.ndarray
+    cpu_data: np.ndarray
+
+    def rig(self, abi: int = ABI_13_0, fail_batch: int = 0) -> tuple[FakeGpu, ChunkLoop]:
+        """A stand-in GPU over the memories and a real loop driven by it (close the loop)."""
+        fake = FakeGpu(self.case, self.layout, self.gpu_pages, self.cpu_pages,
+                       Memory(self.gpu_data, GPU_BASE), Memory(self.cpu_data, CPU_BASE),
+                       self.case.chunk_bytes, abi, fail_batch)
+        return fake, _loop(fake, self.case.chunk_bytes, self.staging, self.planner)
+
+
+def _prepare(case) -> Prepared:
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
@@ -239,7 +262,8 @@ def _prepare(case):
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, 0)
-    return planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data
+    return Prepared(case, planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data,
+                    cpu_data)
 
 
 def _row_order_is_unique(case, work) -> bool:
@@ -288,12 +312,12 @@ def test_adjacent_rows_merge_into_one_dma_per_chunk_run(store, factor):
 
 
 def _check(case, abi):
-    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = _prepare(case)
-    plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
-                                                      GPU_BASE, CPU_BASE)
-    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
-                   Memory(cpu_data, CPU_BASE), case.chunk_bytes, abi)
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    prepared = _prepare(case)
+    staging, work, layout = prepared.staging, prepared.work, prepared.layout
+    gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
+    plan, gpu_expected, cpu_expected = expected_after(case, prepared.planner, gpu_data,
+                                                      cpu_data, GPU_BASE, CPU_BASE)
+    fake, loop = prepared.rig(abi)
     try:
         ticket, table, validated = _submit(loop, case)
         ticket.wait()
@@ -318,11 +342,9 @@ def _check(case, abi):
 
 
 def test_the_ring_cursor_carries_over_between_jobs():
-    case, prepared = _multi_chunk_store()
-    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
-    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
-                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    prepared = _multi_chunk_store()
+    case, layout = prepared.case, prepared.layout
+    fake, loop = prepared.rig()
     try:
         tickets = [_submit(loop, case) for _ in range(3)]
         loop.wait()
@@ -344,17 +366,15 @@ def _multi_chunk_store():
         if not case.store:
             continue
         prepared = _prepare(case)
-        if prepared[3].num_chunks >= 2:
-            return case, prepared
+        if prepared.layout.num_chunks >= 2:
+            return prepared
     raise AssertionError("no two-chunk store among the drawn cases")
 
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
-    case, prepared = _multi_chunk_store()
-    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
-    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
-                   Memory(cpu_data, CPU_BASE), case.chunk_bytes, fail_batch=1)
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    prepared = _multi_chunk_store()
+    case, layout = prepared.case, prepared.layout
+    fake, loop = prepared.rig(fail_batch=1)
     try:
         failed, _, _ = _submit(loop, case)
         later, _, _ = _submit(loop, case)
@@ -376,11 +396,7 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
 
 
 def test_an_empty_job_only_orders():
-    case, prepared = _multi_chunk_store()
-    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
-    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
-                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
+    fake, loop = _multi_chunk_store().rig()
     try:
         ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
                              end_event=END)
@@ -393,17 +409,16 @@ def test_an_empty_job_only_orders():
 
 
 def test_bad_configurations_and_jobs_are_refused():
-    case, prepared = _multi_chunk_store()
-    planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data, cpu_data = prepared
-    fake = FakeGpu(case, layout, gpu_pages, cpu_pages, Memory(gpu_data, GPU_BASE),
-                   Memory(cpu_data, CPU_BASE), case.chunk_bytes)
+    prepared = _multi_chunk_store()
+    case = prepared.case
+    fake, loop = prepared.rig()
+    loop.close()
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
     with pytest.raises(BackendError, match="8 parameters"):
-        ChunkLoop(fake.driver, kernel, Geometry.of(staging, planner), dma_stream=DMA,
-                  ring_base=RING_BASE, slot_bytes=256, free_events=FREE, ready_events=READY,
-                  begin_event=BEGIN, done_event=DONE, attrs=(bytes(24), bytes(24)))
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
-    loop.close()
+        ChunkLoop(fake.driver, kernel, Geometry.of(prepared.staging, prepared.planner),
+                  dma_stream=DMA, ring_base=RING_BASE, slot_bytes=256, free_events=FREE,
+                  ready_events=READY, begin_event=BEGIN, done_event=DONE,
+                  attrs=(bytes(24), bytes(24)))
     with pytest.raises(BackendError, match="closed"):
         _submit(loop, case)
 
