@@ -31,14 +31,19 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   ├── UnknownKeyError         a key the index does not hold         (also KeyError)
     │   ├── InvalidKeyError         a key that is not bytes, too long for the wire, or
     │   │                           repeated in one prepare_store         (also ValueError)
-    │   └── StateError              a call out of order: double complete, load of a
-    │                               block being written, ref-count underflow
+    │   ├── StateError              a call out of order: double complete, load of a
+    │   │                           block being written, ref-count underflow
+    │   └── SessionLimitError       a session would hold more blocks than
+    │                               index.max_session_blocks
     ├── JobError                    the completion loop misused: a repeated job id or ack
     │   └── RanksDownError          a job begun while a rank is down (restart it, retry)
     ├── WorkerError                 a worker process failed to start or stopped answering
     ├── ProtocolError               a malformed, oversized or unexpected frame
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
     ├── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
+    │   └── SessionLostError        the coordinator no longer knows this client's session
+    │                               (declared dead, or its region was replaced): what it
+    │                               held is gone; the client now has a new session
     └── ServiceError                `tiercache serve` did not start, or its exporter did not stop
 """
 
@@ -138,6 +143,10 @@ class StateError(ManagerError):
     """A call out of order for a block's state (double complete, underflow, ...)."""
 
 
+class SessionLimitError(ManagerError):
+    """A session asked to hold more blocks than ``index.max_session_blocks`` allows."""
+
+
 class JobError(TiercacheError):
     """The completion loop (``tiercache.index.jobs``) used against its contract."""
 
@@ -164,6 +173,13 @@ class ControlSocketError(TiercacheError):
 
 class CoordinatorGoneError(TiercacheError, ConnectionError):
     """The coordinator's control socket is closed or missing; retry once it is back."""
+
+
+class SessionLostError(CoordinatorGoneError):
+    """The coordinator no longer knows this client's session: it was declared dead (silent
+    past ``index.session_timeout_s``) or its region was replaced. What the session held is
+    gone; the client is connected again with a new session, as after a coordinator restart
+    that kept nothing."""
 
 
 class ServiceError(TiercacheError):

@@ -37,12 +37,40 @@ def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class CPULoadStoreSpec:
-    """Slot ids in the host region, one per CPU block, in transfer order."""
+    """Slot ids in the host region, one per CPU block, in transfer order.
+
+    **Fencing.** A spec the cache index hands out names what its slots are bound to:
+    ``region_id``, the identity of the region the index belongs to (``RegionHeader``), and
+    ``slot_gens``, each slot's generation when it was handed out (``region.ledger``). A
+    worker copies only if the region it maps is that region and every slot still has that
+    generation (``tiercache.transfer.fence``). ``region_id = 0`` and ``slot_gens = None``
+    make an unfenced spec: the caller vouches for the slots (in-process use, tests).
+    """
 
     block_ids: np.ndarray
+    slot_gens: np.ndarray | None = None
+    region_id: int = 0
 
-    def __init__(self, block_ids: Sequence[int] | np.ndarray):
-        object.__setattr__(self, "block_ids", _as_block_ids(block_ids))
+    def __init__(self, block_ids: Sequence[int] | np.ndarray,
+                 slot_gens: Sequence[int] | np.ndarray | None = None, region_id: int = 0):
+        ids = _as_block_ids(block_ids)
+        object.__setattr__(self, "block_ids", ids)
+        if slot_gens is not None:
+            gens = np.array(slot_gens, dtype=np.uint64, copy=True).reshape(-1)
+            if gens.size != ids.size:
+                raise SpecError(f"{gens.size} slot generations for {ids.size} slot ids; "
+                                "one per slot")
+            gens.setflags(write=False)
+            object.__setattr__(self, "slot_gens", gens)
+        else:
+            object.__setattr__(self, "slot_gens", None)
+        if not 0 <= region_id < 1 << 64:
+            raise SpecError(f"region_id = {region_id!r}: a 64-bit identity (0: not fenced)")
+        object.__setattr__(self, "region_id", int(region_id))
+
+    @property
+    def fenced(self) -> bool:
+        return self.region_id != 0
 
     @staticmethod
     def medium() -> Medium:
@@ -52,7 +80,11 @@ class CPULoadStoreSpec:
         return int(self.block_ids.size)
 
     def __repr__(self) -> str:
-        return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+        if not self.fenced:
+            return f"CPULoadStoreSpec({self.block_ids.tolist()})"
+        gens = None if self.slot_gens is None else self.slot_gens.tolist()
+        return (f"CPULoadStoreSpec({self.block_ids.tolist()}, slot_gens={gens}, "
+                f"region_id={self.region_id:#x})")
 
 
 @dataclass(frozen=True, eq=False)

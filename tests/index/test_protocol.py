@@ -45,7 +45,8 @@ def test_header_layout_is_the_documented_one():
 @pytest.mark.parametrize(("fields", "message"), [
     ({"magic": b"HTTP"}, "bad frame magic"),
     ({"version": 1}, "protocol version 1 is not supported"),  # before sessions
-    ({"version": 3}, "protocol version 3 is not supported"),
+    ({"version": 2}, "protocol version 2 is not supported"),  # before fenced specs
+        ({"version": 4}, "protocol version 4 is not supported"),
     ({"size": MAX_FRAME_BYTES + 1}, f"at most {MAX_FRAME_BYTES}"),
     ({"verb": 0}, "bad frame header"),
     ({"verb": 200}, "bad frame header"),
@@ -117,15 +118,24 @@ def test_reader_refuses_trailing_bytes_and_bad_text():
 
 
 def test_store_output_round_trips_including_none():
-    out = PrepareStoreOutput((b"3", b"4"), CPULoadStoreSpec([2, 0]), (b"1",))
+    out = PrepareStoreOutput((b"3", b"4"), CPULoadStoreSpec([2, 0], [9, 2**64 - 1], 0xABC),
+                             (b"1",))
     back = decode_store_output(PayloadReader(encode_store_output(out)))
     assert back.keys_to_store == out.keys_to_store and back.evicted_keys == out.evicted_keys
     assert back.store_spec.block_ids.tolist() == [2, 0]
+    assert back.store_spec.slot_gens.tolist() == [9, 2**64 - 1]  # the fence travels whole
+    assert back.store_spec.region_id == 0xABC
     assert decode_store_output(PayloadReader(encode_store_output(None))) is None
 
 
+def test_an_unfenced_spec_stays_unfenced_on_the_wire():
+    back = PayloadReader(PayloadWriter().spec(CPULoadStoreSpec([5])).build()).spec()
+    assert back.block_ids.tolist() == [5] and not back.fenced and back.slot_gens is None
+
+
 def test_store_output_with_mismatched_ids_is_refused():
-    bad = PayloadWriter().u8(1).keys([b"a", b"b"]).ids(np.array([1])).keys([]).build()
+    bad = (PayloadWriter().u8(1).keys([b"a", b"b"]).spec(CPULoadStoreSpec(np.array([1])))
+           .keys([]).build())
     with pytest.raises(errors.ProtocolError, match="2 keys but 1 slot ids"):
         decode_store_output(PayloadReader(bad))
     with pytest.raises(errors.ProtocolError, match="flag 7"):

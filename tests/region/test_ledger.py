@@ -35,13 +35,13 @@ def restart(buffer: np.ndarray, policy: str = "lru") -> OffloadingManager:
 # ---------------------------------------------------------------- through the manager
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_ready_blocks_come_back_writing_ones_and_pins_do_not(policy):
+def test_ready_blocks_come_back_and_dead_owners_pins_and_writes_do_not(policy):
     buf = table(4)
     m = restart(buf, policy)
     assert m.stats().recovered_blocks == 0  # a zeroed table is an empty index
     store(m, 1, 2)
     writing = m.prepare_store(k(3))  # the writer dies before complete_store
-    m.lease(k(1), owner=7)  # pins are not durable
+    m.lease(k(1), owner=7)  # owner 7 and the local owner do not survive the restart
     m.prepare_load(k(2))
     again = restart(buf, policy)
     s = again.stats()
@@ -120,7 +120,7 @@ class CrashingLedger(IndexLedger):
 
 
 def _ready_record(buf: np.ndarray, slot: int) -> tuple[bytes, int] | None:
-    found = [(key, s) for key, s in IndexLedger(buf.copy()).recover().ready if s == slot]
+    found = [(key, s) for key, s, _ in IndexLedger(buf.copy()).recover().ready if s == slot]
     return found[0] if found else None
 
 
@@ -131,12 +131,12 @@ def test_a_rewrite_cut_at_any_store_leaves_the_old_record_or_none(transition):
     turn: recovery finds the record as before, as after, or not at all."""
     before = table(1)
     ledger = IndexLedger(before)
-    ledger.writing([0], [b"a"])
+    ledger.writing([0], [b"a"], 1, [1])
     ledger.ready([0])
     if transition == "publish":
-        ledger.writing([0], [b"b"])
+        ledger.writing([0], [b"b"], 1, [2])
     old = _ready_record(before, 0)
-    apply = {"reuse": lambda led: led.writing([0], [b"b"]),
+    apply = {"reuse": lambda led: led.writing([0], [b"b"], 1, [3]),
              "publish": lambda led: led.ready([0]),
              "free": lambda led: led.free([0])}[transition]
     after = before.copy()
@@ -162,12 +162,12 @@ def test_a_rewrite_cut_at_any_store_leaves_the_old_record_or_none(transition):
 def test_torn_records_are_reported_abandoned_and_rewritten_free():
     buf = table(3)
     ledger = IndexLedger(buf)
-    ledger.writing([0, 1, 2], [b"x", b"y", b"z"])
+    ledger.writing([0, 1, 2], [b"x", b"y", b"z"], 1, [1, 2, 3])
     ledger.ready([0, 1, 2])
     records = buf.view(np.dtype([("seq", "<u8"), ("rest", "u1", (RECORD_BYTES - 8,))]))
     records["seq"][1] += 1  # torn: seq moved on, seq_end did not
     recovery = IndexLedger(buf).recover()
-    assert [slot for _, slot in recovery.ready] == [2, 0]  # ready([0,1,2]): slot 0 is newest
+    assert [slot for _, slot, _ in recovery.ready] == [2, 0]  # ready([0,1,2]): slot 0 is newest
     assert recovery.abandoned == (1,)
     assert IndexLedger(buf).recover().abandoned == ()  # rewritten FREE, whole again
 
@@ -184,10 +184,10 @@ def test_the_ledger_sits_in_the_header_between_the_stats_blocks_and_the_slices(m
     try:
         ledger = IndexLedger(region.ledger_array())
         assert ledger.num_records == layout.num_blocks
-        ledger.writing([layout.num_blocks - 1], [b"last"])
+        ledger.writing([layout.num_blocks - 1], [b"last"], 1, [7])
         ledger.ready([layout.num_blocks - 1])
         assert not region.rank_array(0).any()  # the table ends before rank 0's slice
-        assert IndexLedger(region.ledger_array()).recover().ready == ((b"last", 15),)
+        assert IndexLedger(region.ledger_array()).recover().ready == ((b"last", 15, 7),)
     finally:
         region.close()
 
@@ -219,12 +219,12 @@ def test_a_key_ready_in_two_records_keeps_the_newer_one():
     an index with one slot per key."""
     buf = table(3)
     ledger = IndexLedger(buf)
-    ledger.writing([0, 1, 2], [b"dup", b"other", b"dup"])
+    ledger.writing([0, 1, 2], [b"dup", b"other", b"dup"], 1, [1, 2, 3])
     ledger.ready([0])
     ledger.ready([1])
     ledger.ready([2])  # the newest record of b"dup"
     recovery = IndexLedger(buf).recover()
-    assert recovery.ready == ((b"other", 1), (b"dup", 2))
-    assert IndexLedger(buf).recover().ready == ((b"other", 1), (b"dup", 2))  # 0 was freed
+    assert recovery.ready == ((b"other", 1, 2), (b"dup", 2, 3))
+    assert IndexLedger(buf).recover().ready == ((b"other", 1, 2), (b"dup", 2, 3))  # 0 freed
     m = restart(buf)
     assert m.stats().free_blocks == 1 and m.lookup([b"dup", b"other"]) == 2

@@ -143,12 +143,12 @@ class Client:
 
     def prepare_load(self, keys: Sequence[bytes]) -> CPULoadStoreSpec:
         reader = self._call(Verb.PREPARE_LOAD, PayloadWriter().keys(keys).build())
-        ids = reader.ids()
+        spec = reader.spec()
         reader.done()
-        if len(ids) != len(keys):
+        if len(spec) != len(keys):
             raise ProtocolError(
-                f"prepare_load: asked for {len(keys)} keys, got {len(ids)} slot ids")
-        return CPULoadStoreSpec(ids)
+                f"prepare_load: asked for {len(keys)} keys, got {len(spec)} slot ids")
+        return spec
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._call(Verb.TOUCH, PayloadWriter().keys(keys).build()).done()

@@ -30,7 +30,7 @@ def _lookup(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
 
 
 def _prepare_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    return PayloadWriter().ids(m.prepare_load(_keys_then(r), owner=owner).block_ids).build()
+    return PayloadWriter().spec(m.prepare_load(_keys_then(r), owner=owner)).build()
 
 
 def _touch(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:

@@ -25,20 +25,38 @@ batch before changing anything, and raises ``ManagerError`` subclasses
 the index, so the control server and the exporter may call it from different threads.
 
 **Durability.** With a ``ledger`` (``tiercache.region.ledger.IndexLedger`` over the
-region), every slot's key and state is mirrored into the region before the call returns,
-and a new manager over the same ledger starts with the READY blocks it holds (WRITING
-ones are dropped, pins are not recorded): a coordinator restarted after SIGKILL keeps
-its cache. Without one the index lives in memory only.
+region), every slot's key, state, generation, writer and pins are mirrored into the region
+before the call returns, and a new manager over the same ledger starts with the READY
+blocks it holds, plus the reservations and pins of the owners named ``surviving_owners``
+(sessions a restarted coordinator found alive); those of other owners are given back
+(their WRITING slots are reused last: a copy of that time may still be landing). A
+coordinator restarted after SIGKILL keeps its cache, and a load or store in flight keeps
+its slot. Without a ledger the index lives in memory only.
+
+**Fencing.** Every spec handed out carries ``region_id`` (the region the index belongs to)
+and each slot's generation, new each time the slot is given to a key, so a worker can
+refuse a copy for another region or into a slot given away since
+(``tiercache.transfer.fence``).
+
+**Bounds.** ``max_session_blocks`` caps the keys one owner may hold at once (reservations
+plus pinned keys): a lease stops short of it, a ``prepare_store`` past it is refused like a
+full cache, a ``prepare_load`` past it raises ``SessionLimitError``. With a ledger, one
+slot can be pinned by at most ``PIN_OWNERS`` owners at once (a lease stops short of a
+slot pinned by that many others). ``expire_reservations`` frees reservations older than a
+deadline (a writer that never completes).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import takewhile
 
-from tiercache.errors import ConfigError, InvalidKeyError, ManagerError, StateError, UnknownKeyError
+from tiercache.errors import (
+    ConfigError, InvalidKeyError, ManagerError, SessionLimitError, StateError, UnknownKeyError,
+)
 from tiercache.index.events import EventLog
 from tiercache.index.policies import EvictionPolicy, make_policy
 from tiercache.index.results import (
@@ -57,20 +75,31 @@ LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers ses
 
 _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
              "store_rejections", "evicted_blocks", "failed_store_blocks", "leased_blocks",
-             "recovered_blocks", "sessions_ended", "released_writing_blocks", "released_pins")
+             "recovered_blocks", "sessions_ended", "released_writing_blocks", "released_pins",
+             "recovered_pins", "recovered_writing_blocks", "damaged_records",
+             "expired_reservations", "session_limit_rejections")
 
 
 class OffloadingManager:
     """Index over ``num_blocks`` slots of the region; see the module docstring."""
 
     def __init__(self, num_blocks: int, policy: str = "lru", enable_events: bool = False,
-                 *, ledger: Ledger | None = None):
+                 *, ledger: Ledger | None = None, region_id: int = 0,
+                 surviving_owners: Collection[int] = (),
+                 max_session_blocks: int | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"num_blocks = {num_blocks!r}: must be an integer >= 1")
         if ledger is not None and ledger.num_records != num_blocks:
             raise ConfigError(f"the index ledger has {ledger.num_records} records; "
                               f"num_blocks = {num_blocks}")
+        if max_session_blocks is not None and not 1 <= max_session_blocks:
+            raise ConfigError(f"max_session_blocks = {max_session_blocks!r}: must be >= 1 "
+                              "(or None: no cap)")
         self._capacity = num_blocks
+        self._region_id = region_id
+        self._max_session_blocks = max_session_blocks
+        self._max_pin_owners = ledger.max_pin_owners if ledger is not None else None
+        self._next_gen = 1
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
         self._ledger = ledger
@@ -79,7 +108,7 @@ class OffloadingManager:
         self._clear_index()
         self._events = EventLog()
         if ledger is not None:
-            self._restore(ledger.recover())
+            self._restore(ledger.recover(), set(surviving_owners))
 
     def _clear_index(self) -> None:
         self._slots: dict[bytes, Slot] = {}
@@ -90,25 +119,60 @@ class OffloadingManager:
         self._num_by_state = dict.fromkeys(SlotState, 0)
         self._holdings: dict[int, Holdings] = {}
 
-    def _restore(self, recovery) -> None:
-        """Start from a ledger's READY blocks (oldest first); their store order is the
-        policy's recency. Abandoned slots (being written when the writer died) go to the
-        bottom of the free stack: a copy of that time may still be landing in them."""
-        used = set()
-        for key, slot_id in recovery.ready:
-            if not 0 <= slot_id < self._capacity:
-                raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
-                                  f"0..{self._capacity - 1}")
-            self._slots[key] = Slot(slot_id, SlotState.READY)
-            used.add(slot_id)
+    def _restore(self, recovery, surviving: set[int]) -> None:
+        """Start from a ledger's READY blocks (oldest first; their store order is the
+        policy's recency), with the reservations and pins of ``surviving`` owners. Other
+        owners' pins are dropped; their reservations' slots go to the bottom of the free
+        stack with the abandoned ones: a copy of that time may still be landing in them."""
+        by_slot: dict[int, bytes] = {}
+        for key, slot_id, gen in recovery.ready:
+            self._check_slot_id(slot_id)
+            self._slots[key] = Slot(slot_id, SlotState.READY, gen)
+            by_slot[slot_id] = key
         self._readable_keys = set(self._slots)
         self._num_by_state[SlotState.READY] = len(self._slots)
-        self._policy.admit([key for key, _ in reversed(recovery.ready)], 0, lambda key: False)
-        abandoned = set(recovery.abandoned) - used
+        self._policy.admit([key for key, _, _ in reversed(recovery.ready)], 0, lambda key: False)
+        repinned = []
+        for slot_id, holders in recovery.pins.items():
+            key = by_slot[slot_id]
+            slot = self._slots[key]
+            for owner, count in holders.items():
+                if owner in surviving:
+                    if not slot.pins:
+                        self._move(slot, SlotState.LOADING)
+                    slot.pins[owner] = count
+                    self._holdings_of(owner).pinned.add(key)
+                    self._counters["recovered_pins"] += count
+            if len(slot.pins) != len(holders):
+                repinned.append(slot)
+        abandoned = set(recovery.abandoned)
+        now = time.monotonic()
+        for key, slot_id, writer, gen in recovery.writing:
+            self._check_slot_id(slot_id)
+            if writer in surviving and key not in self._slots:
+                self._slots[key] = Slot(slot_id, SlotState.WRITING, gen)
+                self._num_by_state[SlotState.WRITING] += 1
+                self._holdings_of(writer).writing[key] = now
+                self._policy.admit([key], 0, lambda key: False)
+                self._counters["recovered_writing_blocks"] += 1
+            else:
+                abandoned.add(slot_id)
+        used = {slot.slot_id for slot in self._slots.values()}
+        abandoned -= used
         rest = [s for s in range(self._capacity - 1, -1, -1) if s not in used and s not in abandoned]
         self._free = sorted(abandoned, reverse=True) + rest
         self._next_fresh = self._capacity
-        self._counters["recovered_blocks"] = len(self._slots)
+        self._next_gen = recovery.next_gen
+        self._counters["recovered_blocks"] = len(by_slot)
+        self._counters["damaged_records"] = recovery.damaged
+        if self._ledger is not None:
+            self._ledger.free(sorted(abandoned - set(recovery.abandoned)))
+            self._ledger_pins(repinned)
+
+    def _check_slot_id(self, slot_id: int) -> None:
+        if not 0 <= slot_id < self._capacity:
+            raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
+                              f"0..{self._capacity - 1}")
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -166,14 +230,40 @@ class OffloadingManager:
         """
         check_owner(owner)
         with self._lock:
-            hits = self._count_hits(keys, "lease")
+            readable = self._count_hits(keys, "lease")
+            hits = readable
             if hits:
                 holdings = self._holdings_of(owner)
+                hits = self._pinnable_run(keys[:hits], owner, holdings)
                 for key in keys[:hits]:
                     self._pin(key, self._slots[key], owner, holdings)
+                self._ledger_pins([self._slots[key] for key in keys[:hits]])
+                self._tidy(owner, holdings)
+                self._counters["hit_blocks"] -= readable - hits  # refused: a miss
+                self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
             return LeaseResult(hits, after is not None and after.state is SlotState.WRITING)
+
+    def _pinnable_run(self, keys: Sequence[bytes], owner: int, holdings: Holdings) -> int:
+        """How many of ``keys`` (all readable) ``owner`` may pin, in order: the run stops
+        at the session cap or at a slot already pinned by ``PIN_OWNERS`` other owners."""
+        room = (None if self._max_session_blocks is None
+                else self._max_session_blocks - holdings.num_blocks)
+        for i, key in enumerate(keys):
+            if key in holdings.pinned:
+                continue
+            if not self._can_pin(self._slots[key], owner):
+                return i
+            if room is not None:
+                if room <= 0:
+                    return i
+                room -= 1
+        return len(keys)
+
+    def _can_pin(self, slot: Slot, owner: int) -> bool:
+        limit = self._max_pin_owners
+        return limit is None or owner in slot.pins or len(slot.pins) < limit
 
     def release(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> int:
         """Drop every pin ``owner`` holds on these keys; returns how many were dropped.
@@ -185,8 +275,10 @@ class OffloadingManager:
             if holdings is None:
                 return 0
             dropped = 0
-            for key in set(keys) & holdings.pinned:
+            unpinned = set(keys) & holdings.pinned
+            for key in unpinned:
                 dropped += self._unpin(key, self._slots[key], owner, holdings, None)
+            self._ledger_pins([self._slots[key] for key in unpinned])
             self._tidy(owner, holdings)
             return dropped
 
@@ -199,10 +291,33 @@ class OffloadingManager:
             slots = [self._readable_slot(key, "prepare_load") for key in keys]
             if slots:
                 holdings = self._holdings_of(owner)
+                self._check_can_load(keys, slots, owner, holdings)
                 for key, slot in zip(keys, slots):
                     self._pin(key, slot, owner, holdings)
+                self._ledger_pins(slots)
             self._counters["loaded_blocks"] += len(slots)
-            return CPULoadStoreSpec([s.slot_id for s in slots])
+            return self._spec(slots)
+
+    def _check_can_load(self, keys: Sequence[bytes], slots: Sequence[Slot], owner: int,
+                        holdings: Holdings) -> None:
+        new = {key for key in keys if key not in holdings.pinned}
+        for key in new:
+            if not self._can_pin(self._slots[key], owner):
+                self._tidy(owner, holdings)
+                raise StateError(f"prepare_load: key {key!r} is pinned by {self._max_pin_owners} "
+                                 "other sessions, the most the index ledger records per block")
+        cap = self._max_session_blocks
+        if cap is not None and holdings.num_blocks + len(new) > cap:
+            self._counters["session_limit_rejections"] += 1
+            self._tidy(owner, holdings)
+            raise SessionLimitError(
+                f"prepare_load: {len(new)} more block(s) would make this session hold "
+                f"{holdings.num_blocks + len(new)}; a session holds at most {cap} "
+                "(index.max_session_blocks)")
+
+    def _spec(self, slots: Sequence[Slot]) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec([s.slot_id for s in slots], [s.gen for s in slots],
+                                self._region_id)
 
     def complete_load(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> None:
         """End one load of each key by ``owner`` (a key given twice ends two)."""
@@ -220,6 +335,7 @@ class OffloadingManager:
                 holdings = self._holdings[owner]
                 for key, slot in zip(keys, slots):
                     self._unpin(key, slot, owner, holdings, 1)
+                self._ledger_pins(slots)
                 self._tidy(owner, holdings)
 
     # ------------------------------------------------------------------ stores
@@ -236,6 +352,13 @@ class OffloadingManager:
             self._check_key_bytes(keys)
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
+            cap = self._max_session_blocks
+            if new_keys and cap is not None:
+                held = self._holdings.get(owner)
+                if (held.num_blocks if held else 0) + len(new_keys) > cap:
+                    self._counters["store_rejections"] += 1
+                    self._counters["session_limit_rejections"] += 1
+                    return None
             need = max(0, len(new_keys) - self._num_free())
             victims = None
             if need <= self._num_by_state[SlotState.READY]:  # else no policy could find room
@@ -250,13 +373,14 @@ class OffloadingManager:
             self._readable_keys.difference_update(victims)
             self._counters["evicted_blocks"] += len(victims)
             self._emit(victims, removed=True)
-            slot_ids = [self._allocate(key) for key in new_keys]
+            slots = [self._allocate(key) for key in new_keys]
             if new_keys:
-                self._holdings_of(owner).writing.update(new_keys)
+                self._holdings_of(owner).writing.update(dict.fromkeys(new_keys, time.monotonic()))
+            slot_ids = [s.slot_id for s in slots]
             if self._ledger is not None:
                 self._ledger.free(sorted(set(victim_slots) - set(slot_ids)))
-                self._ledger.writing(slot_ids, new_keys)
-            return PrepareStoreOutput(tuple(new_keys), CPULoadStoreSpec(slot_ids), tuple(victims))
+                self._ledger.writing(slot_ids, new_keys, owner, [s.gen for s in slots])
+            return PrepareStoreOutput(tuple(new_keys), self._spec(slots), tuple(victims))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
                        owner: int = LOCAL_OWNER) -> None:
@@ -275,7 +399,8 @@ class OffloadingManager:
             mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
             if not mine:
                 return
-            holdings.writing.difference_update(mine)
+            for key in mine:
+                del holdings.writing[key]
             slots = [self._slots[k] for k in mine]
             if success:
                 for slot in slots:
@@ -303,11 +428,39 @@ class OffloadingManager:
                 self._free_writing(list(holdings.writing))
                 for key in holdings.pinned:
                     dropped += self._unpin(key, self._slots[key], owner, None, None)
+                self._ledger_pins([self._slots[key] for key in holdings.pinned])
             counters = self._counters
             counters["sessions_ended"] += 1
             counters["released_writing_blocks"] += freed
             counters["released_pins"] += dropped
             return SessionRelease(freed, dropped)
+
+    def expire_reservations(self, max_age_s: float, now: float | None = None) -> int:
+        """Free every reservation older than ``max_age_s`` (its writer never completed it:
+        its ``complete_store`` is then ignored); returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = 0
+            for owner, holdings in list(self._holdings.items()):
+                old = [k for k, since in holdings.writing.items() if now - since > max_age_s]
+                if old:
+                    for key in old:
+                        del holdings.writing[key]
+                    self._free_writing(old)
+                    expired += len(old)
+                    self._tidy(owner, holdings)
+            self._counters["expired_reservations"] += expired
+            return expired
+
+    def holds(self, owner: int) -> bool:
+        """Whether ``owner`` holds any reservation or pin."""
+        with self._lock:
+            return owner in self._holdings
+
+    def owners(self) -> set[int]:
+        """The owners that hold something now."""
+        with self._lock:
+            return set(self._holdings)
 
     # ------------------------------------------------------------------ the rest
 
@@ -425,16 +578,23 @@ class OffloadingManager:
     def _num_free(self) -> int:
         return self._capacity - len(self._slots)
 
-    def _allocate(self, key: bytes) -> int:
+    def _allocate(self, key: bytes) -> Slot:
         if self._free:
             slot_id = self._free.pop()
         else:
             slot_id = self._next_fresh
             self._next_fresh += 1
         assert slot_id < self._capacity, "allocated past capacity: free-slot accounting is broken"
-        self._slots[key] = Slot(slot_id)
+        slot = self._slots[key] = Slot(slot_id, SlotState.WRITING, self._next_gen)
+        self._next_gen += 1
         self._num_by_state[SlotState.WRITING] += 1
-        return slot_id
+        return slot
+
+    def _ledger_pins(self, slots: Sequence[Slot]) -> None:
+        """Mirror these slots' pins into the ledger (after a pin or unpin)."""
+        if self._ledger is not None and slots:
+            unique = {slot.slot_id: slot for slot in slots}.values()
+            self._ledger.pins([s.slot_id for s in unique], [s.pins for s in unique])
 
     def _move(self, slot: Slot, state: SlotState) -> None:
         self._num_by_state[slot.state] -= 1

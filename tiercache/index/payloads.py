@@ -22,7 +22,7 @@ _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 def encode_store_output(out: PrepareStoreOutput | None) -> bytes:
     if out is None:
         return PayloadWriter().u8(0).build()
-    return (PayloadWriter().u8(1).keys(out.keys_to_store).ids(out.store_spec.block_ids)
+    return (PayloadWriter().u8(1).keys(out.keys_to_store).spec(out.store_spec)
             .keys(out.evicted_keys).build())
 
 
@@ -33,12 +33,12 @@ def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
     if flag != 1:
         raise errors.ProtocolError(f"prepare_store answer flag {flag}; expected 0 or 1")
     keys = tuple(reader.keys())
-    ids = reader.ids()
+    spec = reader.spec()
     evicted = tuple(reader.keys())
-    if len(ids) != len(keys):
+    if len(spec) != len(keys):
         raise errors.ProtocolError(
-            f"prepare_store answer: {len(keys)} keys but {len(ids)} slot ids")
-    return PrepareStoreOutput(keys, CPULoadStoreSpec(ids), evicted)
+            f"prepare_store answer: {len(keys)} keys but {len(spec)} slot ids")
+    return PrepareStoreOutput(keys, spec, evicted)
 
 
 def encode_events(events: Sequence[OffloadingEvent]) -> bytes:
@@ -89,11 +89,14 @@ def decode_error(reader: PayloadReader) -> errors.TiercacheError:
 # ---------------------------------------------------------------- sessions and leases
 
 class Hello(NamedTuple):
-    """A HELLO answer: the session's token, whether it was resumed, its grace period."""
+    """A HELLO answer: the session's token, whether it was resumed, its grace period, and
+    its liveness deadline (a session silent that long while it holds something is ended;
+    0: none), which the client heartbeats well within."""
 
     token: bytes
     resumed: bool
     grace_s: float
+    timeout_s: float = 0.0
 
 
 def encode_hello_request(token: bytes | None, name: str) -> bytes:
@@ -122,18 +125,19 @@ def decode_hello_request(reader: PayloadReader) -> tuple[bytes, str]:
 
 def encode_hello(hello: Hello) -> bytes:
     return (PayloadWriter().raw(hello.token).u8(int(hello.resumed))
-            .u32(round(hello.grace_s * 1000)).build())
+            .u32(round(hello.grace_s * 1000)).u32(round(hello.timeout_s * 1000)).build())
 
 
 def decode_hello(reader: PayloadReader) -> Hello:
     token = reader.raw(TOKEN_BYTES)
     resumed = reader.u8()
     grace_ms = reader.u32()
+    timeout_ms = reader.u32()
     reader.done()
     if len(token) != TOKEN_BYTES or resumed not in (0, 1):
         raise errors.ProtocolError(f"HELLO answer with a {len(token)}-byte token and resumed "
                                    f"flag {resumed}")
-    return Hello(token, bool(resumed), grace_ms / 1000)
+    return Hello(token, bool(resumed), grace_ms / 1000, timeout_ms / 1000)
 
 
 def encode_lease_batch_request(key_lists: Sequence[Sequence[bytes]]) -> bytes:

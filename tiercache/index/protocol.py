@@ -18,9 +18,12 @@ import numpy as np
 
 from tiercache import errors
 from tiercache.region.ledger import KEY_BYTES as LEDGER_KEY_BYTES
+from tiercache.specs import CPULoadStoreSpec
 
 MAGIC = b"TCKV"
-PROTOCOL_VERSION = 2  # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats
+# 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats; 3: fenced specs (region id and
+# slot generations in PREPARE_LOAD/PREPARE_STORE answers), liveness deadline in HELLO
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
@@ -43,11 +46,12 @@ class Verb(IntEnum):
 
         verb                request                 response
         1  LOOKUP           keys                    u32 hits
-        2  PREPARE_LOAD     keys                    ids (slot ids, co-indexed with the keys)
+        2  PREPARE_LOAD     keys                    spec (slot ids co-indexed with the keys,
+                                                    their generations, the region id)
         3  TOUCH            keys                    (empty)
         4  COMPLETE_LOAD    keys                    (empty)
         5  PREPARE_STORE    keys                    u8 0 (= None), or u8 1, keys to store,
-                                                    ids, evicted keys
+                                                    spec, evicted keys
         6  COMPLETE_STORE   u8 success, keys        (empty)
         7  TAKE_EVENTS      (empty)                 u32 n, n x (u8 removed, str medium, keys);
                                                     at most MAX_KEYS_PER_CALL keys in all, so
@@ -56,7 +60,8 @@ class Verb(IntEnum):
         9  STATS            (empty)                 u64 per ManagerStats field, in field order
         10 PING             (empty)                 (empty)
         11 HELLO            raw token (0 or 16      raw token (16 bytes), u8 resumed,
-                            bytes), str name        u32 grace in milliseconds
+                            bytes), str name        u32 grace in milliseconds, u32 liveness
+                                                    deadline in milliseconds (0: none)
         12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u32 hits, u8 pending)
                             most MAX_KEYS_PER_CALL
                             keys in all)
@@ -101,6 +106,7 @@ ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
     6: errors.ProtocolError,
     7: errors.ConfigError,
     8: errors.ControlSocketError,
+    9: errors.SessionLimitError,
 }
 
 
@@ -178,6 +184,8 @@ class PayloadWriter:
     key lengths; then the key bytes back to back. Keys of one length (block hashes
     usually are) need no per-key lengths: width is that length.
     ``ids``: u32 n, then n x i64. ``str``: u32 n, then n bytes of UTF-8.
+    ``spec`` (a fenced ``CPULoadStoreSpec``): ids, u64 region id, then n x u64 slot
+    generations.
     """
 
     def __init__(self) -> None:
@@ -224,6 +232,13 @@ class PayloadWriter:
         arr = np.ascontiguousarray(ids, dtype="<i8")
         self._parts.append(_U32.pack(arr.size))
         self._parts.append(arr.tobytes())
+        return self
+
+    def spec(self, spec: CPULoadStoreSpec) -> PayloadWriter:
+        self.ids(spec.block_ids)
+        gens = spec.slot_gens if spec.slot_gens is not None else np.zeros(len(spec), np.uint64)
+        self._parts.append(struct.pack("<Q", spec.region_id))
+        self._parts.append(np.ascontiguousarray(gens, dtype="<u8").tobytes())
         return self
 
     def build(self) -> bytes:
@@ -310,6 +325,14 @@ class PayloadReader:
         if n > MAX_KEYS_PER_CALL:
             raise errors.ProtocolError(f"{n} slot ids in one call; at most {MAX_KEYS_PER_CALL}")
         return np.frombuffer(self._take(8 * n), dtype="<i8").astype(np.int64)
+
+    def spec(self) -> CPULoadStoreSpec:
+        ids = self.ids()
+        (region_id,) = struct.unpack("<Q", self._take(8))
+        gens = np.frombuffer(self._take(8 * ids.size), dtype="<u8")
+        if not region_id:
+            return CPULoadStoreSpec(ids)
+        return CPULoadStoreSpec(ids, gens, region_id)
 
     def done(self) -> None:
         if self._pos != len(self._data):

@@ -54,8 +54,12 @@ class ManagerStats:
 
     ``free + writing + ready + loading == capacity``; ``loading`` counts every pinned
     block, whether a load or a lease holds it. ``recovered_blocks`` came back from the
-    region's ledger when the index was built; ``sessions_ended``,
-    ``released_writing_blocks`` and ``released_pins`` count what ended sessions gave back.
+    region's ledger when the index was built, with ``recovered_pins`` and
+    ``recovered_writing_blocks`` of the sessions that survived, and ``damaged_records``
+    (ledger records that failed their checksum: dropped, never served); ``sessions_ended``,
+    ``released_writing_blocks`` and ``released_pins`` count what ended sessions gave back;
+    ``expired_reservations``: reservations freed because their writer never completed
+    them; ``session_limit_rejections``: calls refused at ``max_session_blocks``.
     """
 
     lookups: int
@@ -76,6 +80,11 @@ class ManagerStats:
     sessions_ended: int = 0
     released_writing_blocks: int = 0
     released_pins: int = 0
+    recovered_pins: int = 0
+    recovered_writing_blocks: int = 0
+    damaged_records: int = 0
+    expired_reservations: int = 0
+    session_limit_rejections: int = 0
 
     @property
     def occupancy(self) -> float:

@@ -19,12 +19,13 @@ class SlotState(Enum):
 
 
 class Slot:
-    __slots__ = ("slot_id", "state", "pins")
+    __slots__ = ("slot_id", "state", "pins", "gen")
 
-    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING):
+    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0):
         self.slot_id = slot_id
         self.state = state  # while WRITING, the writer is the owner whose holdings name the key
         self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
+        self.gen = gen  # the slot's generation for this key (what specs carry)
 
     @property
     def loads(self) -> int:
@@ -32,26 +33,35 @@ class Slot:
 
 
 class Holdings:
-    """Which keys one owner reserved or pinned (the counts live on the slots)."""
+    """Which keys one owner reserved (with when, monotonic seconds) or pinned (the counts
+    live on the slots)."""
 
     __slots__ = ("writing", "pinned")
 
     def __init__(self) -> None:
-        self.writing: set[bytes] = set()
+        self.writing: dict[bytes, float] = {}
         self.pinned: set[bytes] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.writing) + len(self.pinned)
 
 
 class Ledger(Protocol):
     """The durable mirror the index writes through (``tiercache.region.ledger.IndexLedger``)."""
 
     max_key_bytes: int
+    max_pin_owners: int
     num_records: int
 
     def recover(self): ...
 
-    def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes]) -> None: ...
+    def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes], writer: int,
+                gens: Sequence[int]) -> None: ...
 
     def ready(self, slot_ids: Sequence[int]) -> None: ...
+
+    def pins(self, slot_ids: Sequence[int], holders: Sequence[dict[int, int]]) -> None: ...
 
     def free(self, slot_ids: Sequence[int]) -> None: ...
 

@@ -14,7 +14,11 @@ Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
     64      8     total_bytes      u64, size of the whole region
     72      4     layout_len       u32, bytes of the encoded layout that follow
     76      4     reserved
-    80      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages,
+    80      8     region_id        u64, random and never 0: this region's identity (its
+                                   incarnation), kept when a coordinator re-adopts it, new
+                                   when a region is created; every spec the index hands out
+                                   carries it, and a worker copies only for its own region
+    88      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages,
                                    attachments_per_rank)
     3968    2     socket_len       u16, bytes of the control socket path that follow
     3970    126   socket_path      the coordinator's control socket (UTF-8), so clients and
@@ -22,8 +26,9 @@ Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
 
 Then, at ``HEADER_FIXED_BYTES + (rank * attachments_per_rank + slot) * STATS_BLOCK_BYTES``,
 one stats block per attachment slot of each rank (see ``tiercache.region.stats`` and
-``tiercache.region.attachments``), then the index ledger (``tiercache.region.ledger``). The
-header is padded to a 2 MiB boundary (``header_bytes``).
+``tiercache.region.attachments``), then the index ledger (``tiercache.region.ledger``) and
+the session table (``tiercache.region.sessions``). The header is padded to a 2 MiB
+boundary (``header_bytes``).
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ from tiercache.errors import LayoutMismatchError
 from tiercache.region.layout import FORMAT_VERSION, HEADER_FIXED_BYTES, RegionLayout
 
 MAGIC = b"TIERCACH"
-_FIXED = struct.Struct("<8sII16sQQQQQI4x")
+_FIXED = struct.Struct("<8sII16sQQQQQI4xQ")
 _STATE_OFFSET = 12
-assert _FIXED.size == 80
+assert _FIXED.size == 88
 _SOCKET = struct.Struct("<H126s")
 _SOCKET_OFFSET = HEADER_FIXED_BYTES - _SOCKET.size  # after the longest layout (MAX_TENSORS)
 
@@ -66,6 +71,7 @@ class HeaderInfo:
     total_bytes: int
     layout: RegionLayout
     socket_path: str = ""  # "" until the coordinator serves its control socket
+    region_id: int = 0
 
 
 class RegionHeader:
@@ -75,7 +81,7 @@ class RegionHeader:
         self._buf = buffer
 
     def write(self, layout: RegionLayout, *, generation: int, owner_pid: int,
-              owner_start_ns: int, created_ns: int) -> None:
+              owner_start_ns: int, created_ns: int, region_id: int) -> None:
         """Write everything with state CREATING; ``set_state(READY)`` comes last."""
         encoded = layout.encode()
         # RegionLayout caps num_tensors so the longest layout ends before the socket field
@@ -83,7 +89,7 @@ class RegionHeader:
         self.set_state(RegionState.CREATING)
         _FIXED.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, RegionState.CREATING, layout.digest,
                          generation, owner_pid, owner_start_ns, created_ns, layout.total_bytes,
-                         len(encoded))
+                         len(encoded), region_id)
         struct.pack_into(f"{len(encoded)}s", self._buf, _FIXED.size, encoded)
 
     def set_state(self, state: RegionState) -> None:
@@ -112,7 +118,7 @@ class RegionHeader:
     def read(self) -> HeaderInfo:
         """Decode the header; raises LayoutMismatchError for a foreign or newer format."""
         (magic, version, state, digest, generation, pid, start_ns, created_ns, total,
-         layout_len) = _FIXED.unpack_from(self._buf, 0)
+         layout_len, region_id) = _FIXED.unpack_from(self._buf, 0)
         if magic != MAGIC:
             raise LayoutMismatchError(f"not a tiercache region (magic {magic!r}, want {MAGIC!r})")
         if version != FORMAT_VERSION:
@@ -125,4 +131,4 @@ class RegionHeader:
         socket_len, socket_raw = _SOCKET.unpack_from(self._buf, _SOCKET_OFFSET)
         socket_path = socket_raw[:socket_len].decode(errors="replace")
         return HeaderInfo(version, RegionState(state), digest, generation, pid, start_ns,
-                          created_ns, total, layout, socket_path)
+                          created_ns, total, layout, socket_path, region_id)

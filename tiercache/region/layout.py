@@ -6,7 +6,8 @@
     | header (fixed part, stats  | rank 0 slice          | rank 1 slice         | ...
     |  blocks: attachments_per_  | row 0 | row 1 | ...   | row 0 | row 1 | ... |
     |  rank per rank, index      |
-    |  ledger, padding)          |
+    |  ledger, session table,    |
+    |  padding)                  |
 
 A slice is ``num_blocks`` rows of ``row_stride`` bytes, starting on a 2 MiB boundary,
 so each rank can pin exactly its own contiguous range. A row holds one CPU block of
@@ -27,10 +28,13 @@ from tiercache.config import MAX_ATTACHMENTS_PER_RANK, MAX_TENSORS, Config
 from tiercache.sizes import format_bytes
 from tiercache.errors import ConfigError, RankError
 from tiercache.region.ledger import RECORD_BYTES as LEDGER_RECORD_BYTES
+from tiercache.region.sessions import MAX_SESSIONS, RECORD_BYTES as SESSION_RECORD_BYTES
 from tiercache.region.stats import STATS_BLOCK_BYTES
 
-# 2: the index ledger after the stats blocks; 3: attachments_per_rank stats blocks per rank
-FORMAT_VERSION = 3
+# 2: the index ledger after the stats blocks; 3: attachments_per_rank stats blocks per rank;
+# 4: region_id in the header, ledger records with generation, writer, pins and checksum,
+# the session table after the ledger
+FORMAT_VERSION = 4
 HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
@@ -127,8 +131,17 @@ class RegionLayout:
         return self.num_blocks * LEDGER_RECORD_BYTES
 
     @property
+    def sessions_offset(self) -> int:
+        """Where the session table starts: right after the ledger (see region.sessions)."""
+        return self.ledger_offset + self.ledger_bytes
+
+    @property
+    def sessions_bytes(self) -> int:
+        return MAX_SESSIONS * SESSION_RECORD_BYTES
+
+    @property
     def header_bytes(self) -> int:
-        return round_up(self.ledger_offset + self.ledger_bytes, SLICE_ALIGN)
+        return round_up(self.sessions_offset + self.sessions_bytes, SLICE_ALIGN)
 
     def stats_offset(self, rank: int, slot: int = 0) -> int:
         """Offset of the stats block of ``rank``'s attachment slot ``slot``: the blocks of

@@ -32,6 +32,7 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ class SetupTimes:
     replaced_stale: bool = False
 
 
+def new_region_id() -> int:
+    """A region's identity: 64 random bits, never 0 (0 marks a spec that is not fenced)."""
+    return secrets.randbits(64) or 1
+
+
 def region_shm_name(name: str) -> str:
     """``tiercache-<name>`` for an instance name (a full shm name is kept as it is)."""
     return name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
@@ -96,6 +102,7 @@ class SharedOffloadRegion:
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
+        self._region_id = 0  # read once the header is written (create) or checked (attach)
         self._stats: dict[tuple[int, int], RankStats] = {}
         self.slot: int | None = None  # the attachment slot this mapping holds (a worker's)
         self._pinner: HostPinner | None = None
@@ -148,7 +155,8 @@ class SharedOffloadRegion:
             undo.callback(region._release_mapping)
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
-                                created_ns=time.time_ns())
+                                created_ns=time.time_ns(), region_id=new_region_id())
+            region._region_id = region.header.read().region_id
             t_alloc = time.perf_counter()
             log_step(f"allocated {format_bytes(layout.total_bytes)} at {entry.path} (fallocate) "
                      f"in {t_alloc - t_check:.2f} s")
@@ -172,6 +180,7 @@ class SharedOffloadRegion:
             raise
         region.header.set_owner(generation=info.generation + 1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()))
+        region._region_id = info.region_id
         log_step(f"re-adopted stale region {entry.path} (owner pid {info.owner_pid} is gone; "
                  f"same geometry; generation {info.generation + 1}); its pages stay allocated")
         region.setup_times = SetupTimes(adopted=True)
@@ -210,6 +219,7 @@ class SharedOffloadRegion:
                 info.layout.check_rank(rank)
                 slot = claim_slot(entry.fd, info.layout, rank)
             region = cls(entry, info.layout, rank=rank, owner=False)
+            region._region_id = info.region_id
             region.slot = None if rank is None else slot
             return region
         except BaseException:
@@ -266,6 +276,16 @@ class SharedOffloadRegion:
         """uint8 view of the index ledger (the coordinator's index writes it; see region.ledger)."""
         off = self.layout.ledger_offset
         return self._bytes[off:off + self.layout.ledger_bytes]
+
+    def sessions_array(self) -> np.ndarray:
+        """uint8 view of the session table (the control server writes it; region.sessions)."""
+        off = self.layout.sessions_offset
+        return self._bytes[off:off + self.layout.sessions_bytes]
+
+    @property
+    def region_id(self) -> int:
+        """This region's identity (header ``region_id``): what fenced specs must carry."""
+        return self._region_id
 
     # ------------------------------------------------------------------ preparing
     def prefault_slice(self, num_threads: int) -> float:
@@ -397,10 +417,10 @@ def _claim_stale(shm_name: str) -> OpenEntry | None:
         time.sleep(_POLL_S)
 
 
-def recorded_socket_path(name: str) -> str | None:
-    """The control socket path the coordinator of instance ``name`` recorded in its region
-    header, or None (no region, not a usable file, not READY, nothing recorded). The open is
-    ``open_entry``'s: non-blocking, links not followed, type checked."""
+def named_region_info(name: str) -> HeaderInfo | None:
+    """The header of the READY region now under instance ``name``, or None (no region, not
+    a usable file, not READY). The open is ``open_entry``'s: non-blocking, links not
+    followed, type checked."""
     shm_name = region_shm_name(name)
     try:
         entry = open_entry(shm_name, writable=False)
@@ -412,4 +432,11 @@ def recorded_socket_path(name: str) -> str | None:
         entry.close()
     if info is None or info.state != RegionState.READY:
         return None
-    return info.socket_path or None
+    return info
+
+
+def recorded_socket_path(name: str) -> str | None:
+    """The control socket path the coordinator of instance ``name`` recorded in its region
+    header, or None (no READY region, or nothing recorded)."""
+    info = named_region_info(name)
+    return info.socket_path or None if info is not None else None
