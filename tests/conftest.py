@@ -80,6 +80,9 @@ def make_config(instance_name, tmp_path):
             name=instance_name, world_size=2, kv=kv, region=region,
             exporter=ExporterConfig(port=0),
             control_socket=str(tmp_path / "control.sock"),
+            # the suite's caches are a few blocks, and most scenarios let one client fill
+            # one; the per-session cap has tests of its own (tests/index/test_liveness.py)
+            index_max_session_share=1.0,
         )
         fields.update(overrides)
         return Config(**fields)

@@ -117,6 +117,11 @@ class Config:
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
     index_events: bool = False  # keep stored/removed events for take_events()
     index_session_grace_s: float = 5.0  # a gone client's reservations and pins live this long
+    # a session that holds something and sends nothing (not even the client's heartbeat) for
+    # this long is declared dead: a frozen engine loses its pins and reservations
+    index_session_timeout_s: float = 30.0
+    index_reservation_timeout_s: float = 600.0  # a store reserved and never completed expires
+    index_max_session_share: float = 0.5  # of the cache one session may hold at once
     control_max_connections: int = 256
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
 
@@ -134,6 +139,16 @@ class Config:
         if not 0 <= self.index_session_grace_s <= 3600:
             raise ConfigError(f"index.session_grace_s = {self.index_session_grace_s!r}: "
                               "allowed 0 .. 3600 (seconds)")
+        if not 1 <= self.index_session_timeout_s <= 86400:
+            raise ConfigError(f"index.session_timeout_s = {self.index_session_timeout_s!r}: "
+                              "allowed 1 .. 86400 (seconds)")
+        if not 1 <= self.index_reservation_timeout_s <= 86400:
+            raise ConfigError(f"index.reservation_timeout_s = "
+                              f"{self.index_reservation_timeout_s!r}: allowed 1 .. 86400 "
+                              "(seconds)")
+        if not 0 < self.index_max_session_share <= 1:
+            raise ConfigError(f"index.max_session_share = {self.index_max_session_share!r}: "
+                              "allowed above 0 up to 1 (a fraction of the cache's blocks)")
         if not 1 <= self.control_max_connections <= 65536:
             raise ConfigError(f"control.max_connections = {self.control_max_connections!r}: "
                               "allowed 1 .. 65536")
@@ -172,7 +187,9 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "transfer": {"backend": str},
     "exporter": {"address": str, "port": int, "enabled": bool},
     "control": {"socket": str, "max_connections": int, "trusted_uid": int},
-    "index": {"policy": str, "events": bool, "session_grace_s": (int, float)},
+    "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
+              "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
+              "max_session_share": (int, float)},
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list",
                float: "a number"}
@@ -278,8 +295,12 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         **_present(raw.get("control", {}), {"socket": "control_socket",
                                             "max_connections": "control_max_connections",
                                             "trusted_uid": "control_trusted_uid"}),
-        **_present(raw.get("index", {}), {"policy": "index_policy", "events": "index_events",
-                                          "session_grace_s": "index_session_grace_s"}),
+        **_present(raw.get("index", {}), {
+            "policy": "index_policy", "events": "index_events",
+            "session_grace_s": "index_session_grace_s",
+            "session_timeout_s": "index_session_timeout_s",
+            "reservation_timeout_s": "index_reservation_timeout_s",
+            "max_session_share": "index_max_session_share"}),
     }
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
@@ -335,7 +356,10 @@ def config_to_toml(config: Config) -> str:
                     "max_connections": config.control_max_connections,
                     "trusted_uid": config.control_trusted_uid},
         "index": {"policy": config.index_policy, "events": config.index_events,
-                  "session_grace_s": config.index_session_grace_s},
+                  "session_grace_s": config.index_session_grace_s,
+                  "session_timeout_s": config.index_session_timeout_s,
+                  "reservation_timeout_s": config.index_reservation_timeout_s,
+                  "max_session_share": config.index_max_session_share},
     }
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())

@@ -37,6 +37,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from tiercache.index.protocol import (
     Verb, frame,
 )
 from tiercache.index.sessions import Session, SessionTable
+from tiercache.region.sessions import SessionLedger, SessionRecord
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class ControlOptions:
     """How the control server behaves toward its clients (see the module docstring)."""
 
     session_grace_s: float = 5.0
+    session_timeout_s: float = 0.0  # a session silent this long while holding something ends
+    reservation_timeout_s: float = 0.0  # a reservation not completed this long is freed
+    tick_s: float = 1.0  # how often liveness, restored sessions and reservations are checked
     max_connections: int = 256
     max_buffered_bytes: int = 64 << 20
     listen_backlog: int = 4096  # the kernel caps it at net.core.somaxconn
@@ -79,6 +84,10 @@ class ControlOptions:
     def __post_init__(self) -> None:
         checks = (
             ("session_grace_s", 0 <= self.session_grace_s <= 3600, "0 .. 3600 s"),
+            ("session_timeout_s", 0 <= self.session_timeout_s <= 86400, "0 (off) .. 86400 s"),
+            ("reservation_timeout_s", 0 <= self.reservation_timeout_s <= 86400,
+             "0 (off) .. 86400 s"),
+            ("tick_s", 0 < self.tick_s <= 60, "0 .. 60 s (not 0)"),
             ("max_connections", 1 <= self.max_connections <= 65536, "1 .. 65536"),
             ("max_buffered_bytes", self.max_buffered_bytes >= HEADER_BYTES, f">= {HEADER_BYTES}"),
             ("listen_backlog", 1 <= self.listen_backlog <= 65535, "1 .. 65535"),
@@ -93,9 +102,9 @@ class ControlOptions:
 
 
 class _Connection:
-    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events", "session", "peer")
+    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events", "session", "peer", "pid")
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, pid: int = 0):
         self.sock = sock
         self.inbuf = bytearray()  # the start of a frame still incomplete
         self.need_bytes = 0  # how long inbuf must get before it is worth parsing again
@@ -103,18 +112,26 @@ class _Connection:
         self.events = selectors.EVENT_READ  # what the selector watches for
         self.session: Session | None = None  # set by HELLO
         self.peer = peer  # "pid N" for logs
+        self.pid = pid
 
 
 class ControlServer:
     """Serves ``manager`` on the Unix socket ``socket_path`` (mode 0600) until ``close()``."""
 
     def __init__(self, manager: OffloadingManager, socket_path: str | os.PathLike[str],
-                 options: ControlOptions | None = None):
+                 options: ControlOptions | None = None, *,
+                 session_store: SessionLedger | None = None,
+                 restored: Iterable[SessionRecord] = ()):
         self._manager = manager
         self._path = os.fspath(socket_path)
         self.options = options or ControlOptions()
         self._trusted = trusted_uids(self.options.trusted_uid)
-        self._sessions = SessionTable(manager, self.options.session_grace_s)
+        opts = self.options
+        self._sessions = SessionTable(manager, opts.session_grace_s,
+                                      timeout_s=opts.session_timeout_s, store=session_store,
+                                      restored=restored, now=time.monotonic())
+        self._next_tick = time.monotonic() + opts.tick_s
+        self.sessions_declared_dead = 0
         self._warn = LogLimiter(log, self.options.log_interval_s)
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
@@ -152,9 +169,10 @@ class ControlServer:
             raise
         log.info("control server listening on %s", self._path)
 
-    def close(self) -> None:
-        """Stop serving, close every connection, end every session (nobody can resume
-        them) and unlink the socket. Idempotent."""
+    def close(self, end_sessions: bool = True) -> None:
+        """Stop serving, close every connection, end every session (``end_sessions``;
+        False keeps them, with what they hold, in the region's session table for the next
+        coordinator to restore) and unlink the socket. Idempotent."""
         if self._thread is not None and self._wake_w is not None:
             self._wake_w.send(b"x")
             self._thread.join(CLOSE_TIMEOUT_S)
@@ -163,7 +181,9 @@ class ControlServer:
                 raise ControlSocketError(
                     f"control server thread did not stop within {CLOSE_TIMEOUT_S} s"
                 )
-            self._sessions.end_all()
+            if end_sessions:
+                self._sessions.end_all()
+            self._thread = None
         self._release()
 
     def __enter__(self) -> ControlServer:
@@ -218,10 +238,18 @@ class ControlServer:
             self._on_time(selector)
 
     def _timeout(self) -> float | None:
-        """Seconds until the next session expiry or accept resumption (None: none due)."""
-        due = [t for t in (self._sessions.next_deadline(), self._accept_resume_at)
-               if t is not None]
+        """Seconds until the next session expiry, tick or accept resumption (None: none
+        due)."""
+        due = [t for t in (self._sessions.next_deadline(), self._accept_resume_at,
+                           self._tick_due()) if t is not None]
         return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _tick_due(self) -> float | None:
+        """When the next liveness tick is due; None when there is nothing to check."""
+        opts = self.options
+        if opts.session_timeout_s or opts.reservation_timeout_s or self._sessions.num_restored:
+            return self._next_tick
+        return None
 
     def _on_time(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -229,12 +257,42 @@ class ControlServer:
             self._accept_resume_at = None
             selector.register(self._listener, selectors.EVENT_READ, self._listener)
         for session, released in self._sessions.expire(now):
-            if released.freed_writing or released.dropped_pins:
-                self._warn.log(logging.INFO, "session_end",
-                               "client session %d (%r) gone for %.1f s: freed %d reserved "
-                               "slot(s), dropped %d pin(s)", session.owner, session.name,
-                               self._sessions.grace_s, released.freed_writing,
-                               released.dropped_pins)
+            self._log_end(session, released, f"gone for {self._sessions.grace_s:.1f} s")
+        if now >= self._next_tick:
+            self._next_tick = now + self.options.tick_s
+            self._tick(selector, now)
+
+    def _tick(self, selector: selectors.BaseSelector, now: float) -> None:
+        """Liveness: restored sessions whose process is gone or that did not come back,
+        silent sessions (declared dead: their connection is closed), stale reservations."""
+        for session, released in self._sessions.expire_restored(now):
+            self._log_end(session, released, "restored from the region but its process is "
+                          "gone or it did not come back")
+        for session in self._sessions.silent(now):
+            conn = session.conn
+            released = self._sessions.end(session)
+            self.sessions_declared_dead += 1
+            if isinstance(conn, _Connection):
+                conn.session = None
+                self._drop(selector, conn, "session declared dead")
+            self._warn.warn("silent", "client session %d (%r, %s) sent nothing for %.1f s "
+                            "(index.session_timeout_s) while holding %d reserved slot(s) and "
+                            "%d pin(s): declared dead, its holdings given back", session.owner,
+                            session.name, getattr(conn, "peer", "?"), now - session.last_seen,
+                            released.freed_writing, released.dropped_pins)
+        if self.options.reservation_timeout_s:
+            expired = self._manager.expire_reservations(self.options.reservation_timeout_s)
+            if expired:
+                self._warn.warn("reservations", "%d reservation(s) not completed within %.0f s "
+                                "(index.reservation_timeout_s) were freed", expired,
+                                self.options.reservation_timeout_s)
+
+    def _log_end(self, session: Session, released, why: str) -> None:
+        if released.freed_writing or released.dropped_pins:
+            self._warn.log(logging.INFO, "session_end",
+                           "client session %d (%r) %s: freed %d reserved slot(s), dropped %d "
+                           "pin(s)", session.owner, session.name, why, released.freed_writing,
+                           released.dropped_pins)
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         assert self._listener is not None
@@ -268,7 +326,7 @@ class ControlServer:
             self._refuse(sock, e)
             return
         sock.setblocking(False)
-        conn = _Connection(sock, f"pid {pid}")
+        conn = _Connection(sock, f"pid {pid}", pid)
         self._connections.add(conn)
         selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -371,6 +429,7 @@ class ControlServer:
                 raise ProtocolError(f"{verb.name} before HELLO: a connection's first request "
                                     "must be HELLO (open or resume a session)")
             else:
+                conn.session.last_seen = time.monotonic()
                 body = HANDLERS[verb](self._manager, PayloadReader(payload), conn.session.owner)
         except ProtocolError as e:
             self._warn.warn("malformed", "control connection of %s sent a malformed %s, closing "
@@ -388,7 +447,8 @@ class ControlServer:
         if conn.session is not None:
             raise ProtocolError("a second HELLO on one connection")
         token, name = decode_hello_request(reader)
-        session, hello, displaced = self._sessions.hello(conn, token, name)
+        session, hello, displaced = self._sessions.hello(conn, token, name, conn.pid,
+                                                         time.monotonic())
         conn.session = session
         if isinstance(displaced, _Connection):
             displaced.session = None  # its close must not detach the session it lost

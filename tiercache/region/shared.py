@@ -55,7 +55,7 @@ from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, create_entry, open_entry, read_header,
     still_named, take_owner_lock, unlink_if_same,
 )
-from tiercache.region.attachments import claim_slot, unlock_slot
+from tiercache.region.attachments import claim_slot, slot_held, unlock_slot
 from tiercache.region.stale import YOUNG_S
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
@@ -240,6 +240,14 @@ class SharedOffloadRegion:
     # ------------------------------------------------------------------ views
     def info(self) -> HeaderInfo:
         return self.header.read()
+
+    def live_attachments(self) -> int:
+        """How many attachment slots, over every rank, a live process holds (other than
+        this mapping's own)."""
+        layout = self.layout
+        return sum(slot_held(self._fd, layout, rank, slot)
+                   for rank in range(layout.world_size)
+                   for slot in range(layout.attachments_per_rank))
 
     def owner_alive(self) -> bool:
         info = self.header.read()

@@ -1,12 +1,21 @@
 """The coordinator: owns the region, the cache index behind the control socket, and the
 Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it.
 
-Start order: region (create or re-adopt, READY written last) → index (rebuilt from the
-region's ledger) → control socket (its path recorded in the region header) → exporter.
-Shutdown runs the reverse and unlinks the region and the socket; it is idempotent, so a
-signal during start-up still leaves nothing behind. Each part is kept only once it
-started, so shutdown removes (and reports) exactly what this coordinator made: a start
-refused over a live coordinator's region removes nothing of it.
+Start order: region (create or re-adopt, READY written last) → sessions and index (rebuilt
+from the region's session table and ledger) → control socket (its path recorded in the
+region header) → exporter. Shutdown runs the reverse; it is idempotent, so a signal during
+start-up still leaves nothing behind. Each part is kept only once it started, so shutdown
+removes (and reports) exactly what this coordinator made: a start refused over a live
+coordinator's region removes nothing of it.
+
+**A stop keeps the cache warm when engines are attached.** Unlinking a region that
+workers still map frees no memory, and a new region would leave them mapping the old one.
+So at a stop (SIGTERM, SIGINT, SIGHUP) with any worker attached, the region stays — READY,
+with its index ledger and its session table (sessions are not ended: what they hold stays
+fenced) — and the next ``serve`` of the same geometry re-adopts it: the cache, the
+engines' mappings and pins, and their sessions carry over (``systemctl restart`` is
+invisible to engines). With no worker attached, the stop removes the region as before;
+``tiercache clean`` removes a kept region once its coordinator is gone.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ def control_options(config: Config):
 
     trusted = config.control_trusted_uid
     return ControlOptions(session_grace_s=config.index_session_grace_s,
+                          session_timeout_s=config.index_session_timeout_s,
+                          reservation_timeout_s=config.index_reservation_timeout_s,
                           max_connections=config.control_max_connections,
                           trusted_uid=trusted if trusted >= 0 else None)
 
@@ -53,9 +64,11 @@ class Coordinator:
         try:
             self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = self.region.layout
-            self.manager = self._build_index()
+            store, restored = self._restore_sessions()
+            self.manager = self._build_index({r.owner for r in restored})
             socket_path = os.path.abspath(cfg.socket_path)
-            control = ControlServer(self.manager, socket_path, control_options(cfg))
+            control = ControlServer(self.manager, socket_path, control_options(cfg),
+                                    session_store=store, restored=restored)
             control.start()  # cleans up after itself when it fails
             self.control = control
             self.region.header.set_socket_path(socket_path)  # found whatever a client's env
@@ -73,20 +86,46 @@ class Coordinator:
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
                  f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
 
-    def _build_index(self):
+    def _restore_sessions(self):
+        """The region's session table, and the sessions of a previous coordinator whose
+        processes still run (their records are kept; the others' are freed)."""
+        from tiercache.region.hostmem import process_alive
+        from tiercache.region.sessions import SessionLedger
+
+        store = SessionLedger(self.region.sessions_array())
+        records, damaged = store.recover()
+        alive = [r for r in records if process_alive(r.pid, r.pid_start_ns)]
+        for record in records:
+            if record not in alive:
+                store.close(record.owner)
+        if records or damaged:
+            self.say(f"sessions: {len(alive)} of the previous coordinator's {len(records)} "
+                     f"session(s) have live processes and keep what they held until they "
+                     f"resume (or fall silent for {self.config.index_session_timeout_s:g} s)"
+                     + (f"; {damaged} damaged session record(s) dropped" if damaged else ""))
+        return store, alive
+
+    def _build_index(self, surviving_owners: set[int]):
         """The index over the region, rebuilt from the region's ledger (READY blocks of a
-        re-adopted region come back; a new region's ledger is empty)."""
+        re-adopted region come back, with the reservations and pins of surviving
+        sessions; a new region's ledger is empty)."""
         from tiercache.index.manager import OffloadingManager
         from tiercache.region.ledger import IndexLedger
 
         cfg = self.config
-        manager = OffloadingManager(self.region.layout.num_blocks, policy=cfg.index_policy,
-                                    enable_events=cfg.index_events,
-                                    ledger=IndexLedger(self.region.ledger_array()))
-        recovered = manager.stats().recovered_blocks
+        num_blocks = self.region.layout.num_blocks
+        manager = OffloadingManager(
+            num_blocks, policy=cfg.index_policy, enable_events=cfg.index_events,
+            ledger=IndexLedger(self.region.ledger_array()), region_id=self.region.region_id,
+            surviving_owners=surviving_owners,
+            max_session_blocks=max(1, int(num_blocks * cfg.index_max_session_share)))
+        stats = manager.stats()
         if self.region.setup_times.adopted:
-            self.say(f"index: {recovered} ready block(s) recovered from the region's ledger "
-                     "(blocks being written and pins of the previous coordinator dropped)")
+            self.say(f"index: {stats.recovered_blocks} ready block(s) recovered from the "
+                     f"region's ledger, {stats.recovered_pins} pin(s) and "
+                     f"{stats.recovered_writing_blocks} reservation(s) of live sessions kept"
+                     + (f"; {stats.damaged_records} damaged record(s) dropped"
+                        if stats.damaged_records else ""))
         return manager
 
     def serve_until(self, stop: threading.Event) -> None:
@@ -97,12 +136,16 @@ class Coordinator:
             return
         self._closed = True
         errors: dict[str, BaseException] = {}
+        attached = self.region.live_attachments() if self.region and self.control else 0
+        keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
-                            ("control", self.control and self.control.close),
+                            ("control", self.control and (
+                                lambda: self.control.close(end_sessions=not keep))),
                             # a scrape the exporter could not drain may still read the
                             # mapping: then unlink the region but keep it mapped
                             ("region", self.region and (
-                                lambda: self.region.close(unmap="exporter" not in errors)))):
+                                lambda: self.region.close(unlink=not keep,
+                                                          unmap="exporter" not in errors)))):
             if not close:
                 continue
             try:
@@ -112,7 +155,10 @@ class Coordinator:
                 errors[name] = e
         if errors:
             raise next(iter(errors.values()))
-        removed = ([f"region {self.region.path}"] if self.region else []) + (
+        removed = ([f"region {self.region.path}"] if self.region and not keep else []) + (
             [f"socket {self.control.socket_path}"] if self.control else [])
-        self.say(f"stopped; removed {' and '.join(removed)}" if removed else
-                 "stopped; nothing to remove (this start created no region or socket)")
+        kept = (f"; kept region {self.region.path} with its cache for the next `serve` "
+                f"({attached} worker attachment(s) still map it; `tiercache clean` removes it "
+                "once they are gone)" if keep else "")
+        self.say((f"stopped; removed {' and '.join(removed)}" if removed else
+                  "stopped; nothing to remove (this start created no region or socket)") + kept)
