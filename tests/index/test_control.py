@@ -18,7 +18,9 @@ from control_support import (
     read_frame,
 )
 from tiercache.config import RegionConfig
-from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
+from tiercache.errors import (
+    ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
+)
 from tiercache.index.client import Client
 from tiercache.index.control import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
@@ -275,6 +277,9 @@ def test_coordinator_killed_then_restarted(servers, socket_path):
     with pytest.raises(CoordinatorGoneError, match="no coordinator"):
         client.lookup(sc.k(1))
     servers(socket_path)  # takes over the stale socket
+    with pytest.raises(SessionLostError, match="no longer knows this client's session"):
+        client.lookup(sc.k(1))  # a server without a region keeps no sessions: said once
+    assert not client.resumed
     assert client.lookup(sc.k(1)) == 0  # reconnected; a fresh index
     sc.store(client, 1)
     assert client.lookup(sc.k(1)) == 1

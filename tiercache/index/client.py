@@ -4,7 +4,17 @@ One connection, one call at a time (a lock serialises threads). When the
 coordinator is gone a call raises ``CoordinatorGoneError``; the next call connects
 again. A call interrupted that way may or may not have taken effect on the
 coordinator (the request may have arrived before the connection broke), so the
-client never retries a call on its own.
+client never retries a call on its own. But before it sends, a call checks that the
+coordinator has not closed the connection meanwhile (it restarted, or closed an idle
+connection): then nothing was sent on it, so the call connects again (resuming the
+session) and goes ahead — an idle client does not fail its first call after a restart.
+
+Liveness: while connected, a background thread sends a PING whenever the client made no
+call for a quarter of the session's deadline (``Hello.timeout_s``), so the coordinator
+sees the process alive; a frozen or stopped process goes silent and, if it holds
+reservations or pins, is declared dead. A call that finds its session gone (declared
+dead, or the region replaced) raises ``SessionLostError`` once: the client is connected
+again with a new session, and what the old one held is gone.
 
 Sessions: each connection starts with HELLO. The first opens a session; every
 reconnect sends the session's token, so a client that reconnects within the
@@ -29,13 +39,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Sequence
 
 from tiercache.config import Config
-from tiercache.errors import ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError
+from tiercache.errors import (
+    ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
+)
 from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
 from tiercache.index.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
@@ -76,7 +89,7 @@ class Client:
 
     def __init__(self, config_or_socket_path: Config | str | os.PathLike[str],
                  timeout_s: float = DEFAULT_TIMEOUT_S, *, session_token: bytes | None = None,
-                 name: str = "", trusted_uid: int | None = None):
+                 name: str = "", trusted_uid: int | None = None, heartbeat: bool = True):
         self._config: Config | None = None
         if isinstance(config_or_socket_path, Config):
             self._config = config_or_socket_path
@@ -97,6 +110,12 @@ class Client:
         self._inbuf = bytearray()
         self._next_id = 1
         self._lock = threading.Lock()
+        self._had_session = False  # a HELLO of ours was answered: a later new session is a loss
+        self._lost = False  # a heartbeat found the session gone: the next call says so
+        self._last_call = 0.0
+        self._heartbeat = heartbeat
+        self._beat_stop: threading.Event | None = None
+        self._beat_thread: threading.Thread | None = None
 
     @staticmethod
     def _check_path_length(path: str) -> None:
@@ -214,6 +233,7 @@ class Client:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        self._stop_heartbeat()
         with self._lock:
             self._disconnect()
 
@@ -227,9 +247,67 @@ class Client:
 
     def _call(self, verb: Verb, payload: bytes) -> PayloadReader:
         with self._lock:
+            if self._sock is not None and self._closed_by_peer():
+                self._disconnect()  # nothing was sent on it: connecting again is safe
             if self._sock is None:
                 self._connect()
+            if self._lost:
+                self._lost = False
+                raise SessionLostError(
+                    f"the coordinator on {self._path} no longer knows this client's session "
+                    "(declared dead after index.session_timeout_s of silence, or its region "
+                    "was replaced): what it reserved or pinned is gone; this client now has a "
+                    "new session")
+            self._last_call = time.monotonic()
             return self._exchange(verb, payload)
+
+    def _closed_by_peer(self) -> bool:
+        """Whether the coordinator closed our idle connection (EOF, or a refusal frame
+        waiting where no answer is due)."""
+        sock = self._sock
+        try:
+            ready, _, _ = select.select([sock], [], [], 0)
+            if not ready:
+                return False
+            return True  # an idle connection has nothing to read but an EOF or an error
+        except (OSError, ValueError):
+            return True
+
+    # ------------------------------------------------------------------ liveness
+    def _start_heartbeat(self, interval_s: float) -> None:
+        if not self._heartbeat or interval_s <= 0 or self._beat_thread is not None:
+            return
+        self._beat_stop = threading.Event()
+        self._beat_thread = threading.Thread(target=self._beat, args=(interval_s,),
+                                             name="tiercache-heartbeat", daemon=True)
+        self._beat_thread.start()
+
+    def _stop_heartbeat(self) -> None:
+        thread, self._beat_thread = self._beat_thread, None
+        if thread is not None:
+            self._beat_stop.set()
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _beat(self, interval_s: float) -> None:
+        stop = self._beat_stop
+        while not stop.wait(interval_s):
+            if time.monotonic() - self._last_call < interval_s:
+                continue  # calls prove it already
+            if not self._lock.acquire(blocking=False):
+                continue  # a call is in progress: that proves it
+            try:
+                if self._sock is None:
+                    continue  # a disconnected client is not heartbeating (its next call connects)
+                if self._closed_by_peer():
+                    self._disconnect()
+                    self._connect()  # resume now, so a restarted coordinator sees us
+                self._last_call = time.monotonic()
+                self._exchange(Verb.PING, b"").done()
+            except (CoordinatorGoneError, ProtocolError, ControlSocketError) as e:
+                log.debug("tiercache heartbeat to %s: %s", self._path, e)
+            finally:
+                self._lock.release()
 
     def _exchange(self, verb: Verb, payload: bytes) -> PayloadReader:
         """One request and its answer on the open connection (the lock is held)."""
@@ -302,6 +380,10 @@ class Client:
         token = self._hello.token if self._hello else None
         reader = self._exchange(Verb.HELLO, encode_hello_request(token, self._name))
         self._hello = decode_hello(reader)
+        if self._had_session and not self._hello.resumed:
+            self._lost = True
+        self._had_session = True
+        self._start_heartbeat(self._hello.timeout_s / 4)
 
     def _connect_socket(self) -> socket.socket:
         """A connected socket; a full backlog (EAGAIN) is retried until ``timeout_s``."""

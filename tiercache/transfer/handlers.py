@@ -18,6 +18,9 @@ thread):
 * ``wait(job_ids)`` blocks until those jobs finished (ids not in flight are ignored);
   their results still come from ``get_finished()``.
 * ``shutdown()`` waits for every transfer, returns their results and releases the backend.
+* With a ``fence`` (``tiercache.transfer.fence.SlotFence``), a transfer whose CPU spec is
+  for another region, or names a slot handed to another block since, copies nothing: it is
+  logged and reported ``success=False``, in order, like a refused submission.
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
@@ -48,6 +51,7 @@ from tiercache.backends.streams import Event, Stream, StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.stats import RankStats
 from tiercache.specs import Direction, TransferSpec
+from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.planner import PlanBuffers, TransferPlanner
 
 log = logging.getLogger(__name__)
@@ -97,10 +101,12 @@ class SingleDirectionOffloadingHandler:
     """Moves blocks in one direction; see the module docstring for the contract."""
 
     def __init__(self, planner: TransferPlanner, direction: Direction, backend: CopyBackend,
-                 streams: StreamPlatform, stats: RankStats | None = None):
+                 streams: StreamPlatform, stats: RankStats | None = None,
+                 fence: SlotFence | None = None):
         self.planner = planner
         self.direction = direction
         self.backend = backend
+        self._fence = fence
         self._streams = streams
         self._stats = stats
         self._transfers: deque[_Transfer] = deque()
@@ -124,10 +130,17 @@ class SingleDirectionOffloadingHandler:
         except SpecError:
             self._buffer_pool.append(buffers)
             raise
+        refusal = None
+        if self._fence is not None:
+            refusal = self._fence.refusal(self.direction, self.direction.gpu_cpu(*transfer)[1])
+            if refusal is not None:
+                log.error("%s job %d refused, nothing copied: %s", self.direction.label, job_id,
+                          refusal)
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
         start, end, mark = (self._event_pool.pop() if self._event_pool
                             else self._streams.new_timing_event() for _ in range(3))
-        submitted, token = self._enqueue(job_id, plan, stream, start, end, mark)
+        submitted, token = self._enqueue(job_id, plan, stream, start, end, mark,
+                                         refused=refusal is not None)
         transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, mark, buffers,
                               submitted, token)
         self._transfers.append(transfer_)
@@ -135,12 +148,13 @@ class SingleDirectionOffloadingHandler:
         return submitted
 
     def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
-                 end: Event, mark: Event) -> tuple[bool, Submitted | None]:
+                 end: Event, mark: Event, refused: bool = False) -> tuple[bool, Submitted | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
         empty = not (plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pairs)
-        ok = True
+        ok = not refused
         try:  # the compute stream's work so far: the transfer starts after it
-            self._streams.mark_current(mark)
+            if ok:
+                self._streams.mark_current(mark)
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             ok = False
@@ -151,6 +165,10 @@ class SingleDirectionOffloadingHandler:
             self._log_refusal(job_id, plan, e)
             return False, None
         return ok, token
+
+    @property
+    def fence(self) -> SlotFence | None:
+        return self._fence
 
     def _log_refusal(self, job_id: int, plan: CopyPlan | BlockPlan, error: BaseException) -> None:
         log.error("%s job %d: the %s backend could not submit %d bytes: %s",
@@ -257,8 +275,10 @@ class CpuGpuOffloadingHandlers:
 
     @classmethod
     def build(cls, planner: TransferPlanner, backends: Mapping[Direction, CopyBackend],
-              streams: StreamPlatform, stats: RankStats | None = None) -> CpuGpuOffloadingHandlers:
-        g2c, c2g = (SingleDirectionOffloadingHandler(planner, d, backends[d], streams, stats)
+              streams: StreamPlatform, stats: RankStats | None = None,
+              fence: SlotFence | None = None) -> CpuGpuOffloadingHandlers:
+        g2c, c2g = (SingleDirectionOffloadingHandler(planner, d, backends[d], streams, stats,
+                                                     fence)
                     for d in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU))
         return cls(g2c, c2g, streams)
 

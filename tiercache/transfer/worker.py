@@ -11,6 +11,13 @@ stats block) and the handlers. Anything failing on the way undoes what was done 
 ``Worker.close`` drains the handlers, unpins, marks the attachment detached, unmaps and
 frees the slot.
 
+**Fencing.** Every transfer's CPU spec is checked against the region this worker maps
+before a byte moves (``tiercache.transfer.fence``). A spec for another region that is now
+the one under the worker's name (the coordinator replaced the region while this worker
+was attached) makes the worker re-attach: it attaches the new region (map, pin, handlers)
+first, then drains and releases the old one (results of transfers in flight still come
+from ``get_finished``), then copies. A spec for any other region fails the transfer.
+
 Transfers enter with their direction in the verb, vLLM 0.33's worker API:
 ``submit_store(job_id, gpu_spec, cpu_spec)`` and ``submit_load(job_id, cpu_spec,
 gpu_spec)``; ``transfer_async(job_id, (src_spec, dst_spec))`` is the generic entry that
@@ -40,9 +47,11 @@ from tiercache.pages import PageArray
 from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
-from tiercache.region.shared import SharedOffloadRegion
+from tiercache.region.ledger import IndexLedger
+from tiercache.region.shared import SharedOffloadRegion, named_region_info
 from tiercache.region.stats import PinState, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
+from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
 from tiercache.transfer.planner import TransferPlanner
@@ -54,12 +63,15 @@ class Worker:
     """An attached rank. Drive it from one thread; ``close`` (or ``with``) when done."""
 
     def __init__(self, region: SharedOffloadRegion, rank: int, handlers: CpuGpuOffloadingHandlers,
-                 pin_state: PinState, gpu_caches: Any):
+                 pin_state: PinState, gpu_caches: Any, reattach: Any = None):
         self.region = region
         self.rank = rank
         self.handlers = handlers
         self.pin_state = pin_state
         self._gpu_caches = gpu_caches  # the planner holds addresses: keep the memory alive
+        self._reattach = reattach  # () -> Worker over the region now under our name
+        self._carried: list[TransferResult] = []  # results of a region we left
+        self.reattach_count = 0
         self._closed = False
 
     @property
@@ -89,6 +101,7 @@ class Worker:
         """Copy ``gpu_spec``'s blocks into ``cpu_spec``'s slots (GPU→CPU). ``SpecError``
         naming the given types when they are not (GPULoadStoreSpec, CPULoadStoreSpec);
         otherwise as ``SingleDirectionOffloadingHandler.transfer_async``."""
+        self._follow(cpu_spec)
         return self.handlers.gpu_to_cpu_handler.transfer_async(job_id, (gpu_spec, cpu_spec))
 
     def submit_load(self, job_id: int, cpu_spec: CPULoadStoreSpec,
@@ -101,14 +114,46 @@ class Worker:
         (so they never queue behind ordinary loads) is what vLLM's CPU worker does, and
         the place to add it is here.
         """
+        self._follow(cpu_spec)
         return self.handlers.cpu_to_gpu_handler.transfer_async(job_id, (cpu_spec, gpu_spec))
 
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
         """The generic entry: the direction is read from the pair's types, once."""
-        return self.handlers.transfer_async(job_id, transfer)
+        direction = Direction.of(transfer)
+        self._follow(direction.src_dst(*transfer)[1])  # (src, dst) back to (GPU, CPU)
+        return self.handlers.handler(direction).transfer_async(job_id, transfer)
+
+    def _follow(self, cpu_spec: CPULoadStoreSpec) -> None:
+        """Re-attach when ``cpu_spec`` is for the region now under this worker's name (the
+        coordinator replaced ours); a spec of any other region is left to the fence."""
+        if not isinstance(cpu_spec, CPULoadStoreSpec) or not cpu_spec.fenced \
+                or cpu_spec.region_id == self.region.region_id:
+            return  # a spec of the wrong type is the handler's to refuse, naming it
+        if self._reattach is None or self._closed:
+            return
+        current = named_region_info(self.region.path.rsplit("/", 1)[-1])
+        if current is None or current.region_id != cpu_spec.region_id:
+            return
+        log.warning("rank %d: the coordinator replaced region %s (identity %#018x -> %#018x); "
+                    "re-attaching", self.rank, self.region.path, self.region.region_id,
+                    cpu_spec.region_id)
+        try:
+            fresh = self._reattach()
+        except Exception:  # the transfer is then refused by the fence, and said why
+            log.exception("rank %d: re-attaching to the new region failed", self.rank)
+            return
+        old_region, old_handlers = self.region, self.handlers
+        self.region, self.handlers, self.pin_state = fresh.region, fresh.handlers, fresh.pin_state
+        fresh._closed = True  # its parts are ours now
+        self.reattach_count += 1
+        try:
+            self._carried += old_handlers.shutdown()
+        finally:
+            _release(old_region, self.rank)
 
     def get_finished(self) -> list[TransferResult]:
-        return self.handlers.get_finished()
+        carried, self._carried = self._carried, []
+        return carried + self.handlers.get_finished()
 
     def wait(self, job_ids: Iterable[int]) -> None:
         self.handlers.wait(job_ids)
@@ -118,8 +163,9 @@ class Worker:
         if self._closed:
             return []
         self._closed = True
+        carried, self._carried = self._carried, []
         try:
-            return self.handlers.shutdown()
+            return carried + self.handlers.shutdown()
         finally:
             _release(self.region, self.rank)
 
@@ -206,11 +252,18 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
                              planner)
         for direction, chosen in backends.items():
             stats.set_backend(direction, chosen.kind)
-        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, stats)
+        fence = SlotFence(region.region_id, IndexLedger(region.ledger_array()).table)
+        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, stats, fence)
         undo.pop_all()
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
              {d.label: b.kind.label for d, b in backends.items()}, pin_state.label)
-    return Worker(region, rank, handlers, pin_state, gpu_caches)
+
+    def reattach() -> Worker:
+        return attach(config_or_name, rank, gpu_caches, backend=backend,
+                      group_tensors=group_tensors, pinning=pinning, device=device,
+                      ready_timeout_s=0.0, prefault_threads=prefault_threads)
+
+    return Worker(region, rank, handlers, pin_state, gpu_caches, reattach)
 
 
 def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
