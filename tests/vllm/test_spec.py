@@ -18,9 +18,15 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_harness import offloading_config  # noqa: E402
 from tiercache.errors import ConfigError, CoordinatorGoneError, LayoutMismatchError  # noqa: E402
 from tiercache.errors import RegionNotFoundError  # noqa: E402
+from tiercache.vllm.batch import FencedSlot  # noqa: E402
 from tiercache.vllm.manager import TierCacheLoadStoreSpec  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
 from tiercache.vllm.worker import TransferFailedError  # noqa: E402
+
+
+def unfenced(*slot_ids: int) -> TierCacheLoadStoreSpec:
+    """A spec made by hand (region 0: not fenced), as no manager hands out."""
+    return TierCacheLoadStoreSpec([FencedSlot(s, 0, 0) for s in slot_ids])
 
 
 def test_vllms_factory_finds_the_spec_by_module_path(coordinator, tiny_model):
@@ -93,12 +99,12 @@ def test_the_worker_stores_and_loads_canonical_kv_byte_for_byte(coordinator, tin
     worker = spec.get_worker(caches)
     try:
         assert spec.get_worker(caches) is worker, "one worker per rank"
-        worker.submit_store(1, GPULoadStoreSpec([2, 5], [2], [0]), TierCacheLoadStoreSpec([7, 3]))
+        worker.submit_store(1, GPULoadStoreSpec([2, 5], [2], [0]), unfenced(7, 3))
         worker.wait({1})
         (stored,) = worker.get_finished()
         assert (stored.job_id, stored.success) == (1, True)
         assert stored.transfer_size == 2 * tiny_model.num_layers * tiny_model.page_bytes
-        worker.submit_load(2, TierCacheLoadStoreSpec([3, 7]), GPULoadStoreSpec([0, 1], [2], [0]),
+        worker.submit_load(2, unfenced(3, 7), GPULoadStoreSpec([0, 1], [2], [0]),
                            expedited=True)
         worker.wait({2})
         assert [r.job_id for r in worker.get_finished()] == [2]
@@ -140,7 +146,7 @@ def test_a_failed_transfer_stops_the_engine_instead_of_reporting_success():
     from tiercache.vllm.worker import TierCacheWorker
 
     worker = TierCacheWorker(_FailedTransfers())
-    worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), TierCacheLoadStoreSpec([3]))
+    worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), unfenced(3))
     with pytest.raises(TransferFailedError, match="store job 1 .*4096 bytes.*gpu_to_cpu.*rank 0"):
         worker.get_finished()
 
@@ -152,7 +158,7 @@ def test_a_slot_outside_the_region_is_refused_at_submission(coordinator, tiny_mo
     try:
         with pytest.raises(Exception, match="out of range"):
             worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]),
-                                TierCacheLoadStoreSpec([10_000]))
+                                unfenced(10_000))
     finally:
         worker.shutdown()
 

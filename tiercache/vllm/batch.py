@@ -20,6 +20,23 @@ class Answers(NamedTuple):
     retry: Any
 
 
+class FencedSlot(NamedTuple):
+    """A region slot as the coordinator handed it out: its id, its generation, and the
+    identity of the region (see ``CPULoadStoreSpec``'s fencing). The book keeps these
+    where it kept slot ids, so every spec it builds can be checked by the workers."""
+
+    slot_id: int
+    gen: int
+    region_id: int
+
+
+def fenced_slots(spec: Any) -> list[FencedSlot]:
+    """The slots of a ``CPULoadStoreSpec`` from the coordinator, one ``FencedSlot`` each."""
+    gens = spec.slot_gens.tolist() if spec.slot_gens is not None else [0] * len(spec)
+    region = spec.region_id
+    return [FencedSlot(s, g, region) for s, g in zip(spec.block_ids.tolist(), gens)]
+
+
 class Probe(NamedTuple):
     request: RequestLeases
     keys: list[bytes]
@@ -33,8 +50,8 @@ class LeaseAnswer(NamedTuple):
 
     num_hit: int
     pending: bool
-    slot_ids: Sequence[int]
-    reserved: Sequence[tuple[bytes, int]] = ()
+    slot_ids: Sequence[FencedSlot]
+    reserved: Sequence[tuple[bytes, FencedSlot]] = ()
     skipped: Sequence[bytes] = ()
 
 

@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tiercache.errors import CoordinatorGoneError
+from tiercache.errors import CoordinatorGoneError, SessionLostError
 from tiercache.index.protocol import MAX_KEYS_PER_CALL
-from tiercache.vllm.batch import Batch, LeaseAnswer, Probe
+from tiercache.vllm.batch import Batch, LeaseAnswer, Probe, fenced_slots
 from tiercache.vllm.leases import LeaseBook
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,11 @@ class Flusher:
 
     def _try_reconnect(self) -> bool:
         try:
-            self._bulk.ping()
-            self._writer.ping()
+            for session in (self._bulk, self._writer):
+                try:
+                    session.ping()
+                except SessionLostError:  # said once; the new session is connected now
+                    session.ping()
         except CoordinatorGoneError:
             return False
         resumed = self._bulk.resumed and self._writer.resumed
@@ -235,8 +238,8 @@ class Flusher:
         for group in _list_groups(wire_lists):
             results = self._bulk.lease_batch(group)
             leased = [key for keys, r in zip(group, results) for key in keys[:r.num_hit]]
-            slots = [int(s) for keys in _chunks(leased)
-                     for s in self._bulk.prepare_load(keys).block_ids]
+            slots = [s for keys in _chunks(leased)
+                     for s in fenced_slots(self._bulk.prepare_load(keys))]
             rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
                      for keys, r in zip(group, results)]
             reserved, held, group_evicted = self._reserve_stores(rests)
@@ -260,6 +263,6 @@ class Flusher:
         out = self._writer.prepare_store(wanted)
         if out is None:  # no room for all of them: vLLM's prepare_store asks on the spot
             return {}, set(), []
-        reserved = dict(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
+        reserved = dict(zip(out.keys_to_store, fenced_slots(out.store_spec)))
         held = set(wanted).difference(reserved)
         return reserved, held, list(out.evicted_keys)

@@ -43,7 +43,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from tiercache.errors import StateError
-from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
+from tiercache.vllm.batch import Answers, Batch, FencedSlot, LeaseAnswer, Probe
 
 
 _ABSENT = object()
@@ -52,7 +52,7 @@ _ABSENT = object()
 class _Held:
     __slots__ = ("slot_id", "refs")
 
-    def __init__(self, slot_id: int):
+    def __init__(self, slot_id: FencedSlot):
         self.slot_id = slot_id
         self.refs = 0
 
@@ -72,7 +72,7 @@ class RequestLeases:
         self.answers_step = -1
         self.probe: list[bytes] = []  # keys to probe at the next flush
         self.in_flight = 0  # probes sent, answers not filed yet
-        self.reserved: dict[bytes, int] = {}  # stores reserved for this request: key -> slot
+        self.reserved: dict[bytes, FencedSlot] = {}  # stores reserved for this request: key -> slot
         self.skip: set[bytes] = set()  # keys of its probes held by someone already
         self.finished = False
 
@@ -89,7 +89,7 @@ class LeaseBook:
         self.prefix = prefix
         self.generation = 0  # resets so far: answers of an older generation are stale
         self.held: dict[bytes, _Held] = {}
-        self.writing: dict[bytes, int] = {}  # stores handed to vLLM, not completed yet
+        self.writing: dict[bytes, FencedSlot] = {}  # stores handed to vLLM, not completed yet
         self._requests: dict[str, RequestLeases] = {}
         self._by_context: dict[int, RequestLeases] = {}  # id(ReqContext) -> its leases
         self._probing: dict[str, RequestLeases] = {}  # requests with keys queued to probe
@@ -136,7 +136,7 @@ class LeaseBook:
         return self._retry
 
     # ------------------------------------------------------------------ loads
-    def prepare_load(self, keys: Iterable[bytes], request: RequestLeases) -> list[int]:
+    def prepare_load(self, keys: Iterable[bytes], request: RequestLeases) -> list[FencedSlot]:
         """Slot ids co-indexed with ``keys``; the load holds a ref on each key until
         ``complete_load`` (the request's lease ref passes to the load where it has one), and
         the request's other leases end."""
@@ -164,7 +164,7 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ stores
     def take_reserved(self, keys: Iterable[bytes], request: RequestLeases
-                      ) -> tuple[list[bytes], list[int], list[bytes]]:
+                      ) -> tuple[list[bytes], list[FencedSlot], list[bytes]]:
         """Answer a ``prepare_store`` from the request's reservations: (keys to store, their
         slots, keys none of its probes covered). Taken keys become ``writing``."""
         keys = list(keys)
@@ -186,8 +186,8 @@ class LeaseBook:
         self.writing.update(zip(to_store, slots))
         return to_store, slots, unknown
 
-    def stores_prepared(self, keys: Sequence[bytes], slot_ids: Sequence[int]) -> None:
-        self.writing.update(zip(keys, slot_ids))
+    def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot]) -> None:
+        self.writing.update(zip(keys, slots))
 
     def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Queue the publication (or freeing) of our stores; keys not being written by this

@@ -59,9 +59,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.errors import CoordinatorGoneError
+from tiercache.errors import CoordinatorGoneError, SpecError
+from tiercache.specs import CPULoadStoreSpec
 from tiercache.vllm.flusher import Flusher, IndexSession
-from tiercache.vllm.batch import Answers
+from tiercache.vllm.batch import Answers, FencedSlot, fenced_slots
 from tiercache.vllm.leases import LeaseBook, RequestLeases
 from tiercache.vllm.namespace import Namespace
 
@@ -69,18 +70,34 @@ _HOST = CacheHitSource.HOST
 
 
 class TierCacheLoadStoreSpec(LoadStoreSpec):
-    """Slot ids in the coordinator's region (one per chunk), in transfer order. Travels in
-    vLLM's connector metadata from the scheduler to every worker; plain data only (a list:
-    the worker makes the array, off the scheduler's path)."""
+    """Slots in the coordinator's region (one per chunk), in transfer order, each with its
+    generation and region identity (``FencedSlot``: the workers check them before they copy,
+    see ``tiercache.transfer.fence``). Travels in vLLM's connector metadata from the
+    scheduler to every worker; plain data only (a list of tuples: the worker makes the
+    arrays, off the scheduler's path)."""
 
-    def __init__(self, slot_ids: Sequence[int]):
-        self.slot_ids = slot_ids if isinstance(slot_ids, list) else list(slot_ids)
+    def __init__(self, slots: Sequence[FencedSlot]):
+        self.slots = slots if isinstance(slots, list) else list(slots)
 
-    def as_array(self) -> np.ndarray:
-        return np.asarray(self.slot_ids, dtype=np.int64)
+    def to_cpu_spec(self) -> CPULoadStoreSpec:
+        """The spec the worker's handlers take; ``SpecError`` if the slots name several
+        regions (they never should: one coordinator handed them out)."""
+        if not self.slots:
+            return CPULoadStoreSpec([])
+        ids, gens, regions = zip(*self.slots)
+        if len(set(regions)) != 1:
+            raise SpecError(f"one transfer's slots name regions {sorted(set(regions))}; a "
+                            "spec is for one region")
+        if not regions[0]:  # unfenced slots (region 0): the caller vouches for them
+            return CPULoadStoreSpec(ids)
+        return CPULoadStoreSpec(ids, gens, regions[0])
+
+    @property
+    def slot_ids(self) -> list[int]:
+        return [s.slot_id for s in self.slots]
 
     def __len__(self) -> int:
-        return len(self.slot_ids)
+        return len(self.slots)
 
     def __repr__(self) -> str:
         return f"TierCacheLoadStoreSpec({self.slot_ids})"
@@ -191,7 +208,7 @@ class TierCacheManager(OffloadingManager):
             return None
         cut = len(prefix)
         asked = [OffloadKey(k[cut:]) for k in out.keys_to_store]
-        asked_slots = out.store_spec.block_ids.tolist()
+        asked_slots = fenced_slots(out.store_spec)
         self._book.stores_prepared(asked, asked_slots)
         evicted = self._evicted(out.evicted_keys)
         return PrepareStoreOutput(to_store + asked, TierCacheLoadStoreSpec(slots + asked_slots),
@@ -207,7 +224,7 @@ class TierCacheManager(OffloadingManager):
         return evicted
 
     def _skip_store(self, keys: Collection[OffloadKey], to_store: list[OffloadKey],
-                    slots: list[int]) -> PrepareStoreOutput:
+                    slots: list[FencedSlot]) -> PrepareStoreOutput:
         self._stores_skipped += len(keys)
         return PrepareStoreOutput(to_store, TierCacheLoadStoreSpec(slots), [])
 

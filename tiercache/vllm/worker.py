@@ -147,4 +147,4 @@ def _slots(spec: LoadStoreSpec, job_id: int) -> CPULoadStoreSpec:
     if not isinstance(spec, TierCacheLoadStoreSpec):
         raise TypeError(f"job {job_id}: a {type(spec).__name__} reached the tiercache worker; "
                         "only TierCacheLoadStoreSpec (from TierCacheManager) is accepted")
-    return CPULoadStoreSpec(spec.as_array())
+    return spec.to_cpu_spec()
