@@ -13,7 +13,9 @@ import os
 import sys
 
 from tiercache.config import Config, load_config
-from tiercache.errors import RegionNotFoundError, RegionTrustError, TiercacheError
+from tiercache.errors import (
+    RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
+)
 from tiercache.region.header import RegionState
 from tiercache.region.stale import RegionListing, list_regions, remove_stale
 from tiercache.service.signals import stop_on_signals
@@ -133,6 +135,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"region {listing.name}  NOT USABLE: {listing.problem}")
             continue
         owner = "live" if listing.live else "STALE (coordinator gone; tiercache clean removes it)"
+        if listing.truncated:  # mapping it would fault: one line, and on to the next
+            if wanted:
+                raise RegionTruncatedError(f"{listing.path} is {listing.truncated}; {owner}")
+            print(f"region {listing.name}  {listing.path}  NOT USABLE: {listing.truncated}; "
+                  f"{owner}")
+            continue
         print(f"region {listing.name}  {listing.path}  {format_bytes(listing.size_bytes)}  {owner}")
         info = listing.info
         if info is None:

@@ -16,9 +16,11 @@ Decisions and their reasons:
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
   promise (no SIGBUS later), paid once per coordinator lifetime.
 * A region whose owner lock is free is stale. ``create`` re-adopts it when it is ours
-  (regular file, our uid, mode 0600) and its geometry matches and it was READY (workers'
-  mappings and pins stay valid, the pages stay allocated); it replaces it when it is ours
-  but of another geometry or state; it refuses anything else. Stale regions are listed and
+  (regular file, our uid, mode 0600) and its geometry matches and it was READY and it is
+  as long as its header says (workers' mappings and pins stay valid, the pages stay
+  allocated); it replaces it when it is ours but of another geometry or state, or cut
+  short (``truncation``: it is unusable, and stale, so nobody maps it); it refuses
+  anything else. ``attach`` refuses a truncated region with ``RegionTruncatedError``. Stale regions are listed and
   removed by ``tiercache.region.stale``.
 * Views are made from the mapping's address (not the buffer protocol), so ``close`` never
   fails on exported buffers; a view used after ``close`` is a use-after-free, and the
@@ -51,11 +53,11 @@ from tiercache.region.hostmem import (
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.pinning import HostPinner
 from tiercache.region.shm import (
-    NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, create_entry, open_entry, read_header,
-    still_named, take_owner_lock, unlink_if_same,
+    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
+    read_header, still_named, take_owner_lock, truncation, unlink_if_same,
 )
 from tiercache.region.attachments import claim_slot, unlock_slot
-from tiercache.region.stale import YOUNG_S
+from tiercache.region.stale import YOUNG_S, may_be_mid_creation
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
 
@@ -116,12 +118,13 @@ class SharedOffloadRegion:
         replaced = False
         if stale is not None:
             info = read_header(stale.fd)
-            if info is not None and info.layout_digest == layout.digest and \
+            cut = truncation(stale.fd, info)
+            if cut is None and info is not None and info.layout_digest == layout.digest and \
                     info.state == RegionState.READY:
                 return cls._adopt(stale, layout, info, log_step)
-            why = "no valid header" if info is None else (
+            why = cut or ("no valid header" if info is None else (
                 "a different geometry" if info.layout_digest != layout.digest
-                else f"state {info.state.label}")
+                else f"state {info.state.label}"))
             log_step(f"replacing stale region {stale.path} (owner pid "
                      f"{info.owner_pid if info else '?'} is gone; {why})")
             unlink_if_same(stale)  # while we hold its lock: nobody can have adopted it
@@ -220,6 +223,7 @@ class SharedOffloadRegion:
     def _wait_ready(entry: OpenEntry, deadline: float) -> HeaderInfo:
         while True:
             info = read_header(entry.fd)
+            check_size(entry, info)  # before anything maps it
             if info is not None and info.state == RegionState.READY:
                 return info
             if time.monotonic() >= deadline:
@@ -376,7 +380,7 @@ def _claim_stale(shm_name: str) -> OpenEntry | None:
             if take_owner_lock(entry.fd):
                 if not still_named(entry):
                     continue  # removed or replaced since we opened it: look again
-                if read_header(entry.fd) is None and time.time() - entry.st.st_mtime < YOUNG_S:
+                if may_be_mid_creation(entry):
                     raise RegionExistsError(
                         f"{entry.path} is being created by another coordinator (no header "
                         f"yet); retry in {YOUNG_S:.0f} s or choose another instance.name")
