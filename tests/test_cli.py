@@ -235,3 +235,25 @@ def test_status_into_a_closed_pipe_exits_quietly(make_config):
         assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("flag", ["--name", "--config"])
+def test_an_empty_name_or_config_is_an_error_not_every_instance(flag, make_config):
+    """`clean --name ''` used to clean every instance (an empty name read as no name)."""
+    from tiercache.region.shared import SharedOffloadRegion
+    from tiercache.region.stale import remove_stale
+
+    cfg = make_config()
+    SharedOffloadRegion.create(cfg).close(unlink=False)  # a stale region clean would remove
+    try:
+        # the dry run first: before the fix it only lists what would go
+        for args in (["clean", "--dry-run"], ["status"], ["clean"]):
+            result = tiercache(*args, flag, "")
+            assert result.returncode == 1 and result.stdout == "", (args, result.stdout)
+            assert result.stderr.count("\n") == 1, result.stderr
+            assert result.stderr.startswith("tiercache: error: --name = '': 1-64 characters"
+                                            if flag == "--name" else
+                                            "tiercache: error: config file '': an empty path")
+        assert os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing removed
+    finally:
+        remove_stale(names=[cfg.name])

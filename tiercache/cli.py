@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from tiercache.config import Config, load_config
+from tiercache.config import Config, check_name, load_config
 from tiercache.errors import (
     RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
 )
@@ -45,10 +45,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _region_names(args: argparse.Namespace) -> list[str] | None:
-    if args.config:
+    """The instances ``--config`` or ``--name`` names, None for all (neither given: an
+    empty ``--name ''`` is an error, never "all")."""
+    if args.config is not None:
         return [load_config(args.config).name]
-    if args.name:
-        return [args.name]
+    if args.name is not None:
+        return [check_name(args.name, "--name")]
     return None
 
 
@@ -57,7 +59,8 @@ def _socket_path(args: argparse.Namespace, name: str) -> str:
     coordinator's, whatever this caller's environment), else the config's default."""
     from tiercache.index.client import resolve_socket_path
 
-    return resolve_socket_path(load_config(args.config) if args.config else Config(name=name))
+    config = load_config(args.config) if args.config is not None else Config(name=name)
+    return resolve_socket_path(config)
 
 
 def _print_index(socket_path: str) -> None:

@@ -26,6 +26,15 @@ MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 
 
+def check_name(name: object, key: str = "instance.name") -> str:
+    """``name`` if it is a valid instance name, else a ``ConfigError`` naming ``key`` (the
+    CLI's ``--name`` is held to the same rule: an empty name must not mean "every one")."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"{key} = {name!r}: 1-64 characters of letters, digits, '.', '_', "
+                          "'-', starting with a letter or digit")
+    return name
+
+
 class PinningPolicy(Enum):
     """What a worker does when it cannot pin its slice."""
 
@@ -121,11 +130,7 @@ class Config:
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ConfigError(
-                f"instance.name = {self.name!r}: 1-64 characters of letters, digits, '.', '_', '-', "
-                "starting with a letter or digit"
-            )
+        check_name(self.name)
         if not 1 <= self.world_size <= 64:
             raise ConfigError(f"instance.world_size = {self.world_size}: allowed 1..64")
         if self.index_policy not in INDEX_POLICIES:
@@ -290,6 +295,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a TOML config file."""
+    if not os.fspath(path):  # Path("") is ".", which would read as "a directory"
+        raise ConfigError("config file '': an empty path; give a TOML file")
     p = Path(path)
     try:
         text = p.read_bytes().decode("utf-8")
@@ -350,5 +357,5 @@ def config_keys() -> dict[str, tuple[str, ...]]:
 
 __all__ = [
     "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
-    "config_from_dict", "config_keys", "config_to_toml", "load_config",
+    "check_name", "config_from_dict", "config_keys", "config_to_toml", "load_config",
 ]
