@@ -50,6 +50,28 @@ def test_sigint_stops_like_ctrl_c(make_config, tmp_path):
     coord.cleanup()
 
 
+def _stop_with(sig: signal.Signals, cfg, workdir) -> tuple:
+    """A real `tiercache serve` stopped by ``sig``: exit status, what it printed after the
+    signal's line, whether its region and its socket are still there."""
+    coord = CoordinatorProcess(cfg, workdir)
+    try:
+        coord.proc.send_signal(sig)
+        returncode = coord.proc.wait(30)
+        said = coord.output().partition(f"tiercache: {sig.name}: shutting down\n")
+        return (returncode, said[2] if said[1] else None,
+                os.path.exists(f"/dev/shm/{cfg.shm_name}"), os.path.exists(cfg.socket_path))
+    finally:
+        coord.cleanup()
+
+
+def test_sighup_stops_serve_exactly_as_sigterm_does(make_config, tmp_path):
+    """The terminal closing (SIGHUP) used to kill serve without its shutdown."""
+    cfg = make_config()
+    on_sigterm = _stop_with(signal.SIGTERM, cfg, tmp_path / "term")
+    assert on_sigterm[0] == 0 and on_sigterm[1].startswith("tiercache: stopped; removed region")
+    assert _stop_with(signal.SIGHUP, cfg, tmp_path / "hup") == on_sigterm
+
+
 def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(make_config,
                                                                              tmp_path):
     cfg = make_config()
