@@ -279,3 +279,46 @@ def test_an_empty_name_or_config_is_an_error_not_every_instance(flag, make_confi
         assert os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing removed
     finally:
         remove_stale(names=[cfg.name])
+
+
+def test_a_relative_control_socket_is_relative_to_the_config_file(make_config, tmp_path,
+                                                                  monkeypatch):
+    """serve, status and Client(config) run from different directories used to resolve a
+    relative control.socket each against their own: status found no index, clients no
+    coordinator."""
+    import time
+
+    from tiercache.config import load_config
+    from tiercache.service.process import READY_MARKER
+
+    conf_dir, serve_dir, other_dir = (tmp_path / d for d in ("conf", "serve", "other"))
+    for d in (conf_dir, serve_dir, other_dir):
+        d.mkdir()
+    config_path = conf_dir / "c.toml"
+    toml = config_to_toml(make_config(control_socket=""))
+    config_path.write_text(toml.replace('socket = ""', 'socket = "ctl.sock"'))
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", "--config",
+                                  str(config_path)], cwd=serve_dir, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while READY_MARKER not in log_path.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        assert os.path.exists(conf_dir / "ctl.sock") and not os.path.exists(serve_dir / "ctl.sock")
+        status = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                                 str(config_path)], cwd=other_dir, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "index: 0 ready, 0 writing" in status.stdout, status.stdout
+        monkeypatch.chdir(other_dir)
+        config = load_config(config_path)
+        assert config.control_socket == str(conf_dir / "ctl.sock")
+        with Client(config, timeout_s=5) as client:
+            assert client.lookup([b"k"]) == 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0, log_path.read_text()
+    assert "stopped; removed region" in log_path.read_text()
