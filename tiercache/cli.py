@@ -100,6 +100,9 @@ def _print_ranks(listing: RegionListing) -> None:
             current, live = summary.current, len(summary.live)
             state = f"{live} attachment(s) up" if live else (
                 "no worker" if not summary.attachments else "worker DOWN")
+            if summary.held_by_others:  # attach cannot take those slots: say so
+                state += (f" ({len(summary.held_by_others)} slot(s) of DOWN workers still held "
+                          "by other processes)")
             backends = tuple("+".join(sorted({c.backends[d].label for c in current}))
                              for d in Direction)
             print(f"  rank {rank}: {state}, attached {summary.attach_count}x, pre-faulted in "
@@ -110,6 +113,9 @@ def _print_ranks(listing: RegionListing) -> None:
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
+                if a.held and not a.up:  # F_OFD_GETLK names no pid for an OFD lock
+                    worker += (", but its slot is held by another process (a child it "
+                               "forked, or a worker attaching now)")
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
                       f"{_moved(s.directions, tuple(b.label for b in s.backends))}")

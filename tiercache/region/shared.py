@@ -56,7 +56,7 @@ from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
     read_header, still_named, take_owner_lock, truncation, unlink_if_same,
 )
-from tiercache.region.attachments import claim_slot, unlock_slot
+from tiercache.region.attachments import SlotLock, slot_held
 from tiercache.region.stale import YOUNG_S, may_be_mid_creation
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
@@ -99,7 +99,7 @@ class SharedOffloadRegion:
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
         self._stats: dict[tuple[int, int], RankStats] = {}
-        self.slot: int | None = None  # the attachment slot this mapping holds (a worker's)
+        self._slot_lock: SlotLock | None = None  # the attachment slot of a worker's mapping
         self._pinner: HostPinner | None = None
         self.setup_times = SetupTimes()
 
@@ -209,11 +209,14 @@ class SharedOffloadRegion:
                 raise LayoutMismatchError(
                     f"{entry.path} has geometry [{info.layout.describe()}]; this worker expects "
                     f"[{layout.describe()}]")
-            if rank is not None:
-                info.layout.check_rank(rank)
-                slot = claim_slot(entry.fd, info.layout, rank)
-            region = cls(entry, info.layout, rank=rank, owner=False)
-            region.slot = None if rank is None else slot
+            slot_lock = None if rank is None else SlotLock(entry.fd, info.layout, rank)
+            try:
+                region = cls(entry, info.layout, rank=rank, owner=False)
+            except BaseException:
+                if slot_lock is not None:
+                    slot_lock.release()
+                raise
+            region._slot_lock = slot_lock
             return region
         except BaseException:
             entry.close()
@@ -232,6 +235,18 @@ class SharedOffloadRegion:
             time.sleep(_POLL_S)
 
     # ------------------------------------------------------------------ views
+    @property
+    def slot(self) -> int | None:
+        """The attachment slot this mapping holds for its rank (a worker's), else None."""
+        return None if self._slot_lock is None else self._slot_lock.slot
+
+    def slot_held(self, rank: int, slot: int) -> bool:
+        """True while any process holds ``rank``'s attachment ``slot`` (this mapping's own
+        included: it holds its slot on a descriptor of its own)."""
+        if self._fd < 0:  # closed, the mapping kept for a last scrape: no file to ask
+            return False
+        return slot_held(self._fd, self.layout, rank, slot)
+
     def info(self) -> HeaderInfo:
         return self.header.read()
 
@@ -349,9 +364,9 @@ class SharedOffloadRegion:
                 self._release_mapping()
             if unlink:
                 unlink_if_same(self._entry)  # we hold its lock: it is still ours
-            if self.slot is not None:  # the mapping (if kept) would keep the lock: drop it
-                unlock_slot(self._fd, self.layout, self.rank, self.slot)
-                self.slot = None
+            if self._slot_lock is not None:
+                self._slot_lock.release()
+                self._slot_lock = None
             self._entry.close()
             self._fd = -1
 
