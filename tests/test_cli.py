@@ -50,6 +50,28 @@ def test_sigint_stops_like_ctrl_c(make_config, tmp_path):
     coord.cleanup()
 
 
+def _stop_with(sig: signal.Signals, cfg, workdir) -> tuple:
+    """A real `tiercache serve` stopped by ``sig``: exit status, what it printed after the
+    signal's line, whether its region and its socket are still there."""
+    coord = CoordinatorProcess(cfg, workdir)
+    try:
+        coord.proc.send_signal(sig)
+        returncode = coord.proc.wait(30)
+        said = coord.output().partition(f"tiercache: {sig.name}: shutting down\n")
+        return (returncode, said[2] if said[1] else None,
+                os.path.exists(f"/dev/shm/{cfg.shm_name}"), os.path.exists(cfg.socket_path))
+    finally:
+        coord.cleanup()
+
+
+def test_sighup_stops_serve_exactly_as_sigterm_does(make_config, tmp_path):
+    """The terminal closing (SIGHUP) used to kill serve without its shutdown."""
+    cfg = make_config()
+    on_sigterm = _stop_with(signal.SIGTERM, cfg, tmp_path / "term")
+    assert on_sigterm[0] == 0 and on_sigterm[1].startswith("tiercache: stopped; removed region")
+    assert _stop_with(signal.SIGHUP, cfg, tmp_path / "hup") == on_sigterm
+
+
 def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(make_config,
                                                                              tmp_path):
     cfg = make_config()
@@ -235,3 +257,68 @@ def test_status_into_a_closed_pipe_exits_quietly(make_config):
         assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("flag", ["--name", "--config"])
+def test_an_empty_name_or_config_is_an_error_not_every_instance(flag, make_config):
+    """`clean --name ''` used to clean every instance (an empty name read as no name)."""
+    from tiercache.region.shared import SharedOffloadRegion
+    from tiercache.region.stale import remove_stale
+
+    cfg = make_config()
+    SharedOffloadRegion.create(cfg).close(unlink=False)  # a stale region clean would remove
+    try:
+        # the dry run first: before the fix it only lists what would go
+        for args in (["clean", "--dry-run"], ["status"], ["clean"]):
+            result = tiercache(*args, flag, "")
+            assert result.returncode == 1 and result.stdout == "", (args, result.stdout)
+            assert result.stderr.count("\n") == 1, result.stderr
+            assert result.stderr.startswith("tiercache: error: --name = '': 1-64 characters"
+                                            if flag == "--name" else
+                                            "tiercache: error: config file '': an empty path")
+        assert os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing removed
+    finally:
+        remove_stale(names=[cfg.name])
+
+
+def test_a_relative_control_socket_is_relative_to_the_config_file(make_config, tmp_path,
+                                                                  monkeypatch):
+    """serve, status and Client(config) run from different directories used to resolve a
+    relative control.socket each against their own: status found no index, clients no
+    coordinator."""
+    import time
+
+    from tiercache.config import load_config
+    from tiercache.service.process import READY_MARKER
+
+    conf_dir, serve_dir, other_dir = (tmp_path / d for d in ("conf", "serve", "other"))
+    for d in (conf_dir, serve_dir, other_dir):
+        d.mkdir()
+    config_path = conf_dir / "c.toml"
+    toml = config_to_toml(make_config(control_socket=""))
+    config_path.write_text(toml.replace('socket = ""', 'socket = "ctl.sock"'))
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", "--config",
+                                  str(config_path)], cwd=serve_dir, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while READY_MARKER not in log_path.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        assert os.path.exists(conf_dir / "ctl.sock") and not os.path.exists(serve_dir / "ctl.sock")
+        status = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                                 str(config_path)], cwd=other_dir, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "index: 0 ready, 0 writing" in status.stdout, status.stdout
+        monkeypatch.chdir(other_dir)
+        config = load_config(config_path)
+        assert config.control_socket == str(conf_dir / "ctl.sock")
+        with Client(config, timeout_s=5) as client:
+            assert client.lookup([b"k"]) == 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0, log_path.read_text()
+    assert "stopped; removed region" in log_path.read_text()

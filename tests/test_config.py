@@ -127,3 +127,22 @@ def test_index_policies_match_the_policy_registry():
     from tiercache.index import policies
 
     assert set(INDEX_POLICIES) == set(policies.POLICIES)
+
+
+def test_a_relative_control_socket_is_resolved_once(tmp_path, monkeypatch):
+    """From a file: against the file's directory; in code: against the current directory
+    when the Config is built. Either way a later chdir changes nothing."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "conf" / "c.toml"
+    path.write_text('[control]\nsocket = "run/ctl.sock"\n')
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    from_file = load_config(path)
+    in_code = Config(control_socket="ctl.sock")
+    monkeypatch.chdir(tmp_path)
+    assert from_file.socket_path == str(tmp_path / "conf" / "run" / "ctl.sock")
+    assert in_code.socket_path == str(tmp_path / "elsewhere" / "ctl.sock")
+    assert load_config("conf/c.toml") == from_file  # the file's own path may be relative
+    absolute = str(tmp_path / "abs.sock")
+    assert config_from_dict({"control": {"socket": absolute}}, base_dir=tmp_path / "conf") \
+        .socket_path == absolute

@@ -12,8 +12,10 @@ import logging
 import os
 import sys
 
-from tiercache.config import Config, load_config
-from tiercache.errors import RegionNotFoundError, RegionTrustError, TiercacheError
+from tiercache.config import Config, check_name, load_config
+from tiercache.errors import (
+    RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
+)
 from tiercache.region.header import RegionState
 from tiercache.region.stale import RegionListing, list_regions, remove_stale
 from tiercache.service.signals import stop_on_signals
@@ -43,10 +45,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _region_names(args: argparse.Namespace) -> list[str] | None:
-    if args.config:
+    """The instances ``--config`` or ``--name`` names, None for all (neither given: an
+    empty ``--name ''`` is an error, never "all")."""
+    if args.config is not None:
         return [load_config(args.config).name]
-    if args.name:
-        return [args.name]
+    if args.name is not None:
+        return [check_name(args.name, "--name")]
     return None
 
 
@@ -55,7 +59,8 @@ def _socket_path(args: argparse.Namespace, name: str) -> str:
     coordinator's, whatever this caller's environment), else the config's default."""
     from tiercache.index.client import resolve_socket_path
 
-    return resolve_socket_path(load_config(args.config) if args.config else Config(name=name))
+    config = load_config(args.config) if args.config is not None else Config(name=name)
+    return resolve_socket_path(config)
 
 
 def _print_index(socket_path: str) -> None:
@@ -95,6 +100,9 @@ def _print_ranks(listing: RegionListing) -> None:
             current, live = summary.current, len(summary.live)
             state = f"{live} attachment(s) up" if live else (
                 "no worker" if not summary.attachments else "worker DOWN")
+            if summary.held_by_others:  # attach cannot take those slots: say so
+                state += (f" ({len(summary.held_by_others)} slot(s) of DOWN workers still held "
+                          "by other processes)")
             backends = tuple("+".join(sorted({c.backends[d].label for c in current}))
                              for d in Direction)
             print(f"  rank {rank}: {state}, attached {summary.attach_count}x, pre-faulted in "
@@ -105,6 +113,9 @@ def _print_ranks(listing: RegionListing) -> None:
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
+                if a.held and not a.up:  # F_OFD_GETLK names no pid for an OFD lock
+                    worker += (", but its slot is held by another process (a child it "
+                               "forked, or a worker attaching now)")
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
                       f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
@@ -133,6 +144,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"region {listing.name}  NOT USABLE: {listing.problem}")
             continue
         owner = "live" if listing.live else "STALE (coordinator gone; tiercache clean removes it)"
+        if listing.truncated:  # mapping it would fault: one line, and on to the next
+            if wanted:
+                raise RegionTruncatedError(f"{listing.path} is {listing.truncated}; {owner}")
+            print(f"region {listing.name}  {listing.path}  NOT USABLE: {listing.truncated}; "
+                  f"{owner}")
+            continue
         print(f"region {listing.name}  {listing.path}  {format_bytes(listing.size_bytes)}  {owner}")
         info = listing.info
         if info is None:

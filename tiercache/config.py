@@ -26,6 +26,15 @@ MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 
 
+def check_name(name: object, key: str = "instance.name") -> str:
+    """``name`` if it is a valid instance name, else a ``ConfigError`` naming ``key`` (the
+    CLI's ``--name`` is held to the same rule: an empty name must not mean "every one")."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"{key} = {name!r}: 1-64 characters of letters, digits, '.', '_', "
+                          "'-', starting with a letter or digit")
+    return name
+
+
 class PinningPolicy(Enum):
     """What a worker does when it cannot pin its slice."""
 
@@ -113,7 +122,7 @@ class Config:
     region: RegionConfig = field(default_factory=RegionConfig)
     backend: BackendKind = BackendKind.AUTO
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
-    control_socket: str = ""  # "" = derived from name, see socket_path
+    control_socket: str = ""  # "" = derived from name, see socket_path; made absolute here
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
     index_events: bool = False  # keep stored/removed events for take_events()
     index_session_grace_s: float = 5.0  # a gone client's reservations and pins live this long
@@ -126,11 +135,13 @@ class Config:
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ConfigError(
-                f"instance.name = {self.name!r}: 1-64 characters of letters, digits, '.', '_', '-', "
-                "starting with a letter or digit"
-            )
+        check_name(self.name)
+        if self.control_socket and not os.path.isabs(self.control_socket):
+            # Resolved once, here: every process given this Config uses one path whatever
+            # its working directory. A file's relative path was made absolute against the
+            # file's directory before (load_config); one given in code is taken, as paths
+            # in code are, against the current directory.
+            object.__setattr__(self, "control_socket", os.path.abspath(self.control_socket))
         if not 1 <= self.world_size <= 64:
             raise ConfigError(f"instance.world_size = {self.world_size}: allowed 1..64")
         if self.index_policy not in INDEX_POLICIES:
@@ -272,8 +283,11 @@ def _present(body: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
     return {field: body[key] for key, field in keys.items() if key in body}
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Build a Config from the TOML document's tables (validated)."""
+def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | None = None,
+                     ) -> Config:
+    """Build a Config from the TOML document's tables (validated). A relative
+    ``control.socket`` is taken against ``base_dir`` (the config file's directory), or,
+    without one, against the current directory."""
     _check_types(raw)
     inst, reg = raw.get("instance", {}), raw.get("region", {})
     if "capacity" in reg and "num_blocks" in reg:
@@ -302,6 +316,9 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
             "reservation_timeout_s": "index_reservation_timeout_s",
             "max_session_share": "index_max_session_share"}),
     }
+    if base_dir is not None and kwargs.get("control_socket"):
+        kwargs["control_socket"] = os.path.abspath(os.path.join(base_dir,
+                                                                kwargs["control_socket"]))
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "kv" in raw:
@@ -310,7 +327,10 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a TOML config file."""
+    """Read and validate a TOML config file. Paths in it (``control.socket``) are relative
+    to the file's directory, so every process that loads it agrees, wherever it runs."""
+    if not os.fspath(path):  # Path("") is ".", which would read as "a directory"
+        raise ConfigError("config file '': an empty path; give a TOML file")
     p = Path(path)
     try:
         text = p.read_bytes().decode("utf-8")
@@ -327,7 +347,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    return config_from_dict(raw)
+    return config_from_dict(raw, base_dir=p.parent)
 
 
 def config_to_toml(config: Config) -> str:
@@ -374,5 +394,5 @@ def config_keys() -> dict[str, tuple[str, ...]]:
 
 __all__ = [
     "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
-    "config_from_dict", "config_keys", "config_to_toml", "load_config",
+    "check_name", "config_from_dict", "config_keys", "config_to_toml", "load_config",
 ]

@@ -15,6 +15,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   ├── RegionNotReadyError     header not READY (yet, or any more)
     │   ├── RegionTrustError        the name holds something we must not use: not a regular
     │   │                           file, or not ours with mode 0600
+    │   ├── RegionTruncatedError    the region file is shorter than its header says (or
+    │   │                           than the header itself): cut short, it cannot be mapped
     │   ├── LayoutMismatchError     the region has a different geometry or format than
     │   │                           the caller expects
     │   ├── RankError               rank outside 0..world_size-1          (also ValueError)
@@ -79,6 +81,12 @@ class RegionNotReadyError(RegionError):
 class RegionTrustError(RegionError):
     """The region's name holds something tiercache must not use: a FIFO, directory, symlink
     or device, or a file that is not owned by this user with mode 0600."""
+
+
+class RegionTruncatedError(RegionError):
+    """The region file is shorter than the ``total_bytes`` its header records, or than the
+    fixed header itself: mapping it would fault. A stale one is replaced by ``serve`` and
+    removed by ``clean``."""
 
 
 class LayoutMismatchError(RegionError):

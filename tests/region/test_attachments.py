@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -31,6 +32,7 @@ from tiercache.sizes import format_bytes
 from tiercache.region.shm import open_entry, owner_lock_held, take_owner_lock
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.worker import attach
+from spawned import attach_and_hold
 
 NUM_GPU_BLOCKS = 8
 WAIT_S = 60
@@ -256,3 +258,93 @@ def test_attachments_per_rank_is_part_of_the_geometry():
         RegionConfig(attachments_per_rank=17)
     with pytest.raises(ConfigError, match=r"attachments_per_rank = 0: allowed 1..16"):
         RegionLayout(1, 1, (4096,), attachments_per_rank=0)
+
+
+def _one_slot_per_rank(make_config):
+    return make_config(world_size=1, region=RegionConfig(
+        capacity_bytes=None, num_blocks=4, prefault_threads=1, attachments_per_rank=1))
+
+
+def _kill_orphan(pid: int) -> None:
+    """SIGKILL a process that is not our child (reparented), and wait until it is gone."""
+    import psutil
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+        proc = psutil.Process(pid)
+        deadline = time.monotonic() + WAIT_S
+        while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"pid {pid} outlived SIGKILL"
+            time.sleep(0.01)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        pass
+
+
+def test_a_child_forked_by_a_worker_does_not_keep_its_slot_after_the_worker_dies(make_config):
+    """fork shares the open file description that holds a slot's OFD lock: a worker's
+    sleeping child used to keep the slot after the worker was SIGKILLed, so attach said
+    every slot was held while status showed the worker DOWN."""
+    import spawned
+
+    config = _one_slot_per_rank(make_config)
+    region = SharedOffloadRegion.create(config)
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(spawned.__file__)!r}); "
+              f"import spawned; spawned.attach_fork_and_hold({config.name!r}, 0)")
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    grandchild = None
+    try:
+        slot, grandchild = map(int, worker.stdout.readline().split())
+        assert slot == 0
+        # the child's copy of the descriptor is closed, but the worker's lock is not freed
+        with pytest.raises(AttachmentSlotsFullError, match="rank 0: all 1 attachment slots"):
+            SharedOffloadRegion.attach(config.name, 0)
+        worker.kill()
+        worker.wait(WAIT_S)
+        out = _status(config.name)
+        assert f"attachment 0: worker pid {worker.pid} DOWN, attached 1x" in out, out
+        assert "held" not in out
+        again = SharedOffloadRegion.attach(config.name, 0)  # status and attach agree
+        assert again.slot == 0
+        again.close()
+    finally:
+        worker.kill()
+        worker.wait(WAIT_S)
+        worker.stdout.close()
+        if grandchild is not None:
+            _kill_orphan(grandchild)
+        region.close()
+
+
+def test_status_reports_a_slot_held_past_its_workers_death_as_held(make_config):
+    """A lock the fork hook cannot drop (a C library's fork) keeps a dead worker's slot:
+    status used to show the worker DOWN and the slot free while attach refused it."""
+    config = _one_slot_per_rank(make_config)
+    region = SharedOffloadRegion.create(config)
+    ctx = mp.get_context("spawn")
+    attached, release = ctx.Event(), ctx.Event()
+    worker = ctx.Process(target=attach_and_hold, args=(config.name, 0, attached, release))
+    holder = None
+    try:
+        worker.start()
+        assert attached.wait(WAIT_S)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(WAIT_S)
+        holder = open_entry(config.shm_name, writable=True)  # another process, to status
+        assert try_lock_slot(holder.fd, region.layout, 0, 0)
+        out = _status(config.name)
+        assert (f"attachment 0: worker pid {worker.pid} DOWN, but its slot is held by another "
+                "process") in out, out
+        assert "rank 0: worker DOWN (1 slot(s) of DOWN workers still held by other processes)" \
+            in out
+        with pytest.raises(AttachmentSlotsFullError):  # what attach says agrees
+            SharedOffloadRegion.attach(config.name, 0)
+        unlock_slot(holder.fd, region.layout, 0, 0)
+        out = _status(config.name)
+        assert f"worker pid {worker.pid} DOWN, attached 1x" in out and "held" not in out
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(WAIT_S)
+        if holder is not None:
+            holder.close()
+        region.close()

@@ -153,3 +153,44 @@ def test_another_user_gets_one_line_errors_for_our_region(make_config, tmp_path,
             assert f"left {path} alone" in clean.stdout and os.path.exists(path)
     finally:
         their.cleanup()
+
+
+@pytest.mark.parametrize("size_bytes", [4096, 100])
+def test_a_truncated_stale_region_is_one_line_for_status_and_attach_and_serve_replaces_it(
+        size_bytes, make_config, tmp_path):
+    """A stale region cut short (4096: the header survives and says the region is larger;
+    100: shorter than the header) used to make status, attach and serve die with mmap's
+    ValueError, or be taken for a region still being created."""
+    from tiercache.errors import RegionTruncatedError
+    from tiercache.region.shared import SharedOffloadRegion
+
+    cfg, path = _stale_region(make_config, tmp_path)
+    total_bytes = os.stat(path).st_size
+    os.truncate(path, size_bytes)
+    said = (f"truncated: {size_bytes} bytes, header says {total_bytes}" if size_bytes == 4096
+            else f"truncated: {size_bytes} bytes, less than the 4096-byte header")
+    other = SharedOffloadRegion.create(make_config(name=cfg.name + "z"))  # listed after it
+    try:
+        status = tiercache("status")
+        assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+        lines = [s for s in status.stdout.splitlines() if s.startswith(f"region {cfg.name} ")]
+        assert len(lines) == 1 and said in lines[0] and "STALE" in lines[0], status.stdout
+        assert f"region {cfg.name}z " in status.stdout  # it went on to the next instance
+        assert "rank 1: no worker" in status.stdout.split(f"region {cfg.name}z ", 1)[1]
+
+        named = tiercache("status", "--name", cfg.name)
+        assert named.returncode == 1 and named.stdout == ""
+        assert named.stderr.count("\n") == 1 and said in named.stderr, named.stderr
+
+        with pytest.raises(RegionTruncatedError, match=f"{path} is {said}: it cannot be mapped"):
+            SharedOffloadRegion.attach(cfg.name, 0)
+
+        dry = tiercache("clean", "--dry-run", "--name", cfg.name)
+        assert f"would remove stale region {path}" in dry.stdout, dry.stdout
+    finally:
+        other.close()
+    with CoordinatorProcess(cfg, tmp_path / "again") as serve:  # stale and unusable: replaced
+        assert f"replacing stale region {path} (owner pid " in serve.output()
+        assert f"is gone; {said})" in serve.output()
+        assert os.stat(path).st_size == total_bytes
+        SharedOffloadRegion.attach(cfg.name, 0).close()

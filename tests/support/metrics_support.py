@@ -36,6 +36,9 @@ class FakeRegion:
     def stats(self, rank: int, slot: int | None = None) -> RankStats:
         return RankStats(self.buffer, self.layout.stats_offset(rank, slot or 0), rank)
 
+    def slot_held(self, rank: int, slot: int) -> bool:
+        return False  # no file, so no slot locks: a block is held while its pid lives
+
     def set_seq(self, rank: int, value: int) -> None:
         """Word 0 of a stats block is its sequence lock (see tiercache.region.stats)."""
         struct.pack_into("<Q", self.buffer, self.layout.stats_offset(rank), value)

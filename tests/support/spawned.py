@@ -29,3 +29,23 @@ def attach_and_hold(name: str, rank: int, attached, release) -> None:
     release.wait(60)
     region.stats(rank).mark_detached()
     region.close()
+
+
+def attach_fork_and_hold(name: str, rank: int) -> None:
+    """A subprocess (multiprocessing's join would wait for the grandchild too: it inherits
+    the sentinel pipe): attach ``rank``, fork a grandchild that only sleeps, print
+    ``slot grandchild-pid``, wait to be SIGKILLed. The grandchild keeps whatever it
+    inherited; whoever started this kills it."""
+    import signal
+    import time
+
+    from tiercache.region.hostmem import process_start_ns
+
+    region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
+    region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    grandchild = os.fork()
+    if grandchild == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(region.slot, grandchild, flush=True)
+    signal.pause()

@@ -220,6 +220,8 @@ class StatsBlocks(Protocol):
 
     def stats(self, rank: int, slot: int | None = None) -> RankStats: ...
 
+    def slot_held(self, rank: int, slot: int) -> bool: ...
+
 
 class RankMonitor:
     """Liveness of each rank's workers, read from the attachment blocks in the region header."""

@@ -219,6 +219,9 @@ class RegionView(Protocol):
     def stats(self, rank: int, slot: int | None = None) -> RankStats:
         """The reader view of ``rank``'s stats block of attachment ``slot``."""
 
+    def slot_held(self, rank: int, slot: int) -> bool:
+        """Whether any process holds ``rank``'s attachment ``slot``."""
+
 
 class TiercacheCollector(Collector):
     """Everything the region, its workers and the cache index know, read per scrape.

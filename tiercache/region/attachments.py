@@ -14,11 +14,22 @@ Decisions and their reasons:
   description locks, not classic POSIX ``F_SETLK`` locks: a POSIX lock belongs to the
   process and is dropped when the process closes *any* descriptor of the file (a second
   ``SharedOffloadRegion`` or a ``status`` probe in the same process would free every slot
-  it holds), and two attachments in one process would not exclude each other. An OFD lock
-  belongs to the open file (``fork`` shares it: a forked child that keeps the region's
-  descriptor keeps the slot held after its parent dies; ``exec`` drops it, shm_open sets
-  ``O_CLOEXEC``). On Linux these locks do not interact with the coordinator's ``flock``
-  owner lock (``tiercache.region.shm``); a test checks it.
+  it holds), and two attachments in one process would not exclude each other. On Linux
+  these locks do not interact with the coordinator's ``flock`` owner lock
+  (``tiercache.region.shm``); a test checks it.
+* **The lock dies with the attaching process, not with its forked children.** An OFD lock
+  belongs to the open file description, and ``fork`` shares descriptions: a child that
+  kept a copy of the descriptor would keep the slot held after its parent died (``attach``
+  said "held by live processes" while ``status`` showed every slot down). So a
+  ``SlotLock`` takes its lock on a description of its own (the region reopened through
+  ``/proc/self/fd``; the mapping's descriptors, which Python's mmap duplicates, hold no
+  lock) and an ``os.register_at_fork`` hook closes the child's copy of that descriptor.
+  Closing a copy never frees the parent's lock (that takes closing the last descriptor of
+  the description); ``F_UNLCK`` would, so the child never unlocks. ``exec`` drops the copy
+  anyway (``O_CLOEXEC``). The hook needs to know this process's slot locks: the one piece
+  of module state (``_HELD``), because forking is process-wide. A fork the hook does not
+  see (a C library's ``fork()``) can still leave a slot held: readers report such a slot
+  as held (``Attachment.held``, from ``F_OFD_GETLK``), so ``status`` and ``attach`` agree.
 * **Counters are per slot and never reset.** A block's counters survive its process; the
   next attachment that claims the slot continues from them (``mark_attached`` only resets
   pid, pin state and timings). A rank's totals are the sums over all its blocks, so they
@@ -41,7 +52,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from tiercache.errors import RankError, StatsStuckError
+from tiercache.errors import RankError, RegionError, StatsStuckError
 from tiercache.region.hostmem import process_alive
 from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import (
@@ -83,9 +94,71 @@ def unlock_slot(fd: int, layout: RegionLayout, rank: int, slot: int) -> None:
 
 
 def slot_held(fd: int, layout: RegionLayout, rank: int, slot: int) -> bool:
-    """True while another open file (a live attachment) holds the slot."""
+    """True while another open file description holds the slot: a live attachment, or a
+    process that inherited one's (``F_OFD_GETLK`` names no pid for OFD locks)."""
     out = _lock(fd, F_OFD_GETLK, fcntl.F_WRLCK, layout.stats_offset(rank, slot))
     return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
+
+
+def _reopen(fd: int) -> int:
+    """A new open file description of the file ``fd`` refers to (a ``dup`` would share
+    ``fd``'s, and with it its locks); the name is not looked up again, so it cannot have
+    been replaced meanwhile."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise RegionError(f"cannot open the region again for its attachment slot lock "
+                          f"(/proc/self/fd/{fd}): {e.strerror or e}") from e
+
+
+class SlotLock:
+    """One attachment slot of ``rank`` held by this process (the lowest free one, claimed
+    at construction; ``AttachmentSlotsFullError`` if none is free) until ``release`` or
+    this process's death, on a descriptor of its own that forked children close (see the
+    module docstring)."""
+
+    def __init__(self, region_fd: int, layout: RegionLayout, rank: int):
+        layout.check_rank(rank)
+        self.layout, self.rank = layout, rank
+        self._fd = _reopen(region_fd)
+        _HELD.add(self)  # before the lock exists: a fork from here on closes the child's copy
+        try:
+            self.slot = claim_slot(self._fd, layout, rank)
+        except BaseException:
+            _HELD.discard(self)
+            os.close(self._fd)
+            raise
+
+    def release(self) -> None:
+        """Free the slot (idempotent; a no-op in a forked child, which never held it)."""
+        if self._fd < 0:
+            return
+        _HELD.discard(self)
+        fd, self._fd = self._fd, -1
+        try:
+            unlock_slot(fd, self.layout, self.rank, self.slot)
+        finally:
+            os.close(fd)
+
+    def _forget_in_child(self) -> None:
+        """Close a forked child's copy of the descriptor; never ``F_UNLCK`` (that would
+        free the parent's slot: the lock belongs to the description both share)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# The slot locks of this process, for the fork hook (forking is process-wide state).
+_HELD: set[SlotLock] = set()
+
+
+def _forget_inherited_slots() -> None:
+    for lock in list(_HELD):
+        lock._forget_in_child()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_slots)
 
 
 def claim_slot(fd: int, layout: RegionLayout, rank: int) -> int:
@@ -109,6 +182,7 @@ class Attachment:
     slot: int
     snapshot: RankStatsSnapshot
     up: bool  # its recorded pid runs and started at the recorded time
+    held: bool  # its slot lock is held: by its worker (up), or by a process that outlived it
 
     @property
     def incarnation(self) -> int:
@@ -128,6 +202,12 @@ class RankSummary:
     @property
     def live(self) -> tuple[Attachment, ...]:
         return tuple(a for a in self.attachments if a.up)
+
+    @property
+    def held_by_others(self) -> tuple[Attachment, ...]:
+        """Down, yet their slot is held (a child the worker forked outlived it, or a new
+        worker is attaching): ``attach`` cannot take these slots."""
+        return tuple(a for a in self.attachments if a.held and not a.up)
 
     @property
     def up(self) -> bool:
@@ -192,7 +272,10 @@ class AttachmentReader:
     that found one of the rank's blocks mid-update. Safe to call from several threads."""
 
     def __init__(self, region, layout: RegionLayout):
+        """``region``: ``stats(rank, slot)`` and ``slot_held(rank, slot)``, as
+        ``SharedOffloadRegion`` has them."""
         self.layout = layout
+        self._region = region
         self._views = [[region.stats(r, s) for s in range(layout.attachments_per_rank)]
                        for r in range(layout.world_size)]
         self._last: dict[tuple[int, int], RankStatsSnapshot] = {}
@@ -217,7 +300,8 @@ class AttachmentReader:
                     continue
             if snap.attach_count > 0:
                 up = snap.pid != 0 and process_alive(snap.pid, snap.pid_start_ns)
-                attachments.append(Attachment(slot, snap, up))
+                held = up or self._region.slot_held(rank, slot)
+                attachments.append(Attachment(slot, snap, up, held))
             elif slot == 0:
                 empty = snap
         return RankSummary(rank, tuple(attachments), tuple(unreadable), empty)

@@ -16,9 +16,11 @@ Decisions and their reasons:
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
   promise (no SIGBUS later), paid once per coordinator lifetime.
 * A region whose owner lock is free is stale. ``create`` re-adopts it when it is ours
-  (regular file, our uid, mode 0600) and its geometry matches and it was READY (workers'
-  mappings and pins stay valid, the pages stay allocated); it replaces it when it is ours
-  but of another geometry or state; it refuses anything else. Stale regions are listed and
+  (regular file, our uid, mode 0600) and its geometry matches and it was READY and it is
+  as long as its header says (workers' mappings and pins stay valid, the pages stay
+  allocated); it replaces it when it is ours but of another geometry or state, or cut
+  short (``truncation``: it is unusable, and stale, so nobody maps it); it refuses
+  anything else. ``attach`` refuses a truncated region with ``RegionTruncatedError``. Stale regions are listed and
   removed by ``tiercache.region.stale``.
 * Views are made from the mapping's address (not the buffer protocol), so ``close`` never
   fails on exported buffers; a view used after ``close`` is a use-after-free, and the
@@ -52,11 +54,11 @@ from tiercache.region.hostmem import (
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.pinning import HostPinner
 from tiercache.region.shm import (
-    NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, create_entry, open_entry, read_header,
-    still_named, take_owner_lock, unlink_if_same,
+    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
+    read_header, still_named, take_owner_lock, truncation, unlink_if_same,
 )
-from tiercache.region.attachments import claim_slot, slot_held, unlock_slot
-from tiercache.region.stale import YOUNG_S
+from tiercache.region.attachments import SlotLock, slot_held
+from tiercache.region.stale import YOUNG_S, may_be_mid_creation
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
 
@@ -104,7 +106,7 @@ class SharedOffloadRegion:
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
         self._region_id = 0  # read once the header is written (create) or checked (attach)
         self._stats: dict[tuple[int, int], RankStats] = {}
-        self.slot: int | None = None  # the attachment slot this mapping holds (a worker's)
+        self._slot_lock: SlotLock | None = None  # the attachment slot of a worker's mapping
         self._pinner: HostPinner | None = None
         self.setup_times = SetupTimes()
 
@@ -123,12 +125,13 @@ class SharedOffloadRegion:
         replaced = False
         if stale is not None:
             info = read_header(stale.fd)
-            if info is not None and info.layout_digest == layout.digest and \
+            cut = truncation(stale.fd, info)
+            if cut is None and info is not None and info.layout_digest == layout.digest and \
                     info.state == RegionState.READY:
                 return cls._adopt(stale, layout, info, log_step)
-            why = "no valid header" if info is None else (
+            why = cut or ("no valid header" if info is None else (
                 "a different geometry" if info.layout_digest != layout.digest
-                else f"state {info.state.label}")
+                else f"state {info.state.label}"))
             log_step(f"replacing stale region {stale.path} (owner pid "
                      f"{info.owner_pid if info else '?'} is gone; {why})")
             unlink_if_same(stale)  # while we hold its lock: nobody can have adopted it
@@ -215,12 +218,15 @@ class SharedOffloadRegion:
                 raise LayoutMismatchError(
                     f"{entry.path} has geometry [{info.layout.describe()}]; this worker expects "
                     f"[{layout.describe()}]")
-            if rank is not None:
-                info.layout.check_rank(rank)
-                slot = claim_slot(entry.fd, info.layout, rank)
-            region = cls(entry, info.layout, rank=rank, owner=False)
+            slot_lock = None if rank is None else SlotLock(entry.fd, info.layout, rank)
+            try:
+                region = cls(entry, info.layout, rank=rank, owner=False)
+            except BaseException:
+                if slot_lock is not None:
+                    slot_lock.release()
+                raise
+            region._slot_lock = slot_lock
             region._region_id = info.region_id
-            region.slot = None if rank is None else slot
             return region
         except BaseException:
             entry.close()
@@ -230,6 +236,7 @@ class SharedOffloadRegion:
     def _wait_ready(entry: OpenEntry, deadline: float) -> HeaderInfo:
         while True:
             info = read_header(entry.fd)
+            check_size(entry, info)  # before anything maps it
             if info is not None and info.state == RegionState.READY:
                 return info
             if time.monotonic() >= deadline:
@@ -238,6 +245,18 @@ class SharedOffloadRegion:
             time.sleep(_POLL_S)
 
     # ------------------------------------------------------------------ views
+    @property
+    def slot(self) -> int | None:
+        """The attachment slot this mapping holds for its rank (a worker's), else None."""
+        return None if self._slot_lock is None else self._slot_lock.slot
+
+    def slot_held(self, rank: int, slot: int) -> bool:
+        """True while any process holds ``rank``'s attachment ``slot`` (this mapping's own
+        included: it holds its slot on a descriptor of its own)."""
+        if self._fd < 0:  # closed, the mapping kept for a last scrape: no file to ask
+            return False
+        return slot_held(self._fd, self.layout, rank, slot)
+
     def info(self) -> HeaderInfo:
         return self.header.read()
 
@@ -245,8 +264,7 @@ class SharedOffloadRegion:
         """How many attachment slots, over every rank, a live process holds (other than
         this mapping's own)."""
         layout = self.layout
-        return sum(slot_held(self._fd, layout, rank, slot)
-                   for rank in range(layout.world_size)
+        return sum(self.slot_held(rank, slot) for rank in range(layout.world_size)
                    for slot in range(layout.attachments_per_rank))
 
     def owner_alive(self) -> bool:
@@ -373,9 +391,9 @@ class SharedOffloadRegion:
                 self._release_mapping()
             if unlink:
                 unlink_if_same(self._entry)  # we hold its lock: it is still ours
-            if self.slot is not None:  # the mapping (if kept) would keep the lock: drop it
-                unlock_slot(self._fd, self.layout, self.rank, self.slot)
-                self.slot = None
+            if self._slot_lock is not None:
+                self._slot_lock.release()
+                self._slot_lock = None
             self._entry.close()
             self._fd = -1
 
@@ -404,7 +422,7 @@ def _claim_stale(shm_name: str) -> OpenEntry | None:
             if take_owner_lock(entry.fd):
                 if not still_named(entry):
                     continue  # removed or replaced since we opened it: look again
-                if read_header(entry.fd) is None and time.time() - entry.st.st_mtime < YOUNG_S:
+                if may_be_mid_creation(entry):
                     raise RegionExistsError(
                         f"{entry.path} is being created by another coordinator (no header "
                         f"yet); retry in {YOUNG_S:.0f} s or choose another instance.name")

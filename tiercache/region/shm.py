@@ -20,6 +20,9 @@ Decisions and their reasons:
   holder exists, and probes never conflict with each other. A probe can still make an
   exclusive attempt fail for its few microseconds, so whoever wants the lock of a region
   whose recorded coordinator is dead retries (``SharedOffloadRegion.create``).
+* Size is checked against the header before anything maps the region (``truncation``): a
+  file cut short (a stale region truncated by hand or by a full disk tool) would map, then
+  fault on the first touch past its end; mmap itself refuses only with a bare ValueError.
 * ``shm_unlink`` removes by name, so ``unlink_if_same`` first compares the name's inode
   with the one that was checked, while the caller holds that object's lock: nobody can
   then have replaced it legitimately, and a replacement made anyway is left alone.
@@ -43,7 +46,8 @@ from dataclasses import dataclass
 import posix_ipc
 
 from tiercache.errors import (
-    LayoutMismatchError, RegionError, RegionExistsError, RegionNotFoundError, RegionTrustError,
+    LayoutMismatchError, RegionError, RegionExistsError, RegionNotFoundError, RegionTruncatedError,
+    RegionTrustError,
 )
 from tiercache.region.header import HeaderInfo, RegionHeader
 from tiercache.region.layout import HEADER_FIXED_BYTES
@@ -218,3 +222,26 @@ def read_header(fd: int) -> HeaderInfo | None:
             return header.read()
         except LayoutMismatchError:
             return None
+
+
+def truncation(fd: int, info: HeaderInfo | None) -> str | None:
+    """Why the open region cannot be mapped for its size, or None if it can:
+    ``"truncated: N bytes, header says M"`` when it is shorter than the ``total_bytes`` of
+    its header (``info``, from ``read_header``), or ``"truncated: N bytes, less than the
+    4096-byte header"``. An empty file is not truncated: a new region is empty until its
+    coordinator ``posix_fallocate``\\ s it whole, before it writes the header."""
+    size_bytes = os.fstat(fd).st_size
+    if info is not None and size_bytes < info.total_bytes:
+        return f"truncated: {size_bytes} bytes, header says {info.total_bytes}"
+    if 0 < size_bytes < HEADER_FIXED_BYTES:
+        return (f"truncated: {size_bytes} bytes, less than the {HEADER_FIXED_BYTES}-byte "
+                "header")
+    return None
+
+
+def check_size(entry: OpenEntry, info: HeaderInfo | None) -> None:
+    """Raise ``RegionTruncatedError`` if the region is too short to map (see ``truncation``)."""
+    why = truncation(entry.fd, info)
+    if why is not None:
+        raise RegionTruncatedError(f"{entry.path} is {why}: it cannot be mapped (cut short; "
+                                   "once its coordinator is gone `tiercache clean` removes it)")

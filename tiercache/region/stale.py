@@ -19,7 +19,8 @@ from tiercache.errors import RegionError, RegionNotFoundError, RegionTrustError
 from tiercache.region.header import HeaderInfo
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, describe, describe_name, open_entry,
-    owner_lock_held, read_header, shm_path, still_named, take_owner_lock, unlink_if_same,
+    owner_lock_held, read_header, shm_path, still_named, take_owner_lock, truncation,
+    unlink_if_same,
 )
 
 YOUNG_S = 10.0  # a header-less region younger than this may be mid-creation: left alone
@@ -34,6 +35,7 @@ class RegionListing:
     info: HeaderInfo | None  # None: no valid header (yet)
     found: str  # what the name holds: "a regular file owned by ... with mode 0600"
     problem: str | None = None  # why tiercache may not use it (one line), None if it may
+    truncated: str | None = None  # "truncated: N bytes, header says M" (shm.truncation)
 
     @property
     def shm_name(self) -> str:
@@ -68,14 +70,17 @@ def _probe(shm_name: str) -> RegionListing | None:
             check_trusted(entry)
         except RegionTrustError as e:
             problem = str(e)
-        return RegionListing(name, path, entry.st.st_size, owner_lock_held(entry.fd),
-                             read_header(entry.fd), describe(entry.st), problem)
+        info = read_header(entry.fd)
+        return RegionListing(name, path, entry.st.st_size, owner_lock_held(entry.fd), info,
+                             describe(entry.st), problem, truncation(entry.fd, info))
     finally:
         entry.close()
 
 
-def _young_and_headerless(entry: OpenEntry) -> bool:
-    return read_header(entry.fd) is None and time.time() - entry.st.st_mtime < YOUNG_S
+def may_be_mid_creation(entry: OpenEntry) -> bool:
+    """No header yet, young, and not cut short: its coordinator may be setting it up."""
+    return (read_header(entry.fd) is None and truncation(entry.fd, None) is None
+            and time.time() - entry.st.st_mtime < YOUNG_S)
 
 
 def remove_stale(dry_run: bool = False, name_prefix: str = "",
@@ -110,7 +115,7 @@ def _remove_checked(listing: RegionListing,
         check_trusted(entry)
         if not take_owner_lock(entry.fd):  # a coordinator took it over meanwhile
             return False
-        if _young_and_headerless(entry) or not still_named(entry):
+        if may_be_mid_creation(entry) or not still_named(entry):
             return False
         if before_unlink is not None:
             before_unlink(listing)
@@ -121,4 +126,4 @@ def _remove_checked(listing: RegionListing,
         entry.close()  # also drops our lock
 
 
-__all__ = ["RegionListing", "YOUNG_S", "list_regions", "remove_stale"]
+__all__ = ["RegionListing", "YOUNG_S", "list_regions", "may_be_mid_creation", "remove_stale"]
