@@ -64,8 +64,9 @@ class Coordinator:
         try:
             self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = self.region.layout
-            store, restored = self._restore_sessions()
-            self.manager = self._build_index({r.owner for r in restored})
+            store, records = self._restore_sessions()
+            self.manager = self._build_index({r.owner for r in records})
+            restored = self._keep_holders(store, records)
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
                                     session_store=store, restored=restored)
@@ -98,12 +99,22 @@ class Coordinator:
         for record in records:
             if record not in alive:
                 store.close(record.owner)
-        if records or damaged:
-            self.say(f"sessions: {len(alive)} of the previous coordinator's {len(records)} "
-                     f"session(s) have live processes and keep what they held until they "
-                     f"resume (or fall silent for {self.config.index_session_timeout_s:g} s)"
-                     + (f"; {damaged} damaged session record(s) dropped" if damaged else ""))
+        self._previous_sessions = (len(records), damaged)
         return store, alive
+
+    def _keep_holders(self, store, alive):
+        """The live previous sessions are restored (until they resume, their process ends,
+        or they stay away for ``index.session_timeout_s``): those holding something keep
+        it fenced, the others keep their tokens, so a restart is invisible to clients."""
+        total, damaged = self._previous_sessions
+        holding = sum(self.manager.holds(r.owner) for r in alive)
+        if total or damaged:
+            self.say(f"sessions: {len(alive)} of the previous coordinator's {total} session(s) "
+                     f"have live processes and are kept ({holding} holding reservations or "
+                     "pins) until they resume, their process ends, or "
+                     f"{self.config.index_session_timeout_s:g} s pass"
+                     + (f"; {damaged} damaged session record(s) dropped" if damaged else ""))
+        return alive
 
     def _build_index(self, surviving_owners: set[int]):
         """The index over the region, rebuilt from the region's ledger (READY blocks of a
