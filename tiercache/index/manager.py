@@ -309,6 +309,13 @@ class OffloadingManager:
             counters["released_pins"] += dropped
             return SessionRelease(freed, dropped)
 
+    def holds(self, owner: int) -> bool:
+        """Whether ``owner`` holds any reservation or pin (what ``end_session`` would give
+        back); read-only."""
+        with self._lock:
+            holdings = self._holdings.get(owner)
+            return holdings is not None and bool(holdings.writing or holdings.pinned)
+
     # ------------------------------------------------------------------ the rest
 
     def take_events(self, max_keys: int | None = None) -> list[OffloadingEvent]:

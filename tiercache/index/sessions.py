@@ -20,6 +20,12 @@ Decisions:
   with ``SO_PEERCRED``).
 * Detached sessions expire in detach order (one grace period for all), so the table
   keeps them in an insertion-ordered dict and checks only its head.
+* A process may keep at most so many detached sessions (``end_detached_beyond``; the
+  control server passes ``max_detached_sessions_per_peer``): one that opens and closes
+  connections in a loop would otherwise grow the table by a session per close for a whole
+  grace period. A session counts against the process that attached it last
+  (``peer_pid``, from ``SO_PEERCRED``); beyond the bound its oldest detached one ends at
+  once, as if its grace period were over.
 * Pure bookkeeping, one thread (the control server's loop); ``now`` is passed in.
 """
 
@@ -43,6 +49,7 @@ class Session:
     name: str
     conn: Hashable | None = None  # the connection it is attached to; None while detached
     deadline: float | None = None  # while detached: when it ends
+    peer_pid: int = 0  # the process that attached it last; its detached ones are bounded
 
 
 class SessionTable:
@@ -53,6 +60,7 @@ class SessionTable:
         self.grace_s = grace_s
         self._by_token: dict[bytes, Session] = {}
         self._detached: dict[bytes, Session] = {}  # detach order = expiry order
+        self._detached_of: dict[int, dict[bytes, Session]] = {}  # the same, by peer_pid
         self._owners = itertools.count(1)  # LOCAL_OWNER (0) stays the in-process caller's
 
     def hello(self, conn: Hashable, token: bytes, name: str
@@ -66,7 +74,7 @@ class SessionTable:
             self._by_token[new_token] = session
             resumed, displaced = False, None
         else:
-            self._detached.pop(token, None)
+            self._undetach(session)
             displaced = session.conn
             resumed = True
         session.conn, session.deadline = conn, None
@@ -79,15 +87,16 @@ class SessionTable:
         session.conn = None
         session.deadline = now + self.grace_s
         self._detached[session.token] = session
+        self._detached_of.setdefault(session.peer_pid, {})[session.token] = session
 
     def expire(self, now: float) -> list[tuple[Session, SessionRelease]]:
         """End every detached session whose grace period is over."""
         ended = []
         while self._detached:
-            token, session = next(iter(self._detached.items()))
+            session = next(iter(self._detached.values()))
             if session.deadline is not None and session.deadline > now:
                 break
-            del self._detached[token]
+            self._undetach(session)
             ended.append((session, self._end(session)))
         return ended
 
@@ -100,7 +109,28 @@ class SessionTable:
         """End every session (the server stops: nobody can resume them)."""
         sessions = list(self._by_token.values())
         self._detached.clear()
+        self._detached_of.clear()
         return [(s, self._end(s)) for s in sessions]
+
+    def end_detached_beyond(self, peer_pid: int, keep: int
+                            ) -> list[tuple[Session, SessionRelease]]:
+        """End the detached sessions of process ``peer_pid`` beyond its ``keep`` newest,
+        oldest first (see the module docstring)."""
+        ended = []
+        mine = self._detached_of.get(peer_pid, {})
+        while len(mine) > keep:
+            session = next(iter(mine.values()))
+            self._undetach(session)
+            ended.append((session, self._end(session)))
+        return ended
+
+    def _undetach(self, session: Session) -> None:
+        self._detached.pop(session.token, None)
+        mine = self._detached_of.get(session.peer_pid)
+        if mine is not None:
+            mine.pop(session.token, None)
+            if not mine:
+                del self._detached_of[session.peer_pid]
 
     def _end(self, session: Session) -> SessionRelease:
         del self._by_token[session.token]
