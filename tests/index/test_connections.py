@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -140,7 +141,7 @@ def _pinged(path: str) -> bool:
 
 
 def test_a_connection_without_hello_in_time_is_closed_with_the_reason(servers, socket_path):
-    servers(socket_path, options=ControlOptions(hello_timeout_s=0.3, idle_timeout_s=NEVER_S))
+    servers(socket_path, options=ControlOptions(hello_timeout_s=1.0, idle_timeout_s=NEVER_S))
     greeted = raw_connection(socket_path)
     silent = raw_connection(socket_path, hello=False)
     silent.settimeout(10)
@@ -159,18 +160,24 @@ def test_a_connection_without_hello_in_time_is_closed_with_the_reason(servers, s
 
 def test_an_idle_connection_holding_nothing_is_closed_and_its_session_kept(servers,
                                                                             socket_path):
-    servers(socket_path, options=ControlOptions(
-        idle_timeout_s=0.5, hello_timeout_s=NEVER_S, session_grace_s=NEVER_S))
-    reserving = Client(socket_path, name="reserving")
+    server = servers(socket_path, options=ControlOptions(
+        idle_timeout_s=1.0, hello_timeout_s=NEVER_S, session_grace_s=NEVER_S))
+    reserving = Client(socket_path, name="reserving")  # holds from its first call on
+    assert reserving.prepare_store(k(1, 2)) is not None
+    reserving.complete_store(k(1))
     pinning = Client(socket_path, name="pinning")
-    store(pinning, 1)
-    assert reserving.prepare_store(k(2)) is not None
     assert pinning.lease(k(1)).num_hit == 1
     idler, token = raw_session(socket_path)  # active after both: its deadline comes last
     try:
         assert closed_by_peer(idler)
         reserving.ping()  # both still on their first connection (a closed one would raise)
         pinning.ping()
+        proc = psutil.Process(server.proc.pid)
+        cpu_before, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        time.sleep(2.5)  # two more idle deadlines of the holders: a loop spinning on them
+        elapsed = time.monotonic() - t0  # would burn a core
+        cpu = sum(proc.cpu_times()[:2]) - cpu_before
+        assert cpu < 0.5 * elapsed, f"{cpu:.2f} s of CPU in {elapsed:.2f} s: spinning"
         with Client(socket_path, session_token=token) as heir:
             heir.connect()
             assert heir.resumed  # closed, not ended: its client would resume it

@@ -118,12 +118,15 @@ class ConnectionTable:
 
     def next_deadline(self) -> float | None:
         """The earliest HELLO or idle deadline (None: no connection)."""
-        greeting = next(iter(self._greeting), None)
-        quiet = next(iter(self._by_activity), None)
-        due = [t for t in (
-            greeting and greeting.opened_s + self.hello_timeout_s,
-            quiet and quiet.active_s + self.idle_timeout_s) if t is not None]
-        return min(due) if due else None
+        due = None
+        for conn in self._by_activity:  # the head only: runs on every turn of the loop
+            due = conn.active_s + self.idle_timeout_s
+            break
+        for conn in self._greeting:
+            hello_due = conn.opened_s + self.hello_timeout_s
+            due = hello_due if due is None else min(due, hello_due)
+            break
+        return due
 
     def overdue(self, now: float) -> tuple[list[Connection], list[Connection]]:
         """(connections past their HELLO deadline, idle ones holding nothing): both to close.
