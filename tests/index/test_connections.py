@@ -6,6 +6,7 @@ requests made a live client's large lookup fail."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -24,7 +25,8 @@ from control_support import (
 from index_scenarios import k, store
 from tiercache.errors import ControlSocketError
 from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions
+from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.index.manager import OffloadingManager
 from tiercache.index.payloads import decode_error
 from tiercache.index.protocol import (
     MAX_KEY_BYTES, MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Status,
@@ -238,3 +240,25 @@ def test_over_the_budget_the_process_holding_most_gives_way(servers, socket_path
             sock.close()
         sigkill(child)
 
+
+
+def test_each_kind_of_close_is_logged_once_per_interval(socket_path, caplog):
+    """Closes a local process can cause by the thousand (room made at the cap, HELLO
+    timeouts) leave one line per kind and interval."""
+    server = ControlServer(OffloadingManager(4), socket_path, ControlOptions(
+        max_connections=2, hello_timeout_s=0.5, log_interval_s=600))
+    server.start()
+    silent = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiercache.index.control"):
+            for _ in range(10):  # each newcomer at the cap closes the oldest without HELLO
+                silent.append(raw_connection(socket_path, hello=False))
+            for sock in silent:
+                assert closed_by_peer(sock)  # eight made room, two ran out of time
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("at the maximum of 2" in line for line in lines) == 1, lines
+        assert sum("no HELLO within" in line for line in lines) == 1, lines
+    finally:
+        for sock in silent:
+            sock.close()
+        server.close()
