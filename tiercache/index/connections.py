@@ -90,8 +90,9 @@ class ConnectionTable:
 
     def remove(self, conn: Connection) -> bool:
         """Forget ``conn``; False if it was not here (closed already)."""
-        if self._by_activity.pop(conn, False) is False:
+        if conn not in self._by_activity:
             return False
+        del self._by_activity[conn]
         self._greeting.pop(conn, None)
         left = self._per_pid[conn.pid] - 1
         if left:
