@@ -132,6 +132,10 @@ class Config:
     index_reservation_timeout_s: float = 600.0  # a store reserved and never completed expires
     index_max_session_share: float = 0.5  # of the cache one session may hold at once
     control_max_connections: int = 256
+    control_max_connections_per_peer: int = 64  # one process's connections (SO_PEERCRED pid)
+    control_hello_timeout_s: float = 5.0  # a connection without HELLO is closed after this
+    control_idle_timeout_s: float = 300.0  # one holding nothing and sending nothing, after this
+    control_max_detached_sessions_per_peer: int = 64  # closed sessions kept per process
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
 
     def __post_init__(self) -> None:
@@ -163,6 +167,17 @@ class Config:
         if not 1 <= self.control_max_connections <= 65536:
             raise ConfigError(f"control.max_connections = {self.control_max_connections!r}: "
                               "allowed 1 .. 65536")
+        for key, value, low, high in (
+                ("max_connections_per_peer", self.control_max_connections_per_peer, 1, 65536),
+                ("max_detached_sessions_per_peer", self.control_max_detached_sessions_per_peer,
+                 0, 65536)):
+            if not low <= value <= high:
+                raise ConfigError(f"control.{key} = {value!r}: allowed {low} .. {high}")
+        for key, value, high in (("hello_timeout_s", self.control_hello_timeout_s, 3600),
+                                 ("idle_timeout_s", self.control_idle_timeout_s, 86400)):
+            if not 0 < value <= high:
+                raise ConfigError(f"control.{key} = {value!r}: allowed 0 .. {high} (seconds, "
+                                  "not 0)")
         if self.control_trusted_uid < -1:
             raise ConfigError(f"control.trusted_uid = {self.control_trusted_uid!r}: a uid "
                               "(>= 0), or -1 for none")
@@ -197,7 +212,9 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     },
     "transfer": {"backend": str},
     "exporter": {"address": str, "port": int, "enabled": bool},
-    "control": {"socket": str, "max_connections": int, "trusted_uid": int},
+    "control": {"socket": str, "max_connections": int, "max_connections_per_peer": int,
+                "hello_timeout_s": (int, float), "idle_timeout_s": (int, float),
+                "max_detached_sessions_per_peer": int, "trusted_uid": int},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -306,9 +323,13 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
         "exporter": ExporterConfig(**_present(raw.get("exporter", {}), {
             "address": "address", "port": "port", "enabled": "enabled"})),
         **_present(inst, {"name": "name", "world_size": "world_size"}),
-        **_present(raw.get("control", {}), {"socket": "control_socket",
-                                            "max_connections": "control_max_connections",
-                                            "trusted_uid": "control_trusted_uid"}),
+        **_present(raw.get("control", {}), {
+            "socket": "control_socket", "max_connections": "control_max_connections",
+            "max_connections_per_peer": "control_max_connections_per_peer",
+            "hello_timeout_s": "control_hello_timeout_s",
+            "idle_timeout_s": "control_idle_timeout_s",
+            "max_detached_sessions_per_peer": "control_max_detached_sessions_per_peer",
+            "trusted_uid": "control_trusted_uid"}),
         **_present(raw.get("index", {}), {
             "policy": "index_policy", "events": "index_events",
             "session_grace_s": "index_session_grace_s",
@@ -374,6 +395,11 @@ def config_to_toml(config: Config) -> str:
         "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
         "control": {"socket": config.control_socket,
                     "max_connections": config.control_max_connections,
+                    "max_connections_per_peer": config.control_max_connections_per_peer,
+                    "hello_timeout_s": config.control_hello_timeout_s,
+                    "idle_timeout_s": config.control_idle_timeout_s,
+                    "max_detached_sessions_per_peer":
+                        config.control_max_detached_sessions_per_peer,
                     "trusted_uid": config.control_trusted_uid},
         "index": {"policy": config.index_policy, "events": config.index_events,
                   "session_grace_s": config.index_session_grace_s,

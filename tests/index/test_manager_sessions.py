@@ -105,3 +105,24 @@ def test_reset_forgets_every_sessions_holdings(cache):
     cache.reset()
     assert cache.end_session(ENGINE_A) == SessionRelease(0, 0)
     assert cache.stats().free_blocks == 4
+
+
+def test_holds_says_whether_an_owner_has_anything_to_give_back(cache):
+    """What the control server asks before closing an idle connection."""
+    store(cache, 1)
+    assert not cache.holds(ENGINE_A)
+    assert cache.prepare_store(k(2), owner=ENGINE_A) is not None
+    assert cache.holds(ENGINE_A) and not cache.holds(ENGINE_B)
+    cache.complete_store(k(2), owner=ENGINE_A)
+    assert not cache.holds(ENGINE_A)
+    cache.lease(k(1), owner=ENGINE_A)
+    assert cache.holds(ENGINE_A)
+    cache.release(k(1), owner=ENGINE_A)
+    assert not cache.holds(ENGINE_A)
+    cache.prepare_load(k(1, 2), owner=ENGINE_B)
+    assert cache.holds(ENGINE_B)
+    cache.complete_load(k(1, 2), owner=ENGINE_B)
+    assert not cache.holds(ENGINE_B)
+    cache.lease(k(1), owner=ENGINE_B)
+    cache.end_session(ENGINE_B)
+    assert not cache.holds(ENGINE_B)

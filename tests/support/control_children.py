@@ -31,6 +31,74 @@ def reserve_pin_and_wait(path: str, store_keys: list[bytes], lease_keys: list[by
     threading.Event().wait(WAIT_S)
 
 
+def hold_connections_and_stop(path: str, num_without_hello: int, num_with_hello: int,
+                              ready) -> None:
+    """Child: open connections that never send HELLO, then ones that complete it and hold
+    nothing, signal, and SIGSTOP itself (the outside tester's lock-out: a frozen process
+    on every slot). Accept order is connect order, so the last HELLO answered means every
+    connection was accepted."""
+    from control_support import raw_connection
+
+    held = [raw_connection(path, hello=False) for _ in range(num_without_hello)]
+    held += [raw_connection(path) for _ in range(num_with_hello)]
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    threading.Event().wait(WAIT_S)
+
+
+def hold_partial_requests_and_stop(path: str, num: int, partial_bytes: int, ready,
+                                   report) -> None:
+    """Child: ``num`` connections past HELLO, each sending ``partial_bytes`` of a request of
+    the largest size and no more; once the server has read them all, signal and SIGSTOP
+    itself. When continued, report which of them the server closed (a list of bools)."""
+    import time
+
+    from control_support import is_open, raw_connection, request_header, unread_bytes
+    from tiercache.index.protocol import MAX_REQUEST_BYTES, Verb
+
+    held = [raw_connection(path) for _ in range(num)]
+    for sock in held:
+        sock.sendall(request_header(Verb.LOOKUP, MAX_REQUEST_BYTES) + b"x" * partial_bytes)
+    while any(unread_bytes(sock) for sock in held):
+        time.sleep(0.01)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    report.put([not is_open(sock) for sock in held])
+    threading.Event().wait(WAIT_S)
+
+
+def send_a_request_in_two_parts(path: str, request: bytes, split: int, sent_first,
+                                go, answers) -> None:
+    """Child: past HELLO, send ``request[:split]``; once the server read it, set
+    ``sent_first``; wait for ``go``, send the rest and put the answer's status and payload
+    (or the error that came instead) in ``answers``."""
+    import time
+
+    from control_support import raw_connection, read_frame, unread_bytes
+
+    sock = raw_connection(path)
+    sock.sendall(request[:split])
+    while unread_bytes(sock):
+        time.sleep(0.01)
+    sent_first.set()
+    go.wait(WAIT_S)
+    try:
+        sock.sendall(request[split:])
+        header, body = read_frame(sock)
+        answers.put((header.status.name, bytes(body)))
+    except (OSError, AssertionError) as e:  # reported to the test, which asserts on it
+        answers.put(("gone", repr(e)))
+
+
+def ping_and_report(path: str, answers) -> None:
+    """Child: one ``Client`` ping; put the round trip (or the error) in ``answers``."""
+    try:
+        with Client(path) as client:
+            answers.put(client.ping())
+    except Exception as e:  # reported to the test, which asserts on it
+        answers.put(repr(e))
+
+
 def serve_with_fd_limit(path: str, spare_fds: int, ready, log_path: str, options) -> None:
     """Child: a control server whose process may open only ``spare_fds`` more files once it
     serves (its log goes to ``log_path``), until SIGTERM."""

@@ -3,17 +3,23 @@ and raw sockets for speaking (or abusing) the wire protocol by hand."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import signal
 import socket
+import struct
+import termios
 import time
 from collections.abc import Callable
 
 import index_scenarios as sc
 from tiercache.index.control import ControlOptions, serve_forever
-from tiercache.index.payloads import encode_hello_request
-from tiercache.index.protocol import HEADER_BYTES, FrameHeader, PayloadWriter, Status, Verb, frame
+from tiercache.index.payloads import decode_hello, encode_hello_request
+from tiercache.index.protocol import (
+    HEADER_BYTES, MAGIC, PROTOCOL_VERSION, FrameHeader, PayloadReader, PayloadWriter, Status,
+    Verb, frame,
+)
 
 SPAWN = mp.get_context("spawn")
 START_TIMEOUT_S = 60.0
@@ -63,14 +69,50 @@ def read_frame(sock: socket.socket) -> tuple[FrameHeader, bytes]:
 
 def raw_connection(path: str, hello: bool = True) -> socket.socket:
     """A bare socket; with ``hello``, past the session handshake every client starts with."""
+    return raw_session(path)[0] if hello else _connected(path)
+
+
+def raw_session(path: str) -> tuple[socket.socket, bytes]:
+    """A bare socket past HELLO, and its session's token."""
+    sock = _connected(path)
+    sock.sendall(frame(Verb.HELLO, 1, encode_hello_request(None, "raw")))
+    header, body = read_frame(sock)
+    assert (header.verb, header.status) == (Verb.HELLO, Status.OK)
+    return sock, decode_hello(PayloadReader(body)).token
+
+
+def _connected(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(SOCKET_TIMEOUT_S)
     sock.connect(path)
-    if hello:
-        sock.sendall(frame(Verb.HELLO, 1, encode_hello_request(None, "raw")))
-        header, _ = read_frame(sock)
-        assert (header.verb, header.status) == (Verb.HELLO, Status.OK)
     return sock
+
+
+def request_header(verb: Verb, payload_bytes: int, request_id: int = 1) -> bytes:
+    """The header of a request frame announcing ``payload_bytes``."""
+    return struct.pack("<4sBBBBII", MAGIC, PROTOCOL_VERSION, verb, 0, 0, request_id,
+                       payload_bytes)
+
+
+def is_open(sock: socket.socket) -> bool:
+    """Whether the peer has not closed ``sock`` (looked at without blocking; data waiting
+    counts as open)."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        sock.settimeout(timeout)
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that the peer has not read yet (SIOCOUTQ; for a Unix socket
+    it includes buffer overhead, and is 0 once the peer read everything)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 def closed_by_peer(sock: socket.socket) -> bool:

@@ -13,11 +13,29 @@ than the grace period.
 Bounds (``ControlOptions``; the README lists them), so that no local user can grow the
 coordinator or starve its other clients:
 
-* at most ``max_connections`` connections; one more is answered with an error and closed;
+* a connection must complete HELLO within ``hello_timeout_s``, or it is closed;
+* a connection whose session holds no reservation and no pin (``manager.holds``) and that
+  sent nothing for ``idle_timeout_s`` is closed (its session detaches, as on any close: its
+  client reconnects on its next call and resumes it);
+* at most ``max_connections`` connections, and at most ``max_connections_per_peer`` of one
+  process (``SO_PEERCRED`` pid; one more is answered with an error naming the limit and
+  closed). At ``max_connections`` a newcomer is still served: the connection that has been
+  quiet longest among those holding nothing makes room (one without HELLO first). One
+  holding reservations or pins is never closed, nor one mid-request (part of a request
+  read, or answers waiting, and bytes received within ``hello_timeout_s``: once a frame is
+  started it should not stall longer than a HELLO may take); when every connection is such
+  a one, the newcomer is refused with an error naming the limit;
 * a request frame is at most ``MAX_REQUEST_BYTES``, and partial requests held across all
-  connections at most ``max_buffered_bytes`` (a connection that would pass it is closed);
-  answers are not read past: while a connection's answers wait, it is not read from;
-* each kind of complaint (bad frames, refused peers, accept failures) is logged at most
+  connections at most ``max_buffered_bytes``. A read that would pass it closes the hogs,
+  never the reader: the process holding the most partial bytes gives way, its connection
+  holding the most first (of equals, the one quiet longest). The budget holds at least one
+  whole request and one read past it (``MIN_BUFFERED_BYTES``), so a client sending one
+  request always fits, whatever others hold;
+* answers are not read past: while a connection's answers wait, it is not read from;
+* at most ``max_detached_sessions_per_peer`` closed sessions of one process are kept for
+  it to resume (``SessionTable.end_detached_beyond``);
+* each kind of complaint or close (bad frames, refused peers, accept failures, HELLO
+  timeouts, idle closes, room made, hogs closed, sessions ended early) is logged at most
   once per ``log_interval_s`` with a count of the rest;
 * out of file descriptors (EMFILE and the like) the listener is taken out of the loop for
   ``accept_backoff_s`` (the connections already open are served meanwhile); pending
@@ -42,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
+from tiercache.index.connections import Connection, ConnectionTable
 from tiercache.index.handlers import HANDLERS
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
@@ -63,6 +82,9 @@ CLOSE_TIMEOUT_S = 10.0
 # 108 µs p50 blocking, 13 µs with this poll). It costs CPU only while calls keep coming.
 POLL_BEFORE_SLEEP_S = 50e-6
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+# The smallest partial-request budget: one whole request and one read past it, so that a
+# connection sending one request always fits once the hogs are closed.
+MIN_BUFFERED_BYTES = HEADER_BYTES + MAX_REQUEST_BYTES + RECV_BYTES
 
 
 @dataclass(frozen=True)
@@ -70,8 +92,8 @@ class ControlOptions:
     """How the control server behaves toward its clients (see the module docstring)."""
 
     session_grace_s: float = 5.0
-    session_timeout_s: float = 0.0  # a session silent this long while holding something ends
-    reservation_timeout_s: float = 0.0  # a reservation not completed this long is freed
+    session_timeout_s: float = 30.0  # a session silent this long while holding something ends
+    reservation_timeout_s: float = 600.0  # a reservation not completed this long is freed
     tick_s: float = 1.0  # how often liveness, restored sessions and reservations are checked
     max_connections: int = 256
     max_buffered_bytes: int = 64 << 20
@@ -80,6 +102,12 @@ class ControlOptions:
     log_interval_s: float = 10.0
     trusted_uid: int | None = None  # trusted besides our own uid
     poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S
+    hello_timeout_s: float = 5.0
+    # Long enough that an idle engine's connection rarely goes (it would reconnect on its
+    # next call anyway); short enough that abandoned ones do not keep slots for long.
+    idle_timeout_s: float = 300.0
+    max_connections_per_peer: int = 64
+    max_detached_sessions_per_peer: int = 64
 
     def __post_init__(self) -> None:
         checks = (
@@ -89,30 +117,23 @@ class ControlOptions:
              "0 (off) .. 86400 s"),
             ("tick_s", 0 < self.tick_s <= 60, "0 .. 60 s (not 0)"),
             ("max_connections", 1 <= self.max_connections <= 65536, "1 .. 65536"),
-            ("max_buffered_bytes", self.max_buffered_bytes >= HEADER_BYTES, f">= {HEADER_BYTES}"),
+            ("max_buffered_bytes", self.max_buffered_bytes >= MIN_BUFFERED_BYTES,
+             f">= {MIN_BUFFERED_BYTES} (one whole request and one read)"),
             ("listen_backlog", 1 <= self.listen_backlog <= 65535, "1 .. 65535"),
             ("accept_backoff_s", 0 < self.accept_backoff_s <= 10, "0 .. 10 s (not 0)"),
             ("log_interval_s", 0 <= self.log_interval_s <= 3600, "0 .. 3600 s"),
             ("trusted_uid", self.trusted_uid is None or self.trusted_uid >= 0, "None or >= 0"),
             ("poll_before_sleep_s", 0 <= self.poll_before_sleep_s <= 0.01, "0 .. 0.01 s"),
+            ("hello_timeout_s", 0 < self.hello_timeout_s <= 3600, "0 .. 3600 s (not 0)"),
+            ("idle_timeout_s", 0 < self.idle_timeout_s <= 86400, "0 .. 86400 s (not 0)"),
+            ("max_connections_per_peer", 1 <= self.max_connections_per_peer <= 65536,
+             "1 .. 65536"),
+            ("max_detached_sessions_per_peer",
+             0 <= self.max_detached_sessions_per_peer <= 65536, "0 .. 65536"),
         )
         for name, ok, allowed in checks:
             if not ok:
                 raise ConfigError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
-
-
-class _Connection:
-    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events", "session", "peer", "pid")
-
-    def __init__(self, sock: socket.socket, peer: str, pid: int = 0):
-        self.sock = sock
-        self.inbuf = bytearray()  # the start of a frame still incomplete
-        self.need_bytes = 0  # how long inbuf must get before it is worth parsing again
-        self.outbuf = bytearray()
-        self.events = selectors.EVENT_READ  # what the selector watches for
-        self.session: Session | None = None  # set by HELLO
-        self.peer = peer  # "pid N" for logs
-        self.pid = pid
 
 
 class ControlServer:
@@ -139,7 +160,8 @@ class ControlServer:
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._socket_file = SocketFile(self._path, self._trusted, self.options.listen_backlog)
-        self._connections: set[_Connection] = set()
+        self._connections = ConnectionTable(self.options.hello_timeout_s,
+                                            self.options.idle_timeout_s, self._holds)
         self._buffered_bytes = 0  # partial requests held, all connections together
         self._accept_resume_at: float | None = None  # while the listener is paused
 
@@ -150,6 +172,11 @@ class ControlServer:
     def stats(self) -> ManagerStats:
         """The served index's stats (safe from any thread: the manager holds its own lock)."""
         return self._manager.stats()
+
+    @property
+    def num_detached_sessions(self) -> int:
+        """Sessions whose connection closed, kept for their clients to resume (read-only)."""
+        return self._sessions.num_detached
 
     def start(self) -> None:
         """Bind and listen (clients may connect once this returns), then serve in a thread."""
@@ -231,6 +258,8 @@ class ControlServer:
                 if source is self._listener:
                     self._accept(selector)
                     continue
+                if source not in self._connections:  # closed by an earlier event of this batch
+                    continue
                 if mask & selectors.EVENT_READ:
                     self._on_readable(selector, source)
                 if mask & selectors.EVENT_WRITE and source.sock.fileno() >= 0:
@@ -238,10 +267,11 @@ class ControlServer:
             self._on_time(selector)
 
     def _timeout(self) -> float | None:
-        """Seconds until the next session expiry, tick or accept resumption (None: none
-        due)."""
+        """Seconds until the next session expiry, tick, accept resumption, HELLO or idle
+        deadline (None: none due)."""
         due = [t for t in (self._sessions.next_deadline(), self._accept_resume_at,
-                           self._tick_due()) if t is not None]
+                           self._tick_due(), self._connections.next_deadline())
+               if t is not None]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _tick_due(self) -> float | None:
@@ -258,6 +288,7 @@ class ControlServer:
             selector.register(self._listener, selectors.EVENT_READ, self._listener)
         for session, released in self._sessions.expire(now):
             self._log_end(session, released, f"gone for {self._sessions.grace_s:.1f} s")
+        self._close_overdue(selector, now)
         if now >= self._next_tick:
             self._next_tick = now + self.options.tick_s
             self._tick(selector, now)
@@ -272,7 +303,7 @@ class ControlServer:
             conn = session.conn
             released = self._sessions.end(session)
             self.sessions_declared_dead += 1
-            if isinstance(conn, _Connection):
+            if isinstance(conn, Connection):
                 conn.session = None
                 self._drop(selector, conn, "session declared dead")
             self._warn.warn("silent", "client session %d (%r, %s) sent nothing for %.1f s "
@@ -294,6 +325,27 @@ class ControlServer:
                            "pin(s)", session.owner, session.name, why, released.freed_writing,
                            released.dropped_pins)
 
+    def _close_overdue(self, selector: selectors.BaseSelector, now: float) -> None:
+        """Close the connections past their HELLO deadline, and the idle ones holding
+        nothing."""
+        late, idle = self._connections.overdue(now)
+        hello_s, idle_s = self.options.hello_timeout_s, self.options.idle_timeout_s
+        for conn in late:
+            why = ControlSocketError(f"no HELLO within {hello_s} s (control.hello_timeout_s); "
+                                     "a connection's first request must be HELLO")
+            self._warn.warn("hello_timeout", "closing the control connection of %s: %s",
+                            conn.peer, why)
+            self._drop(selector, conn, str(why), tell=why)
+        for conn in idle:
+            self._warn.log(logging.INFO, "idle", "closing the control connection of %s: it "
+                           "held nothing and sent nothing for %.0f s (control.idle_timeout_s); "
+                           "its client reconnects on its next call", conn.peer, idle_s)
+            self._drop(selector, conn, "idle")
+
+    def _holds(self, conn: Connection) -> bool:
+        """Whether ``conn``'s session holds reservations or pins."""
+        return conn.session is not None and self._manager.holds(conn.session.owner)
+
     def _accept(self, selector: selectors.BaseSelector) -> None:
         assert self._listener is not None
         while True:
@@ -314,21 +366,53 @@ class ControlServer:
             self._admit(selector, sock)
 
     def _admit(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        now = time.monotonic()
         try:
             pid = peer_credentials(sock)[0]
             check_peer(sock, self._trusted, "control client")
-            if len(self._connections) >= self.options.max_connections:
-                raise ControlSocketError(
-                    f"the coordinator serves its maximum of {self.options.max_connections} "
-                    "control connections (control.max_connections); retry later")
         except (ControlSocketError, OSError) as e:
             self._warn.warn("refused", "refusing a control connection: %s", e)
             self._refuse(sock, e)
             return
+        refusal = self._make_room(selector, pid, now)
+        if refusal is not None:
+            kind, error = refusal
+            self._warn.warn(kind, "refusing a control connection of pid %d: %s", pid, error)
+            self._refuse(sock, error)
+            return
         sock.setblocking(False)
-        conn = _Connection(sock, f"pid {pid}", pid)
+        conn = Connection(sock, pid, now)
         self._connections.add(conn)
         selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _make_room(self, selector: selectors.BaseSelector, pid: int, now: float
+                   ) -> tuple[str, ControlSocketError] | None:
+        """Make room for one more connection of ``pid`` (closing the quietest connection that
+        holds nothing, at the cap), or say why not: (log kind, the error to answer)."""
+        opts = self.options
+        held = self._connections.num_of(pid)
+        if held >= opts.max_connections_per_peer:
+            return "refused_peer", ControlSocketError(
+                f"pid {pid} has {held} control connections open, the most one process may "
+                f"have (control.max_connections_per_peer = {opts.max_connections_per_peer}); "
+                "close one, or share connections between threads")
+        if len(self._connections) < opts.max_connections:
+            return None
+        victim = self._connections.quietest_idle(now, stall_s=opts.hello_timeout_s)
+        if victim is None:
+            return "refused", ControlSocketError(
+                f"the coordinator serves its maximum of {opts.max_connections} control "
+                "connections (control.max_connections), each holding reservations or pins "
+                "or in the middle of a request; retry later")
+        self._warn.warn("make_room", "at the maximum of %d control connections: closing the one "
+                        "of %s (%s, quiet for %.1f s) to serve a new one", opts.max_connections,
+                        victim.peer, "no HELLO yet" if victim.session is None else
+                        "holding nothing", now - victim.active_s)
+        why = ControlSocketError(f"closed without HELLO to serve another connection (at the "
+                                 f"maximum of {opts.max_connections}, control.max_connections)")
+        self._drop(selector, victim, "made room for a new connection",
+                   tell=why if victim.session is None else None)
+        return None
 
     @staticmethod
     def _refuse(sock: socket.socket, why: Exception) -> None:
@@ -340,19 +424,34 @@ class ControlServer:
             pass
         sock.close()
 
-    def _drop(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
+    def _drop(self, selector: selectors.BaseSelector, conn: Connection, why: str,
+              tell: Exception | None = None) -> None:
+        """Close ``conn`` (first answering no request with ``tell``, if given: only for a
+        connection without HELLO, whose stream carries no answers) and detach its session."""
         log.debug("closing control connection of %s: %s", conn.peer, why)
-        if conn not in self._connections:
+        if not self._connections.remove(conn):
             return
-        self._connections.discard(conn)
         self._buffered_bytes -= len(conn.inbuf)
         conn.inbuf = bytearray()
         selector.unregister(conn.sock)
-        conn.sock.close()
+        if tell is not None:
+            self._refuse(conn.sock, tell)
+        else:
+            conn.sock.close()
         if conn.session is not None:
             self._sessions.detach(conn.session, conn, time.monotonic())
+            self._bound_detached(conn.session.pid)
 
-    def _on_readable(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+    def _bound_detached(self, pid: int) -> None:
+        keep = self.options.max_detached_sessions_per_peer
+        for session, released in self._sessions.end_detached_beyond(pid, keep):
+            self._warn.warn("detached_bound", "pid %d closed more than %d client sessions "
+                            "within the grace period (control.max_detached_sessions_per_peer): "
+                            "ended its oldest, %d (%r), at once: freed %d reserved slot(s), "
+                            "dropped %d pin(s)", pid, keep, session.owner, session.name,
+                            released.freed_writing, released.dropped_pins)
+
+    def _on_readable(self, selector: selectors.BaseSelector, conn: Connection) -> None:
         try:
             data = conn.sock.recv(RECV_BYTES)
         except BlockingIOError:
@@ -363,10 +462,11 @@ class ControlServer:
         if not data:
             self._drop(selector, conn, "peer closed")
             return
+        self._connections.touch(conn, time.monotonic())
         if conn.inbuf:  # the rest of a frame that arrives in pieces
             if self._buffered_bytes + len(data) > self.options.max_buffered_bytes:
-                self._over_budget(selector, conn)
-                return
+                if not self._make_buffer_room(selector, conn, len(data)):
+                    return
             conn.inbuf += data
             self._buffered_bytes += len(data)
             if len(conn.inbuf) < conn.need_bytes:
@@ -410,15 +510,30 @@ class ControlServer:
         if not trusted:
             self._drop(selector, conn, "malformed payload")
         elif self._buffered_bytes > self.options.max_buffered_bytes:
-            self._over_budget(selector, conn)
+            self._make_buffer_room(selector, conn, 0)
 
-    def _over_budget(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
-        self._warn.warn("budget", "control connection of %s would take the partial requests "
-                        "held past %d bytes (all connections together); closing it",
-                        conn.peer, self.options.max_buffered_bytes)
-        self._drop(selector, conn, "buffer budget")
+    def _make_buffer_room(self, selector: selectors.BaseSelector, reader: Connection,
+                          incoming: int) -> bool:
+        """Close hogs until ``incoming`` more bytes for ``reader`` fit the budget (see the
+        module docstring). False if ``reader`` had to be closed instead: with the budget at
+        least ``MIN_BUFFERED_BYTES`` that takes a reader holding more than one request."""
+        limit = self.options.max_buffered_bytes
+        while self._buffered_bytes + incoming > limit:
+            hog = self._connections.hog(reader, incoming)
+            if hog is None:
+                self._warn.warn("budget", "control connection of %s alone would take the "
+                                "partial requests held past %d bytes; closing it",
+                                reader.peer, limit)
+                self._drop(selector, reader, "buffer budget")
+                return False
+            self._warn.warn("budget_hog", "partial requests would pass %d bytes (all "
+                            "connections together): closing the control connection of %s, "
+                            "which holds %d bytes of one (its process holds the most)",
+                            limit, hog.peer, len(hog.inbuf))
+            self._drop(selector, hog, "buffer budget: a hog")
+        return True
 
-    def _dispatch(self, selector: selectors.BaseSelector, conn: _Connection,
+    def _dispatch(self, selector: selectors.BaseSelector, conn: Connection,
                   header: FrameHeader, payload: memoryview) -> tuple[bytes, bool]:
         """The response frame, and whether the stream can still be trusted."""
         verb = header.verb
@@ -442,7 +557,7 @@ class ControlServer:
             return frame(verb, header.request_id, encode_error(e), Status.ERROR), True
         return frame(verb, header.request_id, body), True
 
-    def _hello(self, selector: selectors.BaseSelector, conn: _Connection,
+    def _hello(self, selector: selectors.BaseSelector, conn: Connection,
                reader: PayloadReader) -> bytes:
         if conn.session is not None:
             raise ProtocolError("a second HELLO on one connection")
@@ -450,14 +565,15 @@ class ControlServer:
         session, hello, displaced = self._sessions.hello(conn, token, name, conn.pid,
                                                          time.monotonic())
         conn.session = session
-        if isinstance(displaced, _Connection):
+        self._connections.greeted(conn)
+        if isinstance(displaced, Connection):
             displaced.session = None  # its close must not detach the session it lost
             self._drop(selector, displaced, f"session {session.owner} resumed elsewhere")
         log.debug("control session %d (%r, %s) %s", session.owner, name, conn.peer,
                   "resumed" if hello.resumed else "opened")
         return encode_hello(hello)
 
-    def _flush(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+    def _flush(self, selector: selectors.BaseSelector, conn: Connection) -> None:
         out = conn.outbuf
         if out:
             try:
@@ -468,6 +584,8 @@ class ControlServer:
                 self._drop(selector, conn, f"send failed: {e}")
                 return
             del out[:sent]
+            if sent and conn.events == selectors.EVENT_WRITE:  # it reads answers that waited
+                self._connections.touch(conn, time.monotonic())
         # While answers are queued, read nothing more: a client that never reads cannot grow us.
         events = selectors.EVENT_WRITE if out else selectors.EVENT_READ
         if conn.events != events and conn in self._connections:

@@ -31,6 +31,14 @@ Decisions:
   connection, and the server closes the old one: the usual cause is a client whose old
   connection the server has not seen close yet (both ends belong to one user, checked
   with ``SO_PEERCRED``).
+* Detached sessions expire in detach order (one grace period for all), so the table
+  keeps them in an insertion-ordered dict and checks only its head.
+* A process may keep at most so many detached sessions (``end_detached_beyond``; the
+  control server passes ``max_detached_sessions_per_peer``): one that opens and closes
+  connections in a loop would otherwise grow the table by a session per close for a whole
+  grace period. A session counts against the process that attached it last (``pid``, from
+  ``SO_PEERCRED``); beyond the bound its oldest detached one ends at once, as if its grace
+  period were over.
 * Pure bookkeeping, one thread (the control server's loop); ``now`` is passed in.
 """
 
@@ -76,6 +84,7 @@ class SessionTable:
         self._by_token: dict[bytes, Session] = {}
         self._detached: dict[bytes, Session] = {}  # detach order = expiry order
         self._restored: dict[bytes, Session] = {}
+        self._detached_of: dict[int, dict[bytes, Session]] = {}  # the same, by pid
         self._owners = itertools.count(1)  # LOCAL_OWNER (0) stays the in-process caller's
         for record in restored:
             session = Session(record.owner, record.token, "restored", pid=record.pid,
@@ -97,7 +106,7 @@ class SessionTable:
             self._by_token[new_token] = session
             resumed, displaced = False, None
         else:
-            self._detached.pop(token, None)
+            self._undetach(session)
             self._restored.pop(token, None)
             session.restored = False
             displaced = session.conn
@@ -129,15 +138,16 @@ class SessionTable:
         session.conn = None
         session.deadline = now + self.grace_s
         self._detached[session.token] = session
+        self._detached_of.setdefault(session.pid, {})[session.token] = session
 
     def expire(self, now: float) -> list[tuple[Session, SessionRelease]]:
         """End every detached session whose grace period is over."""
         ended = []
         while self._detached:
-            token, session = next(iter(self._detached.items()))
+            session = next(iter(self._detached.values()))
             if session.deadline is not None and session.deadline > now:
                 break
-            del self._detached[token]
+            self._undetach(session)
             ended.append((session, self._end(session)))
         return ended
 
@@ -162,7 +172,7 @@ class SessionTable:
 
     def end(self, session: Session) -> SessionRelease:
         """End ``session`` now (declared dead): its token is forgotten."""
-        self._detached.pop(session.token, None)
+        self._undetach(session)
         self._restored.pop(session.token, None)
         return self._end(session)
 
@@ -181,8 +191,28 @@ class SessionTable:
         """End every session (the server stops and its region goes: nobody can resume)."""
         sessions = list(self._by_token.values())
         self._detached.clear()
+        self._detached_of.clear()
         self._restored.clear()
         return [(s, self._end(s)) for s in sessions]
+
+    def end_detached_beyond(self, pid: int, keep: int) -> list[tuple[Session, SessionRelease]]:
+        """End the detached sessions of process ``pid`` beyond its ``keep`` newest, oldest
+        first (see the module docstring)."""
+        ended = []
+        mine = self._detached_of.get(pid, {})
+        while len(mine) > keep:
+            session = next(iter(mine.values()))
+            self._undetach(session)
+            ended.append((session, self._end(session)))
+        return ended
+
+    def _undetach(self, session: Session) -> None:
+        self._detached.pop(session.token, None)
+        mine = self._detached_of.get(session.pid)
+        if mine is not None:
+            mine.pop(session.token, None)
+            if not mine:
+                del self._detached_of[session.pid]
 
     def _end(self, session: Session) -> SessionRelease:
         del self._by_token[session.token]

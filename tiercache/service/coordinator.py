@@ -42,6 +42,11 @@ def control_options(config: Config):
                           session_timeout_s=config.index_session_timeout_s,
                           reservation_timeout_s=config.index_reservation_timeout_s,
                           max_connections=config.control_max_connections,
+                          max_connections_per_peer=config.control_max_connections_per_peer,
+                          hello_timeout_s=config.control_hello_timeout_s,
+                          idle_timeout_s=config.control_idle_timeout_s,
+                          max_detached_sessions_per_peer=(
+                              config.control_max_detached_sessions_per_peer),
                           trusted_uid=trusted if trusted >= 0 else None)
 
 
