@@ -27,7 +27,8 @@ class FakeRegion:
         self.buffer = bytearray(self.layout.header_bytes)
         self.header = RegionHeader(memoryview(self.buffer)[:HEADER_FIXED_BYTES])
         self.header.write(self.layout, generation=3, owner_pid=os.getpid(),
-                          owner_start_ns=process_start_ns(os.getpid()), created_ns=0)
+                          owner_start_ns=process_start_ns(os.getpid()), created_ns=0,
+                          region_id=0x5EED)
         self.header.set_state(RegionState.READY)
 
     def info(self) -> HeaderInfo:

@@ -4,7 +4,6 @@ real index over its ledger, a real worker (CPU tensors, the ``cpu`` backend)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,16 +17,24 @@ from tiercache.transfer.worker import attach
 PAGE = 4096
 
 
-@pytest.fixture
-def rig(make_config):
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.fixture(params=["cpu", GPU])
+def rig(make_config, request):
+    """The index over a real region and a worker: host tensors with the ``cpu`` backend, or
+    (gpu marker) CUDA tensors with the ``auto`` backend and the slice pinned."""
     config = make_config(world_size=1, kv=KVGeometry(page_bytes=(PAGE,)),
                          region=RegionConfig(capacity_bytes=None, num_blocks=4,
                                              prefault_threads=1))
     region = SharedOffloadRegion.create(config)
     index = OffloadingManager(4, ledger=IndexLedger(region.ledger_array()),
                               region_id=region.region_id)
-    gpu = torch.zeros((4, PAGE), dtype=torch.uint8)
-    worker = attach(config, 0, [gpu], backend="cpu", pinning=PinningPolicy.ALLOW_UNPINNED)
+    gpu = torch.zeros((4, PAGE), dtype=torch.uint8, device=request.param)
+    backend, pinning = (("cpu", PinningPolicy.ALLOW_UNPINNED) if request.param == "cpu"
+                        else ("auto", PinningPolicy.REQUIRED))
+    worker = attach(config, 0, [gpu], backend=backend, pinning=pinning)
     yield region, index, worker, gpu
     worker.close()
     region.close()

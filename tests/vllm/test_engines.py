@@ -92,3 +92,61 @@ def test_the_coordinator_restarting_under_a_running_engine(coordinator, make_eng
     finally:
         engine.shutdown()
         again.cleanup()
+
+
+FILLER = [200 + (i % 50) for i in range(230)]  # takes every GPU block of a 16-block engine
+
+
+def test_a_systemctl_restart_under_a_running_engine_keeps_its_cache(coordinator, make_engine,
+                                                                   tmp_path):
+    """SIGTERM, then `serve` again (what `systemctl restart` does) while the engine runs: the
+    stop keeps the region its worker maps, the new coordinator re-adopts it, and the engine
+    loads the prefix it stored before, exact (the harness checks every loaded block), and
+    offloads new ones (was: a new, empty region under a worker mapping the old one)."""
+    engine = make_engine(coordinator, num_gpu_blocks=16)
+    engine.add_request("before", prompt(9))
+    engine.run()
+    assert coordinator.stop() == 0
+    assert "kept region" in coordinator.output()
+    again = CoordinatorProcess(coordinator.config, workdir=tmp_path / "restarted")
+    try:
+        assert "re-adopted stale region" in again.output()
+        engine.add_request("filler", FILLER)
+        engine.run()
+        engine.add_request("after", prompt(9) + [1])
+        engine.run()
+        assert engine.loaded_tokens("after") == 6 * BLOCK_TOKENS
+        engine.add_request("new", prompt(12))  # stored after the restart ...
+        engine.run()
+        engine.add_request("filler 2", [201 + (i % 50) for i in range(230)])
+        engine.run()
+        engine.add_request("new again", prompt(12) + [1])  # ... and loaded back
+        engine.run()
+        assert engine.loaded_tokens("new again") == 6 * BLOCK_TOKENS
+    finally:
+        engine.shutdown()
+        again.cleanup()
+
+
+def test_an_idle_engine_across_a_coordinator_restart_loads_on_its_next_request(
+        coordinator, make_engine, tmp_path):
+    """The coordinator is SIGKILLed and back while the engine is idle; the very next request
+    gets its prefix from tiercache and its own chunks are offloaded (was: 0 external tokens
+    and nothing offloaded, until the adapter noticed the restart a second later)."""
+    engine = make_engine(coordinator, num_gpu_blocks=16)
+    engine.add_request("before", prompt(9))
+    engine.run()
+    engine.add_request("filler", FILLER)  # the prefix is now only in tiercache
+    engine.run()
+    coordinator.kill()
+    again = CoordinatorProcess(coordinator.config, workdir=tmp_path / "restarted")
+    try:
+        stored_before = stats(again).stored_blocks
+        engine.add_request("after", prompt(9) + prompt(13, 40))
+        engine.run()
+        assert engine.loaded_tokens("after") == 6 * BLOCK_TOKENS
+        wait_for(lambda: stats(again).stored_blocks > stored_before,
+                 "the request's new chunks are offloaded", 30)
+    finally:
+        engine.shutdown()
+        again.cleanup()

@@ -174,6 +174,23 @@ class Family(Enum):
     INDEX_SESSION_RELEASED_PINS = ("counter", "tiercache_index_session_released_pins",
                                    "Pins (loads and leases) dropped because the client session "
                                    "that held them ended.", (), "released_pins")
+    INDEX_RECOVERED_PINS = ("counter", "tiercache_index_recovered_pins",
+                            "Pins of live sessions rebuilt from the region's ledger when the "
+                            "coordinator started (loads in flight across a restart).", (),
+                            "recovered_pins")
+    INDEX_RECOVERED_WRITING = ("counter", "tiercache_index_recovered_writing_blocks",
+                               "Reservations of live sessions rebuilt from the region's ledger "
+                               "when the coordinator started.", (), "recovered_writing_blocks")
+    INDEX_DAMAGED_RECORDS = ("counter", "tiercache_index_damaged_records",
+                             "Ledger records that failed their checksum when the index was "
+                             "rebuilt (dropped, never served).", (), "damaged_records")
+    INDEX_EXPIRED_RESERVATIONS = ("counter", "tiercache_index_expired_reservations",
+                                  "Reservations freed because they were not completed within "
+                                  "index.reservation_timeout_s.", (), "expired_reservations")
+    INDEX_SESSION_LIMIT_REJECTIONS = ("counter", "tiercache_index_session_limit_rejections",
+                                      "Calls refused because a session would hold more than "
+                                      "index.max_session_share of the cache.", (),
+                                      "session_limit_rejections")
     INDEX_CAPACITY = ("gauge", "tiercache_index_capacity_blocks",
                       "Slots of the cache index (CPU blocks).")
     INDEX_BLOCKS = ("gauge", "tiercache_index_blocks",

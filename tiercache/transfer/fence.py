@@ -34,7 +34,8 @@ class SlotFence:
 
     def __init__(self, region_id: int, ledger: np.ndarray):
         self.region_id = region_id
-        self._ledger = ledger
+        self._gen = ledger["gen"]  # column views: a gather copies 8 + 4 bytes a slot, not
+        self._state = ledger["state"]  # the whole record
 
     def refusal(self, direction: Direction, spec: CPULoadStoreSpec) -> str | None:
         """Why ``spec`` must not be copied in ``direction``, or None when it may."""
@@ -46,16 +47,16 @@ class SlotFence:
         if spec.slot_gens is None or not len(spec):
             return None
         ids = spec.block_ids
-        records = self._ledger[ids]
+        gens, states = self._gen[ids], self._state[ids]
         want = LedgerState.WRITING if direction is Direction.GPU_TO_CPU else LedgerState.READY
-        bad = (records["gen"] != spec.slot_gens) | (records["state"] != want)
+        bad = (gens != spec.slot_gens) | (states != want)
         if not bad.any():
             return None
         i = int(np.flatnonzero(bad)[0])
-        state = records["state"][i]
+        state = states[i]
         state_name = LedgerState(state).name if state <= LedgerState.READY else str(state)
         return (f"slot {int(ids[i])} was handed out with generation {int(spec.slot_gens[i])} "
-                f"for this {direction.label} but now has generation {int(records['gen'][i])} "
+                f"for this {direction.label} but now has generation {int(gens[i])} "
                 f"and state {state_name} ({int(bad.sum())} of {len(spec)} slots so): its "
                 "reservation or pin was given back (a session declared dead) and the slot may "
                 "hold another block")
