@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "tiercache"
 # lower index = lower layer; a module may import its own layer or lower ones
 LAYERS = ["errors", "specs", "pages", "sizes", "backends", "config", "region", "index",
-          "transfer", "metrics", "service", "vllm", "tools", "cli"]
+          "tiers", "transfer", "metrics", "service", "vllm", "tools", "cli"]
 
 
 def test_the_coordinator_side_never_imports_torch():

@@ -104,6 +104,36 @@ class RegionConfig:
 
 
 @dataclass(frozen=True)
+class DiskConfig:
+    """The optional disk tier (``[disk]``): its file lives in ``path`` (an existing
+    directory on a local filesystem), ``capacity_bytes`` preallocated at start."""
+
+    path: str
+    capacity_bytes: int
+    io_threads: int = 4
+    low_watermark: float = 0.1  # demote while fewer host slots than this fraction are free
+    direct_io: bool | None = None  # None: O_DIRECT where the filesystem and rows allow it
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("disk.path = '': give a directory for the disk tier's file")
+        path = os.path.abspath(self.path)
+        object.__setattr__(self, "path", path)
+        if not os.path.isdir(path):
+            raise ConfigError(f"disk.path = {path!r}: not an existing directory")
+        if self.capacity_bytes < 1:
+            raise ConfigError(f"disk.capacity = {self.capacity_bytes}: must be > 0")
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"disk.io_threads = {self.io_threads}: allowed 1..64")
+        if not 0 < self.low_watermark < 1:
+            raise ConfigError(f"disk.low_watermark = {self.low_watermark}: allowed between 0 "
+                              "and 1 (a fraction of the host slots)")
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.path, f"tiercache-{name}.disk")
+
+
+@dataclass(frozen=True)
 class ExporterConfig:
     address: str = "127.0.0.1"
     port: int = 9477  # 0 = any free port (tests)
@@ -137,6 +167,7 @@ class Config:
     control_idle_timeout_s: float = 300.0  # one holding nothing and sending nothing, after this
     control_max_detached_sessions_per_peer: int = 64  # closed sessions kept per process
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
+    disk: DiskConfig | None = None  # the disk tier; None: host memory only
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -215,6 +246,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "control": {"socket": str, "max_connections": int, "max_connections_per_peer": int,
                 "hello_timeout_s": (int, float), "idle_timeout_s": (int, float),
                 "max_detached_sessions_per_peer": int, "trusted_uid": int},
+    "disk": {"path": str, "capacity": (int, str), "io_threads": int,
+             "low_watermark": (int, float), "direct_io": (bool, str)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -248,6 +281,23 @@ def _enum(enum_type: type[Enum], value: str, key: str) -> Any:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in enum_type)
         raise ConfigError(f"{key} = {value!r}: allowed {allowed}") from None
+
+
+def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
+    for key in ("path", "capacity"):
+        if key not in raw:
+            raise ConfigError(f"disk.{key} is missing: the disk tier needs disk.path (a "
+                              "directory) and disk.capacity (a size, e.g. \"64GiB\")")
+    direct = raw.get("direct_io", "auto")
+    if direct not in (True, False, "auto"):
+        raise ConfigError(f"disk.direct_io = {direct!r}: allowed true, false, \"auto\"")
+    path = raw["path"]
+    if base_dir is not None and path:
+        path = os.path.join(base_dir, path)
+    return DiskConfig(path=path, capacity_bytes=parse_size(raw["capacity"], "disk.capacity"),
+                      direct_io=None if direct == "auto" else direct,
+                      **_present(raw, {"io_threads": "io_threads",
+                                       "low_watermark": "low_watermark"}))
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -340,6 +390,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
     if base_dir is not None and kwargs.get("control_socket"):
         kwargs["control_socket"] = os.path.abspath(os.path.join(base_dir,
                                                                 kwargs["control_socket"]))
+    if "disk" in raw:
+        kwargs["disk"] = _disk_from(raw["disk"], base_dir)
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "kv" in raw:
@@ -407,6 +459,11 @@ def config_to_toml(config: Config) -> str:
                   "reservation_timeout_s": config.index_reservation_timeout_s,
                   "max_session_share": config.index_max_session_share},
     }
+    if config.disk is not None:
+        d = config.disk
+        tables["disk"] = {"path": d.path, "capacity": d.capacity_bytes,
+                          "io_threads": d.io_threads, "low_watermark": d.low_watermark,
+                          "direct_io": "auto" if d.direct_io is None else d.direct_io}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

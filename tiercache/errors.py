@@ -37,6 +37,7 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   │                           block being written, ref-count underflow
     │   └── SessionLimitError       a session would hold more blocks than
     │                               index.max_session_blocks
+    ├── TierError                   a tier below host memory (disk) cannot be used as asked
     ├── JobError                    the completion loop misused: a repeated job id or ack
     │   └── RanksDownError          a job begun while a rank is down (restart it, retry)
     ├── WorkerError                 a worker process failed to start or stopped answering
@@ -177,6 +178,10 @@ class ProtocolError(TiercacheError):
 
 class ControlSocketError(TiercacheError):
     """The control socket cannot be served: a live server owns the path, or the path is unusable."""
+
+
+class TierError(TiercacheError):
+    """A tier below host memory cannot be used as asked (a key too long for it, ...)."""
 
 
 class CoordinatorGoneError(TiercacheError, ConnectionError):

@@ -60,6 +60,9 @@ def test_a_new_policy_is_one_class():
         def clear(self) -> None:
             self.order.clear()
 
+        def peek(self, num_keys: int, can_evict) -> list[bytes]:
+            return [key for key in self.order if can_evict(key)][:num_keys]
+
     POLICIES[FIFO.name] = FIFO  # what @register_policy does, undone below
     try:
         m = OffloadingManager(2, policy="test-fifo")
@@ -155,3 +158,18 @@ def test_arc_clear_forgets_ghosts_and_target():
     arc.clear()
     assert arc.lists() == {"t1": (), "t2": (), "b1": (), "b2": ()}
     assert arc.target_t1_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_peek_names_the_next_victims_in_order_and_changes_nothing(policy):
+    m = OffloadingManager(4, policy=policy)
+    for i in (1, 2, 3, 4):
+        m.complete_store(list(m.prepare_store(k(i)).keys_to_store))
+    m.touch(k(1))
+    peeked = m.policy.peek(2, lambda key: True)
+    assert m.policy.peek(2, lambda key: True) == peeked  # nothing changed
+    out = m.prepare_store(k(5, 6))
+    assert list(out.evicted_keys) == peeked
+    every = m.policy.peek(9, lambda key: True)
+    skipping = m.policy.peek(9, lambda key: key != every[0])
+    assert every[0] not in skipping and set(skipping) == set(every[1:])

@@ -53,6 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from itertools import takewhile
+from typing import Protocol
 
 from tiercache.errors import (
     ConfigError, InvalidKeyError, ManagerError, SessionLimitError, StateError, UnknownKeyError,
@@ -71,6 +72,16 @@ __all__ = ["LOCAL_OWNER", "LeaseResult", "ManagerStats", "OffloadingEvent", "Off
            "PrepareStoreOutput", "SessionRelease", "SlotState", "check_keys"]
 
 LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers sessions from 1
+TIER_OWNER = 0xFFFF  # the coordinator's own tiers (promotions, demotions): no session, no cap
+
+
+class LowerTier(Protocol):
+    """A tier below host memory, as the index asks it (under the index's lock: both calls
+    must be quick and must not call back into the index)."""
+
+    def holds(self, key: bytes) -> bool: ...
+
+    def promote(self, keys: Sequence[bytes]) -> None: ...
 
 
 _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
@@ -99,6 +110,7 @@ class OffloadingManager:
         self._region_id = region_id
         self._max_session_blocks = max_session_blocks
         self._max_pin_owners = ledger.max_pin_owners if ledger is not None else None
+        self._below: LowerTier | None = None
         self._next_gen = 1
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
@@ -174,6 +186,12 @@ class OffloadingManager:
             raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
                               f"0..{self._capacity - 1}")
 
+    def set_lower_tier(self, tier: LowerTier | None) -> None:
+        """Lookups and leases that miss host memory ask ``tier``: a key it holds is being
+        promoted (its lease answers ``pending``; ``lookup`` counts it not hit)."""
+        with self._lock:
+            self._below = tier
+
     @property
     def policy(self) -> EvictionPolicy:
         return self._policy
@@ -187,7 +205,9 @@ class OffloadingManager:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of keys that are readable (READY or LOADING)."""
         with self._lock:
-            return self._count_hits(keys, "lookup")
+            hits = self._count_hits(keys, "lookup")
+            self._promote_after(keys, hits)
+            return hits
 
     def _count_hits(self, keys: Sequence[bytes], verb: str) -> int:
         try:
@@ -242,13 +262,41 @@ class OffloadingManager:
                 self._counters["hit_blocks"] -= readable - hits  # refused: a miss
                 self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
+            promoting = self._promote_after(keys, hits)
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
-            return LeaseResult(hits, after is not None and after.state is SlotState.WRITING)
+            return LeaseResult(hits, promoting or (after is not None
+                                                   and after.state is SlotState.WRITING))
+
+    def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
+        """Start promoting the run of keys after the host hits that the lower tier holds;
+        whether there was one (the key after the hits is then 'pending')."""
+        below = self._below
+        if below is None or hits >= len(keys) or keys[hits] in self._slots:
+            return False
+        run = []
+        for key in keys[hits:]:
+            if key in self._slots or not below.holds(key):
+                break
+            run.append(key)
+        if run:
+            below.promote(run)
+        return bool(run)
+
+    def demotion_candidates(self, num_keys: int, skip) -> list[tuple[bytes, bool]]:
+        """Up to ``num_keys`` READY, unpinned keys the policy would evict next, less those
+        ``skip(key)`` is true for (on the lower tier already), each with whether it was
+        reused (pinned by a lease or load since it was stored)."""
+        with self._lock:
+            slots = self._slots
+            ready = SlotState.READY
+            keys = self._policy.peek(num_keys, lambda key: slots[key].state is ready
+                                     and not skip(key))
+            return [(key, slots[key].hits > 0) for key in keys]
 
     def _pinnable_run(self, keys: Sequence[bytes], owner: int, holdings: Holdings) -> int:
         """How many of ``keys`` (all readable) ``owner`` may pin, in order: the run stops
         at the session cap or at a slot already pinned by ``PIN_OWNERS`` other owners."""
-        room = (None if self._max_session_blocks is None
+        room = (None if self._max_session_blocks is None or owner == TIER_OWNER
                 else self._max_session_blocks - holdings.num_blocks)
         for i, key in enumerate(keys):
             if key in holdings.pinned:
@@ -307,7 +355,7 @@ class OffloadingManager:
                 raise StateError(f"prepare_load: key {key!r} is pinned by {self._max_pin_owners} "
                                  "other sessions, the most the index ledger records per block")
         cap = self._max_session_blocks
-        if cap is not None and holdings.num_blocks + len(new) > cap:
+        if cap is not None and owner != TIER_OWNER and holdings.num_blocks + len(new) > cap:
             self._counters["session_limit_rejections"] += 1
             self._tidy(owner, holdings)
             raise SessionLimitError(
@@ -353,7 +401,7 @@ class OffloadingManager:
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
             cap = self._max_session_blocks
-            if new_keys and cap is not None:
+            if new_keys and cap is not None and owner != TIER_OWNER:
                 held = self._holdings.get(owner)
                 if (held.num_blocks if held else 0) + len(new_keys) > cap:
                     self._counters["store_rejections"] += 1
@@ -539,6 +587,8 @@ class OffloadingManager:
         if not slot.pins:
             self._move(slot, SlotState.LOADING)
         slot.pins[owner] = slot.pins.get(owner, 0) + 1
+        if owner != TIER_OWNER:
+            slot.hits += 1
         holdings.pinned.add(key)
 
     def _unpin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings | None,

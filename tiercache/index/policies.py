@@ -8,6 +8,7 @@ a new policy is one class decorated with ``@register_policy``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
@@ -59,6 +60,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Forget every key and all history."""
+
+    @abstractmethod
+    def peek(self, num_keys: int, can_evict: CanEvict) -> list[bytes]:
+        """Up to ``num_keys`` keys that ``admit`` would evict next, in that order; changes
+        nothing (the disk tier demotes them ahead of their eviction)."""
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
@@ -123,6 +129,9 @@ class LRUPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         self._order.clear()
+
+    def peek(self, num_keys: int, can_evict: CanEvict) -> list[bytes]:
+        return list(itertools.islice(_candidates(self._order, can_evict), num_keys))
 
     def keys_lru_first(self) -> tuple[bytes, ...]:
         """Held keys, least recent first (for tests and debugging)."""
@@ -197,6 +206,13 @@ class ARCPolicy(EvictionPolicy):
                 self._t1[key] = None
         self._trim_ghosts()
         return [key for key, _ in victims]
+
+    def peek(self, num_keys: int, can_evict: CanEvict) -> list[bytes]:
+        for n in range(num_keys, 0, -1):  # as many as there are, in ARC's eviction order
+            victims = self._choose_victims(n, can_evict, self._target_t1_blocks)
+            if victims is not None:
+                return [key for key, _ in victims]
+        return []
 
     def _choose_victims(self, num_evictions: int, can_evict: CanEvict,
                         target: float) -> list[tuple[bytes, bool]] | None:

@@ -19,13 +19,14 @@ class SlotState(Enum):
 
 
 class Slot:
-    __slots__ = ("slot_id", "state", "pins", "gen")
+    __slots__ = ("slot_id", "state", "pins", "gen", "hits")
 
     def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0):
         self.slot_id = slot_id
         self.state = state  # while WRITING, the writer is the owner whose holdings name the key
         self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
         self.gen = gen  # the slot's generation for this key (what specs carry)
+        self.hits = 0  # pins taken since it was stored (leases and loads): reuse, for tiers
 
     @property
     def loads(self) -> int:

@@ -191,6 +191,43 @@ class Family(Enum):
                                       "Calls refused because a session would hold more than "
                                       "index.max_session_share of the cache.", (),
                                       "session_limit_rejections")
+    TIER_UP = ("gauge", "tiercache_tier_up",
+               "1 while the tier serves; 0 while it is marked down after I/O errors.",
+               ("tier",), "up")
+    TIER_DIRECT_IO = ("gauge", "tiercache_tier_direct_io",
+                      "1 when the tier reads and writes with O_DIRECT, 0 for buffered I/O.",
+                      ("tier",), "direct_io")
+    TIER_CAPACITY = ("gauge", "tiercache_tier_capacity_blocks", "Blocks the tier can hold.",
+                     ("tier",), "capacity_blocks")
+    TIER_BLOCKS = ("gauge", "tiercache_tier_blocks", "Blocks the tier holds.", ("tier",),
+                   "used_blocks")
+    TIER_READ_BYTES = ("counter", "tiercache_tier_read_bytes", "Bytes read from the tier.",
+                       ("tier",), "read_bytes")
+    TIER_WRITE_BYTES = ("counter", "tiercache_tier_write_bytes", "Bytes written to the tier.",
+                        ("tier",), "write_bytes")
+    TIER_READ_SECONDS = ("counter", "tiercache_tier_read_seconds",
+                         "Seconds spent reading blocks from the tier.", ("tier",),
+                         "read_seconds")
+    TIER_WRITE_SECONDS = ("counter", "tiercache_tier_write_seconds",
+                          "Seconds spent writing blocks to the tier.", ("tier",),
+                          "write_seconds")
+    TIER_PROMOTIONS = ("counter", "tiercache_tier_promotions",
+                       "Blocks promoted from the tier into host memory.", ("tier",),
+                       "promotions")
+    TIER_DEMOTIONS = ("counter", "tiercache_tier_demotions",
+                      "Blocks written to the tier ahead of their eviction from host memory.",
+                      ("tier",), "demotions")
+    TIER_DROPPED_SPILLS = ("counter", "tiercache_tier_dropped_spills",
+                           "Blocks not written to the tier (not admitted under pressure, "
+                           "evicted first, or no slot free).", ("tier",), "dropped_spills")
+    TIER_CHECKSUM_FAILURES = ("counter", "tiercache_tier_checksum_failures",
+                              "Blocks read from the tier whose checksum failed (dropped, "
+                              "never served).", ("tier",), "checksum_failures")
+    TIER_ERRORS = ("counter", "tiercache_tier_errors", "I/O errors of the tier.", ("tier",),
+                   "errors")
+    TIER_REBUILT_BLOCKS = ("counter", "tiercache_tier_rebuilt_blocks",
+                           "Blocks found in the tier when the coordinator started.", ("tier",),
+                           "rebuilt_blocks")
     INDEX_CAPACITY = ("gauge", "tiercache_index_capacity_blocks",
                       "Slots of the cache index (CPU blocks).")
     INDEX_BLOCKS = ("gauge", "tiercache_index_blocks",
@@ -207,6 +244,11 @@ class Family(Enum):
         return self.metric + "_total" if self.kind == "counter" else self.metric
 
     @property
+    def of_tiers(self) -> bool:
+        """Exported only by a coordinator with a tier below host memory."""
+        return self.metric.startswith("tiercache_tier_")
+
+    @property
     def of_index(self) -> bool:
         """Exported only by a process that hosts the cache index."""
         return self.metric.startswith("tiercache_index_")
@@ -216,13 +258,15 @@ class Family(Enum):
 
 
 METRIC_NAMES: tuple[str, ...] = tuple(f.wire_name for f in Family)
-_INDEX_COUNTERS = tuple(f for f in Family if f.read_stat is not None)
+_INDEX_COUNTERS = tuple(f for f in Family if f.read_stat is not None and f.of_index)
+_TIER_FAMILIES = tuple(f for f in Family if f.of_tiers)
 Families = dict[Family, Metric]
 
 
-def _families(include_index: bool) -> Families:
+def _families(include_index: bool, include_tiers: bool = False) -> Families:
     """Fresh, empty families for one scrape (or for ``describe``), in ``Family`` order."""
-    return {f: f.new() for f in Family if include_index or not f.of_index}
+    return {f: f.new() for f in Family
+            if (include_index or not f.of_index) and (include_tiers or not f.of_tiers)}
 
 
 class RegionView(Protocol):
@@ -251,18 +295,25 @@ class TiercacheCollector(Collector):
     """
 
     def __init__(self, region: RegionView,
-                 manager_stats: Callable[[], ManagerStats] | None = None):
+                 manager_stats: Callable[[], ManagerStats] | None = None,
+                 tier_stats: Callable[[], dict[str, object]] | None = None):
         self._region = region
         self._layout = region.layout
         self._reader = AttachmentReader(region, self._layout)
         self._manager_stats = manager_stats
+        self._tier_stats = tier_stats  # tier name -> its stats (``DiskStats``)
 
     def describe(self) -> Iterator[Metric]:
         """Names only: registering must not read shared memory."""
-        yield from _families(self._manager_stats is not None).values()
+        yield from _families(self._manager_stats is not None,
+                             self._tier_stats is not None).values()
 
     def collect(self) -> Iterator[Metric]:
-        f = _families(self._manager_stats is not None)
+        f = _families(self._manager_stats is not None, self._tier_stats is not None)
+        if self._tier_stats is not None:
+            for tier, stats in self._tier_stats().items():
+                for family in _TIER_FAMILIES:
+                    f[family].add_metric([tier], float(family.read_stat(stats)))
         self._collect_region(f, self._region.info())
         for rank in range(self._layout.world_size):
             self._collect_rank(f, self._reader.read(rank))

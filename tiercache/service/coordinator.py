@@ -58,6 +58,7 @@ class Coordinator:
         self.manager = None
         self.control = None
         self.exporter = None
+        self.disk = None
         self._closed = False
 
     def start(self) -> None:
@@ -72,6 +73,8 @@ class Coordinator:
             store, records = self._restore_sessions()
             self.manager = self._build_index({r.owner for r in records})
             restored = self._keep_holders(store, records)
+            if cfg.disk is not None:
+                self.disk = self._start_disk()
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
                                     session_store=store, restored=restored)
@@ -79,7 +82,10 @@ class Coordinator:
             self.control = control
             self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
-                collector = TiercacheCollector(self.region, manager_stats=self.control.stats)
+                disk = self.disk
+                collector = TiercacheCollector(
+                    self.region, manager_stats=self.control.stats,
+                    tier_stats=(lambda: {"disk": disk.snapshot()}) if disk else None)
                 self.exporter = start_exporter(cfg.exporter, collector)
         except BaseException:
             self.close()
@@ -144,6 +150,43 @@ class Coordinator:
                         if stats.damaged_records else ""))
         return manager
 
+    def _start_disk(self):
+        """The disk tier over its file (created, or reopened and its index rebuilt from the
+        slot headers), wired under the index, its threads started."""
+        from tiercache.tiers.disk import DiskTier
+        from tiercache.tiers.disk_file import DiskSlotFile
+
+        disk, layout = self.config.disk, self.region.layout
+        t0 = time.perf_counter()
+        file = DiskSlotFile(disk.file_path(self.config.name), disk.capacity_bytes,
+                            world_size=layout.world_size, row_stride=layout.row_stride,
+                            layout_digest=layout.digest, direct_io=disk.direct_io)
+        region = self.region
+
+        def rows(slot: int) -> list[memoryview]:
+            return [memoryview(region.rank_array(rank)[slot]) for rank in range(layout.world_size)]
+
+        try:
+            tier = DiskTier(file, self.manager, rows, io_threads=disk.io_threads,
+                            low_watermark=disk.low_watermark)
+            self.say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}")
+            found = tier.rebuild()
+        except BaseException:
+            file.close()
+            raise
+        self.manager.set_lower_tier(tier)
+        tier.start()
+        how = "O_DIRECT" if file.direct_io else f"buffered I/O ({file.direct_io_reason})"
+        self.say(f"disk tier: {file.num_slots} block(s) of {format_bytes(file.slot_bytes)} "
+                 f"({format_bytes(file.num_slots * file.slot_bytes)}) at {file.path}, {how}; "
+                 f"{found} block(s) rebuilt from slot headers in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        return tier
+
+    def _stop_disk(self) -> None:
+        self.manager.set_lower_tier(None)
+        self.disk.close()
+
     def serve_until(self, stop: threading.Event) -> None:
         stop.wait()
 
@@ -155,6 +198,7 @@ class Coordinator:
         attached = self.region.live_attachments() if self.region and self.control else 0
         keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
+                            ("disk", self.disk and self._stop_disk),
                             ("control", self.control and (
                                 lambda: self.control.close(end_sessions=not keep))),
                             # a scrape the exporter could not drain may still read the
