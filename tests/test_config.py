@@ -146,3 +146,31 @@ def test_a_relative_control_socket_is_resolved_once(tmp_path, monkeypatch):
     absolute = str(tmp_path / "abs.sock")
     assert config_from_dict({"control": {"socket": absolute}}, base_dir=tmp_path / "conf") \
         .socket_path == absolute
+
+
+def test_the_disk_section_is_optional_checked_and_round_trips(tmp_path):
+    from tiercache.config import config_to_toml, load_config
+
+    assert config_from_dict({}).disk is None  # no section: host memory only
+    (tmp_path / "d").mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[disk]\npath = "d"\ncapacity = "1MiB"\nretry_s = 2\ndirect_io = false\n')
+    config = load_config(cfg)
+    assert config.disk.path == str(tmp_path / "d")  # relative to the config file
+    assert (config.disk.capacity_bytes, config.disk.retry_s, config.disk.direct_io) == \
+        (1 << 20, 2.0, False)
+    again = tmp_path / "again.toml"
+    again.write_text(config_to_toml(config))
+    assert load_config(again) == config
+    for body, message in (
+            ({"path": str(tmp_path / "nope"), "capacity": 1}, "not an existing directory"),
+            ({"path": str(tmp_path / "d")}, "disk.capacity is missing"),
+            ({"capacity": "1MiB"}, "disk.path is missing"),
+            ({"path": str(tmp_path / "d"), "capacity": 0}, "disk.capacity = 0"),
+            ({"path": str(tmp_path / "d"), "capacity": 1, "direct_io": "maybe"},
+             "disk.direct_io = 'maybe'"),
+            ({"path": str(tmp_path / "d"), "capacity": 1, "low_watermark": 1},
+             "disk.low_watermark = 1"),
+            ({"path": str(tmp_path / "d"), "capacity": 1, "speed": 1}, "unknown key disk.speed")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_dict({"disk": body})

@@ -113,6 +113,7 @@ class DiskConfig:
     io_threads: int = 4
     low_watermark: float = 0.1  # demote while fewer host slots than this fraction are free
     direct_io: bool | None = None  # None: O_DIRECT where the filesystem and rows allow it
+    retry_s: float = 10.0  # after I/O errors in a row, the tier stays down this long
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -125,6 +126,9 @@ class DiskConfig:
             raise ConfigError(f"disk.capacity = {self.capacity_bytes}: must be > 0")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"disk.io_threads = {self.io_threads}: allowed 1..64")
+        if not 0 < self.retry_s <= 3600:
+            raise ConfigError(f"disk.retry_s = {self.retry_s}: allowed above 0 up to 3600 "
+                              "(seconds)")
         if not 0 < self.low_watermark < 1:
             raise ConfigError(f"disk.low_watermark = {self.low_watermark}: allowed between 0 "
                               "and 1 (a fraction of the host slots)")
@@ -247,7 +251,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "hello_timeout_s": (int, float), "idle_timeout_s": (int, float),
                 "max_detached_sessions_per_peer": int, "trusted_uid": int},
     "disk": {"path": str, "capacity": (int, str), "io_threads": int,
-             "low_watermark": (int, float), "direct_io": (bool, str)},
+             "low_watermark": (int, float), "direct_io": (bool, str),
+             "retry_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -297,7 +302,8 @@ def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
     return DiskConfig(path=path, capacity_bytes=parse_size(raw["capacity"], "disk.capacity"),
                       direct_io=None if direct == "auto" else direct,
                       **_present(raw, {"io_threads": "io_threads",
-                                       "low_watermark": "low_watermark"}))
+                                       "low_watermark": "low_watermark",
+                                       "retry_s": "retry_s"}))
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -463,6 +469,7 @@ def config_to_toml(config: Config) -> str:
         d = config.disk
         tables["disk"] = {"path": d.path, "capacity": d.capacity_bytes,
                           "io_threads": d.io_threads, "low_watermark": d.low_watermark,
+                          "retry_s": d.retry_s,
                           "direct_io": "auto" if d.direct_io is None else d.direct_io}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())

@@ -168,7 +168,7 @@ class Coordinator:
 
         try:
             tier = DiskTier(file, self.manager, rows, io_threads=disk.io_threads,
-                            low_watermark=disk.low_watermark)
+                            low_watermark=disk.low_watermark, down_s=disk.retry_s)
             self.say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}")
             found = tier.rebuild()
         except BaseException:

@@ -48,6 +48,7 @@ from tiercache.tiers.disk_file import DiskSlotFile
 log = logging.getLogger(__name__)
 
 _PROMOTE, _DEMOTE = 0, 1  # queue priorities: loads go ahead of spills
+PROMOTE_BATCH = 32  # keys per promotion job (its host slots are reserved together)
 
 
 @dataclass
@@ -152,11 +153,13 @@ class DiskTier:
             return key in self._index and time.monotonic() >= self._down_until
 
     def promote(self, keys: Sequence[bytes]) -> None:
+        """Queue promotions of these keys (those not being promoted already), in jobs of at
+        most ``PROMOTE_BATCH`` keys: one job reserves its host slots at once."""
         with self._lock:
             todo = [k for k in keys if k not in self._promoting and k in self._index]
-            if todo:
-                self._promoting.update(todo)
-                self._push(_PROMOTE, ("promote", tuple(todo)))
+            self._promoting.update(todo)
+            for start in range(0, len(todo), PROMOTE_BATCH):
+                self._push(_PROMOTE, ("promote", tuple(todo[start:start + PROMOTE_BATCH])))
 
     def _push(self, priority: int, job: tuple) -> None:
         heapq.heappush(self._queue, (priority, next(self._count), job))
