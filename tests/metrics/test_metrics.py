@@ -182,13 +182,28 @@ def test_index_counters_and_gauges_come_from_manager_stats():
 def test_metric_names_list_every_exported_family():
     region = FakeRegion()
     attach_self(region, 0)
-    text = generate_latest(registry_of(
-        TiercacheCollector(region, manager_stats=sample_manager_stats))).decode()
+    from tiercache.tiers.disk import DiskStats
+
+    disk = DiskStats(capacity_blocks=8, used_blocks=3, read_bytes=4096, promotions=1, up=True)
+    text = generate_latest(registry_of(TiercacheCollector(
+        region, manager_stats=sample_manager_stats,
+        tier_stats=lambda: {"disk": disk}))).decode()
     exported = set()
     for family in text_string_to_metric_families(text):
         exported.add(family.name + "_total" if family.type == "counter" else family.name)
     assert exported == set(METRIC_NAMES)
     assert all(":" not in n and n.startswith("tiercache_") for n in METRIC_NAMES)
+    samples = {(s.name, s.labels.get("tier")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("tiercache_tier_blocks", "disk")] == 3
+    assert samples[("tiercache_tier_promotions_total", "disk")] == 1
+    assert samples[("tiercache_tier_up", "disk")] == 1
+
+
+def test_without_a_lower_tier_no_tier_family_is_exported():
+    region = FakeRegion()
+    text = generate_latest(registry_of(TiercacheCollector(region))).decode()
+    assert "tiercache_tier_" not in text
 
 
 def test_describe_does_not_read_shared_state():
