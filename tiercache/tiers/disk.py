@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _PROMOTE, _DEMOTE = 0, 1  # queue priorities: loads go ahead of spills
 PROMOTE_BATCH = 32  # keys per promotion job (its host slots are reserved together)
+DEMOTE_BATCH = 4  # keys per demotion job (pinned and unpinned together)
 
 
 @dataclass
@@ -194,22 +195,27 @@ class DiskTier:
             if free >= self._low_free:
                 continue
             want = min(self._queue_blocks - queued, self._low_free - free + self._io_threads)
-            for key, reused in self._manager.demotion_candidates(want, self._on_disk_or_busy):
-                self._admit(key, reused)
+            admitted = [key for key, reused in
+                        self._manager.demotion_candidates(want, self._on_disk_or_busy)
+                        if self._admit(key, reused)]
+            with self._lock:
+                for start in range(0, len(admitted), DEMOTE_BATCH):
+                    self._push(_DEMOTE, ("demote", (tuple(admitted[start:start + DEMOTE_BATCH]),)))
 
     def _on_disk_or_busy(self, key: bytes) -> bool:
         with self._lock:  # the index's lock is held: the order is always index, then tier
             return key in self._index or key in self._demoting or key in self._promoting
 
-    def _admit(self, key: bytes, reused: bool) -> None:
+    def _admit(self, key: bytes, reused: bool) -> bool:
+        """Whether ``key`` goes to disk (the admission rule; see the module docstring)."""
         with self._lock:
             if key in self._demoting or key in self._index:
-                return
+                return False
             if not reused and len(self._demoting) * 2 >= self._queue_blocks:
                 self.stats.dropped_spills += 1  # unproven, and the disk is busy: not worth it
-                return
+                return False
             self._demoting.add(key)
-            self._push(_DEMOTE, ("demote", (key,)))
+            return True
 
     # ------------------------------------------------------------------ moving blocks
     def _promote(self, keys: tuple[bytes, ...]) -> None:
@@ -243,26 +249,33 @@ class DiskTier:
         with self._lock:
             self._promoting.difference_update(keys)
 
-    def _demote(self, key: bytes) -> None:
+    def _demote(self, keys: tuple[bytes, ...]) -> None:
+        """Write these blocks, pinned (one pin call for the batch where it can) while their
+        bytes are read from host memory."""
         try:
-            spec = self._manager.prepare_load([key], owner=TIER_OWNER)
-        except Exception:  # evicted or being written since it was chosen: nothing to spill
-            with self._lock:
-                self._demoting.discard(key)
-                self.stats.dropped_spills += 1
-            return
-        try:
-            with self._lock:
-                disk_slot, seq = self._take_slot(), self._seq
-                self._seq += 1
-            if disk_slot is None:
-                ok = None
-            else:
-                host_slot = int(spec.block_ids[0])
-                ok = self._io("write", lambda: self._file.write(disk_slot, key, seq,
-                                                                self._rows(host_slot)))
-        finally:
-            self._manager.complete_load([key], owner=TIER_OWNER)
+            specs = [(keys, self._manager.prepare_load(list(keys), owner=TIER_OWNER))]
+        except Exception:  # one was evicted or rewritten since: pin them one by one
+            specs = []
+            for key in keys:
+                try:
+                    specs.append(((key,), self._manager.prepare_load([key], owner=TIER_OWNER)))
+                except Exception:  # gone: nothing to spill
+                    with self._lock:
+                        self._demoting.discard(key)
+                        self.stats.dropped_spills += 1
+        for pinned, spec in specs:
+            try:
+                for key, host_slot in zip(pinned, spec.block_ids.tolist()):
+                    self._write(key, host_slot)
+            finally:
+                self._manager.complete_load(list(pinned), owner=TIER_OWNER)
+
+    def _write(self, key: bytes, host_slot: int) -> None:
+        with self._lock:
+            disk_slot, seq = self._take_slot(), self._seq
+            self._seq += 1
+        ok = disk_slot is not None and self._io(
+            "write", lambda: self._file.write(disk_slot, key, seq, self._rows(host_slot)))
         with self._lock:
             self._demoting.discard(key)
             if disk_slot is None:
