@@ -13,7 +13,9 @@ held key is the single owner of that block's state, its writer and its pins::
 caller names (the control server gives each client session its own; in-process users
 get ``LOCAL_OWNER``). A pin comes from ``prepare_load`` (one per key, dropped by
 ``complete_load``) or from ``lease`` (one per hit, for a scheduler that must find its
-HIT still there at ``prepare_load``); both count in the slot's one per-owner pin counter.
+HIT still there when it loads: the lease answers the run's slots, so its holder loads
+under the lease's pin, with no ``prepare_load``); both count in the slot's one per-owner
+pin counter.
 ``release`` drops every pin an owner holds on some keys; ``end_session`` frees every
 reservation and drops every pin of an owner (its client is gone). An underflow raises;
 nothing is ever repaired.
@@ -226,7 +228,9 @@ class OffloadingManager:
     def lease(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> LeaseResult:
         """A lookup whose hits are pinned for ``owner`` (one pin each) until released.
 
-        Counted as a lookup. ``pending``: the key after the hit run is being written.
+        Counted as a lookup (and the hits in ``leased_blocks``, not ``loaded_blocks``: the
+        caller may load from the answer's spec or never). ``pending``: the key after the
+        hit run is being written.
         """
         check_owner(owner)
         with self._lock:
@@ -243,7 +247,8 @@ class OffloadingManager:
                 self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
-            return LeaseResult(hits, after is not None and after.state is SlotState.WRITING)
+            return LeaseResult(hits, after is not None and after.state is SlotState.WRITING,
+                               self._spec([self._slots[key] for key in keys[:hits]]))
 
     def _pinnable_run(self, keys: Sequence[bytes], owner: int, holdings: Holdings) -> int:
         """How many of ``keys`` (all readable) ``owner`` may pin, in order: the run stops
@@ -340,11 +345,17 @@ class OffloadingManager:
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER
-                      ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER,
+                      evict: bool = True) -> PrepareStoreOutput | None:
         """Reserve slots (for ``owner``) for the keys not held yet, evicting READY blocks
         if needed. Returns ``None`` (and changes nothing) when not enough blocks can be
-        evicted; keys of this call are never evicted to make room for each other."""
+        evicted; keys of this call are never evicted to make room for each other.
+
+        ``evict=False`` reserves ahead of a store that may never happen (a scheduler's
+        probe): only free slots are taken and nothing is evicted. The new keys are reserved
+        in order while free slots and the session's room last; the rest are
+        ``no_room_keys`` (nothing reserved for them, not counted as a rejection). Never
+        ``None``."""
         check_owner(owner)
         check_keys(keys, "prepare_store")
         require_unique(keys, "prepare_store")
@@ -353,8 +364,14 @@ class OffloadingManager:
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
             cap = self._max_session_blocks
-            if new_keys and cap is not None:
-                held = self._holdings.get(owner)
+            held = self._holdings.get(owner)
+            no_room: list[bytes] = []
+            if not evict:
+                room = self._num_free()
+                if cap is not None:
+                    room = min(room, max(0, cap - (held.num_blocks if held else 0)))
+                new_keys, no_room = new_keys[:room], new_keys[room:]
+            elif new_keys and cap is not None:
                 if (held.num_blocks if held else 0) + len(new_keys) > cap:
                     self._counters["store_rejections"] += 1
                     self._counters["session_limit_rejections"] += 1
@@ -380,7 +397,8 @@ class OffloadingManager:
             if self._ledger is not None:
                 self._ledger.free(sorted(set(victim_slots) - set(slot_ids)))
                 self._ledger.writing(slot_ids, new_keys, owner, [s.gen for s in slots])
-            return PrepareStoreOutput(tuple(new_keys), self._spec(slots), tuple(victims))
+            return PrepareStoreOutput(tuple(new_keys), self._spec(slots), tuple(victims),
+                                      tuple(no_room))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
                        owner: int = LOCAL_OWNER) -> None:

@@ -5,13 +5,19 @@ while the engine runs the model, then files the answers in the ``LeaseBook`` und
 manager's lock (vLLM's own async lookups work the same way: one queue item per step, a
 background thread, a real lock). Per batch, in order: completed stores, failed stores
 (both on the *writer* session, which made those reservations), releases, then one
-``lease_batch`` for every probed request and one ``prepare_load`` of the leased keys for
-their slot ids (both on the *bulk* session, which owns the leases), then, with
-``reserve``, one ``prepare_store`` (writer session) for the keys past each request's
-leased run: the chunks it is about to compute, so vLLM's ``prepare_store`` for them is
-answered without an RPC (see ``tiercache.vllm.leases``). A key two requests miss is
-reserved for the first; a probe whose run ends at a pending key reserves nothing (it
-will be asked again); no room means no reservation (the store is asked on the spot).
+``lease_batch`` for every probed request (*bulk* session, which owns the leases; each
+lease answers its hit run's fenced slots, so no ``prepare_load`` follows: a load reads
+them under the lease's pin), then, with ``reserve``, one ``prepare_store`` (writer
+session) for the keys past each request's leased run: the chunks it is about to compute,
+so vLLM's ``prepare_store`` for them is answered without an RPC (see
+``tiercache.vllm.leases``). A key two requests miss is reserved for the first; a probe
+whose run ends at a pending key reserves nothing (it will be asked again).
+
+**A lookup takes nothing**: the reservation is made with ``evict=False``, free slots
+only, in request order while they last. A request may be aborted before it computes a
+token, so evicting READY blocks for it would trade cached work for work that may never
+happen; keys that found no free slot are stored at vLLM's ``prepare_store`` (one RPC on
+the spot, which may evict: by then the request really computes them).
 
 Two sessions, because the scheduler thread itself calls ``prepare_store`` on the writer
 while this thread may be in a long lease RPC on the bulk one; a client serves one call at
@@ -39,7 +45,7 @@ from typing import Any, Protocol
 
 from tiercache.errors import CoordinatorGoneError, SessionLostError
 from tiercache.index.protocol import MAX_KEYS_PER_CALL
-from tiercache.vllm.batch import Batch, LeaseAnswer, Probe, fenced_slots
+from tiercache.vllm.batch import Batch, FencedSlot, LeaseAnswer, Probe, fenced_slots
 from tiercache.vllm.leases import LeaseBook
 
 log = logging.getLogger(__name__)
@@ -54,8 +60,7 @@ class IndexSession(Protocol):
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[Any]: ...
     def release(self, keys: Sequence[bytes]) -> int: ...
-    def prepare_load(self, keys: Sequence[bytes]) -> Any: ...
-    def prepare_store(self, keys: Sequence[bytes]) -> Any: ...
+    def prepare_store(self, keys: Sequence[bytes], *, evict: bool = True) -> Any: ...
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None: ...
     def ping(self) -> float: ...
     def close(self) -> None: ...
@@ -88,15 +93,13 @@ class Flusher:
     def __init__(self, book: LeaseBook, lock: threading.Lock, bulk: IndexSession,
                  writer: IndexSession, *, reserve: bool = True,
                  reconnect_interval_s: float = RECONNECT_INTERVAL_S,
-                 on_flush: Callable[[float], None] | None = None,
-                 on_evicted: Callable[[list[bytes]], None] | None = None):
+                 on_flush: Callable[[float], None] | None = None):
         self._book = book
         self._lock = lock
         self._bulk = bulk
         self._writer = writer
         self._reconnect_interval_s = reconnect_interval_s
         self._on_flush = on_flush
-        self._on_evicted = on_evicted  # wire keys evicted by reservations (under the lock)
         self._reserve = reserve
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -169,11 +172,9 @@ class Flusher:
     def _flush(self, batch: Batch) -> None:
         start = time.perf_counter()
         try:
-            answers, evicted = self._send(batch)
+            answers = self._send(batch)
             with self._lock:
                 self._book.apply(batch, answers)
-                if evicted and self._on_evicted is not None:
-                    self._on_evicted(evicted)
         except CoordinatorGoneError as e:
             log.warning("tiercache: a batch was not sent (%s)", e)
             self.coordinator_lost()
@@ -219,7 +220,7 @@ class Flusher:
         self._down_since = None
         return True
 
-    def _send(self, batch: Batch) -> tuple[list[LeaseAnswer], list[bytes]]:
+    def _send(self, batch: Batch) -> list[LeaseAnswer]:
         for keys in _chunks(batch.stores_done):
             self._writer.complete_store(keys, True)
         for keys in _chunks(batch.stores_failed):
@@ -227,42 +228,34 @@ class Flusher:
         for keys in _chunks(batch.releases):
             self._bulk.release(keys)
         if not batch.probes:
-            return [], []
+            return []
         prefix = batch.prefix
         # A key asked twice in one step (vLLM's bridge lookups) is probed once; the batch is
         # this thread's now, and apply() reads the same lists.
         batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
         wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
         answers: list[LeaseAnswer] = []
-        evicted: list[bytes] = []
+        cut = len(prefix)
         for group in _list_groups(wire_lists):
             results = self._bulk.lease_batch(group)
-            leased = [key for keys, r in zip(group, results) for key in keys[:r.num_hit]]
-            slots = [s for keys in _chunks(leased)
-                     for s in fenced_slots(self._bulk.prepare_load(keys))]
             rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
                      for keys, r in zip(group, results)]
-            reserved, held, group_evicted = self._reserve_stores(rests)
-            evicted += group_evicted
-            at = 0
-            cut = len(prefix)
+            reserved, held = self._reserve_stores(rests)
             for rest, r in zip(rests, results):
                 mine = [(k[cut:], reserved.pop(k)) for k in rest if k in reserved]
                 skipped = [k[cut:] for k in rest if k in held]
-                answers.append(LeaseAnswer(r.num_hit, r.pending, slots[at:at + r.num_hit],
+                answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec),
                                            mine, skipped))
-                at += r.num_hit
-        return answers, evicted
+        return answers
 
     def _reserve_stores(self, rests: list[list[bytes]]
-                        ) -> tuple[dict[bytes, int], set[bytes], list[bytes]]:
-        """(wire key -> reserved slot, keys held already, keys evicted) for these keys."""
+                        ) -> tuple[dict[bytes, FencedSlot], set[bytes]]:
+        """(wire key -> reserved slot, keys held already) for these keys, from free slots
+        only; a key that found none is in neither (vLLM's prepare_store asks on the spot)."""
         wanted = list(dict.fromkeys(k for rest in rests for k in rest))
         if not wanted:
-            return {}, set(), []
-        out = self._writer.prepare_store(wanted)
-        if out is None:  # no room for all of them: vLLM's prepare_store asks on the spot
-            return {}, set(), []
+            return {}, set()
+        out = self._writer.prepare_store(wanted, evict=False)
         reserved = dict(zip(out.keys_to_store, fenced_slots(out.store_spec)))
-        held = set(wanted).difference(reserved)
-        return reserved, held, list(out.evicted_keys)
+        held = set(wanted).difference(reserved, out.no_room_keys)
+        return reserved, held

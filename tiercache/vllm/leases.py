@@ -16,16 +16,19 @@ would put ~2000 round trips on that path, so the book answers every lookup from 
   and the request, deferred by vLLM for that step, finds them at its next lookup.
 
 Refs: a held key counts its local users (each request lease and each load in flight);
-the coordinator may hold several pins for it, and ``release`` drops them all once the
-local count reaches zero, so a release never takes a pin another user still needs.
+the coordinator may hold several pins for it (one per lease that answered it), and
+``release`` drops them all once the local count reaches zero, so a release never takes a
+pin another user still needs. A load takes no pin of its own: the lease answer carried
+the key's fenced slot, and the load reads it under the lease's pins.
 A request's leases end when its load is prepared (the load holds its own ref until
 ``complete_load``) or when the request finishes.
 
 Reservations: the keys of a probe past its leased run are the chunks the request is about
 to compute and store, so the flusher reserves their slots in the same flush (one
-``prepare_store`` for the step; see ``tiercache.vllm.flusher``). vLLM's ``prepare_store``
-is then answered from ``reserved`` (and ``skip``: keys another engine holds already)
-without an RPC; only keys no probe covered (a GPU prefix hit, decode chunks) go to the
+``prepare_store`` for the step, free slots only: a lookup never evicts; see
+``tiercache.vllm.flusher``). vLLM's ``prepare_store`` is then answered from ``reserved``
+(and ``skip``: keys another engine holds already) without an RPC; only keys no probe
+covered (a GPU prefix hit, decode chunks) or that found no free slot go to the
 coordinator on the spot. A request's own reserved keys answer MISS (they are its to
 compute); what it never stores is freed when it finishes.
 
