@@ -182,8 +182,9 @@ def test_session_and_lease_payloads_round_trip():
     assert back[0].spec.block_ids.tolist() == [4, 1]
     assert back[0].spec.slot_gens.tolist() == [7, 2**64 - 1]  # the fence travels whole
     assert back[0].spec.region_id == 0xABC and len(back[1].spec) == 0
-    assert decode_store_request(PayloadReader(encode_store_request([b"a"], False))) == (
-        [b"a"], False)
+    for limit in (None, 0, 7):
+        assert decode_store_request(PayloadReader(encode_store_request([b"a"], limit))) == (
+            [b"a"], limit)
 
 
 def test_bad_session_and_lease_payloads_are_refused():
@@ -193,8 +194,8 @@ def test_bad_session_and_lease_payloads_are_refused():
         LeaseResult(2, False, CPULoadStoreSpec([3]))
     with pytest.raises(errors.ProtocolError, match="pending flag 2"):
         decode_leases(PayloadReader(PayloadWriter().u32(1).u8(2).build()))
-    with pytest.raises(errors.ProtocolError, match="evict flag 5"):
-        decode_store_request(PayloadReader(PayloadWriter().u8(5).keys([]).build()))
+    with pytest.raises(errors.ProtocolError, match="max_evictions = -1"):
+        encode_store_request([b"a"], -1)
     with pytest.raises(errors.ProtocolError, match="token of 3 bytes"):
         encode_hello_request(b"abc", "")
     with pytest.raises(errors.ProtocolError, match=f"at most {MAX_NAME_BYTES}"):

@@ -256,20 +256,25 @@ def leases_pin_until_released(cache, policy: str) -> None:
     assert store(cache, 6).evicted_keys == tuple(k(1))  # evictable again
 
 
-def reserving_ahead_takes_free_slots_only(cache, policy: str) -> None:
+def reserving_ahead_evicts_at_most_its_limit(cache, policy: str) -> None:
     for i in (1, 2, 3):
         store(cache, i)
-    # A reservation ahead of a store that may never happen (a scheduler's probe): one slot
-    # is free, so 4 is reserved, 5 gets nothing, 1 is held already; nothing is evicted.
-    out = cache.prepare_store(k(4, 5, 1), evict=False)
+    # A reservation ahead of a store that may never happen (a scheduler's probe), free
+    # slots only: one is free, so 4 is reserved, 5 gets nothing, 1 is held already.
+    out = cache.prepare_store(k(4, 5, 1), max_evictions=0)
     assert (out.keys_to_store, out.no_room_keys, out.evicted_keys) == (tuple(k(4)), tuple(k(5)), ())
     assert ids(out) == [3]
     # No free slot left: nothing reserved, and still not None ("no room" is per key).
-    out = cache.prepare_store(k(6, 7), evict=False)
+    out = cache.prepare_store(k(6, 7), max_evictions=0)
     assert (out.keys_to_store, out.no_room_keys, ids(out)) == ((), tuple(k(6, 7)), [])
     assert cache.lookup(k(1, 2, 3)) == 3, "no stored block was evicted"
     s = cache.stats()
     assert (s.evicted_blocks, s.store_rejections, s.writing_blocks) == (0, 0, 1)
+    # One eviction allowed: 6 evicts the least recent of 2 and 3 (1 is a key of the call,
+    # never evicted for it), 7 gets nothing.
+    out = cache.prepare_store(k(1, 6, 7), max_evictions=1)
+    assert (out.keys_to_store, out.no_room_keys) == (tuple(k(6)), tuple(k(7)))
+    assert out.evicted_keys in (tuple(k(2)), tuple(k(3)))
     # The store itself (the request really computes 5) may evict, as ever.
     out = cache.prepare_store(k(5))
     assert out.keys_to_store == tuple(k(5)) and out.no_room_keys == ()
@@ -302,7 +307,7 @@ BOTH: dict[str, Scenario] = {f.__name__: f for f in (
     store_then_hit, least_recent_goes_first, prefix_tail_goes_first, same_call_keys_protected,
     loading_and_pending_blocks_protected, more_than_capacity_refused, failed_store_frees_slots,
     events, misuse_is_refused, reset_forgets_everything, scan_vs_reuse, leases_pin_until_released,
-    reserving_ahead_takes_free_slots_only,
+    reserving_ahead_evicts_at_most_its_limit,
 )}
 ARC_ONLY: dict[str, Scenario] = {arc_ghost_hits_adapt_target.__name__: arc_ghost_hits_adapt_target}
 USES_EVENTS = {"events", "reset_forgets_everything"}

@@ -1,7 +1,7 @@
 """Hit rate of an abort-heavy workload, through vLLM's real scheduler (issue 21, item 2).
 
     .venv-vllm/bin/python tests/vllm/bench_abort_hit_rate.py [--cache-chunks 48]
-        [--popular 4] [--chunks 8] [--rounds 16] [--aborts 3] [--json PATH]
+        [--popular 4] [--chunks 8] [--rounds 16] [--aborts 3] [--computed 0] [--json PATH]
 
 A coordinator (``tiercache serve``) of ``--cache-chunks`` chunks and one engine (vLLM's
 Scheduler and both roles of OffloadingConnector with TierCacheOffloadingSpec, CPU KV,
@@ -9,9 +9,10 @@ Scheduler and both roles of OffloadingConnector with TierCacheOffloadingSpec, CP
 
 * warm-up: ``--popular`` prompts of ``--chunks`` chunks each run once and are stored;
 * each of ``--rounds`` rounds: ``--aborts`` new prompts of the same length arrive with one
-  of the popular prompts (in turn); the engine takes one step (every request is looked
-  up), the new ones are aborted (a client that went away), and the popular one runs to the
-  end.
+  of the popular prompts (in turn) and ``--computed`` other new prompts; the engine takes
+  one step (every request is looked up), the ``--aborts`` ones are aborted (a client that
+  went away), and the others run to the end (the computed ones store their chunks: real
+  stores, which must evict in a full cache).
 
 Printed: the hit rate (tokens of the popular requests loaded from tiercache over their
 full-chunk prompt tokens, rounds only) and the blocks the coordinator evicted during the
@@ -40,7 +41,7 @@ def prompt(seed: int, num_chunks: int) -> list[int]:
 
 
 def run(engine: Engine, coordinator, *, popular: int, chunks: int, rounds: int,
-        aborts: int) -> dict:
+        aborts: int, computed: int = 0) -> dict:
     prompts = [prompt(1 + p, chunks) for p in range(popular)]
     for p, tokens in enumerate(prompts):
         engine.add_request(f"warm-{p}", tokens)
@@ -54,6 +55,8 @@ def run(engine: Engine, coordinator, *, popular: int, chunks: int, rounds: int,
             engine.add_request(req_id, prompt(1000 + r * aborts + j, chunks))
         req_id = f"popular-{r}"
         engine.add_request(req_id, prompts[r % popular])
+        for j in range(computed):
+            engine.add_request(f"computed-{r}-{j}", prompt(100_000 + r * computed + j, chunks))
         engine.step()  # every request is looked up (and probed)
         for novel_id in novel:
             engine.abort(novel_id)
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="chunks (16-token blocks) per prompt")
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--aborts", type=int, default=3, help="aborted new requests per round")
+    parser.add_argument("--computed", type=int, default=0,
+                        help="new requests per round that run to the end (and store)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     model = TinyModel()
@@ -82,14 +87,16 @@ def main(argv: list[str] | None = None) -> int:
                                           str(tmp_path / "c.sock"), args.cache_chunks)
         with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:
             engine = Engine.build(model, model.write(tmp_path / "model"), coordinator.config_path,
-                                  num_gpu_blocks=16, max_num_seqs=args.aborts + 1)
+                                  num_gpu_blocks=16 * (1 + args.computed),
+                                  max_num_seqs=args.aborts + args.computed + 1)
             try:
                 result = run(engine, coordinator, popular=args.popular, chunks=args.chunks,
-                             rounds=args.rounds, aborts=args.aborts)
+                             rounds=args.rounds, aborts=args.aborts, computed=args.computed)
             finally:
                 engine.shutdown()
-    print(f"abort-heavy workload: {args.rounds} rounds of {args.aborts} aborted new prompts + 1 "
-          f"of {args.popular} popular prompts ({args.chunks} chunks each), cache of "
+    print(f"abort-heavy workload: {args.rounds} rounds of {args.aborts} aborted new prompts + "
+          f"{args.computed} computed new prompts + 1 of {args.popular} popular prompts "
+          f"({args.chunks} chunks each), cache of "
           f"{args.cache_chunks} chunks: hit rate {result['hit_rate']:.1%} "
           f"({result['loaded_tokens']} of {result['asked_tokens']} tokens), "
           f"{result['evicted_blocks']} blocks evicted")

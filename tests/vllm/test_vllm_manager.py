@@ -316,3 +316,27 @@ def test_a_lookup_takes_nothing_a_miss_evicts_no_stored_block(spec_for, start_co
     sched.end_step()
     out = sched.store(probe, [key(3)])
     assert out.keys_to_store == [key(3)] and len(out.evicted_keys) == 1
+
+
+def test_reservations_evict_no_more_than_the_step_stored_and_retry_what_found_no_room(
+        spec_for, start_coordinator):
+    small = start_coordinator(num_chunks=4)
+    with Client(small.config) as other:  # a cache full of another engine's blocks
+        out = other.prepare_store([b"other-%d" % i for i in range(4)])
+        other.complete_store(list(out.keys_to_store))
+    sched = Scheduler(spec_for(small).get_manager())
+    waiting, writer = sched.request("waiting"), sched.request("w")
+    sched.lookup(waiting, [key(1), key(2)])
+    sched.end_step()
+    assert sched.lookup(waiting, [key(1), key(2)]) == [MISS, MISS]
+    assert coordinator_stats(small).evicted_blocks == 0, "a step that stored nothing"
+    sched.end_step()
+    assert sched.lookup(waiting, [key(1)]) == [MISS], "no room is still a miss, not a retry"
+    sched.store(writer, [key(9)])  # a real store in this step: asked on the spot, evicts one
+    sched.end_step()  # the step stored one: its flush may evict one for the waiting request
+    stats = coordinator_stats(small)
+    assert (stats.evicted_blocks, stats.writing_blocks) == (2, 1)
+    with sched.manager.lock:
+        out = sched.manager.prepare_store([key(1)], waiting)
+    assert out.keys_to_store == [key(1)], "answered from the retried reservation"
+    assert coordinator_stats(small).evicted_blocks == 2

@@ -175,11 +175,12 @@ class Client:
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self._call(Verb.COMPLETE_LOAD, PayloadWriter().keys(keys).build()).done()
 
-    def prepare_store(self, keys: Sequence[bytes], *, evict: bool = True
+    def prepare_store(self, keys: Sequence[bytes], *, max_evictions: int | None = None
                       ) -> PrepareStoreOutput | None:
-        """``evict=False``: free slots only, nothing evicted (see the index's
-        ``prepare_store``): reserve ahead of a store that may not happen."""
-        reader = self._call(Verb.PREPARE_STORE, encode_store_request(keys, evict))
+        """With ``max_evictions``: reserve ahead of a store that may not happen, from free
+        slots and at most that many evictions, never ``None`` (see the index's
+        ``prepare_store``)."""
+        reader = self._call(Verb.PREPARE_STORE, encode_store_request(keys, max_evictions))
         out = decode_store_output(reader)
         reader.done()
         return out

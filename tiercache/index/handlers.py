@@ -45,8 +45,8 @@ def _complete_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
 
 
 def _prepare_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    keys, evict = decode_store_request(r)
-    return encode_store_output(m.prepare_store(keys, owner=owner, evict=evict))
+    keys, max_evictions = decode_store_request(r)
+    return encode_store_output(m.prepare_store(keys, owner=owner, max_evictions=max_evictions))
 
 
 def _complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:

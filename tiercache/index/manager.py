@@ -346,16 +346,16 @@ class OffloadingManager:
     # ------------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER,
-                      evict: bool = True) -> PrepareStoreOutput | None:
+                      max_evictions: int | None = None) -> PrepareStoreOutput | None:
         """Reserve slots (for ``owner``) for the keys not held yet, evicting READY blocks
         if needed. Returns ``None`` (and changes nothing) when not enough blocks can be
         evicted; keys of this call are never evicted to make room for each other.
 
-        ``evict=False`` reserves ahead of a store that may never happen (a scheduler's
-        probe): only free slots are taken and nothing is evicted. The new keys are reserved
-        in order while free slots and the session's room last; the rest are
-        ``no_room_keys`` (nothing reserved for them, not counted as a rejection). Never
-        ``None``."""
+        With ``max_evictions`` (an int) it reserves ahead of a store that may never happen
+        (a scheduler's probe): the new keys are reserved in order from free slots, then by
+        evicting at most ``max_evictions`` READY blocks (0: free slots only), while the
+        session's room lasts; the rest are ``no_room_keys`` (nothing reserved for them,
+        not counted as a rejection). Never ``None``."""
         check_owner(owner)
         check_keys(keys, "prepare_store")
         require_unique(keys, "prepare_store")
@@ -366,8 +366,8 @@ class OffloadingManager:
             cap = self._max_session_blocks
             held = self._holdings.get(owner)
             no_room: list[bytes] = []
-            if not evict:
-                room = self._num_free()
+            if max_evictions is not None:
+                room = self._num_free() + min(max_evictions, self._num_evictable(keys))
                 if cap is not None:
                     room = min(room, max(0, cap - (held.num_blocks if held else 0)))
                 new_keys, no_room = new_keys[:room], new_keys[room:]
@@ -595,6 +595,13 @@ class OffloadingManager:
 
     def _num_free(self) -> int:
         return self._capacity - len(self._slots)
+
+    def _num_evictable(self, protected_keys: Sequence[bytes]) -> int:
+        """READY blocks that are not among ``protected_keys``: what eviction can free."""
+        ready = SlotState.READY
+        protected = sum(1 for key in set(protected_keys)
+                        if (slot := self._slots.get(key)) is not None and slot.state is ready)
+        return self._num_by_state[ready] - protected
 
     def _allocate(self, key: bytes) -> Slot:
         if self._free:

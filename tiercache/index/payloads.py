@@ -42,17 +42,25 @@ def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
     return PrepareStoreOutput(keys, spec, evicted, no_room)
 
 
-def encode_store_request(keys: Sequence[bytes], evict: bool) -> bytes:
-    return PayloadWriter().u8(int(evict)).keys(keys).build()
+NO_EVICTION_LIMIT = 0xFFFFFFFF  # a PREPARE_STORE's u32 max_evictions: a store (None)
 
 
-def decode_store_request(reader: PayloadReader) -> tuple[list[bytes], bool]:
-    evict = reader.u8()
-    if evict not in (0, 1):
-        raise errors.ProtocolError(f"prepare_store evict flag {evict}; expected 0 or 1")
+def encode_store_request(keys: Sequence[bytes], max_evictions: int | None) -> bytes:
+    if max_evictions is None:
+        limit = NO_EVICTION_LIMIT
+    elif 0 <= max_evictions < NO_EVICTION_LIMIT:
+        limit = max_evictions
+    else:
+        raise errors.ProtocolError(f"prepare_store max_evictions = {max_evictions!r}; allowed "
+                                   f"0 .. {NO_EVICTION_LIMIT - 1}, or None")
+    return PayloadWriter().u32(limit).keys(keys).build()
+
+
+def decode_store_request(reader: PayloadReader) -> tuple[list[bytes], int | None]:
+    limit = reader.u32()
     keys = reader.keys()
     reader.done()
-    return keys, bool(evict)
+    return keys, None if limit == NO_EVICTION_LIMIT else limit
 
 
 def encode_events(events: Sequence[OffloadingEvent]) -> bytes:

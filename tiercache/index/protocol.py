@@ -23,8 +23,8 @@ from tiercache.specs import CPULoadStoreSpec
 MAGIC = b"TCKV"
 # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats; 3: fenced specs (region id and
 # slot generations in PREPARE_LOAD/PREPARE_STORE answers), liveness deadline in HELLO;
-# 4: LEASE_BATCH answers each hit run's fenced spec, PREPARE_STORE takes an evict flag and
-# answers the keys that found no free slot
+# 4: LEASE_BATCH answers each hit run's fenced spec, PREPARE_STORE takes an eviction limit and
+# answers the keys that found no room
 PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
@@ -55,9 +55,9 @@ class Verb(IntEnum):
                                                     their generations, the region id)
         3  TOUCH            keys                    (empty)
         4  COMPLETE_LOAD    keys                    (empty)
-        5  PREPARE_STORE    u8 evict, keys          u8 0 (= None), or u8 1, keys to store,
-                                                    spec, evicted keys, keys without room
-                                                    (evict 0: free slots only, never None)
+        5  PREPARE_STORE    u32 max evictions       u8 0 (= None), or u8 1, keys to store,
+                            (0xFFFFFFFF: no limit,  spec, evicted keys, keys without room
+                            all or nothing), keys   (with a limit: never None)
         6  COMPLETE_STORE   u8 success, keys        (empty)
         7  TAKE_EVENTS      (empty)                 u32 n, n x (u8 removed, str medium, keys);
                                                     at most MAX_KEYS_PER_CALL keys in all, so

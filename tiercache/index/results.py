@@ -15,8 +15,8 @@ class PrepareStoreOutput:
 
     Keys of the call that were already held (ready or being written) are not in
     ``keys_to_store``; ``evicted_keys`` were dropped to make room. ``no_room_keys``: keys
-    not held that got no slot because the call took free slots only (``evict=False``);
-    always empty when eviction was allowed (then it is all or nothing).
+    not held that got no slot in a reservation ahead (``max_evictions`` given: free slots
+    and at most that many evictions); always empty for a store (all or nothing).
     """
 
     keys_to_store: tuple[bytes, ...]

@@ -4,20 +4,22 @@
 while the engine runs the model, then files the answers in the ``LeaseBook`` under the
 manager's lock (vLLM's own async lookups work the same way: one queue item per step, a
 background thread, a real lock). Per batch, in order: completed stores, failed stores
-(both on the *writer* session, which made those reservations), releases, then one
-``lease_batch`` for every probed request (*bulk* session, which owns the leases; each
-lease answers its hit run's fenced slots, so no ``prepare_load`` follows: a load reads
-them under the lease's pin), then, with ``reserve``, one ``prepare_store`` (writer
-session) for the keys past each request's leased run: the chunks it is about to compute,
-so vLLM's ``prepare_store`` for them is answered without an RPC (see
+(both on the *writer* session, which made those reservations), releases, the batch's
+retries (one ``prepare_store``, writer session, for keys of earlier probes that found no
+room), then one ``lease_batch`` for every probed request (*bulk* session, which owns the
+leases; each lease answers its hit run's fenced slots, so no ``prepare_load`` follows: a
+load reads them under the lease's pin), then, with ``reserve``, one ``prepare_store``
+(writer session) for the keys past each request's leased run: the chunks it is about to
+compute, so vLLM's ``prepare_store`` for them is answered without an RPC (see
 ``tiercache.vllm.leases``). A key two requests miss is reserved for the first; a probe
 whose run ends at a pending key reserves nothing (it will be asked again).
 
-**A lookup takes nothing**: the reservation is made with ``evict=False``, free slots
-only, in request order while they last. A request may be aborted before it computes a
-token, so evicting READY blocks for it would trade cached work for work that may never
-happen; keys that found no free slot are stored at vLLM's ``prepare_store`` (one RPC on
-the spot, which may evict: by then the request really computes them).
+**A lookup takes nothing**: these reservations are made ahead of stores that may never
+happen (a request may be aborted before it computes a token), so they take free slots
+and evict at most ``batch.num_stored`` blocks in all, as many as the engine really
+stored during the step (``prepare_store(max_evictions=...)``, in request order while
+room lasts). Keys that found no room are retried in a later batch, or stored at vLLM's
+``prepare_store`` on the spot (one RPC, which may evict: the request computes them).
 
 Two sessions, because the scheduler thread itself calls ``prepare_store`` on the writer
 while this thread may be in a long lease RPC on the bulk one; a client serves one call at
@@ -60,7 +62,8 @@ class IndexSession(Protocol):
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[Any]: ...
     def release(self, keys: Sequence[bytes]) -> int: ...
-    def prepare_store(self, keys: Sequence[bytes], *, evict: bool = True) -> Any: ...
+    def prepare_store(self, keys: Sequence[bytes], *,
+                      max_evictions: int | None = None) -> Any: ...
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None: ...
     def ping(self) -> float: ...
     def close(self) -> None: ...
@@ -93,13 +96,15 @@ class Flusher:
     def __init__(self, book: LeaseBook, lock: threading.Lock, bulk: IndexSession,
                  writer: IndexSession, *, reserve: bool = True,
                  reconnect_interval_s: float = RECONNECT_INTERVAL_S,
-                 on_flush: Callable[[float], None] | None = None):
+                 on_flush: Callable[[float], None] | None = None,
+                 on_evicted: Callable[[list[bytes]], None] | None = None):
         self._book = book
         self._lock = lock
         self._bulk = bulk
         self._writer = writer
         self._reconnect_interval_s = reconnect_interval_s
         self._on_flush = on_flush
+        self._on_evicted = on_evicted  # wire keys evicted by reservations (under the lock)
         self._reserve = reserve
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -172,9 +177,11 @@ class Flusher:
     def _flush(self, batch: Batch) -> None:
         start = time.perf_counter()
         try:
-            answers = self._send(batch)
+            answers, retried, evicted = self._send(batch)
             with self._lock:
-                self._book.apply(batch, answers)
+                self._book.apply(batch, answers, retried)
+                if evicted and self._on_evicted is not None:
+                    self._on_evicted(evicted)
         except CoordinatorGoneError as e:
             log.warning("tiercache: a batch was not sent (%s)", e)
             self.coordinator_lost()
@@ -220,42 +227,61 @@ class Flusher:
         self._down_since = None
         return True
 
-    def _send(self, batch: Batch) -> list[LeaseAnswer]:
+    def _send(self, batch: Batch
+              ) -> tuple[list[LeaseAnswer], list[LeaseAnswer], list[bytes]]:
+        """(answers to the probes, answers to the retries, keys evicted by reservations)."""
         for keys in _chunks(batch.stores_done):
             self._writer.complete_store(keys, True)
         for keys in _chunks(batch.stores_failed):
             self._writer.complete_store(keys, False)
         for keys in _chunks(batch.releases):
             self._bulk.release(keys)
-        if not batch.probes:
-            return []
         prefix = batch.prefix
-        # A key asked twice in one step (vLLM's bridge lookups) is probed once; the batch is
-        # this thread's now, and apply() reads the same lists.
-        batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
-        wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
-        answers: list[LeaseAnswer] = []
         cut = len(prefix)
-        for group in _list_groups(wire_lists):
-            results = self._bulk.lease_batch(group)
-            rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
-                     for keys, r in zip(group, results)]
-            reserved, held = self._reserve_stores(rests)
-            for rest, r in zip(rests, results):
-                mine = [(k[cut:], reserved.pop(k)) for k in rest if k in reserved]
-                skipped = [k[cut:] for k in rest if k in held]
-                answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec),
-                                           mine, skipped))
-        return answers
+        ahead = _Reservations(self._writer, batch.num_stored, cut)
+        retried: list[LeaseAnswer] = []
+        lists = [[prefix + key for key in keys] for _, keys in batch.retries]
+        for group in _list_groups(lists):
+            retried += [LeaseAnswer(0, False, (), *mine) for mine in ahead.reserve(group)]
+        answers: list[LeaseAnswer] = []
+        if batch.probes:
+            # A key asked twice in one step (vLLM's bridge lookups) is probed once; the
+            # batch is this thread's now, and apply() reads the same lists.
+            batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
+            wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
+            for group in _list_groups(wire_lists):
+                results = self._bulk.lease_batch(group)
+                rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
+                         for keys, r in zip(group, results)]
+                for r, mine in zip(results, ahead.reserve(rests)):
+                    answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec), *mine))
+        return answers, retried, ahead.evicted
 
-    def _reserve_stores(self, rests: list[list[bytes]]
-                        ) -> tuple[dict[bytes, FencedSlot], set[bytes]]:
-        """(wire key -> reserved slot, keys held already) for these keys, from free slots
-        only; a key that found none is in neither (vLLM's prepare_store asks on the spot)."""
-        wanted = list(dict.fromkeys(k for rest in rests for k in rest))
+
+class _Reservations:
+    """A batch's reservations ahead of its stores (writer session): free slots, and at
+    most ``max_evictions`` evictions over all of its calls."""
+
+    def __init__(self, writer: IndexSession, max_evictions: int, cut: int):
+        self._writer = writer
+        self._max_evictions = max_evictions
+        self._cut = cut  # the namespace prefix's length: wire key -> vLLM key
+        self.evicted: list[bytes] = []
+
+    def reserve(self, lists: list[list[bytes]]) -> list[tuple[list, list, list]]:
+        """Per list of wire keys: (reserved (key, slot), held already, no room), as vLLM
+        keys. A key in two lists is reserved for the first (the second gets neither)."""
+        wanted = list(dict.fromkeys(k for keys in lists for k in keys))
         if not wanted:
-            return {}, set()
-        out = self._writer.prepare_store(wanted, evict=False)
-        reserved = dict(zip(out.keys_to_store, fenced_slots(out.store_spec)))
-        held = set(wanted).difference(reserved, out.no_room_keys)
-        return reserved, held
+            return [([], [], []) for _ in lists]
+        out = self._writer.prepare_store(wanted, max_evictions=self._max_evictions)
+        self._max_evictions -= len(out.evicted_keys)
+        self.evicted += out.evicted_keys
+        reserved: dict[bytes, FencedSlot] = dict(zip(out.keys_to_store,
+                                                     fenced_slots(out.store_spec)))
+        no_room = set(out.no_room_keys)
+        held = set(wanted).difference(reserved, no_room)
+        cut = self._cut
+        return [([(k[cut:], reserved.pop(k)) for k in keys if k in reserved],
+                 [k[cut:] for k in keys if k in held],
+                 [k[cut:] for k in keys if k in no_room]) for keys in lists]

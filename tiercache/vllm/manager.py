@@ -15,10 +15,12 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
   load's refs (releases are batched per step). The coordinator counts leases, not loads
   (its ``loaded_blocks`` counts ``prepare_load`` calls, which this engine never makes):
   the chunks this engine loads are ``vllm:kv_offload_tiercache_loaded_chunks``.
-* ``prepare_store`` is answered from the reservations the step's probe flush made, from
-  free slots only, for the chunks each request is about to compute (no RPC); keys no
-  probe covered or that found no free slot (a GPU prefix hit, decode chunks, a full
-  cache) take one RPC per call for the rest, which may evict. Keys already held by any engine
+* ``prepare_store`` is answered from the reservations the probe flushes made for the
+  chunks each request is about to compute (no RPC; a lookup takes nothing: those
+  reservations evict no more blocks than the engine stored in the step, see
+  ``tiercache.vllm.leases``); keys no probe covered or that found no room (a GPU prefix
+  hit, decode chunks, a full cache) take one RPC per call for the rest, which may
+  evict. Keys already held by any engine
   of this namespace are skipped, keys of one call are never evicted for each other, and
   ``None`` means no room (nothing changed). While the coordinator is down it answers
   "nothing to store" instead, so vLLM neither retries every step nor logs a failure per
@@ -147,7 +149,8 @@ class TierCacheManager(OffloadingManager):
         self._flush_seconds: deque[float] = deque()  # appended by the flusher thread
         self._flusher = Flusher(self._book, self._lock, bulk, writer, reserve=reserve_on_probe,
                                 reconnect_interval_s=reconnect_interval_s,
-                                on_flush=self._flush_seconds.append)
+                                on_flush=self._flush_seconds.append,
+                                on_evicted=self._evicted)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._probed_keys = 0
         self._loaded_chunks = 0
