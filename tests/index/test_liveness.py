@@ -29,6 +29,9 @@ def test_one_session_holds_at_most_its_share_of_the_cache(make_config, tmp_path)
     config = small(make_config, index_max_session_share=0.5)
     with CoordinatorProcess(config, tmp_path), Client(config) as greedy, Client(config) as other:
         assert greedy.prepare_store(k(*range(9))) is None  # 9 of 16: past the share
+        ahead = greedy.prepare_store(k(*range(50, 59)), max_evictions=0)  # free slots only:
+        assert len(ahead.keys_to_store) == 8 and ahead.no_room_keys == tuple(k(58))  # to the share
+        greedy.complete_store(list(ahead.keys_to_store), success=False)
         store(greedy, *range(8))
         assert greedy.lease(k(*range(8))).num_hit == 8  # it holds 8 pins now
         assert greedy.prepare_store(k(100)) is None  # one more would pass the share

@@ -13,9 +13,10 @@ from tiercache import errors
 from tiercache.index.manager import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.index.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_hello_request,
-    decode_lease_batch_request, decode_leases, decode_stats, decode_store_output, encode_error,
-    encode_events, encode_hello, encode_hello_request, encode_lease_batch_request, encode_leases,
-    encode_stats, encode_store_output,
+    decode_lease_batch_request, decode_leases, decode_stats, decode_store_output,
+    decode_store_request, encode_error, encode_events, encode_hello, encode_hello_request,
+    encode_lease_batch_request, encode_leases, encode_stats, encode_store_output,
+    encode_store_request,
 )
 from tiercache.index.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
@@ -46,7 +47,8 @@ def test_header_layout_is_the_documented_one():
     ({"magic": b"HTTP"}, "bad frame magic"),
     ({"version": 1}, "protocol version 1 is not supported"),  # before sessions
     ({"version": 2}, "protocol version 2 is not supported"),  # before fenced specs
-        ({"version": 4}, "protocol version 4 is not supported"),
+    ({"version": 3}, "protocol version 3 is not supported"),  # before lease specs
+    ({"version": PROTOCOL_VERSION + 1}, f"protocol version {PROTOCOL_VERSION + 1} is not"),
     ({"size": MAX_FRAME_BYTES + 1}, f"at most {MAX_FRAME_BYTES}"),
     ({"verb": 0}, "bad frame header"),
     ({"verb": 200}, "bad frame header"),
@@ -119,9 +121,10 @@ def test_reader_refuses_trailing_bytes_and_bad_text():
 
 def test_store_output_round_trips_including_none():
     out = PrepareStoreOutput((b"3", b"4"), CPULoadStoreSpec([2, 0], [9, 2**64 - 1], 0xABC),
-                             (b"1",))
+                             (b"1",), (b"5", b"6"))
     back = decode_store_output(PayloadReader(encode_store_output(out)))
     assert back.keys_to_store == out.keys_to_store and back.evicted_keys == out.evicted_keys
+    assert back.no_room_keys == (b"5", b"6")
     assert back.store_spec.block_ids.tolist() == [2, 0]
     assert back.store_spec.slot_gens.tolist() == [9, 2**64 - 1]  # the fence travels whole
     assert back.store_spec.region_id == 0xABC
@@ -135,7 +138,7 @@ def test_an_unfenced_spec_stays_unfenced_on_the_wire():
 
 def test_store_output_with_mismatched_ids_is_refused():
     bad = (PayloadWriter().u8(1).keys([b"a", b"b"]).spec(CPULoadStoreSpec(np.array([1])))
-           .keys([]).build())
+           .keys([]).keys([]).build())
     with pytest.raises(errors.ProtocolError, match="2 keys but 1 slot ids"):
         decode_store_output(PayloadReader(bad))
     with pytest.raises(errors.ProtocolError, match="flag 7"):
@@ -172,11 +175,27 @@ def test_session_and_lease_payloads_round_trip():
     assert decode_hello(PayloadReader(encode_hello(hello))) == hello
     lists = [[b"a", b"b"], [], [b"long" * 10]]
     assert decode_lease_batch_request(PayloadReader(encode_lease_batch_request(lists))) == lists
-    results = [LeaseResult(2, False), LeaseResult(0, True)]
-    assert decode_leases(PayloadReader(encode_leases(results))) == results
+    results = [LeaseResult(2, False, CPULoadStoreSpec([4, 1], [7, 2**64 - 1], 0xABC)),
+               LeaseResult(0, True, CPULoadStoreSpec([], [], 0xABC))]
+    back = decode_leases(PayloadReader(encode_leases(results)))
+    assert back == results
+    assert back[0].spec.block_ids.tolist() == [4, 1]
+    assert back[0].spec.slot_gens.tolist() == [7, 2**64 - 1]  # the fence travels whole
+    assert back[0].spec.region_id == 0xABC and len(back[1].spec) == 0
+    for limit in (None, 0, 7):
+        assert decode_store_request(PayloadReader(encode_store_request([b"a"], limit))) == (
+            [b"a"], limit)
 
 
 def test_bad_session_and_lease_payloads_are_refused():
+    with pytest.raises(errors.ProtocolError, match="without its slots"):
+        encode_leases([LeaseResult(1, False)])
+    with pytest.raises(errors.SpecError, match="2 hits with 1 slots"):
+        LeaseResult(2, False, CPULoadStoreSpec([3]))
+    with pytest.raises(errors.ProtocolError, match="pending flag 2"):
+        decode_leases(PayloadReader(PayloadWriter().u32(1).u8(2).build()))
+    with pytest.raises(errors.ProtocolError, match="max_evictions = -1"):
+        encode_store_request([b"a"], -1)
     with pytest.raises(errors.ProtocolError, match="token of 3 bytes"):
         encode_hello_request(b"abc", "")
     with pytest.raises(errors.ProtocolError, match=f"at most {MAX_NAME_BYTES}"):

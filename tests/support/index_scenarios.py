@@ -223,15 +223,26 @@ def leases_pin_until_released(cache, policy: str) -> None:
     for i in (1, 2, 3, 4):
         store(cache, i)
     # A lease answers the leading hit run and pins it: 1 and 2 cannot be evicted now.
-    assert cache.lease(k(1, 2, 9, 3)) == LeaseResult(2, pending=False)
+    lease = cache.lease(k(1, 2, 9, 3))
+    assert lease == LeaseResult(2, pending=False)
+    # Its spec is the run's slots, fenced as a prepare_load answer is: a load reads them
+    # under the lease's pins, no prepare_load needed (and none counted).
+    load = cache.prepare_load(k(1, 2))
+    assert ids(lease.spec) == ids(load) == [0, 1]
+    assert lease.spec.region_id == load.region_id
+    if load.slot_gens is not None:
+        assert lease.spec.slot_gens.tolist() == load.slot_gens.tolist()
+    cache.complete_load(k(1, 2))
+    assert cache.stats().loaded_blocks == 2, "the lease was not counted as a load"
     assert cache.prepare_store(k(5, 6, 7)) is None  # only 3 and 4 could go
     out = cache.prepare_store(k(5))
     assert out.evicted_keys == tuple(k(3))  # 1 and 2 were older, but leased
     # 5 is being written: a lease that reaches it says "pending" (ask again soon).
     assert cache.lease(k(4, 5)) == LeaseResult(1, pending=True)
-    assert cache.lease(k(5)) == LeaseResult(0, pending=True)
+    nothing = cache.lease(k(5))
+    assert nothing == LeaseResult(0, pending=True) and len(nothing.spec) == 0
     s = cache.stats()
-    assert (s.loading_blocks, s.leased_blocks, s.lookups) == (3, 3, 3)
+    assert (s.loading_blocks, s.leased_blocks, s.lookups, s.loaded_blocks) == (3, 3, 3, 2)
     # A lease and a load share one pin counter: the load ends, the lease still holds 1.
     cache.prepare_load(k(1))
     cache.complete_load(k(1))
@@ -243,6 +254,31 @@ def leases_pin_until_released(cache, policy: str) -> None:
     s = cache.stats()
     assert (s.loading_blocks, s.ready_blocks, s.free_blocks) == (0, 4, 0)
     assert store(cache, 6).evicted_keys == tuple(k(1))  # evictable again
+
+
+def reserving_ahead_evicts_at_most_its_limit(cache, policy: str) -> None:
+    for i in (1, 2, 3):
+        store(cache, i)
+    # A reservation ahead of a store that may never happen (a scheduler's probe), free
+    # slots only: one is free, so 4 is reserved, 5 gets nothing, 1 is held already.
+    out = cache.prepare_store(k(4, 5, 1), max_evictions=0)
+    assert (out.keys_to_store, out.no_room_keys, out.evicted_keys) == (tuple(k(4)), tuple(k(5)), ())
+    assert ids(out) == [3]
+    # No free slot left: nothing reserved, and still not None ("no room" is per key).
+    out = cache.prepare_store(k(6, 7), max_evictions=0)
+    assert (out.keys_to_store, out.no_room_keys, ids(out)) == ((), tuple(k(6, 7)), [])
+    assert cache.lookup(k(1, 2, 3)) == 3, "no stored block was evicted"
+    s = cache.stats()
+    assert (s.evicted_blocks, s.store_rejections, s.writing_blocks) == (0, 0, 1)
+    # One eviction allowed: 6 evicts the least recent of 2 and 3 (1 is a key of the call,
+    # never evicted for it), 7 gets nothing.
+    out = cache.prepare_store(k(1, 6, 7), max_evictions=1)
+    assert (out.keys_to_store, out.no_room_keys) == (tuple(k(6)), tuple(k(7)))
+    assert out.evicted_keys in (tuple(k(2)), tuple(k(3)))
+    # The store itself (the request really computes 5) may evict, as ever.
+    out = cache.prepare_store(k(5))
+    assert out.keys_to_store == tuple(k(5)) and out.no_room_keys == ()
+    assert len(out.evicted_keys) == 1
 
 
 # ---------------------------------------------------------------- ARC only
@@ -271,6 +307,7 @@ BOTH: dict[str, Scenario] = {f.__name__: f for f in (
     store_then_hit, least_recent_goes_first, prefix_tail_goes_first, same_call_keys_protected,
     loading_and_pending_blocks_protected, more_than_capacity_refused, failed_store_frees_slots,
     events, misuse_is_refused, reset_forgets_everything, scan_vs_reuse, leases_pin_until_released,
+    reserving_ahead_evicts_at_most_its_limit,
 )}
 ARC_ONLY: dict[str, Scenario] = {arc_ghost_hits_adapt_target.__name__: arc_ghost_hits_adapt_target}
 USES_EVENTS = {"events", "reset_forgets_everything"}

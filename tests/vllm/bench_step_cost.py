@@ -120,8 +120,23 @@ def run_pass(engine: Engine, prompts: list[list[int]], label: str) -> dict:
     }
 
 
-def direct_steps(coordinator, num_requests: int, num_keys: int) -> dict[str, float]:
-    """Milliseconds per step of the calls vLLM makes, straight on the manager."""
+def fill(coordinator, num_keys: int, salt: int) -> None:
+    """Store ``num_keys`` keys of another namespace: a full cache of READY blocks."""
+    from tiercache.index.client import Client
+    from tiercache.index.protocol import MAX_KEYS_PER_CALL
+
+    keys = [b"filler-%d-%d" % (salt, i) for i in range(num_keys)]
+    with Client(coordinator.config) as client:
+        for start in range(0, num_keys, MAX_KEYS_PER_CALL):
+            out = client.prepare_store(keys[start:start + MAX_KEYS_PER_CALL])
+            client.complete_store(list(out.keys_to_store))
+
+
+def direct_steps(coordinator, num_requests: int, num_keys: int, full_cache: bool = False,
+                 salt: int = 1) -> dict[str, float]:
+    """Milliseconds per step of the calls vLLM makes, straight on the manager; with
+    ``full_cache``, the cache is filled with other READY blocks before the cold steps, so
+    every store must evict."""
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 
     from vllm_harness import offloading_config
@@ -144,7 +159,9 @@ def direct_steps(coordinator, num_requests: int, num_keys: int) -> dict[str, flo
         assert manager.wait_flushed(120)
 
     try:
-        for salt, label in ((1, "cold"), (1, "warm")):
+        if full_cache:
+            fill(coordinator, num_requests * num_keys, salt)
+        for label in ("cold", "warm"):
             contexts = [ReqContext(f"{label}-{r}") for r in range(num_requests)]
             keys = [keys_of(r, salt) for r in range(num_requests)]
             with manager.lock:
@@ -213,10 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM max_num_batched_tokens (prefill tokens per step)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--repeats", type=int, default=5, help="direct measurements (best kept)")
+    parser.add_argument("--full-cache", action="store_true",
+                        help="a cache of exactly one pass, full of other blocks before the "
+                             "cold steps: every store evicts")
     args = parser.parse_args(argv)
     model = TinyModel()
     tokens_per_prompt = args.keys * 16
-    chunks = 2 * args.requests * args.keys + 64
+    chunks = (args.requests * args.keys if args.full_cache
+              else 2 * args.requests * args.keys + 64)
     gpu_blocks = args.requests * (args.keys + 2) + 16
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp:
         tmp_path = Path(tmp)
@@ -227,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [[(r * 7919 + i) % 250 for i in range(tokens_per_prompt)]
                        for r in range(args.requests)]
             direct: dict[str, float] = {}
-            for _ in range(args.repeats):
-                for name, ms in direct_steps(coordinator, args.requests, args.keys).items():
+            for repeat in range(args.repeats):
+                salt = 1 + repeat if args.full_cache else 1  # a full cache: fresh keys each time
+                for name, ms in direct_steps(coordinator, args.requests, args.keys,
+                                             args.full_cache, salt).items():
                     direct[name] = min(ms, direct.get(name, ms))
             results = []
+            if args.full_cache:
+                fill(coordinator, chunks, salt=0)
             for label in ("cold", "warm"):
                 engine = Engine.build(model, model_dir, coordinator.config_path,
                                       num_gpu_blocks=gpu_blocks, max_num_seqs=args.requests,

@@ -202,3 +202,53 @@ def test_reservations_of_a_request_that_finished_meanwhile_are_freed():
     b.request_finished(r)
     b.apply(batch, [LeaseAnswer(0, False, [], reserved=[(k(0), 4)])])
     assert b.take_batch().stores_failed == [P + k(0)]
+
+
+def test_keys_that_found_no_room_stay_misses_until_the_request_stores_them():
+    b = book()
+    r = b.new_request("r")
+    for i in range(3):
+        b.lookup(k(i), r)
+    b.apply(b.take_batch(), [LeaseAnswer(1, False, [0], reserved=[(k(1), 5)], no_room=[k(2)])])
+    b.take_batch()  # a step in which r was not scheduled: the probe's answers expire
+    assert [b.lookup(k(i), r) for i in range(3)] == [HIT, MISS, MISS], "never probed again"
+    assert not b.take_batch().probes
+    assert b.take_reserved([k(1), k(2)], r) == ([k(1)], [5], [k(2)])  # 2: asked on the spot
+    assert not r.leases.unreserved
+
+
+def test_a_step_that_stores_lets_its_reservations_evict_that_many_and_retries_no_room_keys():
+    b = book()
+    old, new = b.new_request("old"), b.new_request("new")
+    b.lookup(k(0), old)
+    b.lookup(k(1), old)
+    b.lookup(k(5), new)
+    batch = b.take_batch()
+    assert batch.num_stored == 0, "a step that stored nothing: its reservations evict nothing"
+    b.apply(batch, [LeaseAnswer(0, False, [], no_room=[k(0), k(1)]),
+                    LeaseAnswer(0, False, [], no_room=[k(5)])])
+    b.stores_prepared([k(9)], [3])  # a store asked on the spot, in this step
+    batch = b.take_batch()
+    assert batch.num_stored == 1
+    assert [(p.request, p.keys) for p in batch.retries] == [(old.leases, [k(0)])], \
+        "oldest request first, at most one key per key stored"
+    assert b.take_reserved([k(5)], new) == ([], [], [k(5)])  # new stores on the spot
+    batch2 = b.take_batch()
+    assert [p.keys for p in batch2.retries] == [], "old's retry is in flight; new has none left"
+    b.apply(batch, [], [LeaseAnswer(0, False, (), reserved=[(k(0), 7)])])
+    b.apply(batch2, [])
+    assert b.take_reserved([k(0)], old) == ([k(0)], [7], [])
+    b.request_finished(old)
+    assert not b.take_batch().retries, "a finished request's keys are not retried"
+
+
+def test_retried_reservations_of_a_request_that_finished_meanwhile_are_freed():
+    b = book()
+    r = b.new_request("r")
+    b.lookup(k(0), r)
+    b.apply(b.take_batch(), [LeaseAnswer(0, False, [], no_room=[k(0)])])
+    b.stores_prepared([k(9)], [3])
+    batch = b.take_batch()
+    b.request_finished(r)
+    b.apply(batch, [], [LeaseAnswer(0, False, (), reserved=[(k(0), 4)])])
+    assert b.take_batch().stores_failed == [P + k(0)]

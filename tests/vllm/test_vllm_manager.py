@@ -260,3 +260,83 @@ def test_the_namespace_names_everything_that_shapes_the_bytes(tiny_model, coordi
     assert len(digests) == 8
     same = TierCacheOffloadingSpec(replace(base, engine_id="another-engine")).namespace.digest
     assert same in digests, "the engine's identity is not part of the namespace"
+
+
+def test_a_lease_answers_the_fenced_slots_its_load_reads_in_one_round_trip(sched, coordinator):
+    writer, reader = sched.request("w"), sched.request("r")
+    sched.store(writer, [key(1), key(2)])
+    sched.end_step()
+    sched.lookup(reader, [key(1), key(2)])
+    sched.end_step()
+    assert sched.lookup(reader, [key(1), key(2)]) == [HIT, HIT]
+    with sched.manager.lock:
+        spec = sched.manager.prepare_load([key(1), key(2)], reader).to_cpu_spec()
+    prefix = sched.manager.namespace.digest
+    with Client(coordinator.config) as other:  # what a prepare_load of the keys answers
+        want = other.prepare_load([prefix + key(1), prefix + key(2)])
+        other.complete_load([prefix + key(1), prefix + key(2)])
+    assert spec.fenced and spec.region_id == want.region_id
+    assert spec.block_ids.tolist() == want.block_ids.tolist()
+    assert spec.slot_gens.tolist() == want.slot_gens.tolist()
+    stats = coordinator_stats(coordinator)
+    # The flush sent one lease_batch and no prepare_load: the coordinator counts 2 leases
+    # and only the other session's load; the load holds the lease's pins.
+    assert (stats.leased_blocks, stats.loaded_blocks, stats.loading_blocks) == (2, 2, 2)
+    with sched.manager.lock:
+        sched.manager.on_request_finished(reader)
+    sched.end_step()
+    assert coordinator_stats(coordinator).loading_blocks == 2, "the load in flight keeps its pins"
+    with sched.manager.lock:
+        sched.manager.complete_load([key(1), key(2)], reader)
+    sched.end_step()
+    assert coordinator_stats(coordinator).loading_blocks == 0, "released with the load"
+    with sched.manager.lock:
+        values = sched.manager.get_stats().metric_sections()[1]
+    assert values["vllm:kv_offload_tiercache_loaded_chunks"] == {(): 2}
+
+
+def test_a_lookup_takes_nothing_a_miss_evicts_no_stored_block(spec_for, start_coordinator):
+    # vLLM's manager contract: lookup is a query. A probe reserves the chunks a request is
+    # about to compute from free slots only; the store itself may evict.
+    small = start_coordinator(num_chunks=2)
+    sched = Scheduler(spec_for(small).get_manager())
+    writer, probe = sched.request("w"), sched.request("p")
+    sched.store(writer, [key(1), key(2)])
+    sched.end_step()
+    sched.lookup(probe, [key(3)])
+    sched.end_step()
+    assert sched.lookup(probe, [key(3)]) == [MISS]
+    assert coordinator_stats(small).evicted_blocks == 0
+    reader = sched.request("r")
+    sched.lookup(reader, [key(1), key(2)])
+    sched.end_step()
+    assert sched.lookup(reader, [key(1), key(2)]) == [HIT, HIT], "the miss took neither"
+    with sched.manager.lock:
+        sched.manager.on_request_finished(reader)
+    sched.end_step()
+    out = sched.store(probe, [key(3)])
+    assert out.keys_to_store == [key(3)] and len(out.evicted_keys) == 1
+
+
+def test_reservations_evict_no_more_than_the_step_stored_and_retry_what_found_no_room(
+        spec_for, start_coordinator):
+    small = start_coordinator(num_chunks=4)
+    with Client(small.config) as other:  # a cache full of another engine's blocks
+        out = other.prepare_store([b"other-%d" % i for i in range(4)])
+        other.complete_store(list(out.keys_to_store))
+    sched = Scheduler(spec_for(small).get_manager())
+    waiting, writer = sched.request("waiting"), sched.request("w")
+    sched.lookup(waiting, [key(1), key(2)])
+    sched.end_step()
+    assert sched.lookup(waiting, [key(1), key(2)]) == [MISS, MISS]
+    assert coordinator_stats(small).evicted_blocks == 0, "a step that stored nothing"
+    sched.end_step()
+    assert sched.lookup(waiting, [key(1)]) == [MISS], "no room is still a miss, not a retry"
+    sched.store(writer, [key(9)])  # a real store in this step: asked on the spot, evicts one
+    sched.end_step()  # the step stored one: its flush may evict one for the waiting request
+    stats = coordinator_stats(small)
+    assert (stats.evicted_blocks, stats.writing_blocks) == (2, 1)
+    with sched.manager.lock:
+        out = sched.manager.prepare_store([key(1)], waiting)
+    assert out.keys_to_store == [key(1)], "answered from the retried reservation"
+    assert coordinator_stats(small).evicted_blocks == 2

@@ -35,7 +35,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm.v1.kv_offload.config import (
@@ -217,6 +217,10 @@ class Engine:
         self.scheduler.add_request(Request(
             request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
             pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_TOKENS, sha256)))
+
+    def abort(self, req_id: str) -> None:
+        """The client went away (vLLM's ``abort_requests``): the request finishes as it is."""
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()

@@ -52,7 +52,7 @@ from tiercache.errors import (
 from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
 from tiercache.index.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
-    decode_store_output, encode_hello_request, encode_lease_batch_request,
+    decode_store_output, encode_hello_request, encode_lease_batch_request, encode_store_request,
 )
 from tiercache.index.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
@@ -175,8 +175,12 @@ class Client:
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self._call(Verb.COMPLETE_LOAD, PayloadWriter().keys(keys).build()).done()
 
-    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
-        reader = self._call(Verb.PREPARE_STORE, PayloadWriter().keys(keys).build())
+    def prepare_store(self, keys: Sequence[bytes], *, max_evictions: int | None = None
+                      ) -> PrepareStoreOutput | None:
+        """With ``max_evictions``: reserve ahead of a store that may not happen, from free
+        slots and at most that many evictions, never ``None`` (see the index's
+        ``prepare_store``)."""
+        reader = self._call(Verb.PREPARE_STORE, encode_store_request(keys, max_evictions))
         out = decode_store_output(reader)
         reader.done()
         return out
@@ -187,7 +191,8 @@ class Client:
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[LeaseResult]:
         """One lease per list, in one call (each list atomically): its leading run of
-        readable keys is pinned for this session until ``release``."""
+        readable keys is pinned for this session until ``release``, and its slots come
+        back as a fenced spec (``LeaseResult.spec``) to load from without ``prepare_load``."""
         reader = self._call(Verb.LEASE_BATCH, encode_lease_batch_request(key_lists))
         results = decode_leases(reader)
         if len(results) != len(key_lists):

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
 from tiercache.index.payloads import (
-    decode_lease_batch_request, encode_events, encode_leases, encode_stats, encode_store_output,
+    decode_lease_batch_request, decode_store_request, encode_events, encode_leases, encode_stats,
+    encode_store_output,
 )
 from tiercache.index.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
@@ -44,7 +45,8 @@ def _complete_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
 
 
 def _prepare_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    return encode_store_output(m.prepare_store(_keys_then(r), owner=owner))
+    keys, max_evictions = decode_store_request(r)
+    return encode_store_output(m.prepare_store(keys, owner=owner, max_evictions=max_evictions))
 
 
 def _complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
@@ -56,7 +58,8 @@ def _complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes
 
 
 def _lease_batch(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    """One lease per list, each atomic (the index's lock per list), in list order."""
+    """One lease per list, each atomic (the index's lock per list), in list order; each
+    answers its hit run's slots (no ``prepare_load`` follows)."""
     return encode_leases([m.lease(keys, owner=owner) for keys in decode_lease_batch_request(r)])
 
 

@@ -13,7 +13,9 @@ held key is the single owner of that block's state, its writer and its pins::
 caller names (the control server gives each client session its own; in-process users
 get ``LOCAL_OWNER``). A pin comes from ``prepare_load`` (one per key, dropped by
 ``complete_load``) or from ``lease`` (one per hit, for a scheduler that must find its
-HIT still there at ``prepare_load``); both count in the slot's one per-owner pin counter.
+HIT still there when it loads: the lease answers the run's slots, so its holder loads
+under the lease's pin, with no ``prepare_load``); both count in the slot's one per-owner
+pin counter.
 ``release`` drops every pin an owner holds on some keys; ``end_session`` frees every
 reservation and drops every pin of an owner (its client is gone). An underflow raises;
 nothing is ever repaired.
@@ -246,7 +248,9 @@ class OffloadingManager:
     def lease(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> LeaseResult:
         """A lookup whose hits are pinned for ``owner`` (one pin each) until released.
 
-        Counted as a lookup. ``pending``: the key after the hit run is being written.
+        Counted as a lookup (and the hits in ``leased_blocks``, not ``loaded_blocks``: the
+        caller may load from the answer's spec or never). ``pending``: the key after the
+        hit run is being written.
         """
         check_owner(owner)
         with self._lock:
@@ -265,7 +269,8 @@ class OffloadingManager:
             promoting = self._promote_after(keys, hits)
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
             return LeaseResult(hits, promoting or (after is not None
-                                                   and after.state is SlotState.WRITING))
+                                                   and after.state is SlotState.WRITING),
+                               self._spec([self._slots[key] for key in keys[:hits]]))
 
     def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
         """Start promoting the run of keys after the host hits that the lower tier holds;
@@ -388,11 +393,17 @@ class OffloadingManager:
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER
-                      ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER,
+                      max_evictions: int | None = None) -> PrepareStoreOutput | None:
         """Reserve slots (for ``owner``) for the keys not held yet, evicting READY blocks
         if needed. Returns ``None`` (and changes nothing) when not enough blocks can be
-        evicted; keys of this call are never evicted to make room for each other."""
+        evicted; keys of this call are never evicted to make room for each other.
+
+        With ``max_evictions`` (an int) it reserves ahead of a store that may never happen
+        (a scheduler's probe): the new keys are reserved in order from free slots, then by
+        evicting at most ``max_evictions`` READY blocks (0: free slots only), while the
+        session's room lasts; the rest are ``no_room_keys`` (nothing reserved for them,
+        not counted as a rejection). Never ``None``."""
         check_owner(owner)
         check_keys(keys, "prepare_store")
         require_unique(keys, "prepare_store")
@@ -401,8 +412,16 @@ class OffloadingManager:
         with self._lock:
             new_keys = [k for k in keys if k not in self._slots]
             cap = self._max_session_blocks
-            if new_keys and cap is not None and owner != TIER_OWNER:
-                held = self._holdings.get(owner)
+            held = self._holdings.get(owner)
+            no_room: list[bytes] = []
+            if owner == TIER_OWNER:
+                cap = None  # the coordinator's own tiers have no session share
+            if max_evictions is not None:
+                room = self._num_free() + min(max_evictions, self._num_evictable(keys))
+                if cap is not None:
+                    room = min(room, max(0, cap - (held.num_blocks if held else 0)))
+                new_keys, no_room = new_keys[:room], new_keys[room:]
+            elif new_keys and cap is not None:
                 if (held.num_blocks if held else 0) + len(new_keys) > cap:
                     self._counters["store_rejections"] += 1
                     self._counters["session_limit_rejections"] += 1
@@ -428,7 +447,8 @@ class OffloadingManager:
             if self._ledger is not None:
                 self._ledger.free(sorted(set(victim_slots) - set(slot_ids)))
                 self._ledger.writing(slot_ids, new_keys, owner, [s.gen for s in slots])
-            return PrepareStoreOutput(tuple(new_keys), self._spec(slots), tuple(victims))
+            return PrepareStoreOutput(tuple(new_keys), self._spec(slots), tuple(victims),
+                                      tuple(no_room))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
                        owner: int = LOCAL_OWNER) -> None:
@@ -627,6 +647,13 @@ class OffloadingManager:
 
     def _num_free(self) -> int:
         return self._capacity - len(self._slots)
+
+    def _num_evictable(self, protected_keys: Sequence[bytes]) -> int:
+        """READY blocks that are not among ``protected_keys``: what eviction can free."""
+        ready = SlotState.READY
+        protected = sum(1 for key in set(protected_keys)
+                        if (slot := self._slots.get(key)) is not None and slot.state is ready)
+        return self._num_by_state[ready] - protected
 
     def _allocate(self, key: bytes) -> Slot:
         if self._free:

@@ -23,7 +23,7 @@ def encode_store_output(out: PrepareStoreOutput | None) -> bytes:
     if out is None:
         return PayloadWriter().u8(0).build()
     return (PayloadWriter().u8(1).keys(out.keys_to_store).spec(out.store_spec)
-            .keys(out.evicted_keys).build())
+            .keys(out.evicted_keys).keys(out.no_room_keys).build())
 
 
 def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
@@ -35,10 +35,32 @@ def decode_store_output(reader: PayloadReader) -> PrepareStoreOutput | None:
     keys = tuple(reader.keys())
     spec = reader.spec()
     evicted = tuple(reader.keys())
+    no_room = tuple(reader.keys())
     if len(spec) != len(keys):
         raise errors.ProtocolError(
             f"prepare_store answer: {len(keys)} keys but {len(spec)} slot ids")
-    return PrepareStoreOutput(keys, spec, evicted)
+    return PrepareStoreOutput(keys, spec, evicted, no_room)
+
+
+NO_EVICTION_LIMIT = 0xFFFFFFFF  # a PREPARE_STORE's u32 max_evictions: a store (None)
+
+
+def encode_store_request(keys: Sequence[bytes], max_evictions: int | None) -> bytes:
+    if max_evictions is None:
+        limit = NO_EVICTION_LIMIT
+    elif 0 <= max_evictions < NO_EVICTION_LIMIT:
+        limit = max_evictions
+    else:
+        raise errors.ProtocolError(f"prepare_store max_evictions = {max_evictions!r}; allowed "
+                                   f"0 .. {NO_EVICTION_LIMIT - 1}, or None")
+    return PayloadWriter().u32(limit).keys(keys).build()
+
+
+def decode_store_request(reader: PayloadReader) -> tuple[list[bytes], int | None]:
+    limit = reader.u32()
+    keys = reader.keys()
+    reader.done()
+    return keys, None if limit == NO_EVICTION_LIMIT else limit
 
 
 def encode_events(events: Sequence[OffloadingEvent]) -> bytes:
@@ -166,18 +188,26 @@ def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
     return lists
 
 
-_LEASE = struct.Struct("<IB")
-
-
 def encode_leases(results: Sequence[LeaseResult]) -> bytes:
-    body = b"".join(_LEASE.pack(r.num_hit, int(r.pending)) for r in results)
-    return _U32.pack(len(results)) + body
+    """Per lease: u8 pending, then the hit run's spec (its length is ``num_hit``)."""
+    writer = PayloadWriter().u32(len(results))
+    for r in results:
+        if r.spec is None:
+            raise errors.ProtocolError(f"a lease of {r.num_hit} hits without its slots")
+        writer.u8(int(r.pending)).spec(r.spec)
+    return writer.build()
 
 
 def decode_leases(reader: PayloadReader) -> list[LeaseResult]:
     n = reader.u32()
     if n > MAX_KEYS_PER_CALL:
         raise errors.ProtocolError(f"{n} lease results; at most {MAX_KEYS_PER_CALL}")
-    raw = reader.chunk(n * _LEASE.size)
+    results = []
+    for _ in range(n):
+        pending = reader.u8()
+        if pending not in (0, 1):
+            raise errors.ProtocolError(f"lease pending flag {pending}; expected 0 or 1")
+        spec = reader.spec()
+        results.append(LeaseResult(len(spec), bool(pending), spec))
     reader.done()
-    return [LeaseResult(hits, bool(pending)) for hits, pending in _LEASE.iter_unpack(raw)]
+    return results

@@ -22,8 +22,10 @@ from tiercache.specs import CPULoadStoreSpec
 
 MAGIC = b"TCKV"
 # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats; 3: fenced specs (region id and
-# slot generations in PREPARE_LOAD/PREPARE_STORE answers), liveness deadline in HELLO
-PROTOCOL_VERSION = 3
+# slot generations in PREPARE_LOAD/PREPARE_STORE answers), liveness deadline in HELLO;
+# 4: LEASE_BATCH answers each hit run's fenced spec, PREPARE_STORE takes an eviction limit and
+# answers the keys that found no room
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
@@ -35,8 +37,11 @@ MAX_NAME_BYTES = 256  # a client's name in HELLO
 # buffers at most one request per connection, so this bounds its memory per connection.
 MAX_REQUEST_BYTES = 5 << 20
 assert 4 + MAX_KEYS_PER_CALL * (6 + 2 + MAX_KEY_BYTES) <= MAX_REQUEST_BYTES
-# The largest payload (a PREPARE_STORE answer) must fit in a frame.
-assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 8 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
+# The largest payload (a PREPARE_STORE answer: keys to store or without room, evicted keys,
+# a slot id and generation per key to store) must fit in a frame; so must a LEASE_BATCH
+# answer (per list a flag and a spec's header, per key a slot id and generation).
+assert 2 * MAX_KEYS_PER_CALL * (2 + MAX_KEY_BYTES) + 16 * MAX_KEYS_PER_CALL + 64 <= MAX_FRAME_BYTES
+assert 4 + MAX_KEYS_PER_CALL * (1 + 4 + 8) + 16 * MAX_KEYS_PER_CALL <= MAX_FRAME_BYTES
 assert MAX_KEY_BYTES < 0xFFFF  # VARIABLE_WIDTH is never a real width
 assert MAX_KEY_BYTES <= LEDGER_KEY_BYTES  # every key on the wire fits the durable index
 
@@ -50,8 +55,9 @@ class Verb(IntEnum):
                                                     their generations, the region id)
         3  TOUCH            keys                    (empty)
         4  COMPLETE_LOAD    keys                    (empty)
-        5  PREPARE_STORE    keys                    u8 0 (= None), or u8 1, keys to store,
-                                                    spec, evicted keys
+        5  PREPARE_STORE    u32 max evictions       u8 0 (= None), or u8 1, keys to store,
+                            (0xFFFFFFFF: no limit,  spec, evicted keys, keys without room
+                            all or nothing), keys   (with a limit: never None)
         6  COMPLETE_STORE   u8 success, keys        (empty)
         7  TAKE_EVENTS      (empty)                 u32 n, n x (u8 removed, str medium, keys);
                                                     at most MAX_KEYS_PER_CALL keys in all, so
@@ -62,9 +68,10 @@ class Verb(IntEnum):
         11 HELLO            raw token (0 or 16      raw token (16 bytes), u8 resumed,
                             bytes), str name        u32 grace in milliseconds, u32 liveness
                                                     deadline in milliseconds (0: none)
-        12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u32 hits, u8 pending)
-                            most MAX_KEYS_PER_CALL
-                            keys in all)
+        12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u8 pending, spec of the
+                            most MAX_KEYS_PER_CALL  hit run: its length is the hits; a
+                            keys in all)            load reads these slots under the
+                                                    lease's pins, no PREPARE_LOAD)
         13 RELEASE          keys                    u32 pins dropped
 
     The first request on a connection must be HELLO: it opens a session (or resumes the
@@ -115,7 +122,7 @@ class FrameHeader(NamedTuple):
 
         offset  size  field
         0       4     magic           b"TCKV"
-        4       1     version         PROTOCOL_VERSION (1)
+        4       1     version         PROTOCOL_VERSION (4)
         5       1     verb            ``Verb``
         6       1     status          ``Status`` (requests: 0)
         7       1     reserved        0

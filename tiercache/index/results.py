@@ -3,8 +3,9 @@ stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tiercache.errors import SpecError
 from tiercache.specs import CPULoadStoreSpec, Medium
 
 
@@ -13,22 +14,35 @@ class PrepareStoreOutput:
     """What to write: ``keys_to_store[i]`` goes to ``store_spec.block_ids[i]``.
 
     Keys of the call that were already held (ready or being written) are not in
-    ``keys_to_store``; ``evicted_keys`` were dropped to make room.
+    ``keys_to_store``; ``evicted_keys`` were dropped to make room. ``no_room_keys``: keys
+    not held that got no slot in a reservation ahead (``max_evictions`` given: free slots
+    and at most that many evictions); always empty for a store (all or nothing).
     """
 
     keys_to_store: tuple[bytes, ...]
     store_spec: CPULoadStoreSpec
     evicted_keys: tuple[bytes, ...]
+    no_room_keys: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
 class LeaseResult:
     """``num_hit``: the leading run of readable keys, each now pinned once by the caller
     (release it with ``release``). ``pending``: the key right after that run is being
-    written (vLLM's HIT_PENDING: worth asking again soon)."""
+    written (vLLM's HIT_PENDING: worth asking again soon). ``spec``: the run's slots,
+    co-indexed with it and fenced like a ``prepare_load`` answer (region id, generations):
+    what a load of the run reads, under the lease's own pins, so no ``prepare_load`` is
+    needed. Built by hand (tests) it may be left out; equality compares ``num_hit`` and
+    ``pending`` only (a spec has no value equality)."""
 
     num_hit: int
     pending: bool
+    spec: CPULoadStoreSpec | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and len(self.spec) != self.num_hit:
+            raise SpecError(f"a lease of {self.num_hit} hits with {len(self.spec)} slots; "
+                             "one slot per hit")
 
 
 @dataclass(frozen=True)

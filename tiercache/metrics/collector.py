@@ -150,7 +150,8 @@ class Family(Enum):
     INDEX_STORED_BLOCKS = ("counter", "tiercache_index_stored_blocks",
                            "Blocks whose store completed successfully.", (), "stored_blocks")
     INDEX_LOADED_BLOCKS = ("counter", "tiercache_index_loaded_blocks",
-                           "Blocks handed out for loading.", (), "loaded_blocks")
+                           "Blocks handed out by prepare_load (leases are counted as "
+                           "leased blocks).", (), "loaded_blocks")
     INDEX_STORE_REJECTIONS = ("counter", "tiercache_index_store_rejections",
                               "prepare_store calls refused for lack of evictable room.", (),
                               "store_rejections")

@@ -4,14 +4,22 @@
 while the engine runs the model, then files the answers in the ``LeaseBook`` under the
 manager's lock (vLLM's own async lookups work the same way: one queue item per step, a
 background thread, a real lock). Per batch, in order: completed stores, failed stores
-(both on the *writer* session, which made those reservations), releases, then one
-``lease_batch`` for every probed request and one ``prepare_load`` of the leased keys for
-their slot ids (both on the *bulk* session, which owns the leases), then, with
-``reserve``, one ``prepare_store`` (writer session) for the keys past each request's
-leased run: the chunks it is about to compute, so vLLM's ``prepare_store`` for them is
-answered without an RPC (see ``tiercache.vllm.leases``). A key two requests miss is
-reserved for the first; a probe whose run ends at a pending key reserves nothing (it
-will be asked again); no room means no reservation (the store is asked on the spot).
+(both on the *writer* session, which made those reservations), releases, the batch's
+retries (one ``prepare_store``, writer session, for keys of earlier probes that found no
+room), then one ``lease_batch`` for every probed request (*bulk* session, which owns the
+leases; each lease answers its hit run's fenced slots, so no ``prepare_load`` follows: a
+load reads them under the lease's pin), then, with ``reserve``, one ``prepare_store``
+(writer session) for the keys past each request's leased run: the chunks it is about to
+compute, so vLLM's ``prepare_store`` for them is answered without an RPC (see
+``tiercache.vllm.leases``). A key two requests miss is reserved for the first; a probe
+whose run ends at a pending key reserves nothing (it will be asked again).
+
+**A lookup takes nothing**: these reservations are made ahead of stores that may never
+happen (a request may be aborted before it computes a token), so they take free slots
+and evict at most ``batch.num_stored`` blocks in all, as many as the engine really
+stored during the step (``prepare_store(max_evictions=...)``, in request order while
+room lasts). Keys that found no room are retried in a later batch, or stored at vLLM's
+``prepare_store`` on the spot (one RPC, which may evict: the request computes them).
 
 Two sessions, because the scheduler thread itself calls ``prepare_store`` on the writer
 while this thread may be in a long lease RPC on the bulk one; a client serves one call at
@@ -39,7 +47,7 @@ from typing import Any, Protocol
 
 from tiercache.errors import CoordinatorGoneError, SessionLostError
 from tiercache.index.protocol import MAX_KEYS_PER_CALL
-from tiercache.vllm.batch import Batch, LeaseAnswer, Probe, fenced_slots
+from tiercache.vllm.batch import Batch, FencedSlot, LeaseAnswer, Probe, fenced_slots
 from tiercache.vllm.leases import LeaseBook
 
 log = logging.getLogger(__name__)
@@ -54,8 +62,8 @@ class IndexSession(Protocol):
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[Any]: ...
     def release(self, keys: Sequence[bytes]) -> int: ...
-    def prepare_load(self, keys: Sequence[bytes]) -> Any: ...
-    def prepare_store(self, keys: Sequence[bytes]) -> Any: ...
+    def prepare_store(self, keys: Sequence[bytes], *,
+                      max_evictions: int | None = None) -> Any: ...
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None: ...
     def ping(self) -> float: ...
     def close(self) -> None: ...
@@ -169,9 +177,9 @@ class Flusher:
     def _flush(self, batch: Batch) -> None:
         start = time.perf_counter()
         try:
-            answers, evicted = self._send(batch)
+            answers, retried, evicted = self._send(batch)
             with self._lock:
-                self._book.apply(batch, answers)
+                self._book.apply(batch, answers, retried)
                 if evicted and self._on_evicted is not None:
                     self._on_evicted(evicted)
         except CoordinatorGoneError as e:
@@ -219,50 +227,61 @@ class Flusher:
         self._down_since = None
         return True
 
-    def _send(self, batch: Batch) -> tuple[list[LeaseAnswer], list[bytes]]:
+    def _send(self, batch: Batch
+              ) -> tuple[list[LeaseAnswer], list[LeaseAnswer], list[bytes]]:
+        """(answers to the probes, answers to the retries, keys evicted by reservations)."""
         for keys in _chunks(batch.stores_done):
             self._writer.complete_store(keys, True)
         for keys in _chunks(batch.stores_failed):
             self._writer.complete_store(keys, False)
         for keys in _chunks(batch.releases):
             self._bulk.release(keys)
-        if not batch.probes:
-            return [], []
         prefix = batch.prefix
-        # A key asked twice in one step (vLLM's bridge lookups) is probed once; the batch is
-        # this thread's now, and apply() reads the same lists.
-        batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
-        wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
+        cut = len(prefix)
+        ahead = _Reservations(self._writer, batch.num_stored, cut)
+        retried: list[LeaseAnswer] = []
+        lists = [[prefix + key for key in keys] for _, keys in batch.retries]
+        for group in _list_groups(lists):
+            retried += [LeaseAnswer(0, False, (), *mine) for mine in ahead.reserve(group)]
         answers: list[LeaseAnswer] = []
-        evicted: list[bytes] = []
-        for group in _list_groups(wire_lists):
-            results = self._bulk.lease_batch(group)
-            leased = [key for keys, r in zip(group, results) for key in keys[:r.num_hit]]
-            slots = [s for keys in _chunks(leased)
-                     for s in fenced_slots(self._bulk.prepare_load(keys))]
-            rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
-                     for keys, r in zip(group, results)]
-            reserved, held, group_evicted = self._reserve_stores(rests)
-            evicted += group_evicted
-            at = 0
-            cut = len(prefix)
-            for rest, r in zip(rests, results):
-                mine = [(k[cut:], reserved.pop(k)) for k in rest if k in reserved]
-                skipped = [k[cut:] for k in rest if k in held]
-                answers.append(LeaseAnswer(r.num_hit, r.pending, slots[at:at + r.num_hit],
-                                           mine, skipped))
-                at += r.num_hit
-        return answers, evicted
+        if batch.probes:
+            # A key asked twice in one step (vLLM's bridge lookups) is probed once; the
+            # batch is this thread's now, and apply() reads the same lists.
+            batch.probes[:] = [Probe(r, list(dict.fromkeys(keys))) for r, keys in batch.probes]
+            wire_lists = [[prefix + key for key in keys] for _, keys in batch.probes]
+            for group in _list_groups(wire_lists):
+                results = self._bulk.lease_batch(group)
+                rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
+                         for keys, r in zip(group, results)]
+                for r, mine in zip(results, ahead.reserve(rests)):
+                    answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec), *mine))
+        return answers, retried, ahead.evicted
 
-    def _reserve_stores(self, rests: list[list[bytes]]
-                        ) -> tuple[dict[bytes, int], set[bytes], list[bytes]]:
-        """(wire key -> reserved slot, keys held already, keys evicted) for these keys."""
-        wanted = list(dict.fromkeys(k for rest in rests for k in rest))
+
+class _Reservations:
+    """A batch's reservations ahead of its stores (writer session): free slots, and at
+    most ``max_evictions`` evictions over all of its calls."""
+
+    def __init__(self, writer: IndexSession, max_evictions: int, cut: int):
+        self._writer = writer
+        self._max_evictions = max_evictions
+        self._cut = cut  # the namespace prefix's length: wire key -> vLLM key
+        self.evicted: list[bytes] = []
+
+    def reserve(self, lists: list[list[bytes]]) -> list[tuple[list, list, list]]:
+        """Per list of wire keys: (reserved (key, slot), held already, no room), as vLLM
+        keys. A key in two lists is reserved for the first (the second gets neither)."""
+        wanted = list(dict.fromkeys(k for keys in lists for k in keys))
         if not wanted:
-            return {}, set(), []
-        out = self._writer.prepare_store(wanted)
-        if out is None:  # no room for all of them: vLLM's prepare_store asks on the spot
-            return {}, set(), []
-        reserved = dict(zip(out.keys_to_store, fenced_slots(out.store_spec)))
-        held = set(wanted).difference(reserved)
-        return reserved, held, list(out.evicted_keys)
+            return [([], [], []) for _ in lists]
+        out = self._writer.prepare_store(wanted, max_evictions=self._max_evictions)
+        self._max_evictions -= len(out.evicted_keys)
+        self.evicted += out.evicted_keys
+        reserved: dict[bytes, FencedSlot] = dict(zip(out.keys_to_store,
+                                                     fenced_slots(out.store_spec)))
+        no_room = set(out.no_room_keys)
+        held = set(wanted).difference(reserved, no_room)
+        cut = self._cut
+        return [([(k[cut:], reserved.pop(k)) for k in keys if k in reserved],
+                 [k[cut:] for k in keys if k in held],
+                 [k[cut:] for k in keys if k in no_room]) for keys in lists]

@@ -16,8 +16,10 @@ would put ~2000 round trips on that path, so the book answers every lookup from 
   and the request, deferred by vLLM for that step, finds them at its next lookup.
 
 Refs: a held key counts its local users (each request lease and each load in flight);
-the coordinator may hold several pins for it, and ``release`` drops them all once the
-local count reaches zero, so a release never takes a pin another user still needs.
+the coordinator may hold several pins for it (one per lease that answered it), and
+``release`` drops them all once the local count reaches zero, so a release never takes a
+pin another user still needs. A load takes no pin of its own: the lease answer carried
+the key's fenced slot, and the load reads it under the lease's pins.
 A request's leases end when its load is prepared (the load holds its own ref until
 ``complete_load``) or when the request finishes.
 
@@ -25,9 +27,20 @@ Reservations: the keys of a probe past its leased run are the chunks the request
 to compute and store, so the flusher reserves their slots in the same flush (one
 ``prepare_store`` for the step; see ``tiercache.vllm.flusher``). vLLM's ``prepare_store``
 is then answered from ``reserved`` (and ``skip``: keys another engine holds already)
-without an RPC; only keys no probe covered (a GPU prefix hit, decode chunks) go to the
-coordinator on the spot. A request's own reserved keys answer MISS (they are its to
-compute); what it never stores is freed when it finishes.
+without an RPC; only keys no probe covered (a GPU prefix hit, decode chunks) or that
+found no room go to the coordinator on the spot. A request's own reserved keys, and
+those that found no room (``unreserved``), answer MISS (they are its to compute); what it
+never stores is freed when it finishes.
+
+A lookup takes nothing: reservations take free slots, and evict at most as many blocks
+as this engine really stored during the step (``num_stored``, counted in
+``take_reserved`` and ``stores_prepared``), so evictions follow stores, never lookups: a
+step that stores nothing (all hits, all aborted) evicts nothing, and a request aborted
+after its lookup costs the cache nothing it would not have lost to the stores anyway.
+Keys that found no room are retried in later steps that stored something (``retries``,
+oldest requests first, at most ``num_stored`` keys), so a request waiting its turn gets
+its reservations before it computes and a full cache does not put an RPC on the
+scheduler's path for every request.
 
 The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
 coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
@@ -40,6 +53,7 @@ hot path. Not thread safe: every call is made under the manager's lock.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from tiercache.errors import StateError
@@ -61,7 +75,7 @@ class RequestLeases:
     """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
 
     __slots__ = ("req_id", "context_id", "fresh", "leased", "answers", "answers_step", "probe",
-                 "in_flight", "reserved", "skip", "finished")
+                 "in_flight", "reserved", "skip", "unreserved", "retrying", "finished")
 
     def __init__(self, req_id: str, context_id: int = 0):
         self.req_id = req_id
@@ -74,6 +88,8 @@ class RequestLeases:
         self.in_flight = 0  # probes sent, answers not filed yet
         self.reserved: dict[bytes, FencedSlot] = {}  # stores reserved for this request: key -> slot
         self.skip: set[bytes] = set()  # keys of its probes held by someone already
+        self.unreserved: dict[bytes, None] = {}  # keys of its probes that found no room
+        self.retrying = 0  # retries of ``unreserved`` sent, answers not filed yet
         self.finished = False
 
 
@@ -94,6 +110,8 @@ class LeaseBook:
         self._by_context: dict[int, RequestLeases] = {}  # id(ReqContext) -> its leases
         self._probing: dict[str, RequestLeases] = {}  # requests with keys queued to probe
         self._answered: dict[str, RequestLeases] = {}  # requests holding probe answers
+        self._short: dict[str, RequestLeases] = {}  # requests with keys that found no room
+        self._num_stored = 0  # keys handed out for storing during this step
         self._queued = Batch(prefix)
         self._fenced_pins: list[bytes] = []  # held before a reset: released once flushed
         self._fenced_writes: list[bytes] = []  # written before a reset: failed once flushed
@@ -127,7 +145,7 @@ class LeaseBook:
         answer = request.answers.get(key)
         if answer is not None:
             return answer
-        if self.down or key in request.reserved:
+        if self.down or key in request.reserved or key in request.unreserved:
             return self._miss
         if not request.in_flight:  # with a probe in flight, its answer covers these keys
             if not request.probe:
@@ -174,6 +192,7 @@ class LeaseBook:
         found = [pop(key, None) for key in keys]
         if before - len(reserved) == len(keys):  # the usual case: all of them were reserved
             self.writing.update(zip(keys, found))
+            self._num_stored += len(keys)
             return keys, found, []
         skip = request.skip
         to_store, slots, unknown = [], [], []
@@ -183,11 +202,16 @@ class LeaseBook:
                 slots.append(slot)
             elif key not in skip:
                 unknown.append(key)
+        if request.unreserved:  # asked on the spot now: not retried
+            for key in unknown:
+                request.unreserved.pop(key, None)
         self.writing.update(zip(to_store, slots))
+        self._num_stored += len(to_store)
         return to_store, slots, unknown
 
     def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot]) -> None:
         self.writing.update(zip(keys, slots))
+        self._num_stored += len(keys)
 
     def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Queue the publication (or freeing) of our stores; keys not being written by this
@@ -216,8 +240,10 @@ class LeaseBook:
         self._free_reserved(request)
         request.probe.clear()
         request.answers.clear()
+        request.unreserved.clear()
         self._probing.pop(request.req_id, None)
         self._answered.pop(request.req_id, None)
+        self._short.pop(request.req_id, None)
 
     def _end_leases(self, request: RequestLeases) -> None:
         if request.leased:
@@ -259,6 +285,9 @@ class LeaseBook:
                 del self._answered[req_id]
         batch, self._queued = self._queued, Batch(self.prefix, self.generation)
         batch.prefix, batch.generation = self.prefix, self.generation  # what its probes use
+        batch.num_stored, self._num_stored = self._num_stored, 0
+        if batch.num_stored and self._short:
+            self._queue_retries(batch)
         waiting = {}
         for req_id, request in self._probing.items():
             if request.probe:
@@ -273,10 +302,35 @@ class LeaseBook:
             self._in_flight += 1
         return batch
 
-    def apply(self, batch: Batch, leases: Sequence[LeaseAnswer]) -> None:
-        """File the coordinator's answers to ``batch.probes`` (co-indexed)."""
+    def _queue_retries(self, batch: Batch) -> None:
+        """Ask again for room for keys that found none, oldest requests first, at most as
+        many keys as the step stored (what the reservations may evict)."""
+        room = batch.num_stored
+        for req_id, request in list(self._short.items()):
+            if not request.unreserved:
+                del self._short[req_id]
+                continue
+            if request.retrying:
+                continue
+            keys = list(islice(request.unreserved, room))
+            batch.retries.append(Probe(request, keys))
+            request.retrying += 1
+            room -= len(keys)
+            if room <= 0:
+                break
+
+    def apply(self, batch: Batch, leases: Sequence[LeaseAnswer],
+              retried: Sequence[LeaseAnswer] = ()) -> None:
+        """File the coordinator's answers to ``batch.probes`` and ``batch.retries``
+        (co-indexed)."""
         self._in_flight -= 1
         stale = batch.generation != self.generation
+        for (request, _), answer in zip(batch.retries, retried, strict=True):
+            request.retrying -= 1
+            if stale or request.finished:
+                self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
+                continue
+            self._file_reservations(request, answer)
         for (request, keys), answer in zip(batch.probes, leases, strict=True):
             request.in_flight -= 1
             leased = keys[:answer.num_hit]
@@ -288,8 +342,7 @@ class LeaseBook:
                     batch.prefix + k for k in leased if stale or k not in self.held)
                 self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
                 continue
-            request.reserved.update(answer.reserved)
-            request.skip.update(answer.skipped)
+            self._file_reservations(request, answer)
             for key, slot_id in zip(leased, answer.slot_ids, strict=True):
                 held = self.held.get(key)
                 if held is None:
@@ -312,6 +365,19 @@ class LeaseBook:
                 request.answers_step = self.step
                 self._answered[request.req_id] = request
 
+    def _file_reservations(self, request: RequestLeases, answer: LeaseAnswer) -> None:
+        unreserved = request.unreserved
+        request.reserved.update(answer.reserved)
+        request.skip.update(answer.skipped)
+        if unreserved:
+            for key, _ in answer.reserved:
+                unreserved.pop(key, None)
+            for key in answer.skipped:
+                unreserved.pop(key, None)
+        if answer.no_room:
+            unreserved.update(dict.fromkeys(answer.no_room))
+            self._short[request.req_id] = request
+
     def batch_failed(self, batch: Batch) -> None:
         """The coordinator did not answer ``batch`` (it is gone). Its completions and
         releases are queued again (both are idempotent, and they matter if our session is
@@ -321,6 +387,8 @@ class LeaseBook:
         self.down = True
         for request, _ in batch.probes:
             request.in_flight -= 1
+        for request, _ in batch.retries:
+            request.retrying -= 1
         queued = self._queued
         queued.stores_done[:0] = batch.stores_done
         queued.stores_failed[:0] = batch.stores_failed
@@ -342,11 +410,13 @@ class LeaseBook:
             self._fenced_writes.extend(old + key for key in request.reserved)
             request.reserved.clear()
             request.skip.clear()
+            request.unreserved.clear()
             request.leased.clear()
             request.answers.clear()
             request.probe.clear()
         self._probing.clear()
         self._answered.clear()
+        self._short.clear()
         self.prefix = prefix
         self._queued.prefix = prefix
         self.generation += 1
@@ -366,6 +436,8 @@ class LeaseBook:
             request.leased.clear()
             request.reserved.clear()
             request.skip.clear()
+            request.unreserved.clear()
+        self._short.clear()
         self._queued = Batch(self.prefix, self.generation)
         self._fenced_pins.clear()
         self._fenced_writes.clear()

@@ -10,11 +10,17 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
   the last probe said so), MISS (the last probe said so, or the coordinator is down),
   RETRY (unknown: probed in one batched RPC after the step, answered by the next step).
   See ``tiercache.vllm.leases``.
-* ``prepare_load`` is answered from the leases (no RPC); ``complete_load`` drops the
-  load's refs (releases are batched per step).
-* ``prepare_store`` is answered from the reservations the step's probe flush made for the
-  chunks each request is about to compute (no RPC); keys no probe covered (a GPU prefix
-  hit, decode chunks) take one RPC per call for the rest. Keys already held by any engine
+* ``prepare_load`` is answered from the leases (no RPC: the lease answer carried the
+  slots, and the load reads them under the lease's pin); ``complete_load`` drops the
+  load's refs (releases are batched per step). The coordinator counts leases, not loads
+  (its ``loaded_blocks`` counts ``prepare_load`` calls, which this engine never makes):
+  the chunks this engine loads are ``vllm:kv_offload_tiercache_loaded_chunks``.
+* ``prepare_store`` is answered from the reservations the probe flushes made for the
+  chunks each request is about to compute (no RPC; a lookup takes nothing: those
+  reservations evict no more blocks than the engine stored in the step, see
+  ``tiercache.vllm.leases``); keys no probe covered or that found no room (a GPU prefix
+  hit, decode chunks, a full cache) take one RPC per call for the rest, which may
+  evict. Keys already held by any engine
   of this namespace are skipped, keys of one call are never evicted for each other, and
   ``None`` means no room (nothing changed). While the coordinator is down it answers
   "nothing to store" instead, so vLLM neither retries every step nor logs a failure per
@@ -109,6 +115,7 @@ class TierCacheMetrics:
     COORDINATOR_UP = "vllm:kv_offload_tiercache_coordinator_up"
     LEASED_CHUNKS = "vllm:kv_offload_tiercache_leased_chunks"
     PROBED_KEYS = "vllm:kv_offload_tiercache_probed_keys"
+    LOADED_CHUNKS = "vllm:kv_offload_tiercache_loaded_chunks"
     STORES_SKIPPED = "vllm:kv_offload_tiercache_stores_skipped"
     FLUSH_SECONDS = "vllm:kv_offload_tiercache_flush_seconds"
 
@@ -146,6 +153,7 @@ class TierCacheManager(OffloadingManager):
                                 on_evicted=self._evicted)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._probed_keys = 0
+        self._loaded_chunks = 0
         self._stores_skipped = 0
 
     @property
@@ -181,7 +189,9 @@ class TierCacheManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> TierCacheLoadStoreSpec:
         request = req_context.get_state(RequestLeases)
-        return TierCacheLoadStoreSpec(self._book.prepare_load(keys, request))
+        slots = self._book.prepare_load(keys, request)
+        self._loaded_chunks += len(slots)
+        return TierCacheLoadStoreSpec(slots)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._book.complete_load(keys)
@@ -268,6 +278,9 @@ class TierCacheManager(OffloadingManager):
         if self._probed_keys:
             stats.increase_counter(TierCacheMetrics.PROBED_KEYS, self._probed_keys)
             self._probed_keys = 0
+        if self._loaded_chunks:
+            stats.increase_counter(TierCacheMetrics.LOADED_CHUNKS, self._loaded_chunks)
+            self._loaded_chunks = 0
         if self._stores_skipped:
             stats.increase_counter(TierCacheMetrics.STORES_SKIPPED, self._stores_skipped)
             self._stores_skipped = 0

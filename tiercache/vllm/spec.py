@@ -131,6 +131,9 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 "(pinned for hits not yet loaded and loads in flight)"),
             TierCacheMetrics.PROBED_KEYS: OffloadingCounterMetadata(
                 "Keys sent to the tiercache coordinator in the per-step batched lookup"),
+            TierCacheMetrics.LOADED_CHUNKS: OffloadingCounterMetadata(
+                "Chunks this engine loaded from tiercache (from its leases; the "
+                "coordinator's loaded_blocks does not count them)"),
             TierCacheMetrics.STORES_SKIPPED: OffloadingCounterMetadata(
                 "Chunks not offloaded because the tiercache coordinator was gone"),
             TierCacheMetrics.FLUSH_SECONDS: OffloadingHistogramMetadata(
