@@ -276,3 +276,16 @@ TestLRUMachine = ManagerMachine.TestCase
 TestLRUMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestARCMachine = ARCMachine.TestCase
 TestARCMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_lease_is_an_access_its_blocks_outlive_older_unleased_ones(policy):
+    """vLLM 0.33 never calls touch: without the lease counting as an access, a popular
+    prefix aged out like a one-off one (eviction was first in, first out)."""
+    m = OffloadingManager(3, policy=policy)
+    for i in (1, 2, 3):
+        m.complete_store(list(m.prepare_store(k(i)).keys_to_store))
+    assert m.lease(k(1)).num_hit == 1  # the oldest block, reused
+    m.release(k(1))
+    out = m.prepare_store(k(4))
+    assert list(out.evicted_keys) == k(2)  # not 1: its lease made it the most recent

@@ -246,7 +246,8 @@ class OffloadingManager:
     # ------------------------------------------------------------------ leases and loads
 
     def lease(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> LeaseResult:
-        """A lookup whose hits are pinned for ``owner`` (one pin each) until released.
+        """A lookup whose hits are pinned for ``owner`` (one pin each) until released, and
+        touched (a lease is the access: engines such as vLLM 0.33 never call ``touch``).
 
         Counted as a lookup (and the hits in ``leased_blocks``, not ``loaded_blocks``: the
         caller may load from the answer's spec or never). ``pending``: the key after the
@@ -263,6 +264,8 @@ class OffloadingManager:
                     self._pin(key, self._slots[key], owner, holdings)
                 self._ledger_pins([self._slots[key] for key in keys[:hits]])
                 self._tidy(owner, holdings)
+                if hits and owner != TIER_OWNER:  # a lease is an access (vLLM never touches)
+                    self._policy.touch(keys[:hits])
                 self._counters["hit_blocks"] -= readable - hits  # refused: a miss
                 self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
