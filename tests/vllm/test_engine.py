@@ -10,6 +10,7 @@ require_vllm()
 import numpy as np  # noqa: E402
 
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
+from control_support import wait_for  # noqa: E402
 from vllm_harness import BLOCK_TOKENS  # noqa: E402
 
 PROMPT = list(range(100))  # 6 full blocks and a partial one
@@ -121,3 +122,41 @@ def test_a_lookup_takes_nothing_an_aborted_request_evicts_no_stored_block(start_
     second.run()
     assert "B" in second.finished
     assert second.loaded_tokens("B") == 16 * BLOCK_TOKENS
+
+
+def on_disk(coordinator) -> int:
+    """Blocks whose slot header is whole in the coordinator's disk tier file."""
+    from tiercache.region.layout import RegionLayout
+    from tiercache.tiers.disk_file import DiskSlotFile
+
+    config = coordinator.config
+    layout = RegionLayout.from_config(config)
+    disk = DiskSlotFile(config.disk.file_path(config.name), config.disk.capacity_bytes,
+                        world_size=1, row_stride=layout.row_stride, layout_digest=layout.digest,
+                        direct_io=False)
+    try:
+        return len(disk.scan())
+    finally:
+        disk.close()
+
+
+def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_coordinator,
+                                                                       make_engine, tmp_path):
+    """A host tier of 8 chunks with a disk tier below: the first prompt's chunks are demoted
+    ahead of their eviction while other prompts fill host memory; the prompt's next request
+    finds them on disk, waits (HIT_PENDING) while they are promoted, and loads all 6 chunks
+    exact (the harness checks every loaded block)."""
+    from tiercache.config import DiskConfig
+
+    (tmp_path / "disk").mkdir()
+    small = start_coordinator(num_chunks=8, disk=DiskConfig(
+        path=str(tmp_path / "disk"), capacity_bytes=64 << 20, low_watermark=0.5))
+    engine = make_engine(small, num_gpu_blocks=16)
+    engine.add_request("first", prompt(1))  # 6 chunks
+    engine.run()
+    wait_for(lambda: on_disk(small) >= 6, "the first prompt's chunks are demoted")
+    engine.add_request("other", OTHER)  # every GPU block, and 14 chunks: the first prompt's
+    engine.run()  # leave host memory too
+    engine.add_request("again", prompt(1) + [7])
+    engine.run()
+    assert engine.loaded_tokens("again") == 6 * BLOCK_TOKENS

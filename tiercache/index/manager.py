@@ -277,13 +277,18 @@ class OffloadingManager:
 
     def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
         """Start promoting the run of keys after the host hits that the lower tier holds;
-        whether there was one (the key after the hits is then 'pending')."""
+        whether there was one (the key after the hits is then 'pending'). The run goes on
+        through keys READY in host memory, which the promotion's reservation then protects
+        from eviction (a promotion must not evict the rest of its own prefix)."""
         below = self._below
         if below is None or hits >= len(keys) or keys[hits] in self._slots:
             return False
         run = []
         for key in keys[hits:]:
-            if key in self._slots or not below.holds(key):
+            slot = self._slots.get(key)
+            if slot is None and not below.holds(key):
+                break
+            if slot is not None and slot.state is SlotState.WRITING:
                 break
             run.append(key)
         if run:

@@ -158,9 +158,12 @@ class DiskTier:
         most ``PROMOTE_BATCH`` keys: one job reserves its host slots at once."""
         with self._lock:
             todo = [k for k in keys if k not in self._promoting and k in self._index]
+            if not todo:
+                return
             self._promoting.update(todo)
-            for start in range(0, len(todo), PROMOTE_BATCH):
-                self._push(_PROMOTE, ("promote", tuple(todo[start:start + PROMOTE_BATCH])))
+            for start in range(0, len(keys), PROMOTE_BATCH):  # the run's host keys too: a
+                chunk = tuple(keys[start:start + PROMOTE_BATCH])  # job's reservation protects
+                self._push(_PROMOTE, ("promote", chunk))  # them from its own evictions
 
     def _push(self, priority: int, job: tuple) -> None:
         heapq.heappush(self._queue, (priority, next(self._count), job))
@@ -243,6 +246,10 @@ class DiskTier:
                 elif ok is False and disk_slot is not None and self._index.get(key) == disk_slot:
                     self.stats.checksum_failures += 1
                     self._forget(key, disk_slot)
+            if ok is False:
+                self._warn.warn("checksum", "disk tier: the block of key %r in disk slot %s "
+                                "did not check (header or data CRC); dropped, not served",
+                                key[:32], disk_slot)
             (good if ok else bad).append(key)
         self._manager.complete_store(good, True, owner=TIER_OWNER)
         self._manager.complete_store(bad, False, owner=TIER_OWNER)
