@@ -70,6 +70,7 @@ def _print_index(socket_path: str) -> None:
     try:
         with Client(socket_path, timeout_s=2.0) as client:
             s = client.stats()
+            tiers = client.tier_stats()
     except CoordinatorGoneError as e:
         print(f"  index: not reachable at {socket_path} ({e})")
         return
@@ -78,6 +79,12 @@ def _print_index(socket_path: str) -> None:
           f"{s.lookups} lookups, {s.hit_blocks} hit / {s.miss_blocks} missed blocks, "
           f"{s.stored_blocks} stored, {s.evicted_blocks} evicted, {s.store_rejections} "
           "store rejections")
+    for name, t in tiers.items():
+        state = "up" if t.up else "DOWN (I/O errors; retrying)"
+        io = "O_DIRECT" if t.direct_io else "buffered I/O"
+        print(f"  {name} tier: {state}, {t.used_blocks} of {t.capacity_blocks} blocks, {io}; "
+              f"{t.promotions} promoted, {t.demotions} demoted, {t.dropped_spills} spills "
+              f"dropped, {t.checksum_failures} checksum failures, {t.errors} I/O errors")
 
 
 def _print_ranks(listing: RegionListing) -> None:

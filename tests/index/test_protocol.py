@@ -48,6 +48,7 @@ def test_header_layout_is_the_documented_one():
     ({"version": 1}, "protocol version 1 is not supported"),  # before sessions
     ({"version": 2}, "protocol version 2 is not supported"),  # before fenced specs
     ({"version": 3}, "protocol version 3 is not supported"),  # before lease specs
+    ({"version": 4}, "protocol version 4 is not supported"),  # before TIER_STATS
     ({"version": PROTOCOL_VERSION + 1}, f"protocol version {PROTOCOL_VERSION + 1} is not"),
     ({"size": MAX_FRAME_BYTES + 1}, f"at most {MAX_FRAME_BYTES}"),
     ({"verb": 0}, "bad frame header"),
@@ -218,3 +219,14 @@ def test_the_largest_request_fits_the_request_bound():
     assert len(PayloadWriter().keys(widest).build()) <= MAX_REQUEST_BYTES
     one_per_list = [[key] for key in widest]
     assert len(encode_lease_batch_request(one_per_list)) <= MAX_REQUEST_BYTES
+
+
+def test_tier_stats_round_trip_with_seconds_and_flags():
+    from tiercache.index.payloads import decode_tier_stats, encode_tier_stats
+    from tiercache.index.results import TierStats
+
+    stats = TierStats(capacity_blocks=9, used_blocks=4, read_seconds=1.5, write_seconds=0.25,
+                      promotions=3, up=False, direct_io=True)
+    assert decode_tier_stats(PayloadReader(encode_tier_stats({"disk": stats}))) == \
+        {"disk": stats}
+    assert decode_tier_stats(PayloadReader(encode_tier_stats({}))) == {}

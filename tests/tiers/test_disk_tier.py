@@ -7,6 +7,8 @@ asking for one key promote it once."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -154,3 +156,10 @@ def test_two_clients_asking_for_one_key_promote_it_once(config, tmp_path):
             wait_for(lambda: one.lookup([key]) == 1, "the key is promoted")
             assert lease_when_settled(two, key).num_hit == 1
         assert tier(url, "promotions_total") == before + 1
+        with Client(config) as client:  # the same figures over the control socket
+            (name, stats), = client.tier_stats().items()
+            assert name == "disk" and stats.promotions == before + 1 and stats.up
+        out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                              str(coordinator.config_path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert f"disk tier: up, {int(tier(url, 'blocks'))} of 128 blocks, O_DIRECT" in out.stdout

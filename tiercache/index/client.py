@@ -52,13 +52,16 @@ from tiercache.errors import (
 from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
 from tiercache.index.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
+    decode_tier_stats,
     decode_store_output, encode_hello_request, encode_lease_batch_request, encode_store_request,
 )
 from tiercache.index.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
     PayloadWriter, Status, Verb, frame,
 )
-from tiercache.index.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.results import (
+    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
+)
 from tiercache.specs import CPULoadStoreSpec
 
 log = logging.getLogger(__name__)
@@ -210,6 +213,13 @@ class Client:
         dropped = reader.u32()
         reader.done()
         return dropped
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """The figures of the tiers below host memory, by name (``{}``: host memory only)."""
+        reader = self._call(Verb.TIER_STATS, b"")
+        tiers = decode_tier_stats(reader)
+        reader.done()
+        return tiers
 
     def take_events(self) -> list[OffloadingEvent]:
         """Every pending event, fetched in as many calls as the frame bound needs."""

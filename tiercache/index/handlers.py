@@ -11,7 +11,7 @@ from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
 from tiercache.index.payloads import (
     decode_lease_batch_request, decode_store_request, encode_events, encode_leases, encode_stats,
-    encode_store_output,
+    encode_store_output, encode_tier_stats,
 )
 from tiercache.index.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
@@ -92,5 +92,6 @@ HANDLERS: dict[Verb, Handler] = {
     Verb.PING: _no_args(lambda m: _EMPTY),
     Verb.LEASE_BATCH: _lease_batch,
     Verb.RELEASE: _release,
+    Verb.TIER_STATS: _no_args(lambda m: encode_tier_stats(m.tier_stats())),
 }
 assert set(HANDLERS) | {Verb.HELLO} == set(Verb), "every verb but HELLO needs a handler"

@@ -63,7 +63,7 @@ from tiercache.errors import (
 from tiercache.index.events import EventLog
 from tiercache.index.policies import EvictionPolicy, make_policy
 from tiercache.index.results import (
-    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
+    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease, TierStats,
 )
 from tiercache.index.slots import (
     Holdings, Ledger, Slot, SlotState, check_keys, check_owner, require_unique,
@@ -81,9 +81,13 @@ class LowerTier(Protocol):
     """A tier below host memory, as the index asks it (under the index's lock: both calls
     must be quick and must not call back into the index)."""
 
+    name: str
+
     def holds(self, key: bytes) -> bool: ...
 
     def promote(self, keys: Sequence[bytes]) -> None: ...
+
+    def snapshot(self) -> TierStats: ...
 
 
 _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
@@ -294,6 +298,11 @@ class OffloadingManager:
         if run:
             below.promote(run)
         return bool(run)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """The lower tier's figures by its name (empty without one)."""
+        below = self._below
+        return {} if below is None else {below.name: below.snapshot()}
 
     def demotion_candidates(self, num_keys: int, skip) -> list[tuple[bytes, bool]]:
         """Up to ``num_keys`` READY, unpinned keys the policy would evict next, less those

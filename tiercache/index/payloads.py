@@ -12,7 +12,9 @@ from tiercache import errors
 from tiercache.index.protocol import (
     ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
 )
-from tiercache.index.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
+from tiercache.index.results import (
+    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
+)
 from tiercache.specs import CPULoadStoreSpec
 
 _U32 = struct.Struct("<I")
@@ -91,6 +93,31 @@ def encode_stats(stats: ManagerStats) -> bytes:
 
 def decode_stats(reader: PayloadReader) -> ManagerStats:
     return ManagerStats(*reader.u64s(_NUM_STATS_FIELDS))
+
+
+_TIER_FIELDS = [f.name for f in fields(TierStats)]
+
+
+def encode_tier_stats(tiers: dict[str, TierStats]) -> bytes:
+    writer = PayloadWriter().u32(len(tiers))
+    for name, stats in tiers.items():
+        writer.text(name).u64s([round(v * 1e6) if isinstance(v, float) else int(v)
+                                for v in (getattr(stats, f) for f in _TIER_FIELDS)])
+    return writer.build()
+
+
+def decode_tier_stats(reader: PayloadReader) -> dict[str, TierStats]:
+    tiers = {}
+    for _ in range(reader.u32()):
+        name = reader.text()
+        values = dict(zip(_TIER_FIELDS, reader.u64s(len(_TIER_FIELDS))))
+        for f in fields(TierStats):
+            if f.type in ("float", float):
+                values[f.name] /= 1e6
+            elif f.type in ("bool", bool):
+                values[f.name] = bool(values[f.name])
+        tiers[name] = TierStats(**values)
+    return tiers
 
 
 def encode_error(exc: errors.TiercacheError | Exception) -> bytes:

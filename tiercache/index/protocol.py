@@ -24,8 +24,8 @@ MAGIC = b"TCKV"
 # 2: sessions (HELLO first), LEASE_BATCH, RELEASE, more stats; 3: fenced specs (region id and
 # slot generations in PREPARE_LOAD/PREPARE_STORE answers), liveness deadline in HELLO;
 # 4: LEASE_BATCH answers each hit run's fenced spec, PREPARE_STORE takes an eviction limit and
-# answers the keys that found no room
-PROTOCOL_VERSION = 4
+# answers the keys that found no room; 5: TIER_STATS
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
@@ -73,6 +73,9 @@ class Verb(IntEnum):
                             keys in all)            load reads these slots under the
                                                     lease's pins, no PREPARE_LOAD)
         13 RELEASE          keys                    u32 pins dropped
+        14 TIER_STATS       (empty)                 u32 n, n x (str tier, u64 per TierStats
+                                                    field in field order: seconds in
+                                                    microseconds, flags 0/1)
 
     The first request on a connection must be HELLO: it opens a session (or resumes the
     one its token names) and every later call acts for that session. An ERROR response
@@ -94,6 +97,7 @@ class Verb(IntEnum):
     HELLO = 11
     LEASE_BATCH = 12
     RELEASE = 13
+    TIER_STATS = 14
 
 
 class Status(IntEnum):

@@ -62,6 +62,26 @@ class OffloadingEvent:
     medium: str = Medium.CPU.value
 
 
+@dataclass
+class TierStats:
+    """Counters (lifetime) and gauges of a tier below host memory (the disk tier's)."""
+
+    capacity_blocks: int = 0
+    used_blocks: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    promotions: int = 0
+    demotions: int = 0
+    dropped_spills: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+    rebuilt_blocks: int = 0
+    up: bool = True
+    direct_io: bool = False
+
+
 @dataclass(frozen=True)
 class ManagerStats:
     """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.

@@ -39,10 +39,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
+from tiercache.index.results import TierStats
 from tiercache.tiers.disk_file import DiskSlotFile
 
 log = logging.getLogger(__name__)
@@ -52,24 +53,7 @@ PROMOTE_BATCH = 32  # keys per promotion job (its host slots are reserved togeth
 DEMOTE_BATCH = 4  # keys per demotion job (pinned and unpinned together)
 
 
-@dataclass
-class DiskStats:
-    """Counters (lifetime) and gauges of the disk tier."""
-
-    capacity_blocks: int = 0
-    used_blocks: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    promotions: int = 0
-    demotions: int = 0
-    dropped_spills: int = 0
-    checksum_failures: int = 0
-    errors: int = 0
-    rebuilt_blocks: int = 0
-    up: bool = True
-    direct_io: bool = False
+DiskStats = TierStats  # the disk tier's figures (the index's vocabulary)
 
 
 class DiskTier:
@@ -105,6 +89,7 @@ class DiskTier:
         self._stop = False
         self._stopped = threading.Event()  # the watcher sleeps on this, not on ``_work``
         self._threads: list[threading.Thread] = []
+        self.name = "disk"
         self.stats = DiskStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
 
     # ------------------------------------------------------------------ life
