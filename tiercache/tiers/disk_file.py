@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.errors import ConfigError, TierError
+from tiercache.region.layout import round_up
 
 MAGIC = b"TCDISK01"
 HEADER_BYTES = 4096
@@ -60,10 +61,6 @@ _HEADER = struct.Struct("<8sQ16sQIHH256s")
 _CRC = struct.Struct("<I")
 assert _HEADER.size == 304
 FILE_MODE = 0o600
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
