@@ -365,7 +365,8 @@ class OffloadingManager:
                 for key, slot in zip(keys, slots):
                     self._pin(key, slot, owner, holdings)
                 self._ledger_pins(slots)
-            self._counters["loaded_blocks"] += len(slots)
+            if owner != TIER_OWNER:  # the tiers' own reads are not loads
+                self._counters["loaded_blocks"] += len(slots)
             return self._spec(slots)
 
     def _check_can_load(self, keys: Sequence[bytes], slots: Sequence[Slot], owner: int,
