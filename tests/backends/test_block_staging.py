@@ -132,6 +132,24 @@ def test_adjacent_rows_merge_into_one_dma_per_chunk_and_padded_rows_do_not():
     assert padded.dma_host.size == 64  # padding between rows is never written
 
 
+def test_whole_row_loads_merge_adjacent_rows_of_a_group_whose_pitch_is_not_the_others():
+    """Groups of different pitches (no uniform one): a whole-row load of one group's
+    adjacent rows merges them per chunk, as any neighbours continuing each other on both
+    sides (the loop does the same, test_native_loop)."""
+    region = RegionLayout(1, 8, (256,) * 5, 1)  # rows of 1280 bytes
+    gpu = [PageArray(GPU_BASE + t * (1 << 20), 8, 256, 256) for t in range(5)]
+    cpu = [PageArray(CPU_BASE + region.page_offsets[t], 8, region.row_stride, 256)
+           for t in range(5)]
+    planner = TransferPlanner(gpu, cpu, 1, [[0, 4], [1, 2, 3]])  # pitches 1280 and 768
+    staging = BlockStaging.of_planner(planner, 2 * 1280, load_whole_rows=True)
+    assert staging.pitch.tolist() == [1280, 768]
+    spec = (CPULoadStoreSpec([3, 4, 5, 6, 7]), GPULoadStoreSpec([0, 1, 2, 3, 4], [5, 0], [0, 0]))
+    layout = staging.layout(planner.pairs(Direction.CPU_TO_GPU, spec), False)
+    assert layout.dma_bytes.tolist() == [2560, 2560, 1280]  # chunks of two rows
+    assert layout.dma_first.tolist() == [0, 1, 2, 3]
+    assert (layout.dma_host - CPU_BASE).tolist() == [3 * 1280, 5 * 1280, 7 * 1280]
+
+
 @pytest.mark.parametrize("factor", [1, 2])
 def test_scattered_rows_are_taken_in_host_order(factor):
     planner = _rank(2, 4096, factor)

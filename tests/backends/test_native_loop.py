@@ -33,6 +33,7 @@ from tiercache.backends.native_loop import (
     SPEC_ERRORS, ChunkLoop, Geometry, LoopDriver, LoopKernel, Validated,
 )
 from tiercache.errors import BackendError, SpecError
+from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.planner import TransferPlanner
 
@@ -309,6 +310,28 @@ def test_adjacent_rows_merge_into_one_dma_per_chunk_run(store, factor):
     partial = int(factor > 1)  # the last row: sub-page 0 of each tensor only, four runs
     assert layout.dma_first[-1 - partial] == layout.num_chunks - partial  # one DMA per chunk
     assert layout.num_chunks > 1 and layout.dma_bytes.size < layout.num_rows
+
+
+@pytest.mark.parametrize("rows, dmas", [(2, [2560]), (5, [2560, 2560, 1280])])
+def test_whole_row_loads_merge_rows_when_the_groups_pitches_differ(rows, dmas):
+    """The Hypothesis example that found it: two groups of different pitches (tensors 0
+    and 4, whose image spans the whole 1280-byte row, and tensors 1..3, 768 bytes), so no
+    uniform pitch; a whole-row load of adjacent rows of the first group. The rows continue
+    each other on the host and in the slot, so both layouts merge them up to each chunk's
+    end (chunks of two rows); numpy's one-template path used to compare the run with the
+    geometry's uniform pitch (0 here) and never merged, the loop did."""
+    region = RegionLayout(1, rows, (256,) * 5, 1)
+    case = Case(factor=1, pages=[256] * 5, gpu_offset=[768 * t for t in range(5)],
+                gpu_stride=[256] * 5, num_gpu_blocks=rows,
+                cpu_offset=list(region.page_offsets), cpu_stride=region.row_stride,
+                num_cpu_blocks=rows, groups=[[0, 4], [2, 3, 1]],
+                gpu_spec=GPULoadStoreSpec(list(range(rows)), [rows, 0], [0, 0]),
+                cpu_spec=CPULoadStoreSpec(list(range(rows))), store=False, chunk_rows=2,
+                load_whole_rows=True)
+    for abi in (ABI_13_0, ABI_12_8):
+        layout = _check(case, abi)  # the loop's DMAs are the numpy layout's, exactly
+    assert layout.dma_bytes.tolist() == dmas
+    assert layout.dma_slot.tolist() == [0] * len(dmas)  # each from its chunk's slot start
 
 
 def _check(case, abi):

@@ -289,9 +289,9 @@ class BlockStaging:
         else:
             np.take(row_slot, pair_row, out=pairs[1])
             pair_first = np.searchsorted(pair_row, row_first).astype(_I64)
-        if isinstance(row_tpl, int) and self._tpl_count[row_tpl] == 1:
+        if isinstance(row_tpl, int) and self._tpl_count[row_tpl] == 1:  # one work: one group
             host, slot, size, dma_first = self._uniform_dmas(row_host, row_slot, row_tpl,
-                                                             row_first)
+                                                             row_first, int(self.pitch[groups]))
         else:
             host, slot, size, dma_first = self._dmas(
                 row_host, row_slot, np.broadcast_to(row_tpl, row_host.shape), row_first)
@@ -368,11 +368,15 @@ class BlockStaging:
         return first, start - np.repeat(start[first[:-1]], np.diff(first))
 
     def _uniform_dmas(self, row_host: np.ndarray, row_slot: np.ndarray, tpl: int,
-                      row_first: np.ndarray):
-        """``_dmas`` when every row has template ``tpl`` of one run (the common case)."""
+                      row_first: np.ndarray, pitch: int):
+        """``_dmas`` when every row has template ``tpl`` of one run (the common case): the
+        rows of one group, each ``pitch`` (that group's) after the last in its chunk. Two
+        rows' runs continue each other in the slot only when the run is the whole pitch;
+        the group's own pitch, not the geometry's uniform one (0 when groups' pitches
+        differ), or such rows would never merge where the C loop merges them."""
         offset, length = self._tpl_run[tpl]
         num_rows = row_host.size
-        if offset or length != self._uniform_pitch or num_rows < 2:  # rows never meet in a slot
+        if offset or length != pitch or num_rows < 2:  # rows never meet in a slot
             return (row_host + offset, row_slot + offset, np.full(num_rows, length, dtype=_I64),
                     row_first)
         breaks = (row_host[1:] - row_host[:-1]) != length  # a DMA begins after row i
