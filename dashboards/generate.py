@@ -232,8 +232,34 @@ def index() -> list[Panel]:
     ]
 
 
+def tiers() -> list[Panel]:
+    """The tiers below host memory (a coordinator with a ``[disk]`` section)."""
+    per_tier = lambda metric, legend: Target(  # noqa: E731
+        sum_rate(metric, "tier", selector=INST), f"{{{{tier}}}} {legend}")
+    return [
+        Panel("Tier blocks", "Blocks each tier holds, its capacity, and whether it is up "
+              "(0: marked down after I/O errors, lookups miss until it retries).",
+              [Target(f"tiercache_tier_blocks{{{INST}}}", "{{tier}} held"),
+               Target(f"tiercache_tier_capacity_blocks{{{INST}}}", "{{tier}} capacity"),
+               Target(f"tiercache_tier_up{{{INST}}}", "{{tier}} up")]),
+        Panel("Tier throughput", "Bytes per second read from (promotions) and written to "
+              "(demotions) each tier.",
+              [per_tier("tiercache_tier_read_bytes_total", "read"),
+               per_tier("tiercache_tier_write_bytes_total", "written")], unit="Bps"),
+        Panel("Promotions and demotions", "Blocks per second promoted into host memory, "
+              "written ahead of eviction, and spills dropped (not admitted under pressure).",
+              [per_tier("tiercache_tier_promotions_total", "promoted"),
+               per_tier("tiercache_tier_demotions_total", "demoted"),
+               per_tier("tiercache_tier_dropped_spills_total", "spills dropped")], unit="ops"),
+        Panel("Tier failures", "Blocks whose checksum failed (dropped, never served) and I/O "
+              "errors, per second.",
+              [per_tier("tiercache_tier_checksum_failures_total", "checksum failures"),
+               per_tier("tiercache_tier_errors_total", "I/O errors")], unit="ops"),
+    ]
+
+
 ROWS = (("Overview", overview), ("Transfers", transfers), ("Workers and pinning", workers),
-        ("Cache index", index))
+        ("Cache index", index), ("Tiers below host memory", tiers))
 
 
 def variables() -> list[dict]:

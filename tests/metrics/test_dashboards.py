@@ -140,7 +140,11 @@ def _exposition() -> tuple[set[str], set[str]]:
         view = attach_self(region, rank)
         view.set_pin(PinState.PINNED, 1 << 20, 0.1)
         view.record_transfer(Direction.GPU_TO_CPU, 4096, 1e-4, success=True)
-    text = encode_text(TiercacheCollector(region, sample_manager_stats).collect()).decode()
+    from tiercache.index.results import TierStats
+
+    disk = TierStats(capacity_blocks=8, used_blocks=2)  # a coordinator with a disk tier
+    text = encode_text(TiercacheCollector(region, sample_manager_stats,
+                                          tier_stats=lambda: {"disk": disk}).collect()).decode()
     samples, labels = set(), {"instance", "job"}  # added by Prometheus at scrape time
     for family in text_string_to_metric_families(text):
         for s in family.samples:
