@@ -146,7 +146,10 @@ def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_co
     ahead of their eviction while other prompts fill host memory; the prompt's next request
     finds them on disk, waits (HIT_PENDING) while they are promoted, and loads all 6 chunks
     exact (the harness checks every loaded block)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
     from tiercache.config import DiskConfig
+    from tiercache.index.client import Client
 
     (tmp_path / "disk").mkdir()
     small = start_coordinator(num_chunks=8, disk=DiskConfig(
@@ -155,8 +158,19 @@ def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_co
     engine.add_request("first", prompt(1))  # 6 chunks
     engine.run()
     wait_for(lambda: on_disk(small) >= 6, "the first prompt's chunks are demoted")
-    engine.add_request("other", OTHER)  # every GPU block, and 14 chunks: the first prompt's
-    engine.run()  # leave host memory too
+    for seed in (2, 3, 4):  # 18 more chunks: the first prompt's leave host memory
+        engine.add_request(f"other {seed}", prompt(seed))
+        engine.run()
+    engine.add_request("filler", OTHER)  # every GPU block: the prefix is in tiercache only
+    engine.run()
+    with Client(small.config) as client:
+        promoted_before = client.tier_stats()["disk"].promotions
+    assert CacheHitSource.DISK not in engine.hits_by_source
     engine.add_request("again", prompt(1) + [7])
     engine.run()
     assert engine.loaded_tokens("again") == 6 * BLOCK_TOKENS
+    # vLLM counts them as disk hits (prompt_tokens_cached_by_source{source="disk"})
+    assert engine.hits_by_source.get(CacheHitSource.DISK) == 6 * BLOCK_TOKENS, \
+        engine.hits_by_source
+    with Client(small.config) as client:  # they came up from disk, not from host memory
+        assert client.tier_stats()["disk"].promotions - promoted_before >= 6

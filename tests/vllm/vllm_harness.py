@@ -147,6 +147,7 @@ class Engine:
     finished_loads: list[LoadRecord] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    hits_by_source: dict = field(default_factory=dict)  # vLLM's external hits by tier
     check_content: bool = True  # False: no KV writes or checks (benchmarks)
     kv_events: RecordingPublisher = field(default_factory=RecordingPublisher)
     steps: int = 0
@@ -225,6 +226,11 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        stats = self.scheduler.connector_prefix_cache_stats  # reset by the step's make_stats
+        if stats is not None:
+            for source, tokens in stats.hits_by_source.items():
+                self.hits_by_source[source] = self.hits_by_source.get(source, 0) + tokens
+            stats.hits_by_source.clear()
         self.preempted.update(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
         for job_id, job in meta.load_jobs.items():

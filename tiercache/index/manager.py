@@ -275,9 +275,11 @@ class OffloadingManager:
             self._counters["leased_blocks"] += hits
             promoting = self._promote_after(keys, hits)
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
+            run = [self._slots[key] for key in keys[:hits]]
             return LeaseResult(hits, promoting or (after is not None
                                                    and after.state is SlotState.WRITING),
-                               self._spec([self._slots[key] for key in keys[:hits]]))
+                               self._spec(run),
+                               tuple(i for i, slot in enumerate(run) if slot.promoted))
 
     def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
         """Start promoting the run of keys after the host hits that the lower tier holds;
@@ -491,6 +493,7 @@ class OffloadingManager:
             if success:
                 for slot in slots:
                     self._move(slot, SlotState.READY)
+                    slot.promoted = owner == TIER_OWNER
                 self._readable_keys.update(mine)
                 self._counters["stored_blocks"] += len(slots)
                 self._emit(mine, removed=False)

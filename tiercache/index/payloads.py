@@ -4,6 +4,8 @@ from the protocol's primitives: what the client and the control server encode an
 from __future__ import annotations
 
 import struct
+
+import numpy as np
 from collections.abc import Sequence
 from dataclasses import astuple, fields
 from typing import NamedTuple
@@ -216,12 +218,13 @@ def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
 
 
 def encode_leases(results: Sequence[LeaseResult]) -> bytes:
-    """Per lease: u8 pending, then the hit run's spec (its length is ``num_hit``)."""
+    """Per lease: u8 pending, the hit run's spec (its length is ``num_hit``), then the
+    positions of the run's promoted blocks (``ids``)."""
     writer = PayloadWriter().u32(len(results))
     for r in results:
         if r.spec is None:
             raise errors.ProtocolError(f"a lease of {r.num_hit} hits without its slots")
-        writer.u8(int(r.pending)).spec(r.spec)
+        writer.u8(int(r.pending)).spec(r.spec).ids(np.asarray(r.promoted, np.int64))
     return writer.build()
 
 
@@ -235,6 +238,10 @@ def decode_leases(reader: PayloadReader) -> list[LeaseResult]:
         if pending not in (0, 1):
             raise errors.ProtocolError(f"lease pending flag {pending}; expected 0 or 1")
         spec = reader.spec()
-        results.append(LeaseResult(len(spec), bool(pending), spec))
+        promoted = tuple(reader.ids().tolist())
+        if any(not 0 <= i < len(spec) for i in promoted):
+            raise errors.ProtocolError(f"promoted positions {promoted[:4]} outside a run of "
+                                       f"{len(spec)}")
+        results.append(LeaseResult(len(spec), bool(pending), spec, promoted))
     reader.done()
     return results

@@ -33,11 +33,13 @@ class LeaseResult:
     co-indexed with it and fenced like a ``prepare_load`` answer (region id, generations):
     what a load of the run reads, under the lease's own pins, so no ``prepare_load`` is
     needed. Built by hand (tests) it may be left out; equality compares ``num_hit`` and
-    ``pending`` only (a spec has no value equality)."""
+    ``pending`` only (a spec has no value equality). ``promoted``: positions in the run of
+    blocks that came up from a tier below host memory (vLLM reports them as DISK hits)."""
 
     num_hit: int
     pending: bool
     spec: CPULoadStoreSpec | None = field(default=None, compare=False)
+    promoted: tuple[int, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.spec is not None and len(self.spec) != self.num_hit:

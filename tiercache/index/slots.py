@@ -19,7 +19,7 @@ class SlotState(Enum):
 
 
 class Slot:
-    __slots__ = ("slot_id", "state", "pins", "gen", "hits")
+    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "promoted")
 
     def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0):
         self.slot_id = slot_id
@@ -27,6 +27,7 @@ class Slot:
         self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
         self.gen = gen  # the slot's generation for this key (what specs carry)
         self.hits = 0  # pins taken since it was stored (leases and loads): reuse, for tiers
+        self.promoted = False  # stored by a lower tier's promotion (not by an engine)
 
     @property
     def loads(self) -> int:

@@ -55,6 +55,7 @@ class LeaseAnswer(NamedTuple):
     reserved: Sequence[tuple[bytes, FencedSlot]] = ()
     skipped: Sequence[bytes] = ()
     no_room: Sequence[bytes] = ()
+    promoted: Sequence[int] = ()  # positions in the run that came up from disk
 
 
 @dataclass

@@ -254,7 +254,8 @@ class Flusher:
                 rests = [keys[r.num_hit:] if self._reserve and not r.pending else []
                          for keys, r in zip(group, results)]
                 for r, mine in zip(results, ahead.reserve(rests)):
-                    answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec), *mine))
+                    answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec), *mine,
+                                               promoted=r.promoted))
         return answers, retried, ahead.evicted
 
 

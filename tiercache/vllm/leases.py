@@ -64,11 +64,12 @@ _ABSENT = object()
 
 
 class _Held:
-    __slots__ = ("slot_id", "refs")
+    __slots__ = ("slot_id", "refs", "from_disk")
 
-    def __init__(self, slot_id: FencedSlot):
+    def __init__(self, slot_id: FencedSlot, from_disk: bool = False):
         self.slot_id = slot_id
         self.refs = 0
+        self.from_disk = from_disk  # promoted from the disk tier: vLLM's load source DISK
 
 
 class RequestLeases:
@@ -343,10 +344,11 @@ class LeaseBook:
                 self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
                 continue
             self._file_reservations(request, answer)
-            for key, slot_id in zip(leased, answer.slot_ids, strict=True):
+            promoted = set(answer.promoted)
+            for i, (key, slot_id) in enumerate(zip(leased, answer.slot_ids, strict=True)):
                 held = self.held.get(key)
                 if held is None:
-                    held = self.held[key] = _Held(slot_id)
+                    held = self.held[key] = _Held(slot_id, i in promoted)
                 elif held.slot_id != slot_id:
                     raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
                                      f"lease says slot {slot_id}")

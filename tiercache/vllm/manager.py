@@ -73,6 +73,7 @@ from tiercache.vllm.leases import LeaseBook, RequestLeases
 from tiercache.vllm.namespace import Namespace
 
 _HOST = CacheHitSource.HOST
+_DISK = CacheHitSource.DISK
 
 
 class TierCacheLoadStoreSpec(LoadStoreSpec):
@@ -184,7 +185,10 @@ class TierCacheManager(OffloadingManager):
         return self._book.lookup(key, req_context)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return _HOST
+        """DISK for a block the coordinator promoted from its disk tier for this lease,
+        HOST otherwise (and for keys no longer held)."""
+        held = self._book.held.get(key)
+        return _DISK if held is not None and held.from_disk else _HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> TierCacheLoadStoreSpec:
