@@ -126,9 +126,10 @@ def fill(coordinator, num_keys: int, salt: int) -> None:
     from tiercache.index.protocol import MAX_KEYS_PER_CALL
 
     keys = [b"filler-%d-%d" % (salt, i) for i in range(num_keys)]
+    batch = min(MAX_KEYS_PER_CALL, 64)  # a disk tier pins a few blocks while it demotes them
     with Client(coordinator.config) as client:
-        for start in range(0, num_keys, MAX_KEYS_PER_CALL):
-            out = client.prepare_store(keys[start:start + MAX_KEYS_PER_CALL])
+        for start in range(0, num_keys, batch):
+            out = client.prepare_store(keys[start:start + batch])
             client.complete_store(list(out.keys_to_store))
 
 
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-cache", action="store_true",
                         help="a cache of exactly one pass, full of other blocks before the "
                              "cold steps: every store evicts")
+    parser.add_argument("--disk", action="store_true",
+                        help="a disk tier below host memory (busy: it demotes ahead of the "
+                             "cold pass's evictions and promotes on the warm pass's lookups)")
     args = parser.parse_args(argv)
     model = TinyModel()
     tokens_per_prompt = args.keys * 16
@@ -241,8 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     gpu_blocks = args.requests * (args.keys + 2) + 16
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp:
         tmp_path = Path(tmp)
+        disk = None
+        if args.disk:
+            from tiercache.config import DiskConfig
+
+            (tmp_path / "disk").mkdir()
+            disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=4 << 30,
+                              low_watermark=0.5)
         config = model.coordinator_config(f"bench-{uuid.uuid4().hex[:8]}",
-                                          str(tmp_path / "c.sock"), chunks)
+                                          str(tmp_path / "c.sock"), chunks, disk=disk)
         with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:
             model_dir = model.write(tmp_path / "model")
             prompts = [[(r * 7919 + i) % 250 for i in range(tokens_per_prompt)]
