@@ -37,12 +37,12 @@ def test_workload_at_every_rank_without_a_wrong_block_and_metrics_agree(make_con
                 assert sample(samples, "tiercache_transfer_backend_info", rank=str(rank),
                               direction="gpu_to_cpu", backend="cpu") == 1
             index = {name: sample(samples, f"tiercache_index_{name}_total") for name in
-                     ("lookups", "hit_blocks", "miss_blocks", "loaded_blocks", "stored_blocks",
+                     ("lookups", "hit_blocks", "miss_blocks", "leased_blocks", "stored_blocks",
                       "evicted_blocks")}
             assert index["lookups"] == t.requests
             assert index["hit_blocks"] == t.hit_blocks
             assert index["miss_blocks"] == t.lookup_blocks - t.hit_blocks
-            assert index["loaded_blocks"] == t.loaded_blocks
+            assert index["leased_blocks"] == t.loaded_blocks  # each load is its lease's hits
             assert index["stored_blocks"] == t.stored_blocks
             assert index["evicted_blocks"] > 0  # slots were reused, and loads still checked out
             assert engine.stats_agree()

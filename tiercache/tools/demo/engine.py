@@ -1,8 +1,8 @@
 """The demo's scheduler: the index through ``Client``, one worker process per rank, and
 the completion loop of ``tiercache.index.jobs`` between them.
 
-One request at a time (its GPU blocks are reused by the next one): ``lookup`` → ``touch``
-→ ``prepare_load`` of the hit run → ``prepare_store`` of the rest → a LOAD and a STORE
+One request at a time (its GPU blocks are reused by the next one): ``lease`` of the
+hit run (its answer holds the slots) → ``prepare_store`` of the rest → a LOAD and a STORE
 job to every rank → ``complete_load`` / ``complete_store`` once every rank reported
 each job or was lost. Liveness comes from the stats blocks (``RankMonitor``), so a
 SIGKILLed worker fails its jobs instead of hanging them.
@@ -40,6 +40,12 @@ from tiercache.tools.demo.wire import Command, Op, Report
 from tiercache.tools.demo.workload import Request
 
 log = logging.getLogger(__name__)
+
+# A lease answered "pending" (the next blocks are being promoted from the disk tier, or
+# written by another engine) is asked again after a pause, as an engine asks again at its
+# next step: at most PENDING_RETRIES times (a slow tier never holds a request for long).
+PENDING_RETRIES = 20
+PENDING_WAIT_S = 0.002
 
 ATTACH_TIMEOUT_S = 120.0  # a spawned worker imports torch and attaches (slow on small CI)
 POLL_S = 0.02  # how often liveness is re-read while waiting for reports
@@ -134,15 +140,25 @@ class DemoEngine:
             raise JobError("the previous request's transfers are still in flight; wait_idle() "
                            "first (their GPU blocks are reused)")
         keys = request.keys
-        hits = self._index(self.client.lookup, keys)
+        # A lease, not a lookup: its hits stay pinned until the load completes (the pin is
+        # what complete_load drops), so nothing evicts them in between, not even a disk
+        # tier's promotion running beside this engine.
+        lease = self._index(self.client.lease, keys)
+        for _ in range(PENDING_RETRIES):  # promoting from a lower tier: ask again, as an
+            if not lease.pending:  # engine's next step would (vLLM: HIT_PENDING)
+                break
+            if lease.num_hit:
+                self._index(self.client.release, keys[:lease.num_hit])
+            time.sleep(PENDING_WAIT_S)
+            lease = self._index(self.client.lease, keys)
+        hits = lease.num_hit
         t = self.totals
         t.requests += 1
         t.lookup_blocks += len(keys)
         t.hit_blocks += hits
         load_job = store_job = None
         if hits:
-            self._index(self.client.touch, keys[:hits])
-            spec = self._index(self.client.prepare_load, keys[:hits])
+            spec = lease.spec
             t.loaded_blocks += hits
             load_job = self._start_job(JobKind.LOAD, keys[:hits], spec.block_ids, range(hits))
         stored: tuple[bytes, ...] = ()
