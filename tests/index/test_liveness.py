@@ -42,6 +42,20 @@ def test_one_session_holds_at_most_its_share_of_the_cache(make_config, tmp_path)
         assert other.stats().session_limit_rejections >= 2
 
 
+def test_a_live_idle_client_keeps_what_it_holds_past_the_liveness_deadline(make_config,
+                                                                          tmp_path):
+    """The client heartbeats while its process runs: a session that holds a reservation and
+    makes no call for three liveness deadlines is not declared dead (a frozen one is:
+    tests/service/test_integrity.py)."""
+    config = small(make_config, index_session_timeout_s=1.0)
+    with CoordinatorProcess(config, tmp_path), Client(config) as client:
+        client.prepare_store(k(1))
+        time.sleep(3.0)  # idle on purpose: only the heartbeat speaks for the session
+        client.complete_store(k(1))  # its reservation is still its own
+        assert client.lookup(k(1)) == 1 and client.resumed is False
+        assert client.stats().sessions_ended == 0
+
+
 def test_a_reservation_never_completed_expires(make_config, tmp_path):
     config = small(make_config, index_reservation_timeout_s=1.0)
     with CoordinatorProcess(config, tmp_path), Client(config) as client:

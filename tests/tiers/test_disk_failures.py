@@ -15,6 +15,7 @@ from test_disk_tier import HOST_BLOCKS, KEYS, ROW, lease_when_settled, load_ever
     store_paced, tier
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
 from tiercache.index.client import Client
+from tiercache.index.results import LeaseResult
 from tiercache.service.process import CoordinatorProcess
 from tiercache.tiers.disk_file import HEADER_BYTES
 
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.skipif(not faulty_fs.available(),
 
 @pytest.fixture
 def faulty(make_config, tmp_path):
+    """(the filesystem, the config, the metrics URL): a coordinator whose disk tier lives on
+    the fault-injecting filesystem, with 32 keys stored (the oldest 16 on disk only)."""
     backing, mount = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     fs = faulty_fs.FaultyFS(str(backing), str(mount), str(tmp_path))
@@ -31,43 +34,43 @@ def faulty(make_config, tmp_path):
                          region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
                                              prefault_threads=1),
                          disk=DiskConfig(path=str(mount), capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
-                                         low_watermark=0.5, direct_io=False, retry_s=1.0))
-    yield fs, config
-    fs.close()
+                                         low_watermark=0.5, direct_io=False, retry_s=5.0))
+    try:
+        with CoordinatorProcess(config, tmp_path / "c") as coordinator:
+            url = metrics_url(coordinator)
+            store_paced(config, url, KEYS[:32])
+            yield fs, config, url
+            fs.set("ok")  # a stalled disk must not hold up the coordinator's stop
+    finally:
+        fs.close()
 
 
-def test_a_disk_returning_eio_is_marked_down_and_the_host_tier_keeps_serving(faulty, tmp_path):
-    fs, config = faulty
-    with CoordinatorProcess(config, tmp_path / "c") as coordinator:
-        url = metrics_url(coordinator)
-        store_paced(config, url, KEYS[:32])
-        fs.set("eio")
-        exact, wrong, missing = load_every_key(config, KEYS[:16])  # on disk only
-        assert (exact, wrong) == (0, 0) and missing == 16
-        assert tier(url, "errors_total") >= 3
-        wait_for(lambda: tier(url, "up") == 0 or tier(url, "errors_total") >= 3, "marked down")
-        with Client(config) as client:  # the host tier is untouched
-            store(client, 900, 901)
-            assert client.lookup(k(900, 901)) == 2
+def test_a_disk_returning_eio_is_marked_down_and_the_host_tier_keeps_serving(faulty):
+    fs, config, url = faulty
+    fs.set("eio")
+    exact, wrong, missing = load_every_key(config, KEYS[:16])  # on disk only
+    assert (exact, wrong) == (0, 0) and missing == 16
+    assert tier(url, "errors_total") >= 3
+    assert tier(url, "up") == 0  # 3 errors in a row: down for disk.retry_s
+    with Client(config) as client:
+        assert client.lease([KEYS[0]]) == LeaseResult(0, False)  # down: a plain miss
+        store(client, 900, 901)  # the host tier is untouched
+        assert client.lookup(k(900, 901)) == 2
+    fs.set("ok")
+    wait_for(lambda: tier(url, "up") == 1, "the disk tier comes back by itself")
+    assert load_every_key(config, KEYS[:8]) == (8, 0, 0)  # exact once the disk reads
+
+
+def test_a_stalled_disk_never_holds_up_the_host_tier(faulty):
+    fs, config, url = faulty
+    fs.set("slow 20")
+    with Client(config) as client, Client(config) as other:
+        assert client.lease([KEYS[0]]).pending  # its promotion is stuck in a read
+        for i in range(10):  # meanwhile the host tier answers every call
+            store(other, 1000 + i)
+            assert other.lookup(k(1000 + i)) == 1
+        assert client.lease([KEYS[0]]).pending  # still stuck: nobody waited for it
         fs.set("ok")
-        wait_for(lambda: tier(url, "up") == 1, "the disk tier comes back by itself")
-        assert load_every_key(config, KEYS[:8]) == (8, 0, 0)  # exact once the disk reads
-        fs.set("ok")
-
-
-def test_a_stalled_disk_never_holds_up_the_host_tier(faulty, tmp_path):
-    fs, config = faulty
-    with CoordinatorProcess(config, tmp_path / "c") as coordinator:
-        url = metrics_url(coordinator)
-        store_paced(config, url, KEYS[:32])
-        fs.set("slow 20")
-        with Client(config) as client, Client(config) as other:
-            assert client.lease([KEYS[0]]).pending  # its promotion is stuck in a read
-            for i in range(10):  # meanwhile the host tier answers every call
-                store(other, 1000 + i)
-                assert other.lookup(k(1000 + i)) == 1
-            assert client.lease([KEYS[0]]).pending  # still stuck: nobody waited for it
-            fs.set("ok")
-            assert lease_when_settled(client, KEYS[0], timeout_s=60).num_hit == 1
-            client.release([KEYS[0]])
-        assert load_every_key(config, KEYS[:4])[1] == 0
+        assert lease_when_settled(client, KEYS[0], timeout_s=60).num_hit == 1
+        client.release([KEYS[0]])
+    assert load_every_key(config, KEYS[:4])[1] == 0

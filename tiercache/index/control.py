@@ -152,7 +152,6 @@ class ControlServer:
                                       timeout_s=opts.session_timeout_s, store=session_store,
                                       restored=restored, now=time.monotonic())
         self._next_tick = time.monotonic() + opts.tick_s
-        self.sessions_declared_dead = 0
         self._warn = LogLimiter(log, self.options.log_interval_s)
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
@@ -302,7 +301,6 @@ class ControlServer:
         for session in self._sessions.silent(now):
             conn = session.conn
             released = self._sessions.end(session)
-            self.sessions_declared_dead += 1
             if isinstance(conn, Connection):
                 conn.session = None
                 self._drop(selector, conn, "session declared dead")

@@ -569,7 +569,8 @@ class OffloadingManager:
         and every pin of every owner; counters are kept.
 
         Loads and stores in flight become unknown keys: the caller must not let their
-        transfers touch the region after this returns.
+        transfers touch the region after this returns. It empties host memory only: blocks
+        a lower tier holds stay there and are promoted again when looked up.
         """
         with self._lock:
             readable = [k for k, s in self._slots.items() if s.state is not SlotState.WRITING]

@@ -127,10 +127,6 @@ class SessionTable:
             raise ControlSocketError(f"the coordinator keeps the most sessions it can ({e}); "
                                      "retry once other clients have gone") from None
 
-    def seen(self, session: Session, now: float) -> None:
-        """A request arrived on ``session``: it is alive."""
-        session.last_seen = now
-
     def detach(self, session: Session, conn: Hashable, now: float) -> None:
         """``conn`` closed: start ``session``'s grace period (unless it moved on already)."""
         if session.conn is not conn or session.token not in self._by_token:

@@ -302,7 +302,7 @@ class TiercacheCollector(Collector):
         self._layout = region.layout
         self._reader = AttachmentReader(region, self._layout)
         self._manager_stats = manager_stats
-        self._tier_stats = tier_stats  # tier name -> its stats (``DiskStats``)
+        self._tier_stats = tier_stats  # tier name -> its stats (``TierStats``)
 
     def describe(self) -> Iterator[Metric]:
         """Names only: registering must not read shared memory."""

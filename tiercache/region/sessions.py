@@ -127,8 +127,3 @@ class SessionLedger:
         in_use = set(live.tolist())
         self._free = [i for i in range(t.size - 1, -1, -1) if i not in in_use]
         return records, int(bad.size)
-
-    def clear(self) -> None:
-        for index in np.flatnonzero(self._table["state"] != _FREE).tolist():
-            self._rewrite(index, _FREE, bytes(TOKEN_BYTES), 0, 0)
-        self._free = list(range(self._table.size - 1, -1, -1))

@@ -70,9 +70,9 @@ class Coordinator:
         try:
             self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = self.region.layout
-            store, records = self._restore_sessions()
-            self.manager = self._build_index({r.owner for r in records})
-            restored = self._keep_holders(store, records)
+            store, restored, (total, damaged) = self._restore_sessions()
+            self.manager = self._build_index({r.owner for r in restored})
+            self._report_sessions(restored, total, damaged)
             if cfg.disk is not None:
                 self.disk = self._start_disk()
             socket_path = os.path.abspath(cfg.socket_path)
@@ -110,14 +110,12 @@ class Coordinator:
         for record in records:
             if record not in alive:
                 store.close(record.owner)
-        self._previous_sessions = (len(records), damaged)
-        return store, alive
+        return store, alive, (len(records), damaged)
 
-    def _keep_holders(self, store, alive):
+    def _report_sessions(self, alive, total: int, damaged: int) -> None:
         """The live previous sessions are restored (until they resume, their process ends,
         or they stay away for ``index.session_timeout_s``): those holding something keep
         it fenced, the others keep their tokens, so a restart is invisible to clients."""
-        total, damaged = self._previous_sessions
         holding = sum(self.manager.holds(r.owner) for r in alive)
         if total or damaged:
             self.say(f"sessions: {len(alive)} of the previous coordinator's {total} session(s) "
@@ -125,7 +123,6 @@ class Coordinator:
                      "pins) until they resume, their process ends, or "
                      f"{self.config.index_session_timeout_s:g} s pass"
                      + (f"; {damaged} damaged session record(s) dropped" if damaged else ""))
-        return alive
 
     def _build_index(self, surviving_owners: set[int]):
         """The index over the region, rebuilt from the region's ledger (READY blocks of a

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import replace
 
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 _PROMOTE, _DEMOTE = 0, 1  # queue priorities: loads go ahead of spills
 PROMOTE_BATCH = 32  # keys per promotion job (its host slots are reserved together)
 DEMOTE_BATCH = 4  # keys per demotion job (pinned and unpinned together)
-
-
-DiskStats = TierStats  # the disk tier's figures (the index's vocabulary)
 
 
 class DiskTier:
@@ -90,7 +87,7 @@ class DiskTier:
         self._stopped = threading.Event()  # the watcher sleeps on this, not on ``_work``
         self._threads: list[threading.Thread] = []
         self.name = "disk"
-        self.stats = DiskStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
+        self.stats = TierStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
 
     # ------------------------------------------------------------------ life
     def rebuild(self, progress=None) -> int:
@@ -332,7 +329,6 @@ class DiskTier:
                 self.stats.write_seconds += seconds
         return True if result is None else bool(result)
 
-    def snapshot(self) -> DiskStats:
+    def snapshot(self) -> TierStats:
         with self._lock:
-            self.stats.up = time.monotonic() >= self._down_until
-            return DiskStats(**{f.name: getattr(self.stats, f.name) for f in fields(DiskStats)})
+            return replace(self.stats, up=time.monotonic() >= self._down_until)

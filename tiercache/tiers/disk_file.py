@@ -209,10 +209,6 @@ class DiskSlotFile:
             return None
         return SlotHeader(seq, key[:key_len], data_crc)
 
-    def invalidate(self, slot: int) -> None:
-        """Make the slot's header not check (before its block is given up)."""
-        self._full(os.pwritev, [memoryview(_page())], self.offset(slot))
-
     def _full(self, call, views: list, offset: int) -> None:
         want = sum(len(v) for v in views)
         done = call(self._fd, views, offset)
