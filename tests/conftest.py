@@ -22,7 +22,7 @@ TEST_PREFIX = f"tiercache-{SESSION_TAG}"
 
 
 def _test_entries() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if TEST_PREFIX in n}
+    return {n for n in os.listdir(SHM_DIR) if SESSION_TAG in n}  # regions, presence maps
 
 
 def pytest_sessionstart(session):

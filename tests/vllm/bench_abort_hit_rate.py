@@ -12,7 +12,10 @@ Scheduler and both roles of OffloadingConnector with TierCacheOffloadingSpec, CP
   of the popular prompts (in turn) and ``--computed`` other new prompts; the engine takes
   one step (every request is looked up), the ``--aborts`` ones are aborted (a client that
   went away), and the others run to the end (the computed ones store their chunks: real
-  stores, which must evict in a full cache).
+  stores, which must evict in a full cache). The aborted prompts share their first chunk
+  with the round's popular prompt, so they are probed in the coordinator (and deferred a
+  step) and aborted before computing anything; a wholly new prompt is a cold miss that
+  the presence map admits at once, and it computes (and stores) in its first step.
 
 Printed: the hit rate (tokens of the popular requests loaded from tiercache over their
 full-chunk prompt tokens, rounds only) and the blocks the coordinator evicted during the
@@ -50,9 +53,13 @@ def run(engine: Engine, coordinator, *, popular: int, chunks: int, rounds: int,
         evicted_before = client.stats().evicted_blocks
     loaded = asked = 0
     for r in range(rounds):
+        # an empty GPU prefix cache (not tiercache's): the shared first chunk below is then
+        # found in tiercache only, so the aborted prompts are probed there
+        assert engine.scheduler.reset_prefix_cache(reset_connector=False)
         novel = [f"new-{r}-{j}" for j in range(aborts)]
+        shared = prompts[r % popular][:BLOCK_TOKENS]  # a cached first chunk: probed, not cold
         for j, req_id in enumerate(novel):
-            engine.add_request(req_id, prompt(1000 + r * aborts + j, chunks))
+            engine.add_request(req_id, shared + prompt(1000 + r * aborts + j, chunks)[BLOCK_TOKENS:])
         req_id = f"popular-{r}"
         engine.add_request(req_id, prompts[r % popular])
         for j in range(computed):

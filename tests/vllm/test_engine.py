@@ -104,17 +104,18 @@ def test_a_request_finishing_with_stores_in_flight_keeps_its_bytes(coordinator, 
 
 def test_a_lookup_takes_nothing_an_aborted_request_evicts_no_stored_block(start_coordinator,
                                                                           make_engine):
-    # Issue 21, item 2: A stores 16 chunks in a 24-chunk cache; X (16 new chunks) is looked
-    # up once and aborted before it computes anything; B asks for A's prompt again. X's
-    # lookup may reserve the 8 free slots, never evict one of A's chunks for a store that
-    # does not happen.
+    # Issue 21, item 2: A stores 16 chunks in a 24-chunk cache; X (A's first chunk, then 15
+    # new ones: a cached chunk, so X is probed, not a cold miss) is looked up once and
+    # aborted before it computes anything; B asks for A's prompt again. X's lookup may
+    # reserve the 8 free slots, never evict one of A's chunks for a store that does not
+    # happen.
     cache = start_coordinator(num_chunks=24)
     first = make_engine(cache)
     a_prompt = prompt(7, 16 * BLOCK_TOKENS + 4)
     first.add_request("A", a_prompt)
     first.run()
     second = make_engine(cache)  # an empty GPU prefix cache: B's hits can only be loaded
-    second.add_request("X", prompt(8, 16 * BLOCK_TOKENS + 4))
+    second.add_request("X", a_prompt[:BLOCK_TOKENS] + prompt(8, 16 * BLOCK_TOKENS + 4)[BLOCK_TOKENS:])
     out = second.step()  # X's admission step: looked up, probed, deferred
     assert "X" not in out.num_scheduled_tokens, "X computed nothing"
     second.abort("X")

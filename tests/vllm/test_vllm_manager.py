@@ -320,15 +320,17 @@ def test_a_lookup_takes_nothing_a_miss_evicts_no_stored_block(spec_for, start_co
 
 def test_reservations_evict_no_more_than_the_step_stored_and_retry_what_found_no_room(
         spec_for, start_coordinator):
-    small = start_coordinator(num_chunks=4)
-    with Client(small.config) as other:  # a cache full of another engine's blocks
-        out = other.prepare_store([b"other-%d" % i for i in range(4)])
-        other.complete_store(list(out.keys_to_store))
+    small = start_coordinator(num_chunks=5)
     sched = Scheduler(spec_for(small).get_manager())
+    prefix = sched.manager.book.prefix
+    with Client(small.config) as other:  # a full cache: this engine's first chunk (so the
+        keys = [prefix + key(0)] + [b"other-%d" % i for i in range(4)]  # request is probed,
+        out = other.prepare_store(keys)  # not a cold miss) and 4 blocks of another engine
+        other.complete_store(list(out.keys_to_store))
     waiting, writer = sched.request("waiting"), sched.request("w")
-    sched.lookup(waiting, [key(1), key(2)])
+    assert sched.lookup(waiting, [key(0), key(1), key(2)]) == [RETRY] * 3
     sched.end_step()
-    assert sched.lookup(waiting, [key(1), key(2)]) == [MISS, MISS]
+    assert sched.lookup(waiting, [key(0), key(1), key(2)]) == [HIT, MISS, MISS]
     assert coordinator_stats(small).evicted_blocks == 0, "a step that stored nothing"
     sched.end_step()
     assert sched.lookup(waiting, [key(1)]) == [MISS], "no room is still a miss, not a retry"

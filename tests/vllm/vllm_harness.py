@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +225,11 @@ class Engine:
         """The client went away (vLLM's ``abort_requests``): the request finishes as it is."""
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
-    def step(self) -> SchedulerOutput:
+    def step(self, *, flush: bool = True, model_s: float = 0.0) -> SchedulerOutput:
+        """One engine step. ``model_s``: the forward pass's time (slept after the copies
+        are started, while the flusher sends the step's batch). ``flush=False``: do not wait
+        for the flusher at the end (a real engine does not: its next step may start
+        before the coordinator answered)."""
         out = self.scheduler.schedule()
         stats = self.scheduler.connector_prefix_cache_stats  # reset by the step's make_stats
         if stats is not None:
@@ -241,6 +246,8 @@ class Engine:
         wc.bind_connector_metadata(meta)
         wc.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
         self._compute(out)
+        if model_s:
+            time.sleep(model_s)
         if out.total_num_scheduled_tokens > 0:
             wc.wait_for_save()
         else:  # no forward pass to overlap with: let the copies finish, as a GPU step would
@@ -266,7 +273,8 @@ class Engine:
             for o in outputs.outputs:
                 if o.finished:
                     self.finished.add(o.request_id)
-        assert self.manager.wait_flushed(60.0), "tiercache flusher did not answer in 60 s"
+        if flush:
+            assert self.manager.wait_flushed(60.0), "tiercache flusher did not answer in 60 s"
         self.steps += 1
         return out
 

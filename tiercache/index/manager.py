@@ -117,6 +117,7 @@ class OffloadingManager:
         self._max_session_blocks = max_session_blocks
         self._max_pin_owners = ledger.max_pin_owners if ledger is not None else None
         self._below: LowerTier | None = None
+        self._key_listener = None  # (keys, removed): readable keys come and go
         self._next_gen = 1
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
@@ -191,6 +192,21 @@ class OffloadingManager:
         if not 0 <= slot_id < self._capacity:
             raise ConfigError(f"the index ledger names slot {slot_id}; allowed "
                               f"0..{self._capacity - 1}")
+
+    def set_key_listener(self, listener) -> None:
+        """Call ``listener(keys, removed)`` (under the index's lock: it must be quick) when
+        keys enter the index (``removed=False``: a reservation, which a lookup answers
+        pending and then READY) or leave it (evicted, a failed or abandoned store, reset); it
+        is first called with every key held now. The coordinator's key presence map
+        (``tiercache.region.presence``) counts them."""
+        with self._lock:
+            self._key_listener = listener
+            if listener is not None and self._slots:
+                listener(list(self._slots), False)
+
+    def _keys_changed(self, keys: Sequence[bytes], removed: bool) -> None:
+        if self._key_listener is not None and keys:
+            self._key_listener(keys, removed)
 
     def set_lower_tier(self, tier: LowerTier | None) -> None:
         """Lookups and leases that miss host memory ask ``tier``: a key it holds is being
@@ -460,7 +476,9 @@ class OffloadingManager:
             self._readable_keys.difference_update(victims)
             self._counters["evicted_blocks"] += len(victims)
             self._emit(victims, removed=True)
+            self._keys_changed(victims, True)
             slots = [self._allocate(key) for key in new_keys]
+            self._keys_changed(new_keys, False)
             if new_keys:
                 self._holdings_of(owner).writing.update(dict.fromkeys(new_keys, time.monotonic()))
             slot_ids = [s.slot_id for s in slots]
@@ -575,6 +593,7 @@ class OffloadingManager:
         with self._lock:
             readable = [k for k, s in self._slots.items() if s.state is not SlotState.WRITING]
             self._emit(readable, removed=True)
+            self._keys_changed(list(self._slots), True)
             self._policy.clear()
             self._clear_index()
             if self._ledger is not None:
@@ -658,6 +677,7 @@ class OffloadingManager:
             self._num_by_state[SlotState.WRITING] -= 1
             self._free.append(slot.slot_id)
             freed.append(slot.slot_id)
+        self._keys_changed(keys, True)
         if self._ledger is not None:
             self._ledger.free(freed)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tiercache.errors import RegionError, RegionNotFoundError, RegionTrustError
 from tiercache.region.header import HeaderInfo
+from tiercache.region.presence import remove_stale_presence
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, describe, describe_name, open_entry,
     owner_lock_held, read_header, shm_path, still_named, take_owner_lock, truncation,
@@ -119,7 +120,10 @@ def _remove_checked(listing: RegionListing,
             return False
         if before_unlink is not None:
             before_unlink(listing)
-        return unlink_if_same(entry)
+        if not unlink_if_same(entry):
+            return False
+        remove_stale_presence(listing.name)  # its key presence map, left by a killed coordinator
+        return True
     except RegionTrustError:
         return False
     finally:

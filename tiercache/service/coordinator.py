@@ -59,6 +59,7 @@ class Coordinator:
         self.control = None
         self.exporter = None
         self.disk = None
+        self.presence = None
         self._closed = False
 
     def start(self) -> None:
@@ -75,6 +76,7 @@ class Coordinator:
             self._report_sessions(restored, total, damaged)
             if cfg.disk is not None:
                 self.disk = self._start_disk()
+            self.presence = self._start_presence()
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
                                     session_store=store, restored=restored)
@@ -180,6 +182,28 @@ class Coordinator:
                  f"{time.perf_counter() - t0:.2f} s")
         return tier
 
+    def _start_presence(self):
+        """The key presence map engines read to answer definite misses without asking
+        (``tiercache.region.presence``), filled with what the tiers hold now."""
+        from tiercache.region.presence import PresenceMap
+
+        num_keys = self.manager.num_blocks + (self.disk.capacity_blocks if self.disk else 0)
+        presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
+        try:
+            self.manager.set_key_listener(presence.update)
+            if self.disk is not None:
+                self.disk.set_key_listener(presence.update)
+        except BaseException:
+            presence.close()
+            raise
+        return presence
+
+    def _stop_presence(self) -> None:
+        self.manager.set_key_listener(None)
+        if self.disk is not None:
+            self.disk.set_key_listener(None)
+        self.presence.close()
+
     def _stop_disk(self) -> None:
         self.manager.set_lower_tier(None)
         self.disk.close()
@@ -195,6 +219,7 @@ class Coordinator:
         attached = self.region.live_attachments() if self.region and self.control else 0
         keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
+                            ("presence", self.presence and self._stop_presence),
                             ("disk", self.disk and self._stop_disk),
                             ("control", self.control and (
                                 lambda: self.control.close(end_sessions=not keep))),

@@ -86,6 +86,7 @@ class DiskTier:
         self._stop = False
         self._stopped = threading.Event()  # the watcher sleeps on this, not on ``_work``
         self._threads: list[threading.Thread] = []
+        self._key_listener = None
         self.name = "disk"
         self.stats = TierStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
 
@@ -108,6 +109,22 @@ class DiskTier:
         if progress is not None:
             progress(len(self._index))
         return len(self._index)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._file.num_slots
+
+    def set_key_listener(self, listener) -> None:
+        """Call ``listener(keys, removed)`` (under the tier's lock) when keys come to be
+        held on disk or stop being; it is first called with every key held now."""
+        with self._lock:
+            self._key_listener = listener
+            if listener is not None and self._index:
+                listener(list(self._index), False)
+
+    def _keys_changed(self, keys: list[bytes], removed: bool) -> None:
+        if self._key_listener is not None:
+            self._key_listener(keys, removed)
 
     def start(self) -> None:
         for i in range(self._io_threads):
@@ -274,6 +291,7 @@ class DiskTier:
             if ok:
                 self._index[key] = disk_slot
                 self._order[disk_slot] = key
+                self._keys_changed([key], False)
                 self.stats.demotions += 1
                 self.stats.used_blocks = len(self._index)
             else:
@@ -289,12 +307,15 @@ class DiskTier:
             slot = next((s for s in self._order if s not in self._busy), None)
             if slot is None:
                 return None
-            del self._index[self._order.pop(slot)]
+            key = self._order.pop(slot)
+            del self._index[key]
+            self._keys_changed([key], True)
         self._busy.add(slot)
         return slot
 
     def _forget(self, key: bytes, slot: int) -> None:
         del self._index[key]
+        self._keys_changed([key], True)
         self._order.pop(slot, None)
         self._free.append(slot)
         self.stats.used_blocks = len(self._index)

@@ -3,7 +3,10 @@
 ``on_schedule_end`` hands the step's batch over and returns at once; this thread sends it
 while the engine runs the model, then files the answers in the ``LeaseBook`` under the
 manager's lock (vLLM's own async lookups work the same way: one queue item per step, a
-background thread, a real lock). Per batch, in order: completed stores, failed stores
+background thread, a real lock). Filing goes through a mailbox: the thread posts the
+filing, then takes the lock to run it; a scheduler that holds the lock and needs a
+request's answer now (``await_answers``, from a lookup) runs what is posted itself, so
+it never waits on this thread for the lock it holds. Per batch, in order: completed stores, failed stores
 (both on the *writer* session, which made those reservations), releases, the batch's
 retries (one ``prepare_store``, writer session, for keys of earlier probes that found no
 room), then one ``lease_batch`` for every probed request (*bulk* session, which owns the
@@ -42,6 +45,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -107,6 +111,11 @@ class Flusher:
         self._on_evicted = on_evicted  # wire keys evicted by reservations (under the lock)
         self._reserve = reserve
         self._queue: queue.Queue[Batch | None] = queue.Queue()
+        # What the thread files in the book, in order, run by whoever holds the manager's
+        # lock first: this thread, or the scheduler waiting for a probe's answer.
+        self._mail: deque[Callable[[], None]] = deque()
+        self._mail_cv = threading.Condition()
+        self._slow = False  # a wait ran out: no more waits until something is filed
         self._idle = threading.Condition()
         self._pending = 0  # batches submitted and not yet filed
         self._down_since: float | None = None
@@ -133,6 +142,50 @@ class Flusher:
             log.warning("tiercache: coordinator gone; lookups answer MISS and stores are "
                         "skipped until it is back (transfers in flight finish)")
             self._queue.put(None)  # wake the thread to ping
+
+    def drain(self) -> None:
+        """File what the thread has answered (call with the manager's lock held)."""
+        mail = self._mail
+        while mail:
+            with self._mail_cv:
+                if not mail:
+                    return
+                filing = mail.popleft()
+            self._slow = False
+            filing()
+
+    def await_answers(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """File answers as they come (manager's lock held) until ``done()``; False after
+        ``timeout_s``, while the coordinator is down, or while an earlier wait ran out and
+        nothing was filed since (a frozen coordinator costs one wait, not one per step)."""
+        self.drain()
+        if done():
+            return True
+        if self._slow or self._down_since is not None or self._error is not None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._mail_cv:
+                if not self._mail:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._slow = True
+                        return False
+                    self._mail_cv.wait(remaining)
+            self.drain()
+            if done():
+                return True
+            if self._down_since is not None or self._error is not None:
+                return False
+
+    def _file(self, filing: Callable[[], None]) -> None:
+        """Hand ``filing`` over (a scheduler waiting for it runs it) and run it here if
+        nobody did."""
+        with self._mail_cv:
+            self._mail.append(filing)
+            self._mail_cv.notify_all()
+        with self._lock:
+            self.drain()
 
     @property
     def coordinator_up(self) -> bool:
@@ -178,10 +231,13 @@ class Flusher:
         start = time.perf_counter()
         try:
             answers, retried, evicted = self._send(batch)
-            with self._lock:
+
+            def filing() -> None:
                 self._book.apply(batch, answers, retried)
                 if evicted and self._on_evicted is not None:
                     self._on_evicted(evicted)
+
+            self._file(filing)
         except CoordinatorGoneError as e:
             log.warning("tiercache: a batch was not sent (%s)", e)
             self.coordinator_lost()
@@ -197,8 +253,7 @@ class Flusher:
             self._on_flush(time.perf_counter() - start)
 
     def _fail(self, batch: Batch) -> None:
-        with self._lock:
-            self._book.batch_failed(batch)
+        self._file(lambda: self._book.batch_failed(batch))
         self._done()
 
     def _done(self) -> None:
@@ -216,11 +271,7 @@ class Flusher:
         except CoordinatorGoneError:
             return False
         resumed = self._bulk.resumed and self._writer.resumed
-        with self._lock:
-            if resumed:
-                self._book.reconnected()
-            else:
-                self._book.session_lost()
+        self._file(self._book.reconnected if resumed else self._book.session_lost)
         log.warning("tiercache: coordinator back after %.1f s (%s)",
                     time.monotonic() - (self._down_since or 0.0),
                     "session resumed" if resumed else "new session: earlier leases are gone")

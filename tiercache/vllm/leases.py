@@ -9,11 +9,16 @@ would put ~2000 round trips on that path, so the book answers every lookup from 
   between the HIT and vLLM's ``prepare_load`` (which is answered from the book as well);
 * a key this engine is storing right now is HIT_PENDING;
 * a key answered by the last probe is MISS or HIT_PENDING, for one step;
+* a new request's first key that no tier holds (``maybe_held``: the coordinator's key
+  presence map, ``tiercache.region.presence``) is MISS at once: a cold request is
+  admitted in the step it is first looked up, with no round trip;
 * any other key is RETRY, and is queued: at the end of the step (``take_batch``, from
   ``on_schedule_end``) the queued keys of every request go out in one batched lease RPC
   (``Client.lease_batch``: per request the leading run of READY keys is pinned), sent by
   the flusher thread while the model runs; ``apply`` files the answers under the lock,
-  and the request, deferred by vLLM for that step, finds them at its next lookup.
+  and the request, deferred by vLLM for that step, finds them at its next lookup. If the
+  answer is not filed by then (steps shorter than the round trip), that lookup waits for
+  it (``await_answers``, bounded), so a hit is loaded in the step after its first lookup.
 
 Refs: a held key counts its local users (each request lease and each load in flight);
 the coordinator may hold several pins for it (one per lease that answered it), and
@@ -52,7 +57,7 @@ hot path. Not thread safe: every call is made under the manager's lock.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
 from typing import Any
 
@@ -61,6 +66,10 @@ from tiercache.vllm.batch import Answers, Batch, FencedSlot, LeaseAnswer, Probe
 
 
 _ABSENT = object()
+
+
+def _always(key: bytes) -> bool:
+    return True
 
 
 class _Held:
@@ -97,8 +106,15 @@ class RequestLeases:
 class LeaseBook:
     """See the module docstring. ``answers`` are the four lookup results."""
 
-    def __init__(self, answers: Answers, prefix: bytes):
+    def __init__(self, answers: Answers, prefix: bytes, *,
+                 maybe_held: Callable[[bytes], bool] | None = None,
+                 await_answers: Callable[[RequestLeases], bool] | None = None):
         self.answers = answers
+        # A request's first key: False means no tier holds it (the coordinator's key
+        # presence map), so the request is a cold miss, answered at once.
+        self.maybe_held = maybe_held if maybe_held is not None else _always
+        # Until the request's probe in flight is answered (filed), or a bound: True if it was.
+        self.await_answers = await_answers
         # Plain attributes for the hot path (a NamedTuple field costs a descriptor call).
         self._hit, self._miss, self._pending, self._retry = answers
         self._last_context: object = None  # vLLM asks a request's keys one after another
@@ -118,6 +134,7 @@ class LeaseBook:
         self._fenced_writes: list[bytes] = []  # written before a reset: failed once flushed
         self._in_flight = 0  # batches taken and not yet applied
         self.step = 0
+        self.cold_misses = 0  # first lookups answered MISS at once (no tier holds the key)
         self.down = False  # the coordinator is unreachable: unknown keys are MISS
 
     # ------------------------------------------------------------------ the hot path
@@ -131,6 +148,9 @@ class LeaseBook:
             self._last_context = context
         if request.fresh:  # nothing known for this request yet: its admission step
             if key not in self.held and key not in self.writing:
+                if not request.probe and (self.down or not self.maybe_held(key)):
+                    self.cold_misses += 1
+                    return self._miss  # a cold miss: admitted now, nothing to wait for
                 request.probe.append(key)
                 return self._retry
             request.fresh = False
@@ -148,10 +168,16 @@ class LeaseBook:
             return answer
         if self.down or key in request.reserved or key in request.unreserved:
             return self._miss
-        if not request.in_flight:  # with a probe in flight, its answer covers these keys
+        if not request.in_flight:
             if not request.probe:
                 self._probing[request.req_id] = request
             request.probe.append(key)
+            return self._retry
+        # A probe in flight covers these keys: its answer is filed by the next step, or
+        # waited for now (bounded), so a hit loads in the step after its first lookup
+        # however short the steps are.
+        if self.await_answers is not None and self.await_answers(request):
+            return self.lookup(key, context)
         return self._retry
 
     # ------------------------------------------------------------------ loads
@@ -210,9 +236,12 @@ class LeaseBook:
         self._num_stored += len(to_store)
         return to_store, slots, unknown
 
-    def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot]) -> None:
+    def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot],
+                        evicted: int = 0) -> None:
+        """Stores asked on the spot; those that evicted for themselves already spent their
+        share of the step's eviction budget (``num_stored``)."""
         self.writing.update(zip(keys, slots))
-        self._num_stored += len(keys)
+        self._num_stored += max(0, len(keys) - evicted)
 
     def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Queue the publication (or freeing) of our stores; keys not being written by this

@@ -7,9 +7,12 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
   separated by anything this engine does; other engines cannot evict it either, because a
   HIT is a lease (a pin of this engine's session in the coordinator).
 * ``lookup`` never makes an RPC: HIT (leased), HIT_PENDING (this engine is storing it, or
-  the last probe said so), MISS (the last probe said so, or the coordinator is down),
-  RETRY (unknown: probed in one batched RPC after the step, answered by the next step).
-  See ``tiercache.vllm.leases``.
+  the last probe said so), MISS (the last probe said so, the coordinator is down, or a new
+  request's first key is in no tier: the coordinator's key presence map, read in shared
+  memory, says so, and the request is admitted in this step), RETRY (unknown: probed in one
+  batched RPC after the step; the next step's lookup files the answer, waiting for it up
+  to ``lookup_wait_s`` if it is not in yet, so a hit loads in the next step whatever the
+  step time). See ``tiercache.vllm.leases`` and ``tiercache.region.presence``.
 * ``prepare_load`` is answered from the leases (no RPC: the lease answer carried the
   slots, and the load reads them under the lease's pin); ``complete_load`` drops the
   load's refs (releases are batched per step). The coordinator counts leases, not loads
@@ -41,6 +44,7 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -66,6 +70,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.errors import CoordinatorGoneError, SpecError
+from tiercache.region.presence import PresenceView
 from tiercache.specs import CPULoadStoreSpec
 from tiercache.vllm.flusher import Flusher, IndexSession
 from tiercache.vllm.batch import Answers, FencedSlot, fenced_slots
@@ -74,6 +79,9 @@ from tiercache.vllm.namespace import Namespace
 
 _HOST = CacheHitSource.HOST
 _DISK = CacheHitSource.DISK
+LOOKUP_WAIT_S = 0.05  # the longest a lookup waits for its request's probe to be answered
+PRESENCE_CHECK_S = 1.0  # how often the scheduler checks that its presence map is current
+PRESENCE_RETRY_S = 0.05  # ... while it has none, or one its coordinator retired
 
 
 class TierCacheLoadStoreSpec(LoadStoreSpec):
@@ -119,6 +127,7 @@ class TierCacheMetrics:
     LOADED_CHUNKS = "vllm:kv_offload_tiercache_loaded_chunks"
     STORES_SKIPPED = "vllm:kv_offload_tiercache_stores_skipped"
     FLUSH_SECONDS = "vllm:kv_offload_tiercache_flush_seconds"
+    COLD_MISSES = "vllm:kv_offload_tiercache_cold_misses"
 
 
 @dataclass(frozen=True)
@@ -136,15 +145,23 @@ class TierCacheManager(OffloadingManager):
 
     def __init__(self, *, namespace: Namespace, bulk: IndexSession, writer: IndexSession,
                  info: TierCacheInfo, enable_events: bool = False,
-                 reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0):
+                 reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0,
+                 presence: PresenceView | None = None,
+                 lookup_wait_s: float = LOOKUP_WAIT_S):
         self._lock = threading.Lock()
+        self._presence = presence
+        self._presence_checked = time.monotonic()
         self._namespace = namespace
         self._writer = writer
         self._bulk = bulk
         self._info = info
         answers = Answers(LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                           LookupResult.RETRY)
-        self._book = LeaseBook(answers, namespace.digest)
+        self._book = LeaseBook(
+            answers, namespace.digest,
+            maybe_held=presence.maybe_held if presence is not None else None,
+            await_answers=lambda request: self._flusher.await_answers(
+                lambda: not request.in_flight, lookup_wait_s))
         # The hot path: vLLM's lookup(key, req_context) lands in the book directly.
         self.lookup = self._book.lookup
         self._flush_seconds: deque[float] = deque()  # appended by the flusher thread
@@ -154,6 +171,7 @@ class TierCacheManager(OffloadingManager):
                                 on_evicted=self._evicted)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._probed_keys = 0
+        self._cold_misses_reported = 0
         self._loaded_chunks = 0
         self._stores_skipped = 0
 
@@ -223,7 +241,7 @@ class TierCacheManager(OffloadingManager):
         cut = len(prefix)
         asked = [OffloadKey(k[cut:]) for k in out.keys_to_store]
         asked_slots = fenced_slots(out.store_spec)
-        self._book.stores_prepared(asked, asked_slots)
+        self._book.stores_prepared(asked, asked_slots, len(out.evicted_keys))
         evicted = self._evicted(out.evicted_keys)
         return PrepareStoreOutput(to_store + asked, TierCacheLoadStoreSpec(slots + asked_slots),
                                   evicted)
@@ -253,6 +271,13 @@ class TierCacheManager(OffloadingManager):
 
     # ------------------------------------------------------------------ the step
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        presence = self._presence
+        if presence is not None:  # a restarted coordinator makes a new map (and clears
+            now = time.monotonic()  # EXACT in the old one): map the one under the name now
+            if now - self._presence_checked >= (PRESENCE_CHECK_S if presence.exact()
+                                                else PRESENCE_RETRY_S):
+                self._presence_checked = now
+                presence.refresh()
         batch = self._book.take_batch()
         if batch:
             self._probed_keys += sum(len(keys) for _, keys in batch.probes)
@@ -270,6 +295,8 @@ class TierCacheManager(OffloadingManager):
     def reset_cache(self) -> None:
         self._namespace = self._namespace.next_epoch()
         self._book.reset(self._namespace.digest)
+        if self._presence is not None:
+            self._presence.set_prefix(self._namespace.digest)
 
     def on_reset_flushed(self) -> None:
         self._book.reset_flushed()
@@ -285,6 +312,10 @@ class TierCacheManager(OffloadingManager):
         if self._loaded_chunks:
             stats.increase_counter(TierCacheMetrics.LOADED_CHUNKS, self._loaded_chunks)
             self._loaded_chunks = 0
+        cold = self._book.cold_misses - self._cold_misses_reported
+        if cold:
+            stats.increase_counter(TierCacheMetrics.COLD_MISSES, cold)
+            self._cold_misses_reported += cold
         if self._stores_skipped:
             stats.increase_counter(TierCacheMetrics.STORES_SKIPPED, self._stores_skipped)
             self._stores_skipped = 0
@@ -304,3 +335,5 @@ class TierCacheManager(OffloadingManager):
         self._flusher.close()
         self._bulk.close()
         self._writer.close()
+        if self._presence is not None:
+            self._presence.close()

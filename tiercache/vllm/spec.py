@@ -17,7 +17,10 @@ process (``get_worker``, once per rank). Extra-config keys (exactly one of the f
 * ``tiercache_namespace_salt`` (optional): extra identity for the key namespace, e.g. a
   weights revision when two deployments serve different weights under one model path;
 * ``tiercache_ready_timeout_s`` (optional, default 0): how long to wait for the
-  coordinator's region to be READY at start, instead of failing at once.
+  coordinator's region to be READY at start, instead of failing at once;
+* ``tiercache_lookup_wait_ms`` (optional, default 50): the longest a lookup waits for the
+  answer to its request's probe (sent after the step that first looked it up), so a hit
+  loads in the next step however short steps are; past it the request is deferred again.
 
 Start order: the coordinator first. At start the geometry vLLM announces is checked
 against the region (scheduler: ranks, blocks per chunk, tokens per block, KV bytes per
@@ -46,9 +49,10 @@ from tiercache.config import Config, load_config
 from tiercache.errors import ConfigError
 from tiercache.index.client import Client
 from tiercache.region.layout import RegionLayout
+from tiercache.region.presence import PresenceView
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.vllm.geometry import EngineGeometry
-from tiercache.vllm.manager import TierCacheInfo, TierCacheManager, TierCacheMetrics
+from tiercache.vllm.manager import LOOKUP_WAIT_S, TierCacheInfo, TierCacheManager, TierCacheMetrics
 from tiercache.vllm.namespace import GroupShape, Namespace
 from tiercache.vllm.worker import TierCacheWorker, canonical_geometry
 
@@ -58,6 +62,14 @@ CONFIG_KEY = "tiercache_config"
 INSTANCE_KEY = "tiercache_instance"
 SALT_KEY = "tiercache_namespace_salt"
 READY_TIMEOUT_KEY = "tiercache_ready_timeout_s"
+LOOKUP_WAIT_KEY = "tiercache_lookup_wait_ms"
+
+
+def lookup_wait_s(extra: Mapping[str, Any]) -> float:
+    wait = extra.get(LOOKUP_WAIT_KEY, LOOKUP_WAIT_S * 1000)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
+        raise ConfigError(f"{LOOKUP_WAIT_KEY} = {wait!r}: expected milliseconds in 0..10000")
+    return wait / 1000
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,10 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             TierCacheMetrics.LOADED_CHUNKS: OffloadingCounterMetadata(
                 "Chunks this engine loaded from tiercache (from its leases; the "
                 "coordinator's loaded_blocks does not count them)"),
+            TierCacheMetrics.COLD_MISSES: OffloadingCounterMetadata(
+                "New requests answered MISS at their first lookup from the coordinator's key "
+                "presence map (no tier holds their first chunk): admitted in that step, with "
+                "no round trip"),
             TierCacheMetrics.STORES_SKIPPED: OffloadingCounterMetadata(
                 "Chunks not offloaded because the tiercache coordinator was gone"),
             TierCacheMetrics.FLUSH_SECONDS: OffloadingHistogramMetadata(
@@ -156,6 +172,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"offloaded KV groups use {sorted(tokens)} tokens per block; "
                               "tiercache needs one block size across them")
         self.target = CoordinatorTarget.from_extra_config(self.extra_config)
+        self.lookup_wait_s = lookup_wait_s(self.extra_config)
         self.namespace = namespace_of(config, self.target.salt)
         self.block_tokens = tokens.pop() // max(config.parallel.dcp_size, 1)
         self._manager: TierCacheManager | None = None
@@ -185,10 +202,15 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             # of full attention; sliding-window groups probe from the end.
             full_attention = all(g.sliding_window_size_in_chunks is None
                                  for g in self.config.groups)
+            presence = PresenceView(self.target.name, self.namespace.digest)
+            if presence.problem is not None:
+                log.warning("tiercache: %s; every new request is looked up in the coordinator "
+                            "(one step) until it is there", presence.problem)
             self._manager = TierCacheManager(
                 namespace=self.namespace, bulk=bulk, writer=writer, info=info,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                reserve_on_probe=full_attention)
+                reserve_on_probe=full_attention, presence=presence,
+                lookup_wait_s=self.lookup_wait_s)
             log.info("tiercache: engine %s uses coordinator %s, namespace %s",
                      self.config.engine_id, self.target.name, self.namespace.describe())
         return self._manager
