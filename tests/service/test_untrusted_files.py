@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tiercache.config import config_to_toml
+from tiercache.region.presence import remove_stale_presence
 from tiercache.service.process import CoordinatorProcess
 
 import users
@@ -99,6 +100,7 @@ def _stale_region(make_config, tmp_path):
     """A region whose coordinator was SIGKILLed (same geometry: serve would re-adopt it)."""
     cfg = make_config()
     CoordinatorProcess(cfg, tmp_path / "dead").kill()
+    remove_stale_presence(cfg.name)  # its key presence map: these tests are about the region
     return cfg, f"/dev/shm/{cfg.shm_name}"
 
 

@@ -191,7 +191,9 @@ class DiskTier:
             with self._lock:
                 queued = len(self._demoting)
                 down = time.monotonic() < self._down_until
-            if down or queued >= self._queue_blocks:
+            # Refill only once the queue is down to half: a refill walks the policy's
+            # eviction end past every block already on disk.
+            if down or queued * 2 > self._queue_blocks:
                 continue
             free = self._manager.stats().free_blocks
             if free >= self._low_free:
@@ -205,8 +207,10 @@ class DiskTier:
                     self._push(_DEMOTE, ("demote", (tuple(admitted[start:start + DEMOTE_BATCH]),)))
 
     def _on_disk_or_busy(self, key: bytes) -> bool:
-        with self._lock:  # the index's lock is held: the order is always index, then tier
-            return key in self._index or key in self._demoting or key in self._promoting
+        # Called per key of the walk, under the index's lock; reads without the tier's lock
+        # (one membership test each is atomic): a key that changes meanwhile is settled by
+        # ``_admit``, which holds it.
+        return key in self._index or key in self._demoting or key in self._promoting
 
     def _admit(self, key: bytes, reused: bool) -> bool:
         """Whether ``key`` goes to disk (the admission rule; see the module docstring)."""
