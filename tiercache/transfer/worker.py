@@ -40,7 +40,7 @@ from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
-from tiercache.backends.streams import StreamPlatform
+from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
 from tiercache.pages import PageArray
@@ -54,7 +54,7 @@ from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, Trans
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 log = logging.getLogger(__name__)
 
