@@ -364,7 +364,7 @@ def _check(case, abi):
 
 def test_the_ring_cursor_carries_over_between_jobs():
     prepared = _multi_chunk_store()
-    case, layout = prepared.case, prepared.layout
+    layout = prepared.layout
     fake, loop = prepared.rig()
     try:
         tickets = [prepared.submit(loop) for _ in range(3)]
@@ -394,7 +394,7 @@ def _multi_chunk_store():
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
     prepared = _multi_chunk_store()
-    case, layout = prepared.case, prepared.layout
+    layout = prepared.layout
     fake, loop = prepared.rig(fail_batch=1)
     try:
         failed, _, _ = prepared.submit(loop)
@@ -431,7 +431,6 @@ def test_an_empty_job_only_orders():
 
 def test_bad_configurations_and_jobs_are_refused():
     prepared = _multi_chunk_store()
-    case = prepared.case
     fake, loop = prepared.rig()
     loop.close()
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
