@@ -23,9 +23,8 @@ import numpy as np
 from tiercache.errors import BackendError
 from tiercache.native.library import library
 from tiercache.native.structs import (
-    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct,
+    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, address_of,
 )
-from tiercache.native.validator import _address
 from tiercache.specs import Direction
 
 MAX_PARAMS = 16
@@ -190,8 +189,8 @@ class ChunkLoop:
             # rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row
             max_dmas = (num_pairs + num_works) * self.geometry.max_runs
             dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
-            base = _address(dmas)
-            j.num_works, j.validated, j.work_meta = num_works, _address(pairs), _address(works)
+            base = address_of(dmas)
+            j.num_works, j.validated, j.work_meta = num_works, address_of(pairs), address_of(works)
             j.pairs, j.num_pairs, j.max_dmas = table, num_pairs, max_dmas
             j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (base + i * 8 * max_dmas
                                                             for i in range(4))

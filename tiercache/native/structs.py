@@ -16,6 +16,12 @@ ATTRS_BYTES = 24  # sizeof(CUmemcpyAttributes), copied raw into tc_config.attrs
 _vp = ctypes.c_void_p
 
 
+def address_of(array) -> int:
+    """The address of a C-contiguous numpy array's first byte (``.ctypes.data`` builds an
+    object per call; the array interface is a dict lookup)."""
+    return array.__array_interface__["data"][0]
+
+
 class BoundsStruct(ctypes.Structure):
     """``tc_bounds``: what ``tc_validate`` checks ids against (the arrays stay the caller's)."""
 

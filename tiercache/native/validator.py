@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.native.library import library
-from tiercache.native.structs import BoundsStruct
+from tiercache.native.structs import BoundsStruct, address_of
 from tiercache.specs import Direction
 
 # what tc_validate refuses: its codes, named
@@ -25,12 +25,6 @@ SPEC_ERRORS = {1: "not one group_sizes entry per KV-cache group",
                3: "the region slots are not as many as the groups need",
                4: "a GPU block id out of range", 5: "a region slot out of range",
                6: "a destination block twice", 7: "out of memory"}
-
-
-def _address(array: np.ndarray) -> int:
-    """The address of a C-contiguous array's first byte (``.ctypes.data`` builds an object
-    per call; the array interface is a dict lookup)."""
-    return array.__array_interface__["data"][0]
 
 
 class NativeValidator:
@@ -44,7 +38,7 @@ class NativeValidator:
         self._num_slots = np.ascontiguousarray(num_slots, dtype=np.int64)
         self.num_groups = int(self._num_gpu_blocks.size)
         self._bounds = BoundsStruct(int(factor), self.num_groups,
-                                    _address(self._num_gpu_blocks), _address(self._num_slots))
+                                    address_of(self._num_gpu_blocks), address_of(self._num_slots))
         self._bounds_ref = ctypes.addressof(self._bounds)
         self._groups_type = ctypes.c_int64 * (2 * self.num_groups)
 
@@ -65,6 +59,6 @@ class NativeValidator:
         n = gpu_ids.size
         out = np.empty(3 * n + 2 * g, dtype=np.int64)
         rc = self._lib.tc_validate(self._bounds_ref, int(direction is Direction.GPU_TO_CPU), g,
-                                   groups, _address(gpu_ids), n, _address(slots), slots.size,
-                                   _address(out))
+                                   groups, address_of(gpu_ids), n, address_of(slots), slots.size,
+                                   address_of(out))
         return -rc if rc < 0 else (out, rc)
