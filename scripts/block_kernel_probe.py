@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from tiercache.specs import Direction
-from tiercache.backends.block_kernel import BlockKernel, PairTables
-from tiercache.backends.block_staging import BlockStaging
+from tiercache.backends.staged.block_kernel import BlockKernel, PairTables
+from tiercache.backends.staged.block_layout import BlockStaging
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 CHUNK_BYTES = 32 << 20
 GPU_BLOCKS, CPU_BLOCKS, BLOCKS = 1024, 512, 256
@@ -64,7 +64,7 @@ def probe(num_tensors: int, page: int) -> None:
     gpu_spec = GPULoadStoreSpec(rng.permutation(GPU_BLOCKS)[:BLOCKS])
     cpu_spec = CPULoadStoreSpec(rng.permutation(CPU_BLOCKS)[:BLOCKS])
     staging = BlockStaging.of_planner(planner, CHUNK_BYTES)
-    layout = staging.layout(planner.pairs(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)), True)
+    layout = staging.layout(planner.block_plan(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)))
     slot = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream()
     tables = PairTables("cuda")

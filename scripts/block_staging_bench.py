@@ -1,7 +1,7 @@
 """Host time of laying out one transfer for ``staged``: per-page vs block-level (CPU only).
 
 Per-page (today): ``TransferPlanner.plan`` into reused ``PlanBuffers``, then
-``plan_staging`` with a reused ``Scratch`` (what ``StagedBackend.copy_async`` does before
+``plan_staging`` with a reused ``Scratch`` (what ``StagedBackend.submit`` does before
 its first driver call). Block-level: ``group_work`` (the planner's validation) +
 ``BlockStaging.layout`` + the DMAs' absolute slot addresses. Addresses are numbers
 (nothing is copied), slots and GPU blocks scattered as an index and an allocator hand
@@ -18,12 +18,12 @@ import time
 import numpy as np
 
 from tiercache.specs import Direction
-from tiercache.backends.block_staging import BlockStaging
-from tiercache.backends.staging import Scratch, plan_staging
+from tiercache.backends.staged.block_layout import BlockStaging
+from tiercache.backends.staged.page_layout import Scratch, plan_staging
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.transfer.planner import PlanBuffers, TransferPlanner
+from tiercache.planning.planner import PlanBuffers, TransferPlanner
 
 CHUNK_BYTES = 32 << 20  # staged's defaults
 DIRECT_BYTES = 1 << 20
@@ -69,15 +69,15 @@ def bench(num_tensors: int, page: int, factor: int, gpu_blocks: int, skip: int, 
         return plan_staging(host, gpu, plan.sizes, CHUNK_BYTES, DIRECT_BYTES, scratch)
 
     def work():
-        return planner.pairs(direction, spec)
+        return planner.block_plan(direction, spec)
 
     done = work()
 
     def block_layout():
-        return staging.layout(done, store)
+        return staging.layout(done)
 
     def block():
-        layout = staging.layout(work(), store)
+        layout = staging.layout(work())
         layout.dma_slot_addresses([ring[k % 4] for k in range(layout.num_chunks)])
         return layout
 

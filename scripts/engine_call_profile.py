@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from tiercache.backends.streams import CudaStreams
+from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
@@ -60,8 +60,8 @@ def main() -> None:
     if getattr(staged, "_blocks", None) is not None:
         staging, _, tables = staged._blocks
         plan = plans.planner.block_plan(G2C, plans.store_spec)
-        layout = staging.layout(plan.pairs, True)
-        steps["staging.layout"] = lambda: staging.layout(plan.pairs, True)
+        layout = staging.layout(plan)
+        steps["staging.layout"] = lambda: staging.layout(plan)
         steps["PairTables.upload"] = lambda: tables.upload(layout.pairs, rig.streams[0])
     for label, fn in steps.items():
         print(f"RESULT {label:36s} {host_us(fn, drain):8.1f} us", flush=True)
@@ -126,19 +126,19 @@ class Spans:
 
     TARGETS = [
         ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "transfer_async"),
-        ("tiercache.transfer.planner", "TransferPlanner", "block_plan"),
-        ("tiercache.transfer.planner", "TransferPlanner", "expand"),
+        ("tiercache.planning.planner", "TransferPlanner", "block_plan"),
+        ("tiercache.planning.planner", "TransferPlanner", "expand"),
         ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_enqueue"),
         ("torch.cuda", "Stream", "wait_stream"),
-        ("tiercache.backends.staged", "StagedBackend", "plan"),
-        ("tiercache.backends.native_loop", "ChunkLoop", "validate"),
-        ("tiercache.backends.staged", "StagedBackend", "_submit_native"),
-        ("tiercache.backends.driver", "CudaDriver", "enter"),
-        ("tiercache.backends.block_staging", "BlockStaging", "layout"),
-        ("tiercache.backends.block_kernel", "PairTables", "upload"),
-        ("tiercache.backends.native_loop", "ChunkLoop", "submit"),
-        ("tiercache.backends.ce", "CeBackend", "copy_async"),
-        ("tiercache.backends.driver", "CudaDriver", "memcpy_batch"),
+        ("tiercache.backends.staged.backend", "StagedBackend", "plan"),
+        ("tiercache.native.chunk_loop", "ChunkLoop", "validate"),
+        ("tiercache.backends.staged.backend", "StagedBackend", "_queue"),
+        ("tiercache.device.driver", "CudaDriver", "enter"),
+        ("tiercache.backends.staged.block_layout", "BlockStaging", "layout"),
+        ("tiercache.backends.staged.block_kernel", "PairTables", "upload"),
+        ("tiercache.native.chunk_loop", "ChunkLoop", "submit"),
+        ("tiercache.backends.ce", "CeBackend", "copy"),
+        ("tiercache.device.driver", "CudaDriver", "memcpy_batch"),
     ]
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Where the host time of one block-level ``staged`` transfer goes (GPU machine; not a test).
 
 The bench's default workload (64 tensors x 32 KiB, 256 scattered blocks, 16 chunks of 32
-MiB): each step of ``StagedBackend.copy_blocks_async`` timed alone (median of REPS, the
+MiB): each step of ``StagedBackend.submit`` (the Python block path) timed alone (median of REPS, the
 stream drained between calls), then cProfile over whole calls. Output feeds
 docs/benchmarks.md. Usage: ``python scripts/host_path_profile.py``.
 """
@@ -16,8 +16,9 @@ import time
 import numpy as np
 import torch
 
-from tiercache.backends.driver import SrcAccessOrder
-from tiercache.backends.staged import StagedBackend
+from tiercache.device.driver import SrcAccessOrder
+from tiercache.backends.base import Ordering
+from tiercache.backends.staged.backend import StagedBackend
 from tiercache.specs import Direction
 from tiercache.tools.bench.rig import GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
@@ -48,7 +49,7 @@ def main() -> None:
     staging, kernel, tables = staged._blocks
     spec = plans.store_spec
     plan = plans.planner.block_plan(G2C, spec)
-    layout = staging.layout(plan.pairs, True)
+    layout = staging.layout(plan)
     bases = np.array([staged._ring_base + (k % staged.num_slots) * staged.slot_bytes
                       for k in range(layout.num_chunks)], np.uint64)
     dmas = staged._block_dmas(layout, bases, True)
@@ -73,7 +74,7 @@ def main() -> None:
 
     steps = {
         "block_plan (validate 256 pairs)": lambda: plans.planner.block_plan(G2C, spec),
-        "staging.layout": lambda: staging.layout(plan.pairs, True),
+        "staging.layout": lambda: staging.layout(plan),
         "PairTables upload+release": upload,
         "DMA arrays (slot addresses)": lambda: staged._block_dmas(layout, bases, True),
         "driver.enter (stream handle)": lambda: drv.enter(stream, staged._ce.device),
@@ -83,9 +84,9 @@ def main() -> None:
             dmas, int(layout.dma_first[0]), int(layout.dma_first[1]), SrcAccessOrder.STREAM,
             staged._dma),
         "event record + stream wait": events,
-        "whole copy_blocks_async": lambda: staged.copy_blocks_async(plan, stream),
-        "plan + copy_blocks_async": lambda: staged.copy_blocks_async(
-            plans.planner.block_plan(G2C, spec), stream),
+        "whole submit": lambda: staged.submit(plan, Ordering(stream)),
+        "plan + submit": lambda: staged.submit(
+            plans.planner.block_plan(G2C, spec), Ordering(stream)),
     }
     print(f"workload {w.label()}: {layout.num_chunks} chunks, {layout.num_pairs} pairs, "
           f"{layout.dma_bytes.size} DMAs", flush=True)
@@ -94,7 +95,7 @@ def main() -> None:
     prof = cProfile.Profile()
     for _ in range(20):
         prof.enable()
-        staged.copy_blocks_async(plans.planner.block_plan(G2C, spec), stream)
+        staged.submit(plans.planner.block_plan(G2C, spec), Ordering(stream))
         prof.disable()
         stream.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)

@@ -10,7 +10,7 @@ import sys
 
 from tiercache.specs import Direction
 from tiercache.tools.bench.figures import matmul_beside_copies
-from tiercache.tools.bench.rig import BenchBackend, GpuRig
+from tiercache.tools.bench.rig import BenchBackend, GpuRig, submit_now
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
@@ -34,8 +34,8 @@ def main() -> None:
         plans = rig.plans(w, seed=1)
         built = rig.backends(BenchBackend.parse("auto"), w, plans.planner)
         store, load = plans.for_backend(built)
-        both = rig.time_both(lambda s: built[G2C].submit_plan(store, s),
-                             lambda s: built[C2G].submit_plan(load, s), 8, stat=list)
+        both = rig.time_both(lambda s: submit_now(built[G2C], store, s),
+                             lambda s: submit_now(built[C2G], load, s), 8, stat=list)
         rates = [(store.num_bytes + load.num_bytes) / t / 1e9 / ceiling["both"] for t in both]
         print(f"RESULT auto both-ways {w.label()}, per rep:",
               " ".join(f"{r:.2f}" for r in rates), flush=True)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from tiercache.backends.ce import CeBackend
-from tiercache.backends.driver import CudaDriver, SrcAccessOrder
-from tiercache.backends.staging import Scratch, plan_staging
+from tiercache.device.driver import CudaDriver, SrcAccessOrder
+from tiercache.backends.staged.page_layout import Scratch, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, _copy_descriptors, upload_table
 from tiercache.specs import Direction
 from tiercache.tools.bench.rig import GpuRig
@@ -58,8 +58,8 @@ def both_ways_probe(gap_list):
             ea, eb = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             st.record(a)
             b.wait_event(st)
-            ce.submit(g[:256].copy(), h[:256].copy(), sz, SrcAccessOrder.STREAM, a.cuda_stream)
-            ce.submit(h[256:].copy(), g[256:].copy(), sz, SrcAccessOrder.ANY, b.cuda_stream)
+            ce.enqueue(g[:256].copy(), h[:256].copy(), sz, SrcAccessOrder.STREAM, a.cuda_stream)
+            ce.enqueue(h[256:].copy(), g[256:].copy(), sz, SrcAccessOrder.ANY, b.cuda_stream)
             ea.record(a)
             eb.record(b)
             torch.cuda.synchronize()
@@ -74,7 +74,7 @@ def ce_split_probe():
     """Does the copy engine start before cuMemcpyBatchAsync has walked every descriptor?
     One plan submitted in sub-batches of ``split`` descriptors, GPU-timed from an event
     recorded before the first call (host submit time included, as in the benchmark)."""
-    from tiercache.backends.driver import DescriptorArrays
+    from tiercache.device.driver import DescriptorArrays
 
     rig = GpuRig(0, 512 * MIB)
     ce = CeBackend(0, CudaDriver())
@@ -182,7 +182,7 @@ def main():
     gg = np.uint64(rig.gpu.data_ptr()) + np.arange(256, dtype=np.uint64) * np.uint64(unit)
     for count in (1, 8, 256):
         a, b, z = gg[:count].copy(), hh[:count].copy(), np.full(count, unit, np.uint64)
-        t = host_us(lambda: ce.submit(a, b, z, SrcAccessOrder.STREAM, h1), n=20, warm=3,
+        t = host_us(lambda: ce.enqueue(a, b, z, SrcAccessOrder.STREAM, h1), n=20, warm=3,
                     sync=torch.cuda.synchronize)
         print(f"RESULT host cuMemcpyBatchAsync {count} x 2 MiB: {t:.1f} us", flush=True)
     torch.cuda.synchronize()

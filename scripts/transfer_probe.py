@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from tiercache.backends.ce import CeBackend
-from tiercache.backends.driver import CudaDriver, SrcAccessOrder
-from tiercache.backends.staging import plan_staging
+from tiercache.device.driver import CudaDriver, SrcAccessOrder
+from tiercache.backends.staged.page_layout import plan_staging
 from tiercache.tools.bench.rig import GpuRig
 from tiercache.tools.bench.workloads import KIB, MIB, Workload
 
@@ -56,14 +56,14 @@ for order in (SrcAccessOrder.STREAM, SrcAccessOrder.ANY):
             def go():
                 parts = np.array_split(np.arange(256), nstreams)
                 for i, p in enumerate(parts):
-                    ce.submit(np.ascontiguousarray(src[p]), np.ascontiguousarray(dst[p]),
+                    ce.enqueue(np.ascontiguousarray(src[p]), np.ascontiguousarray(dst[p]),
                               np.ascontiguousarray(sizes[p]), order, handles[i])
             t = timed(go)
             print(f"RESULT 2MiB-units {name} order={order.name} streams={nstreams}: {nbytes / t / 1e9:.1f} GB/s", flush=True)
 # both ways with 2 MiB units, 1 stream each
 def both():
-    ce.submit(host[:128].copy(), gpu[:128].copy(), sizes[:128].copy(), SrcAccessOrder.ANY, handles[0])
-    ce.submit(gpu[128:].copy(), host[128:].copy(), sizes[128:].copy(), SrcAccessOrder.STREAM, handles[1])
+    ce.enqueue(host[:128].copy(), gpu[:128].copy(), sizes[:128].copy(), SrcAccessOrder.ANY, handles[0])
+    ce.enqueue(gpu[128:].copy(), host[128:].copy(), sizes[128:].copy(), SrcAccessOrder.STREAM, handles[1])
 t = timed(both)
 print(f"RESULT 2MiB-units both 1+1 streams: {nbytes / t / 1e9:.1f} GB/s", flush=True)
 
@@ -77,7 +77,7 @@ for nstreams in (1, 2, 4):
     def d2d():
         parts = np.array_split(np.arange(g.size), nstreams)
         for i, p in enumerate(parts):
-            ce.submit(np.ascontiguousarray(g[p]), np.ascontiguousarray(stage_addr[p]),
+            ce.enqueue(np.ascontiguousarray(g[p]), np.ascontiguousarray(stage_addr[p]),
                       np.ascontiguousarray(s[p]), SrcAccessOrder.STREAM, handles[i])
     t = timed(d2d)
     print(f"RESULT D2D-batch 16384x32KiB streams={nstreams}: {512 * MIB / t / 1e9:.1f} GB/s ({t * 1e3:.2f} ms)", flush=True)
@@ -86,7 +86,7 @@ for page_kib in (16, 64):
     src_a = np.uint64(rig.gpu.data_ptr()) + rng.permutation(n).astype(np.uint64) * np.uint64(page_kib * KIB)
     dst_a = np.uint64(stage.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(page_kib * KIB)
     sz = np.full(n, page_kib * KIB, np.uint64)
-    t = timed(lambda: ce.submit(src_a, dst_a, sz, SrcAccessOrder.STREAM, handles[0]))
+    t = timed(lambda: ce.enqueue(src_a, dst_a, sz, SrcAccessOrder.STREAM, handles[0]))
     print(f"RESULT D2D-batch {n}x{page_kib}KiB: {512 * MIB / t / 1e9:.1f} GB/s", flush=True)
 
 # host cost of one batch call over 16384 descriptors
@@ -94,7 +94,7 @@ ts = []
 for _ in range(10):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    ce.submit(g, h, s, SrcAccessOrder.STREAM, handles[0])
+    ce.enqueue(g, h, s, SrcAccessOrder.STREAM, handles[0])
     ts.append(time.perf_counter() - t0)
 torch.cuda.synchronize()
 print(f"RESULT host cuMemcpyBatchAsync 16384 descriptors: {np.median(ts) * 1e6:.0f} us", flush=True)
@@ -102,7 +102,7 @@ ts = []
 for _ in range(10):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    ce.submit(g[:64].copy(), h[:64].copy(), s[:64].copy(), SrcAccessOrder.STREAM, handles[0])
+    ce.enqueue(g[:64].copy(), h[:64].copy(), s[:64].copy(), SrcAccessOrder.STREAM, handles[0])
     ts.append(time.perf_counter() - t0)
 print(f"RESULT host cuMemcpyBatchAsync 64 descriptors: {np.median(ts) * 1e6:.1f} us", flush=True)
 ev = drv.event_create()

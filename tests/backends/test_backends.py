@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiercache.backends.staging import RUN_ALIGN, plan_staging
+from tiercache.backends.staged.page_layout import RUN_ALIGN, plan_staging
 from tiercache.errors import BackendError
 from tiercache.specs import Direction
 
@@ -155,7 +155,7 @@ def test_staged_layout_rejects_bad_input():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_host_order_matches_a_stable_argsort(seed):
-    from tiercache.backends.staging import _host_order
+    from tiercache.backends.staged.page_layout import _host_order
 
     rng = np.random.default_rng(seed)
     granule = int(rng.choice([1, 256, 32768]))
@@ -166,7 +166,7 @@ def test_host_order_matches_a_stable_argsort(seed):
 
 
 def test_staged_layout_with_reused_scratch_equals_fresh():
-    from tiercache.backends.staging import Scratch
+    from tiercache.backends.staged.page_layout import Scratch
 
     rng = np.random.default_rng(3)
     scratch = Scratch()

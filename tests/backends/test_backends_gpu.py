@@ -17,9 +17,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from tiercache.backends.base import CopyPlan  # noqa: E402
+from tiercache.backends.base import Ordering  # noqa: E402
 from tiercache.backends.kind import BackendKind  # noqa: E402
 from tiercache.errors import BackendError  # noqa: E402
+from tiercache.planning.plans import CopyPlan, PlanForm  # noqa: E402
 from tiercache.specs import Direction  # noqa: E402
 
 POISON = 0xA5
@@ -34,7 +35,7 @@ def _ce(**kwargs):
 
 
 def _ce_stream():
-    from tiercache.backends.driver import SrcAccessOrder
+    from tiercache.device.driver import SrcAccessOrder
 
     return _ce(load_access_order=SrcAccessOrder.STREAM)
 
@@ -52,7 +53,7 @@ def _kernel():
 
 
 def _staged(**kwargs):
-    from tiercache.backends.staged import StagedBackend
+    from tiercache.backends.staged.backend import StagedBackend
 
     return StagedBackend(0, **kwargs)
 
@@ -83,9 +84,14 @@ PLANNED = {
 def _build(name: str, direction: Direction, planner=None):
     if name in PLANNED:
         backend = PLANNED[name](planner)
-        assert backend.takes_blocks  # the block layout accepted the geometry
+        assert backend.plan_form is PlanForm.BLOCKS  # the block layout accepted the geometry
         return backend
     return BUILDERS[name]()
+
+
+def _copy(backend, plan: CopyPlan, stream):
+    """``plan`` on ``stream`` alone (no events), as the tests before the handlers need."""
+    return backend.submit(plan, Ordering(stream))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +157,7 @@ def _roundtrip(name: str, pages: list[int], num_blocks: int, row_pad: int, merge
         dst_mem.fill_(POISON)
         torch.cuda.synchronize()
         backend = _build(name, direction)
-        token = backend.copy_async(CopyPlan(src_off, dst_off, sizes, direction), stream)
+        token = _copy(backend, CopyPlan(src_off, dst_off, sizes, direction), stream)
         stream.synchronize()
         del token
         expected = _apply(data, np.full(dst_mem.numel(), POISON, np.uint8),
@@ -201,9 +207,9 @@ def test_load_sees_data_after_queued_compute_writes(name, buffers):
         torch.cuda._sleep(20_000_000)  # ~10 ms: the load is submitted long before the write runs
         gpu.fill_(0x11)  # e.g. zeroing freshly allocated blocks
     transfer.wait_stream(compute)  # what the handler does for every transfer
-    token = backend.copy_async(CopyPlan(h_off + np.uint64(host.data_ptr()),
-                                        g_off + np.uint64(gpu.data_ptr()), sizes,
-                                        Direction.CPU_TO_GPU), transfer)
+    token = _copy(backend, CopyPlan(h_off + np.uint64(host.data_ptr()),
+                                    g_off + np.uint64(gpu.data_ptr()), sizes,
+                                    Direction.CPU_TO_GPU), transfer)
     transfer.synchronize()
     del token
     expected = _apply(host_data, np.full(GPU_BYTES, 0x11, np.uint8), h_off, g_off, sizes)
@@ -226,9 +232,9 @@ def test_store_reads_data_written_by_queued_compute(name, buffers):
         torch.cuda._sleep(20_000_000)
         gpu.copy_(written)  # the model writing KV
     transfer.wait_stream(compute)
-    token = backend.copy_async(CopyPlan(g_off + np.uint64(gpu.data_ptr()),
-                                        h_off + np.uint64(host.data_ptr()), sizes,
-                                        Direction.GPU_TO_CPU), transfer)
+    token = _copy(backend, CopyPlan(g_off + np.uint64(gpu.data_ptr()),
+                                    h_off + np.uint64(host.data_ptr()), sizes,
+                                    Direction.GPU_TO_CPU), transfer)
     transfer.synchronize()
     del token
     expected = _apply(written.cpu().numpy(), np.zeros(HOST_BYTES, np.uint8), g_off, h_off, sizes)
@@ -243,14 +249,14 @@ def test_legacy_default_stream_is_refused(buffers):
     plan = CopyPlan(np.array([gpu.data_ptr()], np.uint64), np.array([host.data_ptr()], np.uint64),
                     np.array([4096], np.uint64), Direction.GPU_TO_CPU)
     with pytest.raises(BackendError, match="legacy default stream"):
-        CeBackend(0).copy_async(plan, torch.cuda.default_stream())
+        _copy(CeBackend(0), plan, torch.cuda.default_stream())
 
 
 def test_auto_chooses_a_copy_engine_path_and_says_why(buffers):
     from tiercache.backends import BackendContext
     from tiercache.backends.auto import AutoBackend, create
     from tiercache.pages import PageArray
-    from tiercache.backends.streams import CudaStreams
+    from tiercache.device.streams import CudaStreams
 
     gpu, host = buffers
     page, tensors, blocks = 32768, 8, 32
@@ -275,8 +281,8 @@ def test_ce_on_a_driver_without_the_batch_api_runs_as_ce_loop_and_says_so(buffer
     WARNING naming the direction, and byte-exact copies through the loop."""
     from tiercache.backends import BackendContext
     from tiercache.backends.ce import CeLoopBackend, create
-    from tiercache.backends.driver import CudaDriver
-    from tiercache.backends.streams import CudaStreams
+    from tiercache.device.driver import CudaDriver
+    from tiercache.device.streams import CudaStreams
     from tiercache.pages import PageArray
 
     class NoBatchDriver(CudaDriver):
@@ -301,7 +307,7 @@ def test_ce_on_a_driver_without_the_batch_api_runs_as_ce_loop_and_says_so(buffer
     plan = CopyPlan(np.uint64(host.data_ptr()) + order * np.uint64(4096),
                     np.uint64(gpu.data_ptr()) + np.arange(3, dtype=np.uint64) * np.uint64(4096),
                     np.full(3, 4096, np.uint64), Direction.CPU_TO_GPU)
-    token = backend.copy_async(plan, stream)
+    token = _copy(backend, plan, stream)
     stream.synchronize()
     del token
     got = gpu[:3 * 4096].cpu().view(3, 4096)
@@ -315,8 +321,8 @@ def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cp
     from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
     from tiercache.region.layout import RegionLayout
     from tiercache.pages import PageArray
-    from tiercache.transfer.planner import TransferPlanner
-    from tiercache.backends.streams import CudaStreams
+    from tiercache.planning.planner import TransferPlanner
+    from tiercache.device.streams import CudaStreams
 
     layout = RegionLayout(1, cpu_blocks, (page,) * tensors, block_size_factor=factor)
     gpu_pages = [PageArray(gpu.data_ptr() + t * gpu_blocks * page, gpu_blocks, page, page)

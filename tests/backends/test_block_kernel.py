@@ -40,11 +40,11 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
 
 @needs_triton
 def test_launch_refuses_a_misaligned_slot_and_bad_settings():
-    from tiercache.backends.block_kernel import BlockKernel
-    from tiercache.backends.block_staging import BlockStaging
+    from tiercache.backends.staged.block_kernel import BlockKernel
+    from tiercache.backends.staged.block_layout import BlockStaging
     from tiercache.errors import BackendError
     from tiercache.pages import PageArray
-    from tiercache.transfer.planner import TransferPlanner
+    from tiercache.planning.planner import TransferPlanner
 
     planner = TransferPlanner([PageArray(1 << 40, 4, 4096, 4096)],
                               [PageArray(1 << 41, 4, 4096, 4096)], 1)
@@ -67,7 +67,7 @@ def test_aligned_pages_compile_to_16_byte_accesses_for_sm90(store):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tiercache.backends.block_kernel import _move_pages
+    from tiercache.backends.staged.block_kernel import _move_pages
 
     ints = {"pairs": "i64", "pair_stride": "i32", "first": "i32", "count": "i32",
             "slot_base": "i64", "tensors": "i64", "tensor_stride": "i32", "groups": "i64",

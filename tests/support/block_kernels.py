@@ -22,10 +22,10 @@ import torch
 from block_reference import (
     Case, Memory, RngDraw, aligned, assert_same, draw_case, expected_after, fill, run_layout,
 )
-from tiercache.backends.block_kernel import BlockKernel, PairTables
-from tiercache.backends.block_staging import BlockStaging
+from tiercache.backends.staged.block_kernel import BlockKernel, PairTables
+from tiercache.backends.staged.block_layout import BlockStaging
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 
 def engine_case(num_tensors: int, page: int, factor: int, blocks: int, skip: int, store: bool,
@@ -55,8 +55,7 @@ def run_kernel_case(case: Case, seed: int, device: str) -> BlockStaging:
     gpu_pages, cpu_pages = case.page_arrays(gpu_base, cpu_base)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    layout = staging.layout(planner.pairs(case.direction, case.spec),
-                            case.store)
+    layout = staging.layout(planner.block_plan(case.direction, case.spec))
     plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
                                                       gpu_base, cpu_base)
     kernel = BlockKernel(staging, device, max_programs=None if seed % 2 else 5,

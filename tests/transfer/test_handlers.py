@@ -16,17 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache.backends.base import CopyBackend, CopyPlan, Submitted
+from tiercache.backends.base import StreamBackend, Submission
 from tiercache.backends.cpu import CpuCopyBackend
-from tiercache.backends.host_streams import HostStreams
 from tiercache.backends.kind import BackendKind
+from tiercache.device.host_streams import HostStreams
+from tiercache.planning.plans import CopyPlan
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import STATS_BLOCK_BYTES, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import page_arrays_of, split_kv
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 24, 12
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
@@ -344,23 +345,23 @@ def test_shutdown_drains_and_then_refuses(rigs):
 
 # ---------------------------------------------------------------- failures
 
-class RefusingBackend(CopyBackend):
+class RefusingBackend(StreamBackend):
     kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: Any) -> tuple[object, ...]:
         raise BackendError("refused on purpose")
 
 
-class FaultingBackend(CopyBackend):
+class FaultingBackend(StreamBackend):
     """Accepts the plan, then fails on the stream (like a device fault)."""
 
     kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: Any) -> tuple[object, ...]:
         def fault():
             raise OSError("device fault on purpose")
         stream.launch(fault)
-        return Submitted(())
+        return ()
 
 
 @pytest.mark.parametrize("bad_backend, accepted", [(RefusingBackend, False), (FaultingBackend, True)])
@@ -384,8 +385,8 @@ def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend, accepte
 
 
 class HeldTicket:
-    """``native_loop.Ticket``'s contract, issued when the test says so (a backend whose own
-    thread enqueues the transfer: ``staged``'s chunk loop)."""
+    """A ``Ticket`` (``tiercache.backends.base``), issued when the test says so (a backend
+    whose own thread enqueues the transfer: ``staged``'s chunk loop)."""
 
     def __init__(self, status: int):
         self._issued = threading.Event()
@@ -414,10 +415,10 @@ class LateIssuingBackend(CpuCopyBackend):
         self.status = status
         self.tickets: list[HeldTicket] = []
 
-    def submit_ordered(self, plan, stream, after, start, end):
-        done = super().submit_ordered(plan, stream, after, start, end)
+    def submit(self, plan, ordering):
+        done = super().submit(plan, ordering)
         self.tickets.append(HeldTicket(self.status))
-        return Submitted(() if done is None else done.keep, self.tickets[-1])
+        return Submission(done.keep, self.tickets[-1])
 
 
 @pytest.mark.parametrize("status", [0, 700])

@@ -9,11 +9,10 @@ silently. ``AUTO`` picks per direction and returns the chosen backend, whose ``k
 runs as ``CE_LOOP``, logged at WARNING and recorded as such (visible in ``status`` and
 ``/metrics``).
 
-What a backend's ``copy_async(plan, stream)`` receives as ``stream``: the stream object
-of the kind's platform (``STREAM_PLATFORMS``): a ``torch.cuda.Stream`` on the caches'
-device for the GPU kinds (raw handle: ``stream.cuda_stream``; never the legacy default
-stream), a ``tiercache.backends.host_streams.HostStream`` for ``cpu``. Empty plans are never
-passed to a backend.
+What a backend's ``submit(plan, ordering)`` receives as ``ordering.stream``: a stream of
+the kind's platform (``STREAM_PLATFORMS``, ``tiercache.device``): a ``torch.cuda.Stream``
+on the caches' device for the GPU kinds (raw handle: ``stream.cuda_stream``; never the
+legacy default stream), a ``tiercache.device.host_streams.HostStream`` for ``cpu``.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan
+from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Submission
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.streams import StreamPlatform
+from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError
 
 # The hooks: "module:callable" per kind. GPU kinds live in modules of their own.
@@ -31,18 +30,18 @@ BACKEND_FACTORIES: dict[BackendKind, str] = {
     BackendKind.CPU: "tiercache.backends.cpu:create",
     BackendKind.CE: "tiercache.backends.ce:create",
     BackendKind.KERNEL: "tiercache.backends.kernel:create",
-    BackendKind.STAGED: "tiercache.backends.staged:create",
+    BackendKind.STAGED: "tiercache.backends.staged.backend:create",
     BackendKind.CE_LOOP: "tiercache.backends.ce:create_loop",
     BackendKind.AUTO: "tiercache.backends.auto:create",
 }
 # "module:callable(device) -> StreamPlatform" per kind.
 STREAM_PLATFORMS: dict[BackendKind, str] = {
-    BackendKind.CPU: "tiercache.backends.host_streams:HostStreams",
-    BackendKind.CE: "tiercache.backends.streams:CudaStreams",
-    BackendKind.KERNEL: "tiercache.backends.streams:CudaStreams",
-    BackendKind.STAGED: "tiercache.backends.streams:CudaStreams",
-    BackendKind.CE_LOOP: "tiercache.backends.streams:CudaStreams",
-    BackendKind.AUTO: "tiercache.backends.streams:CudaStreams",
+    BackendKind.CPU: "tiercache.device.host_streams:HostStreams",
+    BackendKind.CE: "tiercache.device.streams:CudaStreams",
+    BackendKind.KERNEL: "tiercache.device.streams:CudaStreams",
+    BackendKind.STAGED: "tiercache.device.streams:CudaStreams",
+    BackendKind.CE_LOOP: "tiercache.device.streams:CudaStreams",
+    BackendKind.AUTO: "tiercache.device.streams:CudaStreams",
 }
 HOST_KINDS = frozenset({BackendKind.CPU})  # kinds whose both sides are host memory
 
@@ -91,5 +90,5 @@ def create_backend(kind: BackendKind, context: BackendContext) -> CopyBackend:
 
 __all__ = [
     "BACKEND_FACTORIES", "STREAM_PLATFORMS", "BackendContext", "BackendKind", "CopyBackend",
-    "CopyPlan", "create_backend", "create_stream_platform", "resolve_kind",
+    "Ordering", "Submission", "create_backend", "create_stream_platform", "resolve_kind",
 ]

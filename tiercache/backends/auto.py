@@ -18,14 +18,13 @@ backend kind it records in the rank's stats block):
    transfer; both directions at once then reach only 0.64 of the ceiling). Among the
    rest, the higher rate wins.
 
-When ``staged`` wins it takes every plan: its native chunk loop validates in C and issues
-on its own thread, and a one-chunk transfer runs on one stream, so one block (64 pages
-of 32 KiB) took 93-96 µs GPU-timed and 132 µs from the call to the result, against
-142-144 and 298 µs through ``ce`` (H100, docs/benchmarks.md, "Host path"). Only a
-``staged`` issuing from Python (``native=False``) still hands plans of at most
-``SMALL_PLAN_DESCRIPTORS`` descriptors to ``ce``: its fixed host work per transfer
-(layout, table, launch, two cross-stream hops) is more than the driver's ~0.5 µs per
-descriptor of a small plan.
+When ``staged`` wins it takes every plan of the rank as block plans, issued by its
+native chunk loop (one block goes through it faster than through ``ce``: docs/benchmarks.md,
+"Host path"). Only where ``staged`` takes page plans (its block layout refused the
+geometry) do plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors go to ``ce``: its
+Python pipeline's fixed host work per transfer (layout, table, launch, two cross-stream
+hops) is more than the driver's per-descriptor cost of a small plan. The choice's
+reason says which.
 
 ``kernel`` is never chosen here: it holds SMs for the whole transfer (a concurrent
 matmul was measured to lose half its speed); configure it by name where latency
@@ -38,17 +37,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan, Submitted
+from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
 from tiercache.backends.ce import CeBackend
-from tiercache.backends.driver import CudaDriver, device_index
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.staged import StagedBackend
+from tiercache.backends.staged.backend import StagedBackend
+from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError
+from tiercache.planning.plans import CopyPlan, PlanForm
 from tiercache.specs import Direction
 
 log = logging.getLogger(__name__)
@@ -72,58 +72,27 @@ class AutoChoice:
 
 
 class AutoBackend(CopyBackend):
-    """The chosen backend, with the choice attached; ``kind`` is the chosen one's.
+    """The chosen backend, with the choice attached; ``kind`` and ``plan_form`` are the
+    chosen one's. ``small``, when set (beside a ``staged`` that takes page plans), takes
+    page plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors; both then issue on the
+    calling thread, so their transfers stay in submission order on the stream."""
 
-    ``small``, when set, takes plans of at most ``SMALL_PLAN_DESCRIPTORS`` descriptors
-    (block plans expanded to pages by ``planner``, the rank's).
-    """
-
-    def __init__(self, chosen: CopyBackend, choice: AutoChoice, small: CopyBackend | None = None,
-                 planner: Any = None):
+    def __init__(self, chosen: CopyBackend, choice: AutoChoice, small: CopyBackend | None = None):
+        if small is not None and (chosen.plan_form is not PlanForm.PAGES
+                                  or small.plan_form is not PlanForm.PAGES):
+            raise BackendError("auto: a backend for small plans only beside one that takes "
+                               "page plans")
         self.chosen = chosen
         self.small = small
         self.choice = choice
         self.kind = chosen.kind
-        self.planner = planner
-        self.takes_blocks = chosen.takes_blocks and (small is None or planner is not None)
+        self.plan_form = chosen.plan_form
 
-    def _is_small(self, plan: CopyPlan | BlockPlan) -> bool:
-        if self.small is None:  # always so beside a native staged: its plans are its own
-            return False
-        n = plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pages
-        return n <= SMALL_PLAN_DESCRIPTORS
-
-    def plan(self, planner: Any, direction: Direction, transfer: Any, out: Any = None) -> Any:
-        return self.chosen.plan(planner, direction, transfer, out)
-
-    def submit_ordered(self, plan: CopyPlan | BlockPlan | None, stream: Any,
-                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted | None:
-        """Small plans on the calling thread (after the chosen backend's thread issued
-        what it holds: the previous end event must be recorded before it is waited on);
-        the rest through the chosen backend, which may issue on its own thread."""
-        if plan is not None and self._is_small(plan):
-            return super().submit_ordered(plan, stream, after, start, end)
-        return self.chosen.submit_ordered(plan, stream, after, start, end)
-
-    def submit_plan(self, plan: Any, stream: Any) -> Submitted:
-        if isinstance(plan, (CopyPlan, BlockPlan)):
-            return super().submit_plan(plan, stream)
-        return self.chosen.submit_plan(plan, stream)  # the chosen backend's own plan
-
-    def drain(self) -> None:
-        self.chosen.drain()
-        if self.small is not None:
-            self.small.drain()
-
-    def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
-        if self._is_small(plan):
-            return self.small.copy_async(self.planner.expand(plan), stream)
-        return self.chosen.copy_blocks_async(plan, stream)
-
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
-        if self._is_small(plan):
-            return self.small.copy_async(plan, stream)
-        return self.chosen.copy_async(plan, stream)
+    def submit(self, plan: Plan | None, ordering: Ordering) -> Submission:
+        if self.small is not None and isinstance(plan, CopyPlan) \
+                and plan.num_descriptors <= SMALL_PLAN_DESCRIPTORS:
+            return self.small.submit(plan, ordering)
+        return self.chosen.submit(plan, ordering)
 
     def close(self) -> None:
         self.chosen.close()
@@ -180,14 +149,14 @@ class _Scratch:
 
 def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Stream
                   ) -> tuple[float, float]:
-    """Median seconds of one transfer, GPU-timed, and of its ``copy_async`` call on the
-    host, after one warm-up."""
+    """Median seconds of one transfer, GPU-timed, and of its ``submit`` call on the
+    host, after one warm-up (the candidates issue on the calling thread: page plans)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     seconds, host_seconds = [], []
     for rep in range(CALIBRATION_REPS + 1):
         start.record(stream)
         t0 = time.perf_counter()
-        token = backend.copy_async(plan, stream)
+        token = backend.submit(plan, Ordering(stream))
         host_s = time.perf_counter() - t0
         end.record(stream)
         end.synchronize()
@@ -231,8 +200,8 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     if not driver.has_batch:
         raise BackendError(f"auto: CUDA driver {driver.driver_version} has no "
                            "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' explicitly")
-    if not context.host_pinned:
-        return (AutoChoice(direction, BackendKind.CE, "host memory is not pinned"),
+    if not context.host_registered:
+        return (AutoChoice(direction, BackendKind.CE, "host memory is not page-locked"),
                 CeBackend(device, driver))
     smallest = min(p.page_bytes for p in context.gpu_pages)
     if smallest >= LARGE_PAGE_BYTES:
@@ -267,8 +236,6 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     reason = (f"fastest SM-free path holding the host <= {HOST_SHARE_LIMIT:.0%} of a transfer "
               f"at {smallest} B pages: {summary}, marginal ({large.num_descriptors} pages, "
               f"{elapsed_ms:.0f} ms calibration)")
-    if best.backend.kind is BackendKind.STAGED:
-        reason += f"; plans of <= {SMALL_PLAN_DESCRIPTORS} descriptors on ce"
     return (AutoChoice(direction, best.backend.kind, reason,
                        tuple((m.backend.kind, round(m.rate_bps / 1e9, 2)) for m in measured)),
             chosen)
@@ -276,8 +243,10 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
 
 def create(context: BackendContext) -> AutoBackend:
     choice, backend = choose(context)
-    log.info("transfer backend %s", choice.describe())
     small = None
-    if isinstance(backend, StagedBackend) and not backend.native:
+    if isinstance(backend, StagedBackend) and backend.plan_form is PlanForm.PAGES:
         small = CeBackend(device_index(context.device), backend.driver)
-    return AutoBackend(backend, choice, small, context.planner)
+        choice = replace(choice, reason=f"{choice.reason}; page plans of <= "
+                                        f"{SMALL_PLAN_DESCRIPTORS} descriptors on ce")
+    log.info("transfer backend %s", choice.describe())
+    return AutoBackend(backend, choice, small)

@@ -6,7 +6,7 @@ a batch call has returned. So plans go out in batches that start at ``FIRST_BATC
 descriptors and double up to ``MAX_BATCH``: the engines start after a few descriptors,
 and a large plan pays one call per ``MAX_BATCH``. A large plan of small pages still
 holds the calling thread for milliseconds, which is what ``staged`` avoids
-(measurements: docs/benchmarks.md, "Transfer engine").
+(docs/benchmarks.md, "Transfer engine").
 
 Source access order: stores (GPU→CPU) use STREAM, so the engine cannot read KV the
 compute stream is still writing; loads use ANY (pinned host sources that nothing writes
@@ -23,17 +23,17 @@ configured by name.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
-from tiercache.backends.driver import (
-    CUDA_SUCCESS, CudaDriver, DescriptorArrays, MemcpyAttributes, SrcAccessOrder, device_index,
-    plan_arrays,
-)
+from tiercache.backends.base import BackendContext, CopyBackend, StreamBackend
 from tiercache.backends.kind import BackendKind
+from tiercache.device.driver import (
+    CUDA_SUCCESS, CudaDriver, DescriptorArrays, MemcpyAttributes, SrcAccessOrder, device_index,
+)
+from tiercache.device.events import Stream
 from tiercache.errors import BackendError
+from tiercache.planning.plans import CopyPlan
 from tiercache.specs import Direction
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ FIRST_BATCH = 16  # descriptors in the first call: the engines start after ~10 �
 MAX_BATCH = 256  # per-call cost (~5 µs) stays small against 256 x ~0.5 µs
 
 
-class CeBackend(CopyBackend):
+class CeBackend(StreamBackend):
     """Copy engines through ``cuMemcpyBatchAsync``, in batches growing per plan."""
 
     kind = BackendKind.CE
@@ -61,13 +61,13 @@ class CeBackend(CopyBackend):
         self._order = {Direction.GPU_TO_CPU: SrcAccessOrder.STREAM,
                        Direction.CPU_TO_GPU: load_access_order}
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         handle = self.driver.enter(stream, self.device)
-        src, dst, sizes = plan_arrays(plan)
-        self.submit(src, dst, sizes, self._order[plan.direction], handle)
-        return Submitted((src, dst, sizes))
+        src, dst, sizes = plan.arrays()
+        self.enqueue(src, dst, sizes, self._order[plan.direction], handle)
+        return (src, dst, sizes)
 
-    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+    def enqueue(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
                order: SrcAccessOrder, handle: int) -> None:
         """Enqueue contiguous uint64 arrays on a raw stream handle, in batches growing
         from ``FIRST_BATCH`` to ``MAX_BATCH`` descriptors (see the module docstring)."""
@@ -76,7 +76,7 @@ class CeBackend(CopyBackend):
         while start < count:
             stop = min(start + batch, count)
             try:
-                self.submit_range(arrays, start, stop, order, handle)
+                self.enqueue_range(arrays, start, stop, order, handle)
             except BackendError as e:
                 raise BackendError(f"{e}; descriptors 0..{start - 1} of {count} are enqueued"
                                    if start else str(e)) from e
@@ -86,7 +86,7 @@ class CeBackend(CopyBackend):
         """The batch attributes of ``order`` (what the native chunk loop passes too)."""
         return self._attrs[order]
 
-    def submit_range(self, arrays: DescriptorArrays, start: int, stop: int,
+    def enqueue_range(self, arrays: DescriptorArrays, start: int, stop: int,
                      order: SrcAccessOrder, handle: int) -> None:
         """Enqueue descriptors ``[start, stop)`` of ``arrays`` (used by ``staged`` per chunk)."""
         at = 8 * start  # uint64 elements
@@ -103,7 +103,7 @@ class CeBackend(CopyBackend):
                                f"{self.driver.error_name(failure.code)}")
 
 
-class CeLoopBackend(CopyBackend):
+class CeLoopBackend(StreamBackend):
     """One ``cuMemcpyAsync`` per descriptor: for drivers without the batch API.
 
     Several µs of host time per descriptor, so slow on small pages; chosen by name, or
@@ -116,16 +116,16 @@ class CeLoopBackend(CopyBackend):
         self.device = int(device)
         self.driver = driver or CudaDriver()
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         handle = self.driver.enter(stream, self.device)
-        src, dst, sizes = plan_arrays(plan)
+        src, dst, sizes = plan.arrays()
         for i, (s, d, n) in enumerate(zip(src.tolist(), dst.tolist(), sizes.tolist())):
             rc = self.driver.memcpy_async(d, s, n, handle)
             if rc != CUDA_SUCCESS:
                 raise BackendError(
                     f"cuMemcpyAsync {i} of {sizes.size} (src {s:#x} -> dst {d:#x}, {n} bytes) "
                     f"failed: {self.driver.error_name(rc)}; copies 0..{i - 1} are enqueued")
-        return Submitted((src, dst, sizes))
+        return (src, dst, sizes)
 
 
 def create(context: BackendContext, driver: CudaDriver | None = None) -> CopyBackend:

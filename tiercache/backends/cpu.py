@@ -1,18 +1,19 @@
 """The ``cpu`` backend: both sides in host memory (CPU-only hosts, CI).
 
 Each plan runs as one host function on the transfer's ``HostStream``: a memmove per
-descriptor (``ctypes.memmove`` releases the GIL for the call), so the handler's
-async, stream-ordered contract holds exactly as on a GPU.
+descriptor (``ctypes.memmove`` releases the GIL for the call), so the backend
+contract (stream order, events) holds exactly as on a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
-from tiercache.backends.host_streams import HostStream
+from tiercache.backends.base import BackendContext, StreamBackend
 from tiercache.backends.kind import BackendKind
+from tiercache.device.host_streams import HostStream
 from tiercache.errors import BackendError
+from tiercache.planning.plans import CopyPlan
 
 
 def _execute(plan: CopyPlan) -> None:
@@ -21,16 +22,16 @@ def _execute(plan: CopyPlan) -> None:
         memmove(dst, src, size)
 
 
-class CpuCopyBackend(CopyBackend):
-    """memmove on a host thread; the keep-alive token holds the plan."""
+class CpuCopyBackend(StreamBackend):
+    """memmove on a host thread; the submission holds the plan."""
 
     kind = BackendKind.CPU
 
-    def copy_async(self, plan: CopyPlan, stream: HostStream) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: HostStream) -> tuple[object, ...]:
         if not isinstance(stream, HostStream):
             raise BackendError(f"the cpu backend runs on a HostStream, got {type(stream).__name__}")
         stream.launch(lambda: _execute(plan))
-        return Submitted((plan,))
+        return (plan,)
 
 
 def create(context: BackendContext) -> CpuCopyBackend:

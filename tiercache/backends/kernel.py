@@ -5,27 +5,27 @@ small transfers, but its programs occupy SMs for the whole transfer: a matmul be
 it was measured to lose 47–78 % of its speed even at 8 CTAs. Choose it where latency
 matters more than the model's throughput, never by default.
 
-Host memory must be registered (pinned and mapped): the GPU dereferences host
+Host memory must be registered (page-locked and mapped): the GPU dereferences host
 addresses directly, and a page that is not mapped faults the kernel (the CUDA context
-is lost). The handler only builds plans over the worker's pinned slice.
+is lost). The handler only builds plans over the worker's registered slice.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan, Submitted
-from tiercache.backends.driver import device_index, plan_arrays, stream_handle
+from tiercache.backends.base import BackendContext, StreamBackend
 from tiercache.backends.kind import BackendKind
 from tiercache.backends.triton_copy import CopyKernel, upload_table
+from tiercache.device.driver import device_index, stream_handle
+from tiercache.device.events import Stream
 from tiercache.errors import BackendError
+from tiercache.planning.plans import CopyPlan
 
 DEFAULT_NUM_PROGRAMS = 32  # enough bytes in flight to fill PCIe (16 CTAs reach 0.93)
 
 
-class KernelBackend(CopyBackend):
+class KernelBackend(StreamBackend):
     """Triton copy over UVA with at most ``num_programs`` programs (SMs held)."""
 
     kind = BackendKind.KERNEL
@@ -35,9 +35,9 @@ class KernelBackend(CopyBackend):
         self.device = torch.device("cuda", int(device))
         self.kernel = CopyKernel(num_programs, num_warps)
 
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
+    def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         stream_handle(stream)  # refuses the legacy default stream
-        src, dst, sizes = plan_arrays(plan)
+        src, dst, sizes = plan.arrays()
         try:
             with torch.cuda.stream(stream):
                 table = upload_table(src, dst, sizes, stream)
@@ -45,11 +45,12 @@ class KernelBackend(CopyBackend):
         except Exception as e:  # torch/Triton raise several types; re-raised with the cause
             raise BackendError(f"kernel copy of {sizes.size} descriptors could not be "
                                f"submitted: {e}") from e
-        return Submitted((table,))
+        return (table,)
 
 
 def create(context: BackendContext) -> KernelBackend:
-    if not context.host_pinned:
+    if not context.host_registered:
         raise BackendError("backend 'kernel' reads host memory through UVA and needs the "
-                           "region slice pinned; pinning failed or is off (use 'ce' or 'staged')")
+                           "region slice page-locked (region.pinning); it is not (use 'ce' "
+                           "or 'staged')")
     return KernelBackend(device_index(context.device))

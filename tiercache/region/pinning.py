@@ -3,7 +3,7 @@
 Registration is per process: the coordinator cannot pin for a worker, so each worker
 registers its own slice. We use the driver API (``cuMemHostRegister``, flags 0: on UVA
 systems the memory is then mapped and portable) through the package's one CUDA binding,
-ctypes over libcuda (``tiercache.backends.driver``); the driver API leaves the CUDA
+ctypes over libcuda (``tiercache.device.driver``); the driver API leaves the CUDA
 runtime's last-error state alone — a failed ``cudaHostRegister`` would otherwise
 resurface later as a bogus error in an unrelated torch call. Chunks are cut
 by the caller (``RegionLayout.pin_chunks``: <= 64 GiB, on row boundaries); a failure
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tiercache.backends.driver import CUDA_SUCCESS, CudaDriver
+from tiercache.device.driver import CUDA_SUCCESS, CudaDriver
 from tiercache.errors import BackendError, PinError, PinUnavailableError
 
 log = logging.getLogger(__name__)

@@ -24,16 +24,14 @@ thread):
 
 Every finished transfer is accounted in the optional ``RankStats`` exactly once.
 
-Planning (``CopyBackend.plan``: validation, and for page backends the descriptors) runs
-on the caller's thread; the backend orders and enqueues the transfer
-(``CopyBackend.submit_ordered``: wait for the previous transfer, record the start, the
-copies, record the end). ``staged`` hands the layout and all of that to its native chunk
-loop's thread, so the caller is not held for the per-chunk driver calls; a transfer's
-events then mean something only once its ticket says issued, which ``get_finished`` and
-``wait`` check first, and a failure on that thread is ``success=False`` like a device
-failure. (A Python
-submit thread was tried before and reverted: under the GIL it waited a 5 ms switch
-interval per step while the caller polled; docs/benchmarks.md, "Host path".)
+One pass, downward: the planner validates and plans the transfer once, on the caller's
+thread, in the form the backend declared (``CopyBackend.plan_form``); the fence checks its
+slots; the backend gets the plan and the ``Ordering`` (the stream, the compute stream's
+mark and the previous transfer's end to wait for, its own start and end events) in one
+``submit``. A backend that issues on a thread of its own (``staged``'s chunk loop) returns
+a ticket: the transfer's events mean something only once it says issued, which
+``get_finished`` and ``wait`` check first, and a failure on that thread is
+``success=False`` like a device failure.
 
 ``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
 direction once (``Direction.of``) and hands the transfer to that direction's handler.
@@ -46,13 +44,14 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tiercache.backends.base import BlockPlan, CopyBackend, CopyPlan, Submitted
-from tiercache.backends.streams import Event, Stream, StreamPlatform
+from tiercache.backends.base import CopyBackend, Ordering, Plan, Submission, Ticket
+from tiercache.device.events import Event, Stream
+from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
+from tiercache.planning.planner import PlanBuffers, TransferPlanner
 from tiercache.region.stats import RankStats
 from tiercache.specs import Direction, TransferSpec
 from tiercache.transfer.fence import SlotFence
-from tiercache.transfer.planner import PlanBuffers, TransferPlanner
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +87,13 @@ class _Transfer:
     compute_mark: Event  # the compute stream's work at submit time, which the transfer waits for
     buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
-    keep_alive: Submitted | None = field(default=None, repr=False)  # the backend's token
+    submission: Submission | None = field(default=None, repr=False)  # held until finished
     failed_on_device: bool = False
 
     @property
-    def ticket(self):
+    def ticket(self) -> Ticket | None:
         """The backend thread's ticket, when one still issues this transfer (else None)."""
-        return None if self.keep_alive is None else self.keep_alive.ticket
+        return None if self.submission is None else self.submission.ticket
 
 
 class SingleDirectionOffloadingHandler:
@@ -126,7 +125,8 @@ class SingleDirectionOffloadingHandler:
                             f"{self.direction.label} handler; job ids must be unique")
         buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
         try:
-            plan = self.backend.plan(self.planner, self.direction, transfer, buffers)
+            plan = self.planner.plan_as(self.backend.plan_form, self.direction, transfer,
+                                        buffers)
         except SpecError:
             self._buffer_pool.append(buffers)
             raise
@@ -147,10 +147,9 @@ class SingleDirectionOffloadingHandler:
         self._by_job[job_id] = transfer_
         return submitted
 
-    def _enqueue(self, job_id: int, plan: CopyPlan | BlockPlan, stream: Stream, start: Event,
-                 end: Event, mark: Event, refused: bool = False) -> tuple[bool, Submitted | None]:
+    def _enqueue(self, job_id: int, plan: Plan, stream: Stream, start: Event, end: Event,
+                 mark: Event, refused: bool = False) -> tuple[bool, Submission | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
-        empty = not (plan.num_descriptors if isinstance(plan, CopyPlan) else plan.num_pairs)
         ok = not refused
         try:  # the compute stream's work so far: the transfer starts after it
             if ok:
@@ -158,9 +157,9 @@ class SingleDirectionOffloadingHandler:
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             ok = False
+        ordering = Ordering(stream, (mark if ok else None, previous), start, end)
         try:  # the backend records ``end`` in order whatever happens (later transfers wait on it)
-            token = self.backend.submit_ordered(plan if ok and not empty else None, stream,
-                                                (mark if ok else None, previous), start, end)
+            token = self.backend.submit(plan if ok and not plan.empty else None, ordering)
         except _DEVICE_ERRORS as e:
             self._log_refusal(job_id, plan, e)
             return False, None
@@ -170,7 +169,7 @@ class SingleDirectionOffloadingHandler:
     def fence(self) -> SlotFence | None:
         return self._fence
 
-    def _log_refusal(self, job_id: int, plan: CopyPlan | BlockPlan, error: BaseException) -> None:
+    def _log_refusal(self, job_id: int, plan: Plan, error: BaseException) -> None:
         log.error("%s job %d: the %s backend could not submit %d bytes: %s",
                   self.direction.label, job_id, self.backend.kind.label, plan.num_bytes, error)
 
@@ -193,7 +192,7 @@ class SingleDirectionOffloadingHandler:
                       transfer.job_id, error)
             transfer.failed_on_device = True
 
-    def _note_issue_failure(self, transfer: _Transfer, ticket) -> None:
+    def _note_issue_failure(self, transfer: _Transfer, ticket: Ticket) -> None:
         if ticket.status and not transfer.failed_on_device:
             log.error("%s job %d: the %s backend's issuing thread failed: CUresult %d",
                       self.direction.label, transfer.job_id, self.backend.kind.label,
@@ -277,10 +276,10 @@ class CpuGpuOffloadingHandlers:
     def build(cls, planner: TransferPlanner, backends: Mapping[Direction, CopyBackend],
               streams: StreamPlatform, stats: RankStats | None = None,
               fence: SlotFence | None = None) -> CpuGpuOffloadingHandlers:
-        g2c, c2g = (SingleDirectionOffloadingHandler(planner, d, backends[d], streams, stats,
-                                                     fence)
-                    for d in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU))
-        return cls(g2c, c2g, streams)
+        store, load = (SingleDirectionOffloadingHandler(planner, d, backends[d], streams, stats,
+                                                        fence)
+                       for d in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU))
+        return cls(store, load, streams)
 
     @property
     def streams(self) -> StreamPlatform | None:

@@ -5,11 +5,11 @@
 per engine may attach the same rank: ``tiercache.region.attachments``), check
 ``gpu_caches`` against the region's geometry and the backend against the caches' device,
 mark the attachment in its own stats block (pid and process start time; counters continue
-from the slot's earlier holders), pin the slice per the pinning policy (host-only backends
-need no pinning: state UNPINNED), build the backend of each direction (recorded in the
+from the slot's earlier holders), page-lock the slice per ``region.pinning`` (host-only
+backends need none: state UNPINNED), build the backend of each direction (recorded in the
 stats block) and the handlers. Anything failing on the way undoes what was done and raises.
-``Worker.close`` drains the handlers, unpins, marks the attachment detached, unmaps and
-frees the slot.
+``Worker.close`` drains the handlers, unregisters the slice, marks the attachment detached,
+unmaps and frees the attachment slot.
 
 **Fencing.** Every transfer's CPU spec is checked against the region this worker maps
 before a byte moves (``tiercache.transfer.fence``). A spec for another region that is now
@@ -40,7 +40,7 @@ from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
-from tiercache.backends.streams import StreamPlatform
+from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
 from tiercache.pages import PageArray
@@ -54,7 +54,7 @@ from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, Trans
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Worker:
         self.handlers.wait(job_ids)
 
     def close(self) -> list[TransferResult]:
-        """Drain (returns the results not yet collected), unpin, detach, unmap."""
+        """Drain (returns the results not yet collected), unregister, detach, unmap."""
         if self._closed:
             return []
         self._closed = True

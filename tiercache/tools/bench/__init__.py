@@ -13,7 +13,7 @@ Figures (every rate also as a ratio to the same-run ceiling):
   * per page size x backend: store (gpu_to_cpu), load (cpu_to_gpu), both at once;
   * ``--matmul``: a bf16 matmul's speed beside continuous both-ways copies;
   * one block (64 pages) latency, GPU-timed, against 1.5 x wire time + 20 µs;
-  * host-side submit time of one 16384-page transfer (``copy_async``), and the
+  * host-side submit time of one 16384-page transfer (``submit``), and the
     planner's time for it.
 ``--backend cpu`` measures the cpu backend against one large memmove (any machine).
 

@@ -10,15 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.backends.base import BlockPlan, CopyBackend, CopyPlan
+from tiercache.backends.base import CopyBackend, Plan
+from tiercache.planning.planner import PlanBuffers
+from tiercache.planning.plans import PlanForm
 from tiercache.specs import Direction
 from tiercache.tools.bench.report import Progress, Report, fmt_rate
-from tiercache.tools.bench.rig import BenchBackend, GpuRig, RigPlans
+from tiercache.tools.bench.rig import BenchBackend, GpuRig, RigPlans, submit_now
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
-from tiercache.transfer.planner import PlanBuffers
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
-AnyPlan = CopyPlan | BlockPlan
 MATMUL_N = 8192
 MATMUL_WARMUP = 10
 SOLO_RUNS = 3  # before the copies; one more after, for the clocks as they are then
@@ -40,14 +40,14 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
             "workload": w.label(), "page_bytes": w.page_bytes, "backend": backend.label,
             "kind": backend.kind.label, "store_name": built[G2C].kind.label,
             "load_name": built[C2G].kind.label,
-            "block_level": [built[d].takes_blocks for d in (G2C, C2G)]}
+            "block_level": [built[d].plan_form is PlanForm.BLOCKS for d in (G2C, C2G)]}
         for direction, plan in ((G2C, store), (C2G, load)):
-            seconds = rig.time_gpu(partial(built[direction].submit_plan, plan, s), s, reps)
+            seconds = rig.time_gpu(partial(submit_now, built[direction], plan, s), s, reps)
             row[direction.label] = plan.num_bytes / seconds / 1e9
             progress.step(f"{w.label()} {backend.label} {direction.label}",
                           fmt_rate(row[direction.label], ceil[direction.label]))
-        both = sorted(rig.time_both(partial(built[G2C].submit_plan, store),
-                                    partial(built[C2G].submit_plan, load), reps, stat=list))
+        both = sorted(rig.time_both(partial(submit_now, built[G2C], store),
+                                    partial(submit_now, built[C2G], load), reps, stat=list))
         both_bytes = store.num_bytes + load.num_bytes
         row["both"] = both_bytes / float(np.median(both)) / 1e9
         row["both_min"], row["both_max"] = both_bytes / both[-1] / 1e9, both_bytes / both[0] / 1e9
@@ -75,7 +75,7 @@ def engine_view(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBackend
     clock from the ``transfer_async`` call to the job's result in ``get_finished`` (planning
     included; scattered slots and blocks), each way, both at once and one block; and the
     host time of the ``transfer_async`` call alone."""
-    from tiercache.backends.streams import CudaStreams
+    from tiercache.device.streams import CudaStreams
     from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
 
     handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
@@ -125,17 +125,17 @@ def latency_and_submit(rig: GpuRig, plans: RigPlans, store_b: CopyBackend, load_
     one = plans.make(store_b, G2C, plans.one_store_spec)  # one block: one page per tensor
     one_load = plans.make(load_b, C2G, plans.one_load_spec)
     timed = partial(rig.time_gpu, stream=s, reps=max(reps, LATENCY_REPS), warm=LATENCY_WARM)
-    lat = timed(partial(store_b.submit_plan, one, s))
-    lat_load = timed(partial(load_b.submit_plan, one_load, s))
+    lat = timed(partial(submit_now, store_b, one, s))
+    lat_load = timed(partial(submit_now, load_b, one_load, s))
     wire_s = one.num_bytes / (min(rig.ceiling_gbps.values()) * 1e9)
     submit, planning = [], []
     buffers = PlanBuffers()
     for _ in range(max(reps, SUBMIT_REPS)):
         s.synchronize()
         t0 = time.perf_counter()
-        plan = store_b.plan(plans.planner, G2C, plans.store_spec, buffers)
+        plan = plans.planner.plan_as(store_b.plan_form, G2C, plans.store_spec, buffers)
         t1 = time.perf_counter()
-        token = store_b.submit_plan(plan, s)
+        token = submit_now(store_b, plan, s)
         submit.append(time.perf_counter() - t1)
         planning.append(t1 - t0)
         s.synchronize()
@@ -186,7 +186,7 @@ class _GatedCopies:
 
     @classmethod
     def enqueue(cls, rig: GpuRig, gate_stream, store_b: CopyBackend, load_b: CopyBackend,
-                store_plan: AnyPlan, load_plan: AnyPlan, rounds: int) -> _GatedCopies:
+                store_plan: Plan, load_plan: Plan, rounds: int) -> _GatedCopies:
         torch = rig.torch
         s1, s2 = rig.streams[0], rig.streams[1]
         gate = torch.cuda.Event()
@@ -200,13 +200,13 @@ class _GatedCopies:
         t0 = time.perf_counter()
         tokens = []
         for _ in range(rounds):
-            tokens.append(store_b.submit_plan(store_plan, s1))
-            tokens.append(load_b.submit_plan(load_plan, s2))
+            tokens.append(submit_now(store_b, store_plan, s1))
+            tokens.append(submit_now(load_b, load_plan, s2))
         return cls(start, tokens, time.perf_counter() - t0, not gate.query())
 
 
 def matmul_beside_copies(rig: GpuRig, store_b: CopyBackend, load_b: CopyBackend,
-                         store_plan: AnyPlan, load_plan: AnyPlan, iters: int) -> dict:
+                         store_plan: Plan, load_plan: Plan, iters: int) -> dict:
     """bf16 matmul TFLOP/s alone and beside continuous both-ways copies."""
     torch = rig.torch
     mm = _Matmul(rig)
@@ -237,7 +237,7 @@ def matmul_beside_copies(rig: GpuRig, store_b: CopyBackend, load_b: CopyBackend,
 def run_gpu(args) -> Report:
     import torch
 
-    from tiercache.backends.driver import CudaDriver
+    from tiercache.device.driver import CudaDriver
 
     rig = GpuRig(args.device, TRANSFER_BYTES)
     props = torch.cuda.get_device_properties(rig.device)

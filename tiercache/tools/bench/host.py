@@ -7,10 +7,11 @@ import time
 
 import numpy as np
 
-from tiercache.backends.base import CopyPlan
+from tiercache.backends.base import Ordering
 from tiercache.backends.cpu import CpuCopyBackend
-from tiercache.backends.host_streams import HostStreams
 from tiercache.backends.kind import BackendKind
+from tiercache.device.host_streams import HostStreams
+from tiercache.planning.plans import CopyPlan
 from tiercache.specs import Direction
 from tiercache.tools.bench.report import Progress, Report, fmt_rate
 from tiercache.tools.bench.workloads import GPU_TRANSFERS, HOST_TRANSFERS, KIB, MIB, Workload
@@ -61,7 +62,7 @@ def run_cpu(args) -> Report:
             times = []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
-                backend.copy_async(plan, stream)
+                backend.submit(plan, Ordering(stream))
                 event.record(stream)
                 event.synchronize()
                 times.append(time.perf_counter() - t0)

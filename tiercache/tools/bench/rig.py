@@ -12,36 +12,48 @@ from typing import Any
 import numpy as np
 
 from tiercache.backends import create_backend
-from tiercache.backends.base import BackendContext, CopyBackend, CopyPlan
+from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
 from tiercache.backends.kind import BackendKind
-from tiercache.errors import ConfigError
+from tiercache.errors import BackendError, ConfigError
 from tiercache.pages import PageArray
+from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.plans import CopyPlan
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 from tiercache.tools.bench.workloads import GPU_TRANSFERS, HOST_TRANSFERS, MIB, Workload
-from tiercache.transfer.planner import TransferPlanner
 
 SLACK_BYTES = 64 * MIB
 NUM_STREAMS = 3  # store, load, matmul
 
 
+def submit_now(backend: CopyBackend, plan: Plan, stream: Any) -> Submission:
+    """``plan`` on ``stream`` outside the handlers (no events), waited for until issued, so
+    work enqueued on ``stream`` after this call is ordered after it."""
+    submission = backend.submit(plan, Ordering(stream))
+    status = submission.wait_issued()
+    if status:
+        raise BackendError(f"the {backend.kind.label} backend's issuing thread failed: "
+                           f"CUresult {status}")
+    return submission
+
+
 def _ce_stream_loads(context: BackendContext) -> CopyBackend:
     from tiercache.backends.ce import CeBackend
-    from tiercache.backends.driver import SrcAccessOrder, device_index
+    from tiercache.device.driver import SrcAccessOrder, device_index
 
     return CeBackend(device_index(context.device), load_access_order=SrcAccessOrder.STREAM)
 
 
 def _staged_ring(chunk_mib: int, num_slots: int, context: BackendContext) -> CopyBackend:
-    from tiercache.backends.driver import device_index
-    from tiercache.backends.staged import StagedBackend
+    from tiercache.device.driver import device_index
+    from tiercache.backends.staged.backend import StagedBackend
 
     return StagedBackend(device_index(context.device), chunk_bytes=chunk_mib * MIB,
                          num_slots=num_slots, planner=context.planner)
 
 
 def _staged_python(context: BackendContext) -> CopyBackend:
-    from tiercache.backends.driver import device_index
-    from tiercache.backends.staged import StagedBackend
+    from tiercache.device.driver import device_index
+    from tiercache.backends.staged.backend import StagedBackend
 
     return StagedBackend(device_index(context.device), planner=context.planner, native=False)
 
@@ -98,12 +110,11 @@ class RigPlans:
     one_store_spec: TransferSpec
     one_load_spec: TransferSpec
 
-    def make(self, backend: CopyBackend, direction: Direction, spec: TransferSpec) -> Any:
-        """The plan ``backend`` takes for ``spec`` (``backend.plan``, as a handler asks)."""
-        return backend.plan(self.planner, direction, spec)
+    def make(self, backend: CopyBackend, direction: Direction, spec: TransferSpec) -> Plan:
+        """The plan ``backend`` takes for ``spec`` (its ``plan_form``, as a handler asks)."""
+        return self.planner.plan_as(backend.plan_form, direction, spec)
 
-    def for_backend(self, built: dict[Direction, CopyBackend]
-                    ) -> tuple[Any, Any]:
+    def for_backend(self, built: dict[Direction, CopyBackend]) -> tuple[Plan, Plan]:
         """(store plan, load plan) in the form each direction's backend takes."""
         g2c, c2g = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
         return (self.make(built[g2c], g2c, self.store_spec),
@@ -159,7 +170,7 @@ class GpuRig:
                  ) -> dict[Direction, CopyBackend]:
         """Both directions of ``backend`` over the workload's pages (pinned host rows),
         given the planner as a worker gives it (block-level backends use it)."""
-        from tiercache.backends.streams import CudaStreams
+        from tiercache.device.streams import CudaStreams
 
         gpu, cpu = planner.gpu_pages, planner.cpu_pages
         return {d: backend.create(BackendContext(d, gpu, cpu, self.device, True,

@@ -1,10 +1,10 @@
-"""The planner: a (src_spec, dst_spec) pair -> a validated, merged ``CopyPlan``.
+"""The planner: a (src_spec, dst_spec) pair -> a validated plan, in the form a backend takes.
 
 It works on addresses only (``PageArray``), never on devices. For each KV-cache group
-g, GPU page i of the group (i = 0..n-1, n = ``group_sizes[g]``) pairs with CPU block
-``cpu_ids[(skip + i) // F]``, sub-page ``(skip + i) % F``, where F is the
-block_size_factor and ``skip = block_indices[g] % F`` (a load may start mid CPU block);
-the group consumes ``ceil((n + skip) / F)`` CPU ids. Descriptors are laid out group by
+g, GPU page i of the group (i = 0..n-1, n = ``group_sizes[g]``) pairs with region slot
+``slots[(skip + i) // F]``, sub-page ``(skip + i) % F``, where F is the
+block_size_factor and ``skip = block_indices[g] % F`` (a load may start mid slot);
+the group consumes ``ceil((n + skip) / F)`` slots. Descriptors are laid out group by
 group, each group as rows (``GroupWork.shape``): in host-address order where the
 geometry allows it cheaply (F = 1: pages sorted by CPU row; tensors sharing rows are
 written page by page), which spares ``staged`` a sort of every descriptor. Pages that
@@ -13,22 +13,32 @@ are checked on addresses (``runs.merge_at_row_ends``).
 
 The caller says the direction (``plan(direction, (src_spec, dst_spec))``); the
 planner checks the pair against it and never infers it. Everything is checked before
-a plan is returned: spec types for the direction, group count, CPU id count, ids inside
-both sides, no destination block written twice in a group.
+a plan is returned: spec types for the direction, group count, slot count, ids inside
+both sides, no destination block written twice in a group. A refusal is a ``SpecError``
+naming what is wrong.
+
+Block plans are validated in C by default (``tiercache.native.validator``, built at the
+first block plan: the native build needs a C compiler, which only ``staged`` needs); a
+refusal there is re-checked here so that the ``SpecError`` says why. Page plans are
+validated here, in numpy (the reference the C is tested against).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tiercache.backends.base import BlockPlan, CopyPlan
 from tiercache.errors import ArgumentError, SpecError
-from tiercache.transfer.page_groups import GroupPages, GroupWork
 from tiercache.pages import PageArray
-from tiercache.transfer.runs import merge_at_row_ends
+from tiercache.planning.page_groups import GroupPages, GroupWork
+from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
+from tiercache.planning.runs import merge_at_row_ends
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
+
+if TYPE_CHECKING:
+    from tiercache.native.validator import NativeValidator
 
 _U64 = np.uint64
 _ENDS_CACHE_ENTRIES = 1024  # distinct (group shape) tuples remembered; small arrays each
@@ -51,11 +61,11 @@ def _check_unique(ordered: np.ndarray, side: str, group: int) -> None:
                         f"in group {group}: a page would be written twice")
 
 
-def _row_order(cpu_ids: np.ndarray) -> np.ndarray | None:
-    """Permutation to ascending CPU rows (stable); None when they already ascend."""
-    if cpu_ids.size < 2 or bool(np.all(cpu_ids[1:] > cpu_ids[:-1])):
+def _row_order(slots: np.ndarray) -> np.ndarray | None:
+    """Permutation to ascending slots (stable); None when they already ascend."""
+    if slots.size < 2 or bool(np.all(slots[1:] > slots[:-1])):
         return None
-    return np.argsort(cpu_ids, kind="stable")
+    return np.argsort(slots, kind="stable")
 
 
 class PlanBuffers:
@@ -88,11 +98,13 @@ class TransferPlanner:
     ``gpu_pages[t]`` and ``cpu_pages[t]`` are tensor t on each side (same
     ``page_bytes``; CPU arrays have ``block_size_factor`` pages per block).
     ``group_tensors[g]`` lists the tensors of KV-cache group g (default: one group
-    holding every tensor); no tensor belongs to two groups.
+    holding every tensor); no tensor belongs to two groups. ``native_validation``: block
+    plans are validated in C (module docstring); False: in numpy.
     """
 
     def __init__(self, gpu_pages: Sequence[PageArray], cpu_pages: Sequence[PageArray],
-                 block_size_factor: int, group_tensors: Sequence[Sequence[int]] | None = None):
+                 block_size_factor: int, group_tensors: Sequence[Sequence[int]] | None = None,
+                 native_validation: bool = True):
         self.gpu_pages, self.cpu_pages = tuple(gpu_pages), tuple(cpu_pages)
         self.block_size_factor = block_size_factor
         num_tensors = len(self.gpu_pages)
@@ -126,6 +138,9 @@ class TransferPlanner:
         self._ends_cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
         self._groups = tuple(GroupPages.of(g, self.gpu_pages, self.cpu_pages, block_size_factor)
                              for g in groups)
+        self._pair_bytes = [g.pair_bytes for g in self._groups]
+        self.native_validation = native_validation
+        self._validator: NativeValidator | None = None
 
     def _row_ends(self, shapes: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Index of each tensor row's last descriptor, but the very last (cached per shape)."""
@@ -149,10 +164,17 @@ class TransferPlanner:
         """Each KV-cache group's page geometry, in group order (fixed at construction)."""
         return self._groups
 
-    def pairs(self, direction: Direction, transfer: TransferSpec) -> list[GroupWork]:
-        """The block-level form of ``transfer``: per non-empty group its validated
-        (GPU id, CPU row, sub-page) pairs, O(blocks), no page descriptors. Raises SpecError
-        like ``plan``; ``staged`` expands these on the device (``backends.block_staging``)."""
+    def plan_as(self, form: PlanForm, direction: Direction, transfer: TransferSpec,
+                out: PlanBuffers | None = None) -> CopyPlan | BlockPlan:
+        """``transfer`` planned in ``form`` (what the backend takes): ``plan`` or
+        ``block_plan``. Raises SpecError naming what is wrong; nothing is returned then."""
+        if form is PlanForm.BLOCKS:
+            return self.block_plan(direction, transfer)
+        return self.plan(direction, transfer, out=out)
+
+    def group_works(self, direction: Direction, transfer: TransferSpec) -> list[GroupWork]:
+        """Per non-empty group its validated (GPU id, slot, sub-page) pairs, checked in
+        numpy; raises SpecError like ``plan``."""
         gpu_spec, cpu_spec = self.specs(direction, transfer)
         return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
 
@@ -166,8 +188,45 @@ class TransferPlanner:
         return direction.gpu_cpu(*transfer)
 
     def block_plan(self, direction: Direction, transfer: TransferSpec) -> BlockPlan:
-        """``pairs`` as the plan a block-level backend takes."""
-        return BlockPlan(tuple(self.pairs(direction, transfer)), direction)
+        """The block-level form of ``transfer``: O(blocks), no page descriptors. Raises
+        SpecError like ``plan``."""
+        if not self.native_validation:
+            return self._packed(direction, self.group_works(direction, transfer))
+        gpu, cpu = self.specs(direction, transfer)
+        if self._validator is None:
+            from tiercache.native.validator import NativeValidator
+
+            self._validator = NativeValidator(self.block_size_factor,
+                                              [g.num_gpu_blocks for g in self._groups],
+                                              [g.num_slots for g in self._groups])
+        sizes = gpu.group_sizes
+        done = self._validator.validate(direction, gpu.block_ids, sizes, gpu.block_indices,
+                                        cpu.block_ids)
+        if isinstance(done, int):
+            self.group_works(direction, transfer)  # raises the SpecError that says why
+            from tiercache.native.validator import SPEC_ERRORS
+
+            raise SpecError(f"transfer refused: {SPEC_ERRORS.get(done, done)}")
+        buffer, num_works = done
+        num_bytes = sum(n * b for n, b in zip(sizes, self._pair_bytes))
+        return BlockPlan(direction, buffer, int(gpu.block_ids.size), num_works, num_bytes,
+                         self._groups)
+
+    def _packed(self, direction: Direction, works: list[GroupWork]) -> BlockPlan:
+        """``works`` in a block plan's buffer (what ``tc_validate`` writes)."""
+        n = sum(int(w.gpu_ids.size) for w in works)
+        buffer = np.zeros(3 * n + 2 * max(self.num_groups, 1), dtype=np.int64)
+        pairs, meta = buffer[:3 * n].reshape(3, n), buffer[3 * n:].reshape(-1, 2)
+        at = 0
+        for i, w in enumerate(works):
+            k = int(w.gpu_ids.size)
+            pairs[0, at:at + k], pairs[1, at:at + k] = w.gpu_ids, w.slots
+            if w.sub_pages is not None:
+                pairs[2, at:at + k] = w.sub_pages
+            meta[i] = self._groups.index(w.group), k
+            at += k
+        return BlockPlan(direction, buffer, n, len(works), sum(w.num_bytes for w in works),
+                         self._groups)
 
     def plan(self, direction: Direction, transfer: TransferSpec, merge: bool = True,
              out: PlanBuffers | None = None) -> CopyPlan:
@@ -175,13 +234,21 @@ class TransferPlanner:
         ``direction``, merged unless ``merge=False``; raises SpecError naming what is wrong
         (a pair that does not move in ``direction`` included) before anything is returned.
         With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
-        return self.expand(self.block_plan(direction, transfer), merge, out)
+        return self._expand(direction, self.group_works(direction, transfer), merge, out)
 
     def expand(self, plan: BlockPlan, merge: bool = True, out: PlanBuffers | None = None
                ) -> CopyPlan:
-        """The page descriptors of a block plan of this planner (``plan`` = ``block_plan``
-        then this): every transfer is pairs first, pages only for backends that take them."""
-        direction, work = plan.direction, list(plan.pairs)
+        """The page descriptors of a block plan of this planner."""
+        if plan.groups is not self._groups:
+            raise ArgumentError("a block plan of another planner: expand it with its own")
+        factor = self.block_size_factor
+        works = [GroupWork(self._groups[p.group], p.gpu_ids, p.slots,
+                           None if factor == 1 else p.sub_pages.view(_U64))
+                 for p in plan.group_pairs()]
+        return self._expand(plan.direction, works, merge, out)
+
+    def _expand(self, direction: Direction, work: list[GroupWork], merge: bool,
+                out: PlanBuffers | None) -> CopyPlan:
         if merge:  # fuse runs of pages where every tensor of the group agrees
             work = [w.fused() for w in work]
         total = sum(w.num_descriptors for w in work)
@@ -213,7 +280,7 @@ class TransferPlanner:
         counts = [-(-(n + s) // factor) if n else 0 for n, s in zip(gpu_spec.group_sizes, skips)]
         if sum(counts) != len(cpu_spec):
             raise SpecError(
-                f"CPU spec has {len(cpu_spec)} block ids, but group_sizes "
+                f"CPU spec has {len(cpu_spec)} slots, but group_sizes "
                 f"{list(gpu_spec.group_sizes)} with block_indices {list(gpu_spec.block_indices)} "
                 f"and block_size_factor {factor} need {sum(counts)} ({counts} per group)")
         work, gpu_at, cpu_at = [], 0, 0
@@ -225,8 +292,8 @@ class TransferPlanner:
             cids = cpu_spec.block_ids[cpu_at:cpu_at + count]
             gpu_at, cpu_at = gpu_at + n, cpu_at + count
             _check_ids(gids, group.num_gpu_blocks, "GPU", g)
-            _check_ids(cids, group.num_cpu_blocks, "CPU", g)
-            if factor == 1:  # pages in ascending CPU row: host order (module docstring)
+            _check_ids(cids, group.num_slots, "CPU", g)
+            if factor == 1:  # pages in ascending slot: host order (module docstring)
                 order = _row_order(cids)
                 if order is not None:
                     gids, cids = gids[order], cids[order]

@@ -26,30 +26,28 @@ a slot is reused only after its last user, whatever transfer that was. Descripto
 ``direct_bytes`` or more skip the ring (one DMA each). Host bytes outside the plan's
 descriptors are never written (``staging``).
 
-Two layouts, one pipeline. With the rank's planner (a worker's backends get it), the
-transfer arrives at block level (``BlockPlan``: GPU ids, CPU rows, sub-pages) and
-``block_staging`` lays it out as row images in O(blocks); ``block_kernel`` expands each
+Two layouts, one pipeline. Built with the rank's planner (a worker's backends are), the
+backend takes block plans (``plan_form`` BLOCKS: GPU ids, region slots, sub-pages) and
+``block_layout`` lays them out as row images in O(blocks); ``block_kernel`` expands each
 (pair, tensor) to its page addresses on the device from tables uploaded once. Host work
-per transfer is then proportional to blocks, not pages (the point of the design: 64
-tensors x 256 blocks is 16 k pages but 256 pairs). Without a planner (single-backend
-rigs), or for a geometry the block layout refuses (said once at WARNING, with why), the
-page-level layout below is used.
+per transfer is then proportional to blocks, not pages (64 tensors x 256 blocks is 16 k
+pages but 256 pairs). Without a planner (calibration, single-backend rigs), or for a
+geometry the block layout refuses (said once at WARNING, with why), it takes page plans
+(``plan_form`` PAGES) and ``page_layout`` lays them out.
 
-Who issues it. With a planner, block transfers go to the native chunk loop
-(``native_loop``, ``native/chunk_loop.c``): ``plan`` validates the ids in C on the caller's
-thread, ``submit_ordered`` queues the transfer with the handler's ordering events, and the
-loop's own thread (no GIL) lays it out (the same layout as ``block_staging``, which is its
-specification and its test oracle) and makes every driver call above, in order. The
-caller's thread is held for validation and one queue call, not for the chunks: 256 blocks
-of 64 x 32 KiB cost it 77-364 µs (the spread is the host's cache after a large transfer)
-instead of 637-1170 µs through the Python loop, in the same runs (H100). A
-transfer of one chunk has nothing to overlap and runs on ``stream`` alone (no hops to the
-DMA stream). Page plans, and ``native=False``, issue the same pipeline from Python.
+Who issues it. Block plans go to the native chunk loop (``tiercache.native.chunk_loop``)
+with the ordering's events: ``submit`` only reserves a pair-table buffer and queues the
+plan; the loop's own thread (no GIL) lays it out (the same layout as ``block_layout``,
+its specification and test oracle) and makes every driver call above, in order, and the
+``Submission``'s ticket says when it is done. A transfer of one chunk has nothing to
+overlap and runs on ``stream`` alone (no hops to the DMA stream). Page plans, and block
+plans with ``native=False``, are issued from Python on the calling thread, after the
+loop has issued what it holds (the ring's events are shared).
 
 Chunks are large (``DEFAULT_CHUNK_BYTES``) so launches stay few. The ring is
 ``DEFAULT_NUM_SLOTS`` deep because several ranks share the host: with two slots a rank's
 pack -> DMA pipeline stalled whenever its DMAs slowed under another rank's traffic; four
-keep it fed, and on one rank they measure the same as two. Every figure behind these
+keep it fed, and on one rank they measure the same as two. The figures behind these
 choices: docs/benchmarks.md ("Transfer engine", "End to end on 2 GPUs", "Host path").
 """
 
@@ -57,24 +55,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from tiercache.backends.base import BackendContext, BlockPlan, CopyBackend, CopyPlan, Submitted
-from tiercache.backends.block_kernel import BlockKernel, PairTables
-from tiercache.backends.block_staging import SLOT_ALIGN, BlockLayout, BlockStaging
-from tiercache.backends.ce import CeBackend
-from tiercache.backends.driver import (
-    CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, plan_arrays,
+from tiercache.backends.base import (
+    BackendContext, Ordering, Plan, StreamBackend, Submission,
 )
+from tiercache.backends.ce import CeBackend
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.native_loop import SPEC_ERRORS, ChunkLoop, Geometry, Validated
-from tiercache.backends.staging import RUN_ALIGN, Scratch, StagingLayout, plan_staging
+from tiercache.backends.staged.block_kernel import BlockKernel, PairTables
+from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockLayout, BlockStaging
+from tiercache.backends.staged.page_layout import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
-from tiercache.errors import BackendError, SpecError
+from tiercache.device.driver import CudaDriver, DescriptorArrays, SrcAccessOrder, device_index
+from tiercache.device.events import DriverEvent, Event, Stream
+from tiercache.errors import BackendError
+from tiercache.native.chunk_loop import ChunkLoop, LoopDriver
+from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
 from tiercache.specs import Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
@@ -85,21 +84,17 @@ PACK_PROGRAMS_PER_SM = 2
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, eq=False)
-class NativePlan:
-    """A transfer validated by the chunk loop (``StagedBackend.plan``), for its
-    ``submit_ordered``: the works it lays out, and what the handler reports."""
-
-    direction: Direction
-    validated: Validated
-    num_bytes: int
-
-    @property
-    def num_pairs(self) -> int:
-        return self.validated.num_pairs
+def _handle(event: Event | None) -> int:
+    """The raw handle the chunk loop records or waits on (0: none)."""
+    if event is None:
+        return 0
+    if not isinstance(event, DriverEvent):
+        raise BackendError(f"the chunk loop orders with DriverEvents (CudaStreams' events), "
+                           f"got {type(event).__name__}")
+    return event.handle
 
 
-class StagedBackend(CopyBackend):
+class StagedBackend(StreamBackend):
     """Staging ring of ``num_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
 
     kind = BackendKind.STAGED
@@ -107,8 +102,9 @@ class StagedBackend(CopyBackend):
     def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  num_slots: int = DEFAULT_NUM_SLOTS, direct_bytes: int = DEFAULT_DIRECT_BYTES,
                  pack_programs: int | None = None, driver: CudaDriver | None = None,
-                 load_order: SrcAccessOrder = SrcAccessOrder.ANY, planner: Any = None,
-                 load_whole_rows: bool = True, native: bool = True):
+                 load_order: SrcAccessOrder = SrcAccessOrder.ANY,
+                 planner: TransferPlanner | None = None, load_whole_rows: bool = True,
+                 native: bool = True):
         if num_slots < 2:
             raise BackendError(f"num_slots = {num_slots}: staged needs >= 2 to overlap")
         if not 0 < direct_bytes <= chunk_bytes:
@@ -136,11 +132,11 @@ class StagedBackend(CopyBackend):
         self._scratch = Scratch()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
-        self._planner = planner
         self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
+        self.plan_form = PlanForm.PAGES if self._blocks is None else PlanForm.BLOCKS
 
-    def _block_path(self, planner: Any, load_whole_rows: bool
+    def _block_path(self, planner: TransferPlanner, load_whole_rows: bool
                     ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
         try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
             staging = BlockStaging.of_planner(planner, self.chunk_bytes, load_whole_rows)
@@ -148,111 +144,80 @@ class StagedBackend(CopyBackend):
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)
             return None
-        # the compiled launcher: 9.9 against 17 µs of host time per launch (H100, probe)
         return (staging, BlockKernel(staging, self.device, compiled_launch=True),
                 PairTables(self.device, self.driver))
 
     def _chunk_loop(self) -> ChunkLoop:
-        """The native chunk loop over this ring (``native_loop``); raises BackendError
-        when it cannot be built or started (no quiet fallback to the Python loop)."""
-        kernel = self._blocks[1].loop_kernel(self._ring_base)
-        self._pair_bytes = [g.pair_bytes for g in self._planner.groups]
+        """The native chunk loop over this ring; raises BackendError when it cannot be
+        built or started (no quiet fallback to the Python loop)."""
+        staging, kernel, _ = self._blocks
         if self.slot_bytes % SLOT_ALIGN:
             raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
         attrs = tuple(bytes(self._ce.attributes(order))
                       for order in (self.load_order, SrcAccessOrder.STREAM))
-        return ChunkLoop(self.driver.loop_driver(), kernel,
-                         Geometry.of(self._blocks[0], self._planner),
-                         dma_stream=self._dma,
+        loop_kernel = kernel.loop_kernel(self._ring_base)  # compiles both directions
+        drv = self.driver
+        if not drv.batch_address:
+            raise BackendError(f"CUDA driver {drv.driver_version} has no cuMemcpyBatchAsync "
+                               "(needs R570 / CUDA 12.8 or newer)")
+        entry = drv.entry_point
+        loop_driver = LoopDriver(entry("cuLaunchKernel"), entry("cuEventRecord"),
+                                 entry("cuStreamWaitEvent"), drv.batch_address,
+                                 entry("cuCtxSetCurrent"), int(drv.batch_abi),
+                                 drv.current_context())
+        return ChunkLoop(loop_driver, loop_kernel, staging.loop_geometry(), dma_stream=self._dma,
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
                          free_events=self._free, ready_events=self._ready,
                          begin_event=self._start, done_event=self._done, attrs=attrs)
 
     @property
-    def takes_blocks(self) -> bool:  # type: ignore[override]
-        return self._blocks is not None
-
-    @property
     def native(self) -> bool:
-        """Block transfers are issued by the native chunk loop's thread."""
+        """Block plans are issued by the native chunk loop's thread."""
         return self._loop is not None
 
-    def drain(self) -> None:
+    def submit(self, plan: Plan | None, ordering: Ordering) -> Submission:
+        """Block plans (and empty transfers) with a chunk loop: queued to it whole, with
+        the ordering's events. Everything else on the calling thread, once the loop has
+        issued what it holds."""
+        if self._loop is not None and not isinstance(plan, CopyPlan):
+            return self._queue(plan, ordering)
         if self._loop is not None:
-            self._loop.wait()
+            self._loop.wait()  # the ring's events: the loop's records come first
+        return super().submit(plan, ordering)
 
-    def plan(self, planner: Any, direction: Direction, transfer: Any, out: Any = None) -> Any:
-        """With the chunk loop: the transfer's ids validated in C on the calling thread
-        (``tc_validate``, the planner's rules; a refusal is re-checked by the planner, whose
-        ``SpecError`` names what is wrong). Otherwise the base's plans."""
-        if self._loop is None or planner is not self._planner:
-            return super().plan(planner, direction, transfer, out)
-        gpu, cpu = planner.specs(direction, transfer)
-        sizes = gpu.group_sizes
-        validated = self._loop.validate(direction is Direction.GPU_TO_CPU, gpu.block_ids, sizes,
-                                        gpu.block_indices, cpu.block_ids)
-        if isinstance(validated, int):
-            planner.block_plan(direction, transfer)  # raises the SpecError that says why
-            raise SpecError(f"transfer refused: {SPEC_ERRORS.get(validated, validated)}")
-        return NativePlan(direction, validated,
-                          sum(n * b for n, b in zip(sizes, self._pair_bytes)))
-
-    def submit_ordered(self, plan: Any, stream: Any, after: tuple[Any, ...], start: Any,
-                       end: Any) -> Submitted | None:
-        """Native plans, block plans and empty transfers go to the chunk loop whole, with
-        the handler's events: the calling thread only picks a pair-table buffer. Page
-        plans: the base."""
-        if self._loop is None or isinstance(plan, CopyPlan):
-            return super().submit_ordered(plan, stream, after, start, end)
-        return self._submit_native(plan, stream, after, start, end)
-
-    def submit_plan(self, plan: Any, stream: Any) -> Submitted:
-        """``submit_plan`` of the base, and of what ``plan`` returns (a NativePlan)."""
-        if isinstance(plan, NativePlan):
-            return self._submit_direct(plan, stream)
-        return super().submit_plan(plan, stream)
-
-    def _submit_direct(self, plan: NativePlan | BlockPlan, stream: Any) -> Submitted:
-        """A transfer outside the handlers (bench, calibration): issued by the loop, and
-        waited for until issued, so work the caller enqueues on ``stream`` after this call
-        comes after it."""
-        submitted = self._submit_native(plan, stream, (), None, None)
-        submitted.ticket.wait()
-        if submitted.ticket.status:
-            raise BackendError(f"the chunk loop failed: "
-                               f"{self.driver.error_name(submitted.ticket.status)}")
-        return Submitted(submitted.keep + (submitted.ticket,))  # its arrays with it
-
-    def _submit_native(self, plan: NativePlan | BlockPlan | None, stream: Any,
-                       after: tuple[Any, ...], start: Any, end: Any) -> Submitted:
+    def _queue(self, plan: BlockPlan | None, ordering: Ordering) -> Submission:
         staging, _, tables = self._blocks
-        handle = self.driver.enter(stream, self._ce.device)
-        if len(after) > 2:
-            raise BackendError(f"{len(after)} events to wait for: the chunk loop takes two")
-        marks = [0 if e is None else e.handle for e in after] + [0, 0]
+        handle = self.driver.enter(ordering.stream, self._ce.device)
+        if len(ordering.after) > 2:
+            raise BackendError(f"{len(ordering.after)} events to wait for: the chunk loop "
+                               "takes two")
+        marks = [_handle(e) for e in ordering.after] + [0, 0]
         order = dict(stream=handle, after=marks[0], prev_end=marks[1],
-                     start_event=0 if start is None else start.handle,
-                     end_event=0 if end is None else end.handle)
+                     start_event=_handle(ordering.start), end_event=_handle(ordering.end))
+        if plan is None or plan.empty:
+            return Submission((), self._loop.submit(**order))
         try:
-            validated = None if plan is None else plan.validated if isinstance(plan, NativePlan) \
-                else Validated.of_items(staging.work_items(plan.pairs))
+            staging.check(plan)
         except BackendError:
-            self._loop.submit(**order)  # the end event is still recorded in order
+            self._loop.submit(**order)  # the end event is still recorded, in order
             raise
-        if validated is None or not validated.num_works:
-            return Submitted((), self._loop.submit(**order))
-        address, token = tables.reserve(validated.num_pairs)
+        address, token = tables.reserve(plan.num_pairs)
         ticket = self._loop.submit(**order, table_event=tables.table_event(token),
-                                   store=plan.direction is Direction.GPU_TO_CPU,
-                                   validated=validated, pairs=address, keep=plan)
+                                   direction=plan.direction, pairs=plan.pairs,
+                                   works=plan.works, table=address, keep=plan)
         tables.release_after(token, ticket)
-        return Submitted((plan,), ticket)
+        return Submission((plan,), ticket)
 
-    # ------------------------------------------------------------ submit
-    def copy_async(self, plan: CopyPlan, stream: Any) -> Submitted:
-        self.drain()  # the ring's events: the loop's records come first
+    def copy(self, plan: Plan, stream: Stream) -> tuple[object, ...]:
+        """A page plan, or a block plan without the chunk loop, from Python."""
+        if isinstance(plan, BlockPlan):
+            return self._copy_blocks(plan, stream)
+        return self._copy_pages(plan, stream)
+
+    # ------------------------------------------------------------ issue from Python
+    def _copy_pages(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         handle = self.driver.enter(stream, self._ce.device)
-        src, dst, sizes = plan_arrays(plan)
+        src, dst, sizes = plan.arrays()
         store = plan.direction is Direction.GPU_TO_CPU
         gpu, host = plan.direction.src_dst(src, dst)  # the same swap: (src, dst) -> (gpu, host)
         layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes,
@@ -261,25 +226,21 @@ class StagedBackend(CopyBackend):
         x = layout.direct
         if x.num_bytes.size:
             order = SrcAccessOrder.STREAM if store else self.load_order
-            self._ce.submit(*plan.direction.src_dst(x.gpu, x.host), x.num_bytes, order, self._dma)
-        kept: tuple[Any, ...] = (layout, x)
+            self._ce.enqueue(*plan.direction.src_dst(x.gpu, x.host), x.num_bytes, order,
+                             self._dma)
+        kept: tuple[object, ...] = (layout, x)
         if layout.num_chunks:
             kept += self._page_chunks(layout, store, handle, stream)
         self._end(handle)
-        return Submitted(kept)
+        return kept
 
-    def copy_blocks_async(self, plan: BlockPlan, stream: Any) -> Submitted:
-        if self._blocks is None:
-            raise BackendError("staged has no block layout for this geometry (built without "
-                               "a planner, or the layout refused it): pass a page plan")
-        if self._loop is not None:
-            return self._submit_direct(plan, stream)
+    def _copy_blocks(self, plan: BlockPlan, stream: Stream) -> tuple[object, ...]:
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
         store = plan.direction is Direction.GPU_TO_CPU
-        layout = staging.layout(plan.pairs, store)
+        layout = staging.layout(plan)
         self._begin(handle)
-        kept: tuple[Any, ...] = (layout,)
+        kept: tuple[object, ...] = (layout,)
         if layout.num_chunks:
             with torch.cuda.stream(stream):
                 pairs, token = tables.upload(layout.pairs, stream)
@@ -293,7 +254,7 @@ class StagedBackend(CopyBackend):
                                        layout.dma_first.tolist(), gpu_half)
                 tables.release(token, stream)
         self._end(handle)
-        return Submitted(kept)
+        return kept
 
     @staticmethod
     def _block_dmas(layout: BlockLayout, slot_bases: np.ndarray, store: bool
@@ -313,7 +274,7 @@ class StagedBackend(CopyBackend):
         self.driver.stream_wait_event(handle, self._done)
 
     def _page_chunks(self, layout: StagingLayout, store: bool, handle: int,
-                     stream: Any) -> tuple[Any, ...]:
+                     stream: Stream) -> tuple[object, ...]:
         assert layout.max_slot_bytes <= self.slot_bytes  # staged pieces < direct_bytes
         p, d = layout.pieces, layout.dmas
 
@@ -342,7 +303,7 @@ class StagedBackend(CopyBackend):
 
     def _pipeline(self, num_chunks: int, store: bool, handle: int,
                   dmas_at: Callable[[np.ndarray], DescriptorArrays], dma_first: list[int],
-                  gpu_half: Callable[[int, int], None]) -> tuple[Any, ...]:
+                  gpu_half: Callable[[int, int], None]) -> tuple[object, ...]:
         """Chunk k through slot s: the GPU half (pack / unpack on the caller's stream) and
         the DMA half (copy engines on the DMA stream), ordered by the slot's events (module
         docstring). ``dmas_at(slot_bases)`` gives the DMAs, ``dma_first`` their chunk
@@ -358,11 +319,11 @@ class StagedBackend(CopyBackend):
                 gpu_half(k, bases[k])
                 drv.event_record(self._ready[s], handle)
                 drv.stream_wait_event(dma, self._ready[s])
-                ce.submit_range(dmas, lo, hi, SrcAccessOrder.STREAM, dma)
+                ce.enqueue_range(dmas, lo, hi, SrcAccessOrder.STREAM, dma)
                 drv.event_record(self._free[s], dma)
             else:
                 drv.stream_wait_event(dma, self._free[s])
-                ce.submit_range(dmas, lo, hi, self.load_order, dma)
+                ce.enqueue_range(dmas, lo, hi, self.load_order, dma)
                 drv.event_record(self._ready[s], dma)
                 drv.stream_wait_event(handle, self._ready[s])
                 gpu_half(k, bases[k])
@@ -372,7 +333,8 @@ class StagedBackend(CopyBackend):
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Call only after every submitted transfer has finished (the handler drains)."""
+        """Call only after every submitted transfer has finished (the handler waits for
+        them first)."""
         if self._ring is None:
             return
         if self._loop is not None:

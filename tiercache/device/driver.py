@@ -1,8 +1,10 @@
 """The CUDA driver entry points tiercache calls, through ctypes, and what the GPU
 backends share on top of them (descriptor arrays, device and stream entry).
 
-One binding for the package: the copy backends and the region's pinning both call
-libcuda through ctypes. Why ctypes and the driver, not cuda-bindings: the copy path
+One binding for the package: the copy backends, the native chunk loop (by address,
+``entry_point``) and the region's page-locking all call libcuda through ctypes. This
+module imports nothing of tiercache but errors: registering host memory never loads
+the copy backends or the native build step. Why ctypes and the driver, not cuda-bindings: the copy path
 passes numpy arrays of 16 k pointers per call, and a ctypes call hands the driver the
 arrays' own memory (zero copy, GIL released during the call) where cuda-bindings
 converts Python lists; and ctypes needs no package beyond the driver itself. The
@@ -26,8 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.backends.base import CopyPlan
-from tiercache.backends.native_loop import LoopDriver
 from tiercache.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -237,21 +237,24 @@ class CudaDriver:
     def stream_wait_event(self, stream_handle: int, event: int) -> None:
         self._check(self._stream_wait_event(stream_handle, event, 0), "cuStreamWaitEvent")
 
-    # ------------------------------------------------------------ the native chunk loop
-    def loop_driver(self) -> LoopDriver:
-        """The entry points ``native_loop.ChunkLoop`` calls, and the calling thread's
-        current context (the loop's thread makes it current)."""
-        if not self._batch_address:
-            raise BackendError(f"CUDA driver {self.driver_version} has no cuMemcpyBatchAsync "
-                               "(needs R570 / CUDA 12.8 or newer)")
+    # ------------------------------------------------------------ raw entry points
+    @property
+    def batch_address(self) -> int:
+        """The address of ``cuMemcpyBatchAsync`` of ``batch_abi`` (0: none)."""
+        return self._batch_address
+
+    def entry_point(self, name: str) -> int:
+        """The address of the driver function ``name`` (e.g. ``cuLaunchKernel``), for
+        native code that calls the driver without the GIL."""
+        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value)
+
+    def current_context(self) -> int:
+        """The calling thread's current ``CUcontext``; ``BackendError`` when none is."""
         ctx = ctypes.c_void_p(0)
         self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
-            raise BackendError("no CUDA context is current: the chunk loop needs the device's")
-        address = lambda name: ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value  # noqa: E731
-        return LoopDriver(address("cuLaunchKernel"), address("cuEventRecord"),
-                          address("cuStreamWaitEvent"), self._batch_address,
-                          address("cuCtxSetCurrent"), int(self._batch_abi), int(ctx.value))
+            raise BackendError("no CUDA context is current on this thread")
+        return int(ctx.value)
 
     # ------------------------------------------------------------ stream entry
     def enter(self, stream: Any, device: int) -> int:
@@ -264,41 +267,6 @@ class CudaDriver:
 
             torch.cuda.set_device(device)  # makes the primary context current
         return handle
-
-
-class DriverEvent:
-    """A timing CUDA event behind the handlers' ``Event`` interface (streams.py), with its
-    raw ``handle``: the chunk loop records and waits on it from its own thread, which a
-    torch event (created lazily, handle hidden) does not allow. Errors of work before it
-    raise ``BackendError`` from ``query`` / ``synchronize``."""
-
-    __slots__ = ("_driver", "handle")
-
-    def __init__(self, driver: CudaDriver):
-        self._driver = driver
-        self.handle = driver.event_create(timing=True)
-
-    def record(self, stream: Any) -> None:
-        self._driver.event_record(self.handle, int(stream.cuda_stream))
-
-    def query(self) -> bool:
-        return self._driver.event_done(self.handle)
-
-    def wait(self, stream: Any) -> None:
-        """Work enqueued on ``stream`` later waits for this event (what torch's
-        ``Stream.wait_event`` calls)."""
-        self._driver.stream_wait_event(int(stream.cuda_stream), self.handle)
-
-    def synchronize(self) -> None:
-        self._driver.event_synchronize(self.handle)
-
-    def elapsed_time(self, end_event: DriverEvent) -> float:
-        return self._driver.event_elapsed_ms(self.handle, end_event.handle)
-
-    def destroy(self) -> None:
-        if self.handle:
-            self._driver.event_destroy(self.handle)
-            self.handle = 0
 
 
 def stream_handle(stream) -> int:
@@ -318,13 +286,6 @@ def device_index(device: Any) -> int:
 
     device = torch.device(device)
     return torch.cuda.current_device() if device.index is None else int(device.index)
-
-
-def plan_arrays(plan: CopyPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A ``CopyPlan``'s (src, dst, sizes) as C-contiguous uint64 (no copy when they
-    already are)."""
-    return tuple(np.ascontiguousarray(a, dtype=np.uint64)  # type: ignore[return-value]
-                 for a in (plan.src, plan.dst, plan.sizes))
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,7 +3,7 @@
 ``GroupPages`` holds a group's k tensors (ordered by CPU address) as numpy columns (a
 scalar where every tensor agrees, so the common uniform case costs one pass over the
 k*n addresses instead of k). ``GroupWork`` is one group of one transfer: n GPU ids
-and, per page, the CPU block id and sub-page; it writes the group's k*n descriptors
+and, per page, the region slot and sub-page; it writes the group's k*n descriptors
 as a (rows, cols) array and says which neighbours inside a row continue each other.
 
 Descriptor order follows host memory where that is cheap, because ``staged`` moves
@@ -71,7 +71,7 @@ class GroupPages:
     gpu_dense: np.ndarray | np.bool_  # GPU stride == page: consecutive ids are adjacent
     cpu_dense: np.ndarray | np.bool_  # CPU stride == block_size_factor * page
     num_gpu_blocks: int
-    num_cpu_blocks: int
+    num_slots: int
     interleaved: bool  # written page by page (see the module docstring)
     # interleaved only, (k-1,) flags: tensor j's page ends where tensor j+1's begins, in a
     # CPU row (cpu_side_by_side) and on both sides for every block (side_by_side; None
@@ -113,7 +113,7 @@ class GroupPages:
             gpu_dense=_compact_flags([s == p for s, p in zip(gstrides, pages)]),
             cpu_dense=_compact_flags([s == factor * p for s, p in zip(cstrides, pages)]),
             num_gpu_blocks=min(gpu[t].num_blocks for t in tensors),
-            num_cpu_blocks=min(cpu[t].num_blocks for t in tensors),
+            num_slots=min(cpu[t].num_blocks for t in tensors),
             interleaved=interleaved,
             cpu_side_by_side=cpu_side,
             side_by_side=side_by_side,
@@ -122,12 +122,12 @@ class GroupPages:
 
 @dataclass(frozen=True, eq=False)
 class GroupWork:
-    """One non-empty group of one transfer: its GPU ids and, per GPU page, the CPU block
-    id and the sub-page inside it."""
+    """One non-empty group of one transfer: its GPU ids and, per GPU page, the region slot
+    and the sub-page inside it."""
 
     group: GroupPages
     gpu_ids: np.ndarray
-    cpu_rows: np.ndarray
+    slots: np.ndarray
     sub_pages: np.ndarray | None  # None when block_size_factor == 1
     run_pages: np.ndarray | None = None  # pages per descriptor once runs are fused; None = 1
     page_joins: np.ndarray | None = None  # (k, n-1) joins left unfused (tensors disagree)
@@ -143,7 +143,7 @@ class GroupWork:
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         lengths = np.diff(np.append(starts, self.gpu_ids.size)).astype(_U64)
         subs = None if self.sub_pages is None else self.sub_pages[starts]
-        return GroupWork(self.group, self.gpu_ids[starts], self.cpu_rows[starts], subs, lengths)
+        return GroupWork(self.group, self.gpu_ids[starts], self.slots[starts], subs, lengths)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -163,16 +163,16 @@ class GroupWork:
         return len(self.group.tensors) * self.gpu_ids.size
 
     def write(self, gpu_addr: np.ndarray, cpu_addr: np.ndarray, sizes: np.ndarray) -> None:
-        """Fill this group's ``num_descriptors`` slots as a ``shape`` array."""
+        """Fill this group's ``num_descriptors`` entries of the arrays as a ``shape`` array."""
         g, shape = self.group, self.shape
         if g.interleaved:  # pages as a column, the k tensors side by side as a row
-            ids, rows = self.gpu_ids.astype(_U64)[:, None], self.cpu_rows.astype(_U64)[:, None]
+            ids, rows = self.gpu_ids.astype(_U64)[:, None], self.slots.astype(_U64)[:, None]
             np.add(_as_row(g.gpu_base), ids * _as_row(g.gpu_stride), out=gpu_addr.reshape(shape))
             np.add(_as_row(g.cpu_base), rows * g.cpu_stride, out=cpu_addr.reshape(shape))
             sizes.reshape(shape)[...] = _as_row(g.page_bytes)
             return
         gpu_offsets = self.gpu_ids.astype(_U64) * g.gpu_stride
-        cpu_offsets = self.cpu_rows.astype(_U64) * g.cpu_stride
+        cpu_offsets = self.slots.astype(_U64) * g.cpu_stride
         if self.sub_pages is not None:
             cpu_offsets = cpu_offsets + self.sub_pages * g.page_bytes
         np.add(g.gpu_base, gpu_offsets, out=gpu_addr.reshape(shape))
@@ -207,7 +207,7 @@ class GroupWork:
         next_gpu = ids[1:] == ids[:-1] + 1
         if not np.any(g.gpu_dense) or not next_gpu.any():
             return None
-        rows = self.cpu_rows
+        rows = self.slots
         across = next_gpu & (rows[1:] == rows[:-1] + 1)  # last sub-page, then next row's first
         joins = (g.gpu_dense & g.cpu_dense) & across if np.any(g.cpu_dense) and across.any() \
             else None

@@ -1,4 +1,4 @@
-"""The native chunk loop (``backends/native/chunk_loop.c``) on the CPU, driven by a
+"""The native chunk loop (``tiercache/native/chunk_loop.c``) on the CPU, driven by a
 driver table of Python functions that do what the GPU would, on numpy memory.
 
 The loop is the real compiled C on its own thread, laying transfers out itself; only the
@@ -27,15 +27,14 @@ from block_reference import (
     CPU_BASE, GPU_BASE, Case, HypDraw, Memory, aligned, assert_same, draw_case, expected_after, fill,
     page_places,
 )
-from tiercache.backends import native_loop
-from tiercache.backends.block_staging import BlockStaging
-from tiercache.backends.native_loop import (
-    SPEC_ERRORS, ChunkLoop, Geometry, LoopDriver, LoopKernel, Validated,
-)
+from tiercache.backends.staged.block_layout import BlockStaging
 from tiercache.errors import BackendError, SpecError
+from tiercache.native import build as native_build
+from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, LoopKernel
+from tiercache.native.validator import SPEC_ERRORS, NativeValidator
+from tiercache.planning.planner import TransferPlanner
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.transfer.planner import TransferPlanner
 
 RING_BASE = 0x30_0000_0000
 SLOT_POISON = 0xA5
@@ -174,17 +173,18 @@ class FakeGpu:
         return 0
 
 
-def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging, planner) -> ChunkLoop:
+def _loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging) -> ChunkLoop:
     attrs = (bytes([3, 0, 0, 0]) + bytes(20), bytes([1, 0, 0, 0]) + bytes(20))
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
-    return ChunkLoop(fake.driver, kernel, Geometry.of(staging, planner), dma_stream=DMA,
+    return ChunkLoop(fake.driver, kernel, staging.loop_geometry(), dma_stream=DMA,
                      ring_base=RING_BASE,
                      slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
                      begin_event=BEGIN, done_event=DONE, attrs=attrs)
 
 
 def _contract(layout, store: bool, cursor: int) -> list[tuple]:
-    """staged's pipeline order (backends/staged.py docstring), written out independently."""
+    """staged's pipeline order (backends/staged/backend.py docstring), written out
+    independently."""
     out = [("wait", "S", "after"), ("wait", "S", "prev"), ("record", "start", "S")]
     if layout.num_chunks == 1:  # nothing to overlap: everything on the transfer's stream
         first, count = layout.pair_range(0)
@@ -214,22 +214,16 @@ def _contract(layout, store: bool, cursor: int) -> list[tuple]:
     return out + [("record", "end", "S")]
 
 
-def _validate(loop: ChunkLoop, case):
-    gpu, cpu = case.gpu_spec, case.cpu_spec
-    return loop.validate(case.store, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
-                         cpu.block_ids)
-
-
-def _submit(loop: ChunkLoop, case):
-    """Validate ``case``'s transfer in C and queue it with a fresh pair-table buffer
-    (returned with the ticket and what the validation wrote)."""
-    validated = _validate(loop, case)
-    assert not isinstance(validated, int), f"refused: {validated}"
-    pairs = np.full((4, validated.num_pairs), -1, dtype=np.int64)
+def _submit(loop: ChunkLoop, planner: TransferPlanner, case):
+    """Validate ``case``'s transfer in C (the planner's block plan) and queue it with a
+    fresh pair-table buffer (returned with the ticket and the plan)."""
+    plan = planner.block_plan(case.direction, case.spec)
+    table = np.full((4, plan.num_pairs), -1, dtype=np.int64)
     ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
-                         end_event=END, table_event=TABLE, store=case.store,
-                         validated=validated, pairs=pairs.ctypes.data, keep=pairs)
-    return ticket, pairs, validated
+                         end_event=END, table_event=TABLE, direction=case.direction,
+                         pairs=plan.pairs, works=plan.works, table=table.ctypes.data,
+                         keep=table)
+    return ticket, table, plan
 
 
 @dataclass
@@ -239,7 +233,7 @@ class Prepared:
     case: Case
     planner: TransferPlanner
     staging: BlockStaging
-    work: list
+    plan: object  # the numpy planner's block plan (the reference validation)
     layout: object
     gpu_pages: list
     cpu_pages: list
@@ -251,29 +245,35 @@ class Prepared:
         fake = FakeGpu(self.case, self.layout, self.gpu_pages, self.cpu_pages,
                        Memory(self.gpu_data, GPU_BASE), Memory(self.cpu_data, CPU_BASE),
                        self.case.chunk_bytes, abi, fail_batch)
-        return fake, _loop(fake, self.case.chunk_bytes, self.staging, self.planner)
+        return fake, _loop(fake, self.case.chunk_bytes, self.staging)
+
+    def submit(self, loop: ChunkLoop):
+        return _submit(loop, self.planner, self.case)
 
 
 def _prepare(case) -> Prepared:
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    work = planner.pairs(case.direction, case.spec)
-    layout = staging.layout(work, case.store)
+    reference = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups,
+                                native_validation=False)
+    plan = reference.block_plan(case.direction, case.spec)
+    layout = BlockStaging.of_planner(reference, case.chunk_bytes,
+                                     case.load_whole_rows).layout(plan)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, 0)
-    return Prepared(case, planner, staging, work, layout, gpu_pages, cpu_pages, gpu_data,
+    return Prepared(case, planner, staging, plan, layout, gpu_pages, cpu_pages, gpu_data,
                     cpu_data)
 
 
-def _row_order_is_unique(case, work) -> bool:
+def _row_order_is_unique(case, plan) -> bool:
     """False when a group's rows repeat out of order: numpy's argsort may then order equal
     rows either way, the loop keeps them in pair order (both are valid layouts)."""
     if case.factor == 1:
         return True  # the planner sorted the rows stably already
-    for w in work:
-        rows = np.asarray(w.cpu_rows)
+    for w in plan.group_pairs():
+        rows = np.asarray(w.slots)
         if not (rows[1:] >= rows[:-1]).all() and np.unique(rows).size < _num_rows(case, w):
             return False
     return True
@@ -336,27 +336,25 @@ def test_whole_row_loads_merge_rows_when_the_groups_pitches_differ(rows, dmas):
 
 def _check(case, abi):
     prepared = _prepare(case)
-    staging, work, layout = prepared.staging, prepared.work, prepared.layout
+    reference, layout = prepared.plan, prepared.layout
     gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
     plan, gpu_expected, cpu_expected = expected_after(case, prepared.planner, gpu_data,
                                                       cpu_data, GPU_BASE, CPU_BASE)
     fake, loop = prepared.rig(abi)
     try:
-        ticket, table, validated = _submit(loop, case)
+        ticket, table, validated = prepared.submit(loop)
         ticket.wait()
         assert ticket.issued() and ticket.status == 0
     finally:
         loop.close()
-    reference = Validated.of_items(staging.work_items(work))  # the planner's validation
-    np.testing.assert_array_equal(validated.pairs, reference.pairs)
-    np.testing.assert_array_equal(validated.meta[:validated.num_works],
-                                  reference.meta[:reference.num_works])
+    np.testing.assert_array_equal(validated.pairs, reference.pairs)  # C = numpy validation
+    np.testing.assert_array_equal(validated.works, reference.works)
     assert not fake.errors, fake.errors
     assert threading.get_ident() not in fake.threads  # every call came from the loop thread
     assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
     assert all(np.array_equal(t, table) for t in fake.tables)  # the launches read the table
     assert fake.trace[0] == ("ctx", 0xC7)  # the context is made current before any job
-    if _row_order_is_unique(case, work):  # the numpy layout, exactly
+    if _row_order_is_unique(case, reference):  # the numpy layout, exactly
         np.testing.assert_array_equal(table, layout.pairs)
         assert fake.dmas == list(zip(layout.dma_host.tolist(), layout.dma_slot.tolist(),
                                      layout.dma_bytes.tolist()))
@@ -366,10 +364,10 @@ def _check(case, abi):
 
 def test_the_ring_cursor_carries_over_between_jobs():
     prepared = _multi_chunk_store()
-    case, layout = prepared.case, prepared.layout
+    layout = prepared.layout
     fake, loop = prepared.rig()
     try:
-        tickets = [_submit(loop, case) for _ in range(3)]
+        tickets = [prepared.submit(loop) for _ in range(3)]
         loop.wait()
         assert [t.status for t, _, _ in tickets] == [0, 0, 0]
     finally:
@@ -396,11 +394,11 @@ def _multi_chunk_store():
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
     prepared = _multi_chunk_store()
-    case, layout = prepared.case, prepared.layout
+    layout = prepared.layout
     fake, loop = prepared.rig(fail_batch=1)
     try:
-        failed, _, _ = _submit(loop, case)
-        later, _, _ = _submit(loop, case)
+        failed, _, _ = prepared.submit(loop)
+        later, _, _ = prepared.submit(loop)
         loop.wait()
         assert failed.status == 700 and later.status == 0
         assert loop.num_issued == 2
@@ -433,17 +431,16 @@ def test_an_empty_job_only_orders():
 
 def test_bad_configurations_and_jobs_are_refused():
     prepared = _multi_chunk_store()
-    case = prepared.case
     fake, loop = prepared.rig()
     loop.close()
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
     with pytest.raises(BackendError, match="8 parameters"):
-        ChunkLoop(fake.driver, kernel, Geometry.of(prepared.staging, prepared.planner),
+        ChunkLoop(fake.driver, kernel, prepared.staging.loop_geometry(),
                   dma_stream=DMA, ring_base=RING_BASE, slot_bytes=256, free_events=FREE,
                   ready_events=READY, begin_event=BEGIN, done_event=DONE,
                   attrs=(bytes(24), bytes(24)))
     with pytest.raises(BackendError, match="closed"):
-        _submit(loop, case)
+        prepared.submit(loop)
 
 
 def _spoil(d, case):
@@ -473,51 +470,55 @@ def _spoil(d, case):
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_validation_accepts_and_refuses_what_the_planner_does(data):
-    """Drawn transfers, some spoiled: the loop's validation refuses exactly those the
-    planner refuses, and writes what the planner's works hold for the others."""
+    """Drawn transfers, some spoiled: the C validation refuses exactly those the numpy
+    validation refuses (the planner then raises numpy's SpecError, which says why), and
+    writes what the numpy validation writes for the others."""
     case = draw_case(HypDraw(data))
     gpu, cpu = _spoil(HypDraw(data), case)
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
+    numpy_planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups,
+                                    native_validation=False)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
     spec = (gpu, cpu) if case.store else (cpu, gpu)
     try:
-        work = planner.pairs(case.direction, spec)
-    except SpecError:
-        work = None
-    fake = FakeGpu(case, None, gpu_pages, cpu_pages, None, None, case.chunk_bytes)
-    loop = _loop(fake, case.chunk_bytes, staging, planner)
-    try:
-        got = loop.validate(case.store, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
-                            cpu.block_ids)
-    finally:
-        loop.close()
-    if work is None:
+        reference = numpy_planner.block_plan(case.direction, spec)
+    except SpecError as e:
+        reference, refusal = None, str(e)
+    validator = NativeValidator(case.factor, [g.num_gpu_blocks for g in planner.groups],
+                                [g.num_slots for g in planner.groups])
+    got = validator.validate(case.direction, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
+                             cpu.block_ids)
+    if reference is None:
         assert isinstance(got, int) and got in SPEC_ERRORS
+        with pytest.raises(SpecError) as raised:
+            planner.block_plan(case.direction, spec)
+        assert str(raised.value) == refusal
         return
     assert not isinstance(got, int), SPEC_ERRORS.get(got)
-    reference = Validated.of_items(staging.work_items(work))
-    np.testing.assert_array_equal(got.pairs, reference.pairs)
-    np.testing.assert_array_equal(got.meta[:got.num_works], reference.meta[:reference.num_works])
+    plan = planner.block_plan(case.direction, spec)
+    assert plan.num_works == got[1] == reference.num_works
+    assert plan.num_bytes == reference.num_bytes
+    np.testing.assert_array_equal(plan.pairs, reference.pairs)
+    np.testing.assert_array_equal(plan.works, reference.works)
 
 
 def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc-tiercache")
     with pytest.raises(BackendError, match="no-such-cc-tiercache"):
-        native_loop.build(directory=tmp_path)
+        native_build.build(directory=tmp_path)
 
 
 def test_a_broken_source_is_an_error_with_the_compilers_message(tmp_path):
     source = tmp_path / "broken.c"
     source.write_text("int f( {\n")
     with pytest.raises(BackendError, match="broken.c"):
-        native_loop.build(source, tmp_path / "out")
+        native_build.build(source, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))  # nothing half-built left
 
 
 def test_builds_once_per_source_version(tmp_path):
-    first = native_loop.build(directory=tmp_path)
+    first = native_build.build(directory=tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert native_loop.build(directory=tmp_path) == first
+    assert native_build.build(directory=tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]

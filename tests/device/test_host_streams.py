@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from tiercache.errors import BackendError
-from tiercache.backends.host_streams import HostStreams
+from tiercache.device.host_streams import HostStreams
 
 
 @pytest.fixture

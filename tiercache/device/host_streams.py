@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError
-from tiercache.backends.streams import StreamPlatform
 
 log = logging.getLogger(__name__)
 _stream_numbers = itertools.count()

@@ -15,7 +15,7 @@ from tiercache.errors import ArgumentError, SpecError
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 from plan_reference import merge_runs
 

@@ -64,15 +64,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tiercache.errors import BackendError
+from tiercache.native.chunk_loop import Geometry
 from tiercache.pages import PageArray
-
-if TYPE_CHECKING:  # the planner's types; backends never import transfer at run time
-    from tiercache.transfer.page_groups import GroupWork
+from tiercache.planning.page_groups import GroupPages
+from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.plans import BlockPlan, GroupPairs
+from tiercache.specs import Direction
 
 SLOT_ALIGN = 256  # row images start 256-byte aligned in a slot: 16-byte accesses stay aligned
 MAX_ACCESS_BYTES = 16
@@ -157,7 +158,7 @@ class BlockStaging:
         self.factor, self.chunk_bytes = int(factor), int(chunk_bytes)
         self._sub_pages = np.arange(self.factor, dtype=_I64)
         self.load_whole_rows = bool(load_whole_rows)
-        self._group_of: dict[int, int] = {}  # id(GroupPages) -> group, set by of_planner
+        self.groups: tuple[GroupPages, ...] | None = None  # the planner's, set by of_planner
         columns: list[list[int]] = [[], [], [], []]
         self.group_first = np.zeros(len(groups), dtype=_I64)
         self.group_count = np.zeros(len(groups), dtype=_I64)
@@ -203,27 +204,28 @@ class BlockStaging:
         self.access_bytes = bits & -bits  # widest access every address and size allows
 
     @classmethod
-    def of_planner(cls, planner, chunk_bytes: int, load_whole_rows: bool = False
-                   ) -> BlockStaging:
-        """The tables of ``planner``'s geometry; ``layout`` takes its ``group_work``."""
-        groups = planner.groups
+    def of_planner(cls, planner: TransferPlanner, chunk_bytes: int,
+                   load_whole_rows: bool = False) -> BlockStaging:
+        """The tables of ``planner``'s geometry (its groups in its order): ``layout`` takes
+        its block plans."""
         staging = cls(planner.gpu_pages, planner.cpu_pages, planner.block_size_factor,
-                      [g.tensors for g in groups], chunk_bytes, load_whole_rows)
-        staging._group_of = {id(g): i for i, g in enumerate(groups)}
+                      [g.tensors for g in planner.groups], chunk_bytes, load_whole_rows)
+        staging.groups = planner.groups
         return staging
 
-    def work_items(self, work: Sequence[GroupWork]) -> list[tuple[int, np.ndarray, np.ndarray,
-                                                                  np.ndarray | None]]:
-        """(group index, GPU ids, CPU rows, sub-pages) of each GroupWork: what the native
-        chunk loop lays out (``native_loop.ChunkLoop.submit``)."""
-        items = []
-        for w in work:
-            g = self._group_of.get(id(w.group))
-            if g is None:
-                raise BackendError("GroupWork of a planner this BlockStaging was not built for "
-                                   "(build it with BlockStaging.of_planner(planner, ...))")
-            items.append((g, w.gpu_ids, w.cpu_rows, w.sub_pages))
-        return items
+    def check(self, plan: BlockPlan) -> None:
+        """``BackendError`` unless ``plan`` is of the planner these tables were built for."""
+        if plan.groups is not self.groups:
+            raise BackendError("a block plan of a planner this BlockStaging was not built for "
+                               "(build it with BlockStaging.of_planner(planner, ...))")
+
+    def loop_geometry(self) -> Geometry:
+        """These tables as the native chunk loop lays transfers out with them."""
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        return Geometry(self.factor, self.chunk_bytes, self.load_whole_rows,
+                        i64(self.cpu_stride), i64(self.row_origin), i64(self.pitch),
+                        i64(self.tpl_first), i64(self.tpl_count), i64(self.runs[0]),
+                        i64(self.runs[1]))
 
     @property
     def num_groups(self) -> int:
@@ -259,12 +261,13 @@ class BlockStaging:
                          for a, n in zip(starts, counts)]
 
     # ------------------------------------------------------------ per transfer
-    def layout(self, work: Sequence[GroupWork], store: bool) -> BlockLayout:
-        """Lay out one transfer's validated pairs (``group_work``); O(pairs + rows + DMAs).
-        ``store``: host bytes are written, so DMAs cover exactly the pages (loads read
-        whole row images when ``load_whole_rows``)."""
-        whole = self.load_whole_rows and not store
-        parts = [self._group_rows(w, whole) for w in work]
+    def layout(self, plan: BlockPlan) -> BlockLayout:
+        """Lay out one block plan of this geometry's planner; O(pairs + rows + DMAs). A
+        store writes host bytes, so its DMAs cover exactly the pages (loads read whole
+        row images when ``load_whole_rows``)."""
+        self.check(plan)
+        whole = self.load_whole_rows and plan.direction is Direction.CPU_TO_GPU
+        parts = [self._group_rows(p, whole) for p in plan.group_pairs()]
         if not parts:
             return _empty_layout()
         if len(parts) == 1:
@@ -298,16 +301,13 @@ class BlockStaging:
         return BlockLayout(pairs, pair_first, host.view(np.uint64), slot.view(np.uint64),
                            size.view(np.uint64), dma_first, int(row_host.size))
 
-    def _group_rows(self, w: GroupWork, whole: bool):
+    def _group_rows(self, w: GroupPairs, whole: bool):
         """One group's rows (host address of the image; template, an int when all rows
         share it) in ascending host address, and its pairs (GPU id, row index or None for
         one pair per row in order, sub-page), with the group index."""
-        g = self._group_of.get(id(w.group))
-        if g is None:
-            raise BackendError("GroupWork of a planner this BlockStaging was not built for "
-                               "(build it with BlockStaging.of_planner(planner, ...))")
+        g = w.group
         f, n = self.factor, int(w.gpu_ids.size)
-        ids, rows = w.gpu_ids, w.cpu_rows
+        ids, rows = w.gpu_ids, w.slots
         tpl = self.num_groups * f * f + g if whole else g  # (F = 1: sub-page 0..0 is g)
         if f == 1:
             if rows.size > 1 and not (rows[1:] >= rows[:-1]).all():

@@ -9,7 +9,7 @@ pages stays untouched). Every run starts at an address congruent to its host add
 modulo ``RUN_ALIGN``, so packing keeps the plan's alignment (16-byte accesses stay 16-byte).
 
 Runs are only as long as the plan's order lets them be: the planner emits host order
-(``tiercache.transfer.page_groups``), and a plan that is not in ascending host order is sorted
+(``tiercache.planning.page_groups``), and a plan that is not in ascending host order is sorted
 first (one sort of packed (address, index) keys; ~0.1-0.3 ms for 16 k descriptors).
 
 Chunk k holds the descriptors whose packed start lies in ``[k * chunk_bytes,

@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
-from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
-from tiercache.backends.driver import CudaDriver
-from tiercache.backends.native_loop import KERNEL_ARGS, LoopKernel
+from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockStaging
+from tiercache.device.driver import CudaDriver
+from tiercache.native.chunk_loop import KERNEL_ARGS, LoopKernel
 from tiercache.errors import BackendError
 
 # parameter bytes of _move_pages as the native loop passes them: addresses i64, the rest i32
@@ -84,10 +84,9 @@ class BlockKernel:
 
     ``compiled_launch``: after the first launch of each direction, call the compiled
     kernel's launcher directly instead of the public ``kernel[grid](...)`` path, which
-    re-binds and re-specialises the arguments every time (12.3 µs against 4.9 µs per
-    launch on the H100 host, docs/results/transfer_engine_h100_probe2.txt). The launcher
-    then keeps the first launch's argument types (i64 addresses, i32 counts); a value
-    outside them raises in the launcher. Off by default until measured on the GPU.
+    re-binds and re-specialises the arguments every time (docs/benchmarks.md, "Host
+    path"). The launcher then keeps the first launch's argument types (i64 addresses, i32
+    counts); a value outside them raises in the launcher. ``staged`` turns it on.
     """
 
     def __init__(self, staging: BlockStaging, device: torch.device | str, num_warps: int = 4,
@@ -190,9 +189,9 @@ def ptx_param_bytes(ptx: str, name: str) -> list[int]:
 class PairTables:
     """Per-transfer pair tables in pinned host memory, read by the kernels through UVA.
 
-    Why host memory: copying each transfer's table to the device cost ~29 µs of host time
-    (a torch copy and an event, H100); the kernels read each pair's 32 bytes once, over
-    PCIe, a negligible share of a launch. ``upload`` writes the pairs into a reused pinned
+    Why host memory: copying each transfer's table to the device costs a torch copy and an
+    event of host time per transfer (docs/benchmarks.md, "Host path"); the kernels read
+    each pair's 32 bytes once, over PCIe, a negligible share of a launch. ``upload`` writes the pairs into a reused pinned
     buffer and returns its address; ``release`` (after the transfer's last launch was
     enqueued on ``stream``) records the buffer's event, and a buffer is reused only once
     its event has completed, so a table is never overwritten while a launch may still read

@@ -1,13 +1,14 @@
 /* The staged chunk loop on a thread of its own: the host side of a staged transfer.
  *
- * The engine's thread validates a transfer (its block ids) and hands it here in one call
- * (tc_submit): per KV-cache group the GPU ids, CPU rows and sub-pages. This thread lays it
- * out (block_staging.py's module docstring is the specification: rows in ascending host
- * address within a group, chunks of rows at their pitch, the pair table the kernels read,
- * each row's template runs as DMAs, neighbours merged) and enqueues it on the GPU: per
- * chunk one pack/unpack launch, one cuMemcpyBatchAsync and four event calls (staged.py's
- * module docstring has the order). It never takes the GIL and never waits for the device:
- * it only enqueues, so the engine's thread is held for none of this.
+ * The engine's thread validates a transfer (tc_validate: its block ids, for the planner)
+ * and hands it here in one call (tc_submit): per KV-cache group the GPU ids, region slots
+ * and sub-pages. This thread lays it out (backends/staged/block_layout.py is the
+ * specification: rows in ascending host address within a group, chunks of rows at their
+ * pitch, the pair table the kernels read, each row's template runs as DMAs, neighbours
+ * merged) and enqueues it on the GPU: per chunk one pack/unpack launch, one
+ * cuMemcpyBatchAsync and four event calls (backends/staged/backend.py has the order). It
+ * never takes the GIL and never waits for the device: it only enqueues, so the engine's
+ * thread is held for none of this.
  *
  * Jobs are issued strictly in submission order (a FIFO, one thread). Each job also
  * carries the handler's ordering events (wait for the previous transfer, record the
@@ -21,6 +22,7 @@
  * functions with the same signatures (the CPU tests record the calls).
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,12 +46,19 @@ typedef int (*ctx_fn)(void *ctx);
                             tensor_stride, groups, num_groups */
 #define TC_ABI_12_8 12080
 
-/* The static tables of a BlockStaging (block_staging.py) and the planner's block counts,
- * owned by the caller. */
+/* What tc_validate checks ids against: the planner's geometry (block_size_factor and,
+ * per KV-cache group, how many GPU blocks and region slots there are), owned by the
+ * caller. */
+typedef struct {
+    int32_t factor, num_groups;
+    const int64_t *num_gpu_blocks, *num_slots; /* per group: the ids' bounds */
+} tc_bounds;
+
+/* The static tables of a BlockLayout (backends/staged/block_layout.py), owned by the
+ * caller. */
 typedef struct {
     int32_t factor, num_groups, whole_rows, _pad; /* whole_rows: loads take whole images */
     uint64_t chunk_bytes;
-    const int64_t *num_gpu_blocks, *num_cpu_blocks; /* per group: the ids' bounds */
     const int64_t *cpu_stride, *row_origin, *pitch; /* per group */
     const int64_t *tpl_first, *tpl_count;           /* per template */
     const int64_t *run_offset, *run_bytes;          /* per run */
@@ -296,7 +305,7 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first
 
 /* ------------------------------------------------------------------ validation */
 
-/* What tc_validate refuses (the planner's SpecError cases, transfer/planner.py). */
+/* What tc_validate refuses (the planner's SpecError cases, planning/planner.py). */
 enum {
     TC_SPEC_GROUPS = 1,    /* not one group_sizes entry per KV-cache group */
     TC_SPEC_GPU_COUNT,     /* group_sizes do not add up to the GPU ids */
@@ -354,7 +363,7 @@ static int has_repeat(keyed_t *keys, keyed_t *tmp, int64_t n) {
  * row, stable), then (G, 2) (group, count of each non-empty group, in group order).
  * groups is (2, num_groups): group_sizes, then block_indices. Returns the number of
  * works, or minus a TC_SPEC_* code (out is then meaningless). */
-int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
+int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
                 const int64_t *groups, const int64_t *gpu_ids, int64_t num_gpu,
                 const int64_t *cpu_ids, int64_t num_cpu, int64_t *out) {
     int64_t f = geo->factor, sum = 0, need = 0;
@@ -387,7 +396,7 @@ int tc_validate(const tc_geometry *geo, int32_t store, int32_t num_groups,
             if (gids[i] < 0 || gids[i] >= geo->num_gpu_blocks[g])
                 rc = TC_SPEC_GPU_RANGE;
         for (int64_t i = 0; i < count && !rc; i++)
-            if (cids[i] < 0 || cids[i] >= geo->num_cpu_blocks[g])
+            if (cids[i] < 0 || cids[i] >= geo->num_slots[g])
                 rc = TC_SPEC_CPU_RANGE;
         if (rc)
             break;
@@ -622,4 +631,58 @@ void tc_close(tc_queue *q) {
     pthread_cond_destroy(&q->issued_cv);
     pthread_mutex_destroy(&q->mu);
     free(q);
+}
+
+/* ------------------------------------------------------------------ layout check */
+
+/* Every struct the Python side mirrors with ctypes (tiercache/native/structs.py), field by
+ * field: tc_layout(i, ...) fills entry i and returns 1, or returns 0 past the last. A
+ * struct's own entry has the field name "" and its sizeof as size. */
+typedef struct {
+    const char *strct, *field;
+    int64_t offset, size;
+} tc_field;
+
+#define TC_STRUCT(s) {#s, "", 0, (int64_t)sizeof(s)}
+#define TC_FIELD(s, f) {#s, #f, (int64_t)offsetof(s, f), (int64_t)sizeof(((s *)0)->f)}
+
+static const tc_field tc_fields[] = {
+    TC_STRUCT(tc_bounds),
+    TC_FIELD(tc_bounds, factor), TC_FIELD(tc_bounds, num_groups),
+    TC_FIELD(tc_bounds, num_gpu_blocks), TC_FIELD(tc_bounds, num_slots),
+    TC_STRUCT(tc_geometry),
+    TC_FIELD(tc_geometry, factor), TC_FIELD(tc_geometry, num_groups),
+    TC_FIELD(tc_geometry, whole_rows), TC_FIELD(tc_geometry, _pad),
+    TC_FIELD(tc_geometry, chunk_bytes), TC_FIELD(tc_geometry, cpu_stride),
+    TC_FIELD(tc_geometry, row_origin), TC_FIELD(tc_geometry, pitch),
+    TC_FIELD(tc_geometry, tpl_first), TC_FIELD(tc_geometry, tpl_count),
+    TC_FIELD(tc_geometry, run_offset), TC_FIELD(tc_geometry, run_bytes),
+    TC_STRUCT(tc_config),
+    TC_FIELD(tc_config, launch), TC_FIELD(tc_config, record), TC_FIELD(tc_config, wait),
+    TC_FIELD(tc_config, batch), TC_FIELD(tc_config, ctx_set), TC_FIELD(tc_config, batch_abi),
+    TC_FIELD(tc_config, num_slots), TC_FIELD(tc_config, ctx), TC_FIELD(tc_config, dma_stream),
+    TC_FIELD(tc_config, ring_base), TC_FIELD(tc_config, slot_bytes),
+    TC_FIELD(tc_config, free_ev), TC_FIELD(tc_config, ready_ev), TC_FIELD(tc_config, begin_ev),
+    TC_FIELD(tc_config, done_ev), TC_FIELD(tc_config, function), TC_FIELD(tc_config, block_x),
+    TC_FIELD(tc_config, shared), TC_FIELD(tc_config, grid_y), TC_FIELD(tc_config, max_grid_x),
+    TC_FIELD(tc_config, num_params), TC_FIELD(tc_config, static_args),
+    TC_FIELD(tc_config, attrs), TC_FIELD(tc_config, geometry),
+    TC_STRUCT(tc_job),
+    TC_FIELD(tc_job, stream), TC_FIELD(tc_job, after), TC_FIELD(tc_job, prev_end),
+    TC_FIELD(tc_job, start_ev), TC_FIELD(tc_job, end_ev), TC_FIELD(tc_job, table_ev),
+    TC_FIELD(tc_job, store), TC_FIELD(tc_job, num_works), TC_FIELD(tc_job, validated),
+    TC_FIELD(tc_job, work_meta), TC_FIELD(tc_job, pairs), TC_FIELD(tc_job, num_pairs),
+    TC_FIELD(tc_job, dma_host), TC_FIELD(tc_job, dma_slot), TC_FIELD(tc_job, dma_bytes),
+    TC_FIELD(tc_job, stage), TC_FIELD(tc_job, max_dmas), TC_FIELD(tc_job, status),
+};
+
+int tc_layout(int32_t i, const char **strct, const char **field, int64_t *offset,
+              int64_t *size) {
+    if (i < 0 || (size_t)i >= sizeof tc_fields / sizeof tc_fields[0])
+        return 0;
+    *strct = tc_fields[i].strct;
+    *field = tc_fields[i].field;
+    *offset = tc_fields[i].offset;
+    *size = tc_fields[i].size;
+    return 1;
 }

@@ -18,20 +18,19 @@ from block_reference import (
     CPU_BASE, GPU_BASE, HypDraw, check_case, draw_case, fill,
 )
 from tiercache.specs import Direction
-from tiercache.backends.block_staging import SLOT_ALIGN, BlockStaging
+from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockStaging
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiercache.transfer.planner import TransferPlanner
+from tiercache.planning.planner import TransferPlanner
 
 
 def _run(case, seed: int = 0):
     gpu, cpu = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu, cpu, case.factor, case.groups)
     staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
-    layout = staging.layout(planner.pairs(case.direction, case.spec),
-                            case.store)
+    layout = staging.layout(planner.block_plan(case.direction, case.spec))
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, seed)
@@ -70,8 +69,8 @@ def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_i
     gpu_spec = GPULoadStoreSpec(gpu_ids, None, [block_index])
     cpu_spec = CPULoadStoreSpec(cpu_ids)
     if store:
-        return staging.layout(planner.pairs(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)), True)
-    return staging.layout(planner.pairs(Direction.CPU_TO_GPU, (cpu_spec, gpu_spec)), False)
+        return staging.layout(planner.block_plan(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)))
+    return staging.layout(planner.block_plan(Direction.CPU_TO_GPU, (cpu_spec, gpu_spec)))
 
 
 def _sizes(layout) -> tuple[int, ...]:
@@ -144,7 +143,7 @@ def test_whole_row_loads_merge_adjacent_rows_of_a_group_whose_pitch_is_not_the_o
     staging = BlockStaging.of_planner(planner, 2 * 1280, load_whole_rows=True)
     assert staging.pitch.tolist() == [1280, 768]
     spec = (CPULoadStoreSpec([3, 4, 5, 6, 7]), GPULoadStoreSpec([0, 1, 2, 3, 4], [5, 0], [0, 0]))
-    layout = staging.layout(planner.pairs(Direction.CPU_TO_GPU, spec), False)
+    layout = staging.layout(planner.block_plan(Direction.CPU_TO_GPU, spec))
     assert layout.dma_bytes.tolist() == [2560, 2560, 1280]  # chunks of two rows
     assert layout.dma_first.tolist() == [0, 1, 2, 3]
     assert (layout.dma_host - CPU_BASE).tolist() == [3 * 1280, 5 * 1280, 7 * 1280]
@@ -176,9 +175,9 @@ def test_refuses_rows_that_do_not_fit_and_work_of_another_planner():
     with pytest.raises(BackendError, match="multiple of 256"):
         BlockStaging.of_planner(planner, 1000)
     other = _rank(64, 32 << 10, 4)
-    work = other.pairs(Direction.GPU_TO_CPU, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3])))
+    plan = other.block_plan(Direction.GPU_TO_CPU, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3])))
     with pytest.raises(BackendError, match="not built for"):
-        BlockStaging.of_planner(planner, 8 << 20).layout(work, True)
+        BlockStaging.of_planner(planner, 8 << 20).layout(plan)
 
 
 def test_refuses_groups_whose_rows_would_overlap():

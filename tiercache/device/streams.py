@@ -1,35 +1,18 @@
-"""Streams and timing events that order transfers: one interface, two platforms.
+"""Stream platforms: where a handler gets the streams and events that order its transfers.
 
-The handlers speak the subset of torch.cuda's stream/event API listed in ``Stream``
-and ``Event``; ``CudaStreams`` hands out the real torch.cuda objects, and
-``tiercache.backends.host_streams.HostStreams`` hands out host-thread look-alikes for the ``cpu``
-backend. The handler code is the same for both.
+The handlers speak the subset of torch.cuda's stream/event API listed in
+``tiercache.device.events`` (``Stream``, ``Event``); ``CudaStreams`` hands out torch.cuda
+streams and driver events, ``tiercache.device.host_streams.HostStreams`` host-thread
+look-alikes for the ``cpu`` backend. The handler code is the same for both.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any
 
-
-class Event(Protocol):
-    """A marker in a stream (torch.cuda.Event semantics, created with timing enabled)."""
-
-    def record(self, stream: Any) -> None: ...  # marks the point after work enqueued so far
-
-    def query(self) -> bool: ...  # True once the stream passed the latest record
-
-    def synchronize(self) -> None: ...  # block the calling thread until query() is True
-
-    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds from self to end
-
-
-class Stream(Protocol):
-    """An in-order work queue (torch.cuda.Stream semantics)."""
-
-    def wait_event(self, event: Any) -> None: ...  # later work starts after event's record
-
-    def wait_stream(self, stream: Any) -> None: ...  # later work starts after stream's work
+from tiercache.device.driver import CudaDriver
+from tiercache.device.events import DriverEvent, Event, Stream
 
 
 class StreamPlatform(ABC):
@@ -68,14 +51,12 @@ class CudaStreams(StreamPlatform):
     def __init__(self, device: Any):
         import torch
 
-        from tiercache.backends.driver import CudaDriver
-
         self._torch = torch
         self.device = torch.device(device)
         self._index = torch.cuda.current_device() if self.device.index is None \
             else int(self.device.index)
         self._driver = CudaDriver()
-        self._events: list[Any] = []
+        self._events: list[DriverEvent] = []
         # the current stream's raw handle without building a torch Stream object (the
         # handler marks the compute stream on every transfer); CUDA builds of torch have it
         self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -84,8 +65,6 @@ class CudaStreams(StreamPlatform):
         return self._torch.cuda.Stream(device=self.device)
 
     def new_timing_event(self) -> Event:
-        from tiercache.backends.driver import DriverEvent
-
         if not self._driver.has_current_context():
             self._torch.cuda.set_device(self.device)  # the primary context, current
         event = DriverEvent(self._driver)

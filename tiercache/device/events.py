@@ -1,0 +1,64 @@
+"""What orders transfers on a stream: the ``Stream`` and ``Event`` interfaces the handlers
+and backends speak (torch.cuda semantics), and ``DriverEvent``, the CUDA event with a raw
+handle that native code can record from a thread of its own."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tiercache.device.driver import CudaDriver
+
+
+class Event(Protocol):
+    """A marker in a stream (torch.cuda.Event semantics, created with timing enabled)."""
+
+    def record(self, stream: Any) -> None: ...  # marks the point after work enqueued so far
+
+    def query(self) -> bool: ...  # True once the stream passed the latest record
+
+    def synchronize(self) -> None: ...  # block the calling thread until query() is True
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds from self to end
+
+
+class Stream(Protocol):
+    """An in-order work queue (torch.cuda.Stream semantics)."""
+
+    def wait_event(self, event: Any) -> None: ...  # later work starts after event's record
+
+    def wait_stream(self, stream: Any) -> None: ...  # later work starts after stream's work
+
+
+class DriverEvent:
+    """A timing CUDA event behind the ``Event`` interface, with its
+    raw ``handle``: the chunk loop records and waits on it from its own thread, which a
+    torch event (created lazily, handle hidden) does not allow. Errors of work before it
+    raise ``BackendError`` from ``query`` / ``synchronize``."""
+
+    __slots__ = ("_driver", "handle")
+
+    def __init__(self, driver: CudaDriver):
+        self._driver = driver
+        self.handle = driver.event_create(timing=True)
+
+    def record(self, stream: Any) -> None:
+        self._driver.event_record(self.handle, int(stream.cuda_stream))
+
+    def query(self) -> bool:
+        return self._driver.event_done(self.handle)
+
+    def wait(self, stream: Any) -> None:
+        """Work enqueued on ``stream`` later waits for this event (what torch's
+        ``Stream.wait_event`` calls)."""
+        self._driver.stream_wait_event(int(stream.cuda_stream), self.handle)
+
+    def synchronize(self) -> None:
+        self._driver.event_synchronize(self.handle)
+
+    def elapsed_time(self, end_event: DriverEvent) -> float:
+        return self._driver.event_elapsed_ms(self.handle, end_event.handle)
+
+    def destroy(self) -> None:
+        if self.handle:
+            self._driver.event_destroy(self.handle)
+            self.handle = 0

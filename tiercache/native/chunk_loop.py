@@ -1,0 +1,220 @@
+"""The staged chunk loop: ``chunk_loop.c``'s issuing thread, driven from Python.
+
+Why: a staged transfer of 256 blocks is 16 chunks, and each chunk costs a kernel launch,
+a ``cuMemcpyBatchAsync`` and four event calls. A Python thread cannot issue them without
+holding up the engine's thread (under the GIL it waits a switch interval per step while
+the engine runs Python), so a native thread does: the engine's thread hands a validated
+block plan over in one call (``submit``); the loop lays it out and issues the chunks
+while the first DMA already runs. The measurements behind this: docs/benchmarks.md,
+"Host path".
+
+The loop takes the driver's entry points as function addresses (``LoopDriver``), so
+tests drive it with recording functions where no GPU exists. Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiercache.errors import BackendError
+from tiercache.native.library import library
+from tiercache.native.structs import (
+    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, address_of,
+)
+from tiercache.specs import Direction
+
+MAX_PARAMS = 16
+KERNEL_ARGS = 9  # pairs, pair_stride, first, count, slot_base, tensors, tensor_stride,
+#                  groups, num_groups: the first parameters of the pack kernel
+STATUS_PENDING = -1
+
+
+@dataclass(frozen=True, eq=False)
+class Geometry:
+    """What the loop lays transfers out with: a block layout's static tables (block
+    factor, groups' CPU strides, row origins and pitches, run templates), the chunk size
+    and whether loads read whole row images (``BlockLayout.loop_geometry``)."""
+
+    factor: int
+    chunk_bytes: int
+    whole_rows: bool
+    cpu_stride: np.ndarray
+    row_origin: np.ndarray
+    pitch: np.ndarray
+    tpl_first: np.ndarray
+    tpl_count: np.ndarray
+    run_offset: np.ndarray
+    run_bytes: np.ndarray
+
+    @property
+    def max_runs(self) -> int:
+        """The most runs one row's template has."""
+        return max(int(self.tpl_count.max()), 1)
+
+    def struct(self) -> GeometryStruct:
+        g = GeometryStruct(self.factor, int(self.pitch.size), int(self.whole_rows), 0,
+                           self.chunk_bytes)
+        for name in ("cpu_stride", "row_origin", "pitch", "tpl_first", "tpl_count",
+                     "run_offset", "run_bytes"):
+            setattr(g, name, getattr(self, name).ctypes.data)
+        return g
+
+
+class Ticket:
+    """One submitted job (``tiercache.backends.base.Ticket``): ``issued()`` once the loop
+    has enqueued all of it (its events mean something only then), ``status`` the first
+    failing CUresult (0: none)."""
+
+    __slots__ = ("_loop", "seq", "_status", "_keep")
+
+    def __init__(self, loop: ChunkLoop, seq: int, status: ctypes.c_int32, keep: object):
+        self._loop, self.seq, self._status, self._keep = loop, seq, status, keep
+
+    def issued(self) -> bool:
+        return self._status.value != STATUS_PENDING
+
+    def wait(self) -> None:
+        if not self.issued():
+            self._loop.wait(self.seq)
+
+    @property
+    def status(self) -> int:
+        """The job's CUresult once issued (STATUS_PENDING before)."""
+        return self._status.value
+
+
+@dataclass(frozen=True)
+class LoopKernel:
+    """How the loop launches the pack / unpack kernel: CUfunction handles ([0] unpack,
+    [1] pack), threads per program, shared bytes ([0], [1]), the grid's second dimension,
+    the first dimension's bound (0: one program per pair), the kernel's parameter count
+    (the first ``KERNEL_ARGS`` are the loop's, the rest are passed as zero) and its four
+    static arguments (tensor table, its stride, group table, group count)."""
+
+    functions: tuple[int, int]
+    block_x: int
+    shared: tuple[int, int]
+    grid_y: int
+    max_grid_x: int
+    num_params: int
+    static_args: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class LoopDriver:
+    """Driver entry points as C function addresses (``cuLaunchKernel``, ``cuEventRecord``,
+    ``cuStreamWaitEvent``, ``cuMemcpyBatchAsync`` of ``batch_abi``, ``cuCtxSetCurrent``)
+    and the context to make current on the loop's thread (0: none)."""
+
+    launch: int
+    record: int
+    wait: int
+    batch: int
+    ctx_set: int
+    batch_abi: int
+    ctx: int
+
+
+class ChunkLoop:
+    """One backend's loop thread (``close`` issues what is queued, then stops it)."""
+
+    def __init__(self, driver: LoopDriver, kernel: LoopKernel, geometry: Geometry, *,
+                 dma_stream: int, ring_base: int, slot_bytes: int, free_events: list[int],
+                 ready_events: list[int], begin_event: int, done_event: int,
+                 attrs: tuple[bytes, bytes]):
+        n = len(free_events)
+        if not 1 <= n <= MAX_SLOTS or len(ready_events) != n:
+            raise BackendError(f"{n} ring slots ({len(ready_events)} ready events): need "
+                               f"1..{MAX_SLOTS}, one event of each kind per slot")
+        if not KERNEL_ARGS <= kernel.num_params <= MAX_PARAMS:
+            raise BackendError(f"a pack kernel of {kernel.num_params} parameters: the loop "
+                               f"passes {KERNEL_ARGS}..{MAX_PARAMS}")
+        c = ConfigStruct()
+        c.launch, c.record, c.wait = driver.launch, driver.record, driver.wait
+        c.batch, c.ctx_set, c.batch_abi, c.ctx = driver.batch, driver.ctx_set, \
+            driver.batch_abi, driver.ctx or None
+        c.num_slots, c.dma_stream = n, dma_stream
+        c.ring_base, c.slot_bytes = ring_base, slot_bytes
+        for i in range(n):
+            c.free_ev[i], c.ready_ev[i] = free_events[i], ready_events[i]
+        c.begin_ev, c.done_ev = begin_event, done_event
+        c.function[0], c.function[1] = kernel.functions
+        c.block_x, c.grid_y, c.max_grid_x = kernel.block_x, kernel.grid_y, kernel.max_grid_x
+        c.shared[0], c.shared[1] = kernel.shared
+        c.num_params = kernel.num_params
+        for i, value in enumerate(kernel.static_args):
+            c.static_args[i] = value
+        for i, raw in enumerate(attrs):
+            ctypes.memmove(c.attrs[i], raw, min(len(raw), ATTRS_BYTES))
+        if geometry.factor < 1 or int(geometry.pitch.max()) > geometry.chunk_bytes:
+            raise BackendError(f"a geometry of factor {geometry.factor} and row pitches "
+                               f"{geometry.pitch.tolist()} for chunks of {geometry.chunk_bytes} "
+                               "bytes: a row must fit a chunk")
+        self.geometry = geometry
+        self._geometry = geometry.struct()
+        c.geometry = ctypes.pointer(self._geometry)
+        self._config = c  # function pointers and events stay alive with the loop
+        self._lib = library()
+        self._queue = self._lib.tc_open(ctypes.byref(c))
+        if not self._queue:
+            raise BackendError("the staged chunk loop could not start its thread")
+        self.num_slots = n
+        self._pending: deque[tuple[ctypes.c_int32, object]] = deque()  # alive until issued
+
+    def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
+               end_event: int = 0, table_event: int = 0, direction: Direction | None = None,
+               pairs: np.ndarray | None = None, works: np.ndarray | None = None,
+               table: int = 0, keep: object = None) -> Ticket:
+        """Queue one transfer moving in ``direction``: ``pairs`` ((3, P) int64: GPU ids,
+        region slots, sub-pages) of the non-empty groups ``works`` ((W, 2) int64: group,
+        pair count), both C-contiguous (a validated block plan's), laid out by the loop
+        into the pair table at address ``table`` ((4, P) int64: the memory the kernels
+        read) and DMA arrays the ticket holds. No works: only the ordering events (wait
+        for ``after``, then ``prev_end``; record ``start_event``, ``end_event``)."""
+        if self._queue is None:
+            raise BackendError("the staged chunk loop is closed")
+        status = ctypes.c_int32(STATUS_PENDING)
+        j = JobStruct(stream, after or None, prev_end or None, start_event or None,
+                      end_event or None, table_event or None,
+                      int(direction is Direction.GPU_TO_CPU))
+        j.status = ctypes.addressof(status)
+        held: tuple[object, ...] = (keep,)
+        num_works = 0 if works is None else int(works.shape[0])
+        if num_works:
+            num_pairs = int(pairs.shape[1])
+            # rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row
+            max_dmas = (num_pairs + num_works) * self.geometry.max_runs
+            dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
+            base = address_of(dmas)
+            j.num_works, j.validated, j.work_meta = num_works, address_of(pairs), address_of(works)
+            j.pairs, j.num_pairs, j.max_dmas = table, num_pairs, max_dmas
+            j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (base + i * 8 * max_dmas
+                                                            for i in range(4))
+            held = (keep, pairs, works, dmas)
+        pending = self._pending
+        while pending and pending[0][0].value != STATUS_PENDING:
+            pending.popleft()  # issued: the loop no longer reads its arrays or status cell
+        seq = self._lib.tc_submit(self._queue, ctypes.byref(j))
+        if not seq:
+            raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
+        pending.append((status, held))  # whatever the caller drops, the loop's memory lives
+        return Ticket(self, int(seq), status, held)
+
+    def wait(self, seq: int = 0) -> None:
+        """Block (GIL released) until job ``seq`` (0: every job so far) was issued."""
+        if self._queue is not None:
+            self._lib.tc_wait(self._queue, seq)
+
+    @property
+    def num_issued(self) -> int:
+        return 0 if self._queue is None else int(self._lib.tc_issued(self._queue))
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._lib.tc_close(self._queue)
+            self._queue = None
+            self._pending.clear()

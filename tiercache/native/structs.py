@@ -1,0 +1,127 @@
+"""ctypes mirrors of the structs ``chunk_loop.c`` reads, and the layout check.
+
+A mirror that drifts from its C struct is silent memory corruption, so the C side
+reports ``sizeof``/``offsetof`` of every field of every mirrored struct (``tc_layout``)
+and ``layout_mismatches`` compares that with these classes (a CPU test runs it; the
+library is built with the system compiler). Field names are the C names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+MAX_SLOTS = 64  # TC_MAX_SLOTS: ring slots a loop may have
+ATTRS_BYTES = 24  # sizeof(CUmemcpyAttributes), copied raw into tc_config.attrs
+
+_vp = ctypes.c_void_p
+
+
+def address_of(array) -> int:
+    """The address of a C-contiguous numpy array's first byte (``.ctypes.data`` builds an
+    object per call; the array interface is a dict lookup)."""
+    return array.__array_interface__["data"][0]
+
+
+class BoundsStruct(ctypes.Structure):
+    """``tc_bounds``: what ``tc_validate`` checks ids against (the arrays stay the caller's)."""
+
+    _fields_ = [
+        ("factor", ctypes.c_int32), ("num_groups", ctypes.c_int32),
+        ("num_gpu_blocks", _vp), ("num_slots", _vp),
+    ]
+
+
+class GeometryStruct(ctypes.Structure):
+    """``tc_geometry``: a block layout's static tables (the arrays stay the caller's)."""
+
+    _fields_ = [
+        ("factor", ctypes.c_int32), ("num_groups", ctypes.c_int32),
+        ("whole_rows", ctypes.c_int32), ("_pad", ctypes.c_int32),
+        ("chunk_bytes", ctypes.c_uint64),
+        ("cpu_stride", _vp), ("row_origin", _vp), ("pitch", _vp),
+        ("tpl_first", _vp), ("tpl_count", _vp), ("run_offset", _vp), ("run_bytes", _vp),
+    ]
+
+
+class ConfigStruct(ctypes.Structure):
+    """``tc_config``: one loop's constant part (ring, events, kernels, driver)."""
+
+    _fields_ = [
+        ("launch", _vp), ("record", _vp), ("wait", _vp), ("batch", _vp), ("ctx_set", _vp),
+        ("batch_abi", ctypes.c_int32), ("num_slots", ctypes.c_int32),
+        ("ctx", _vp), ("dma_stream", _vp),
+        ("ring_base", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
+        ("free_ev", _vp * MAX_SLOTS), ("ready_ev", _vp * MAX_SLOTS),
+        ("begin_ev", _vp), ("done_ev", _vp),
+        ("function", _vp * 2),
+        ("block_x", ctypes.c_uint32), ("shared", ctypes.c_uint32 * 2),
+        ("grid_y", ctypes.c_uint32), ("max_grid_x", ctypes.c_uint32),
+        ("num_params", ctypes.c_int32),
+        ("static_args", ctypes.c_uint64 * 4),
+        ("attrs", (ctypes.c_uint8 * ATTRS_BYTES) * 2),
+        ("geometry", ctypes.POINTER(GeometryStruct)),
+    ]
+
+
+class JobStruct(ctypes.Structure):
+    """``tc_job``: one transfer (its arrays must live until it is issued)."""
+
+    _fields_ = [
+        ("stream", _vp), ("after", _vp), ("prev_end", _vp), ("start_ev", _vp),
+        ("end_ev", _vp), ("table_ev", _vp),
+        ("store", ctypes.c_int32), ("num_works", ctypes.c_int32),
+        ("validated", _vp), ("work_meta", _vp),
+        ("pairs", _vp), ("num_pairs", ctypes.c_int64),
+        ("dma_host", _vp), ("dma_slot", _vp), ("dma_bytes", _vp), ("stage", _vp),
+        ("max_dmas", ctypes.c_int64),
+        ("status", _vp),
+    ]
+
+
+# C name -> mirror: every struct the Python side passes to the library
+MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "tc_bounds": BoundsStruct, "tc_geometry": GeometryStruct, "tc_config": ConfigStruct,
+    "tc_job": JobStruct,
+}
+
+Layout = dict[tuple[str, str], tuple[int, int]]  # (struct, field or "") -> (offset, size)
+
+
+def python_layout() -> Layout:
+    """Offset and size of every mirrored field, and each struct's size (field "")."""
+    out: Layout = {}
+    for name, mirror in MIRRORS.items():
+        out[(name, "")] = (0, ctypes.sizeof(mirror))
+        for field, _ in mirror._fields_:
+            descriptor = getattr(mirror, field)
+            out[(name, field)] = (descriptor.offset, descriptor.size)
+    return out
+
+
+def c_layout(lib: ctypes.CDLL) -> Layout:
+    """The same table as the compiled C reports it (``tc_layout``)."""
+    strct, field = ctypes.c_char_p(), ctypes.c_char_p()
+    offset, size = ctypes.c_int64(), ctypes.c_int64()
+    out: Layout = {}
+    i = 0
+    while lib.tc_layout(i, ctypes.byref(strct), ctypes.byref(field), ctypes.byref(offset),
+                        ctypes.byref(size)):
+        out[(strct.value.decode(), field.value.decode())] = (offset.value, size.value)
+        i += 1
+    return out
+
+
+def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
+    """Every difference between the mirrors and the C structs, one line each (none: [])."""
+    c, py = c_layout(lib), python_layout()
+    lines = []
+    for key in sorted(c.keys() | py.keys()):
+        strct, field = key
+        what = f"{strct}.{field}" if field else f"sizeof({strct})"
+        if key not in py:
+            lines.append(f"{what}: in C (offset, size {c[key]}), not mirrored in Python")
+        elif key not in c:
+            lines.append(f"{what}: mirrored in Python (offset, size {py[key]}), not in C")
+        elif c[key] != py[key]:
+            lines.append(f"{what}: C (offset, size) {c[key]}, Python {py[key]}")
+    return lines
