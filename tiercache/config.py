@@ -110,7 +110,7 @@ class DiskConfig:
 
     path: str
     capacity_bytes: int
-    io_threads: int = 4
+    io_threads: int = 8
     low_watermark: float = 0.1  # demote while fewer host slots than this fraction are free
     direct_io: bool | None = None  # None: O_DIRECT where the filesystem and rows allow it
     retry_s: float = 10.0  # after I/O errors in a row, the tier stays down this long

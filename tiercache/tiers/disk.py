@@ -58,7 +58,7 @@ class DiskTier:
     memoryview per rank, in the coordinator's mapping."""
 
     def __init__(self, file: DiskSlotFile, manager: OffloadingManager, rows, *,
-                 io_threads: int = 4, low_watermark: float = 0.1, queue_blocks: int = 256,
+                 io_threads: int = 8, low_watermark: float = 0.1, queue_blocks: int = 256,
                  poll_s: float = 0.02, max_errors: int = 3, down_s: float = 10.0,
                  log_interval_s: float = 10.0):
         self._file = file
