@@ -203,3 +203,82 @@ def test_node_a_gone_its_blocks_miss_cleanly_on_node_b(start_node, how):
     assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0)
     stats = cluster_stats(b)
     assert stats.up and stats.promotions == 0 and stats.checksum_failures == 0
+
+
+def test_a_damaged_object_in_the_pool_is_a_miss_never_a_load(start_node, master):
+    """Objects a test client puts under node b's names: a flipped byte in a row, a header
+    naming another key, one of another geometry's format, one cut short. Each is a miss,
+    the first three counted as checksum failures, the last as an error."""
+    import ctypes
+    import mmap
+
+    from tiercache.tiers.mooncake_pool import MooncakePool
+
+    b = start_node("b")
+    fmt = BlockFormat.of(RegionLayout.from_config(b.config))
+    other = BlockFormat(fmt.world_size, fmt.row_stride, (ROW // 2, ROW // 2),
+                        fmt.block_size_factor)
+    flipped, renamed, foreign, short = (b"damaged-%d" % i for i in range(4))
+    pool = MooncakePool(ClusterConfig(master=master.address,
+                                      metadata_server=master.metadata_url,
+                                      local_hostname="127.0.0.1", segment_bytes=16 << 20))
+    pool.open()
+    buf = mmap.mmap(-1, 1 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    try:
+        pool.register(base, len(buf))
+        names, parts, at = [], [], 0
+        for key, written_as, form in ((flipped, flipped, fmt), (renamed, b"someone-else", fmt),
+                                      (foreign, foreign, other), (short, short, fmt)):
+            for rank in range(fmt.world_size):
+                row = block_pattern(written_as, rank, fmt.row_stride).tobytes()
+                header = form.header(written_as, rank, row).ljust(512, b"\0")
+                if key == flipped:
+                    row = bytes([row[0] ^ 1]) + row[1:]
+                obj = (header + row)[:100 if key == short else None]
+                buf[at:at + len(obj)] = obj
+                names.append(fmt.name(key, rank))
+                parts.append([(base + at, len(obj))])
+                at += len(obj)
+        assert pool.put_from(names, parts) == [0] * len(names)
+        for key in (flipped, renamed, foreign, short):
+            exact, wrong, answers = load(b, [key])
+            assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0), key
+        stats = cluster_stats(b)
+        assert (stats.promotions, stats.checksum_failures) == (0, 3)
+        assert stats.errors >= 1 and stats.up
+        with Client(b.config) as client:  # a slot given back, never a READY block
+            assert client.stats().ready_blocks == 0
+    finally:
+        pool.close()
+        del base
+        buf.close()
+
+
+STUCK_WRITER = """
+import os, signal, sys
+os.environ["GLOG_minloglevel"] = "3"
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", sys.argv[1], 16 << 20, 16 << 20, "tcp", "", sys.argv[2]) == 0
+codes = store.batch_put_session_start(sys.argv[4:], [int(sys.argv[3])] * len(sys.argv[4:]))
+assert codes == [0] * len(sys.argv[4:]), codes
+print("started", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a writer that dies mid-put (Mooncake #974)
+"""
+
+
+def test_a_key_a_dead_writer_left_stuck_mid_put_misses_and_stalls_nothing(start_node, master):
+    a, b = start_node("a"), start_node("b")
+    fmt = BlockFormat.of(RegionLayout.from_config(b.config))
+    stuck = b"stuck-key"
+    names = [fmt.name(stuck, rank) for rank in range(fmt.world_size)]
+    child = subprocess.run([sys.executable, "-c", STUCK_WRITER, master.metadata_url,
+                            master.address, str(fmt.object_bytes), *names],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -9 and "started" in child.stdout, child.stderr[-2000:]
+    exact, wrong, answers = load(b, [stuck])  # reserved in the pool, never written: a miss
+    assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0)
+    store(a, [stuck, *KEYS[:3]], timeout_s=5)  # node a's publish of it does not stall a's tier
+    exact, wrong, _ = load(b, KEYS[:3])  # and the blocks published beside it are hits
+    assert (exact, wrong, cluster_stats(a).up, cluster_stats(b).up) == (3, 0, True, True)
