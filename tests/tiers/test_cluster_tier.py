@@ -282,3 +282,16 @@ def test_a_key_a_dead_writer_left_stuck_mid_put_misses_and_stalls_nothing(start_
     store(a, [stuck, *KEYS[:3]], timeout_s=5)  # node a's publish of it does not stall a's tier
     exact, wrong, _ = load(b, KEYS[:3])  # and the blocks published beside it are hits
     assert (exact, wrong, cluster_stats(a).up, cluster_stats(b).up) == (3, 0, True, True)
+
+
+def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_path):
+    from mooncake_master import free_port
+    from tiercache.errors import ServiceError
+
+    config = make_config(cluster=ClusterConfig(
+        master=f"127.0.0.1:{free_port()}", metadata_server="http://127.0.0.1:1/metadata",
+        local_hostname="127.0.0.1", segment_bytes=16 << 20, start_timeout_s=0.5))
+    with pytest.raises(ServiceError) as failed:
+        CoordinatorProcess(config, tmp_path / "node")
+    assert "no mooncake_master answers there (waited 0.5 s, cluster.start_timeout_s)" \
+        in str(failed.value)
