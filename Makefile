@@ -36,7 +36,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 	# xgrammar's Linux dependency is triton (~1 GB), which nothing here needs
 	$(VLLM_BIN)/pip install -q --no-deps -c $(VLLM_PINS) xgrammar
 	$(VLLM_BIN)/pip install -q --no-deps -e .
-	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) $(MOONCAKE)
+	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) $(MOONCAKE) "crc32c>=2.4"
 	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_BIN)/python -c "import torch, vllm; \
 	  assert vllm.__version__ == '$(VLLM_VERSION)', f'vllm {vllm.__version__} != $(VLLM_VERSION)'; \

@@ -69,7 +69,7 @@ class ClusterTier:
 
     def __init__(self, pool, manager: OffloadingManager, block_format: BlockFormat,
                  rows: Rows, *, capacity_blocks: int, publish_queue_blocks: int = 256,
-                 exists_ttl_s: float = 1.0, retry_s: float = 5.0,
+                 exists_ttl_s: float = 1.0, retry_s: float = 5.0, io_threads: int = 2,
                  log_interval_s: float = 10.0):
         self._pool = pool
         self._manager = manager
@@ -89,20 +89,30 @@ class ClusterTier:
         self._stop = False
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._io_threads = io_threads
         world = block_format.world_size
-        self._headers = _Scratch(pool, (PUBLISH_BATCH + PROMOTE_BATCH) * world * HEADER_BYTES)
-        self._publish_headers = self._headers.address
-        self._promote_headers = self._headers.address + PUBLISH_BATCH * world * HEADER_BYTES
+        # headers of the objects in flight: one area per thread (registered once)
+        self._publish_area = PUBLISH_BATCH * world * HEADER_BYTES
+        self._promote_area = PROMOTE_BATCH * world * HEADER_BYTES
+        self._headers = _Scratch(pool, io_threads * (self._publish_area + self._promote_area))
         self.source = BlockSource.CLUSTER
         self.name = self.source.label
         self.stats = TierStats(capacity_blocks=capacity_blocks)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
-        for target, name in ((self._publisher, "publish"), (self._promoter, "promote"),
-                             (self._health, "health")):
-            thread = threading.Thread(target=target, name=f"tiercache-cluster-{name}",
-                                      daemon=True)
+        """``io_threads`` publishers and as many promoters (a batch's checksums overlap
+        another's transfer), and the health probe."""
+        base = self._headers.address
+        work = []
+        for i in range(self._io_threads):
+            work.append((self._publisher, f"publish-{i}", (base,)))
+            base += self._publish_area
+            work.append((self._promoter, f"promote-{i}", (base,)))
+            base += self._promote_area
+        for target, name, args in [*work, (self._health, "health", ())]:
+            thread = threading.Thread(target=target, args=args, daemon=True,
+                                      name=f"tiercache-cluster-{name}")
             thread.start()
             self._threads.append(thread)
 
@@ -164,18 +174,18 @@ class ClusterTier:
                 return None
             return [queue.popleft() for _ in range(min(count, len(queue)))]
 
-    def _publisher(self) -> None:
+    def _publisher(self, headers: int) -> None:
         while (keys := self._next(self._publish, PUBLISH_BATCH)) is not None:
             try:
-                self._publish_batch(keys)
+                self._publish_batch(keys, headers)
             except Exception:  # a bug: keep the tier serving, say it loudly
                 log.exception("cluster tier: publishing failed")
 
-    def _promoter(self) -> None:
+    def _promoter(self, headers: int) -> None:
         while (jobs := self._next(self._jobs, 1)) is not None:
             (run, mine), = jobs
             try:
-                self._promote(run, mine)
+                self._promote(run, mine, headers)
             except Exception:
                 log.exception("cluster tier: a promotion failed")
             finally:
@@ -195,7 +205,7 @@ class ClusterTier:
                     log.warning("cluster tier: the pool's master answers again; the tier is up")
 
     # ------------------------------------------------------------------ publishing
-    def _publish_batch(self, keys: list[bytes]) -> None:
+    def _publish_batch(self, keys: list[bytes], headers: int) -> None:
         held = self._pin(keys)
         if not held:
             return
@@ -206,7 +216,7 @@ class ClusterTier:
             for i, (key, slot) in enumerate(held):
                 for rank, (address, row) in enumerate(self._rows(slot)):
                     at = i * world + rank
-                    header = self._headers.put(self._publish_headers, at, fmt.header(key, rank, row))
+                    header = self._headers.put(headers, at, fmt.header(key, rank, row))
                     names.append(fmt.name(key, rank))
                     parts.append([(header, HEADER_BYTES), (address, fmt.row_stride)])
             start = time.perf_counter()
@@ -246,7 +256,7 @@ class ClusterTier:
             return held
 
     # ------------------------------------------------------------------ promoting
-    def _promote(self, run: tuple[bytes, ...], mine: frozenset[bytes]) -> None:
+    def _promote(self, run: tuple[bytes, ...], mine: frozenset[bytes], headers: int) -> None:
         """Ask the pool about ``mine`` (what the tier does not know yet), then bring up the
         leading part of ``run`` the pool has, ``PROMOTE_BATCH`` blocks at a time."""
         has = self._ask(mine)
@@ -259,7 +269,8 @@ class ClusterTier:
             wanted.append(key)
         for start in range(0, len(wanted), PROMOTE_BATCH):
             chunk = wanted[start:start + PROMOTE_BATCH]
-            if not self._read_into_host(chunk, {k for k in chunk if has.get(k, False)}):
+            if not self._read_into_host(chunk, {k for k in chunk if has.get(k, False)},
+                                        headers):
                 return
 
     def _ask(self, keys: frozenset[bytes]) -> dict[bytes, bool] | None:
@@ -288,7 +299,7 @@ class ClusterTier:
         has.update(answers)
         return has
 
-    def _read_into_host(self, chunk: list[bytes], present: set[bytes]) -> bool:
+    def _read_into_host(self, chunk: list[bytes], present: set[bytes], headers: int) -> bool:
         """Reserve host slots for ``chunk`` and read the pool's objects of ``present`` into
         them; whether to go on (False: no room in host memory, or the pool failed)."""
         try:
@@ -306,7 +317,7 @@ class ClusterTier:
         for i, (key, slot) in enumerate(wanted):
             for rank, (address, row) in enumerate(self._rows(slot)):
                 names.append(fmt.name(key, rank))
-                header = self._headers.slot(self._promote_headers, i * world + rank)
+                header = self._headers.slot(headers, i * world + rank)
                 parts.append([(header, HEADER_BYTES), (address, fmt.row_stride)])
                 views.append((i * world + rank, row))
         start = time.perf_counter()
@@ -320,7 +331,7 @@ class ClusterTier:
                 if codes[at] != fmt.object_bytes:
                     ok = False
                     break
-                if not fmt.check(self._headers.view(self._promote_headers, at), key, rank, row):
+                if not fmt.check(self._headers.view(headers, at), key, rank, row):
                     ok, checks = False, checks + 1
                     break
             if ok:
