@@ -295,3 +295,33 @@ def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_pat
         CoordinatorProcess(config, tmp_path / "node")
     assert "no mooncake_master answers there (waited 0.5 s, cluster.start_timeout_s)" \
         in str(failed.value)
+
+
+def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
+    """A master that accepts connections and never answers (SIGSTOP: a black-holed network
+    looks the same): the tier's calls wait, the lookups do not."""
+    import os
+    import signal
+
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:4])
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        with Client(b.config, timeout_s=5.0) as client:
+            first = client.lease(KEYS[:4])  # asks the pool in the background: "not yet"
+            assert (first.num_hit, first.pending) == (0, True)
+            for _ in range(20):  # while the pool does not answer: plain misses, at once
+                again = client.lease(KEYS[:4])
+                assert (again.num_hit, again.pending) == (0, False)
+            out = client.prepare_store([b"host-only"])  # the host tier serves meanwhile
+            client.complete_store(list(out.keys_to_store))
+            assert client.lookup([b"host-only"]) == 1
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    loads = []  # once it answers again the blocks come up, exact
+
+    def all_exact() -> bool:
+        loads.append(load(b, KEYS[:4])[:2])
+        return loads[-1] == (4, 0)
+    wait_for(all_exact, "the blocks come up once the master answers")
+    assert all(wrong == 0 for _, wrong in loads)
