@@ -3,7 +3,8 @@
 A pool shared by the nodes of a cluster (Mooncake Store, behind ``MooncakePool``), below
 host memory and the disk tier. Owned by the coordinator, which maps the region: blocks
 move zero-copy between the pool and the host slots (the region is registered with the
-pool's client), on the tier's own threads. Workers and the engine's step never wait on
+pool's client), on the tier's own threads (``cluster_transfer.BlockTransfers`` moves the
+bytes; this module keeps the bookkeeping). Workers and the engine's step never wait on
 the pool, and nothing here does network I/O under the index's lock.
 
 * **Publish: write-through, asynchronous, bounded.** A block an engine stores READY is
@@ -35,20 +36,19 @@ take the tier's lock briefly; the tier never calls the index holding its own loc
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from tiercache.errors import ManagerError
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
 from tiercache.index.results import BlockSource, TierStats
-from tiercache.tiers.cluster_object import HEADER_BYTES, BlockFormat
+from tiercache.tiers.cluster_object import BlockFormat
+from tiercache.tiers.cluster_transfer import BlockTransfers, Rows
 from tiercache.tiers.mooncake_pool import RPC_FAIL
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,6 @@ PROMOTE_BATCH = 32  # blocks per promotion read (their host slots reserved toget
 MAX_PROMOTIONS_QUEUED = 64  # promotion jobs waiting; past it a lookup's run is a miss
 MAX_KNOWN = 1 << 16  # exists answers remembered (oldest forgotten first)
 PROBE_NAME = "tiercache/health-probe"  # the health probe asks whether this exists
-
-# A host slot's rows: (address in the coordinator's mapping, writable view), one per rank.
-Rows = Callable[[int], list[tuple[int, memoryview]]]
 
 
 class ClusterTier:
@@ -74,7 +71,6 @@ class ClusterTier:
         self._pool = pool
         self._manager = manager
         self._format = block_format
-        self._rows = rows
         self._queue_max = publish_queue_blocks
         self._ttl_s = exists_ttl_s
         self._retry_s = retry_s
@@ -90,26 +86,21 @@ class ClusterTier:
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._io_threads = io_threads
-        world = block_format.world_size
-        # headers of the objects in flight: one area per thread (registered once)
-        self._publish_area = PUBLISH_BATCH * world * HEADER_BYTES
-        self._promote_area = PROMOTE_BATCH * world * HEADER_BYTES
-        self._headers = _Scratch(pool, io_threads * (self._publish_area + self._promote_area))
+        self._moves = BlockTransfers(pool, block_format, rows, num_areas=2 * io_threads,
+                                     max_blocks=max(PUBLISH_BATCH, PROMOTE_BATCH))
         self.source = BlockSource.CLUSTER
         self.name = self.source.label
+        self._block_bytes = block_format.world_size * block_format.object_bytes
         self.stats = TierStats(capacity_blocks=capacity_blocks)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         """``io_threads`` publishers and as many promoters (a batch's checksums overlap
         another's transfer), and the health probe."""
-        base = self._headers.address
         work = []
-        for i in range(self._io_threads):
-            work.append((self._publisher, f"publish-{i}", (base,)))
-            base += self._publish_area
-            work.append((self._promoter, f"promote-{i}", (base,)))
-            base += self._promote_area
+        for i in range(self._io_threads):  # each thread its own area of header buffers
+            work.append((self._publisher, f"publish-{i}", (2 * i,)))
+            work.append((self._promoter, f"promote-{i}", (2 * i + 1,)))
         for target, name, args in [*work, (self._health, "health", ())]:
             thread = threading.Thread(target=target, args=args, daemon=True,
                                       name=f"tiercache-cluster-{name}")
@@ -174,18 +165,18 @@ class ClusterTier:
                 return None
             return [queue.popleft() for _ in range(min(count, len(queue)))]
 
-    def _publisher(self, headers: int) -> None:
+    def _publisher(self, area: int) -> None:
         while (keys := self._next(self._publish, PUBLISH_BATCH)) is not None:
             try:
-                self._publish_batch(keys, headers)
+                self._publish_batch(keys, area)
             except Exception:  # a bug: keep the tier serving, say it loudly
                 log.exception("cluster tier: publishing failed")
 
-    def _promoter(self, headers: int) -> None:
+    def _promoter(self, area: int) -> None:
         while (jobs := self._next(self._jobs, 1)) is not None:
             (run, mine), = jobs
             try:
-                self._promote(run, mine, headers)
+                self._promote(run, mine, area)
             except Exception:
                 log.exception("cluster tier: a promotion failed")
             finally:
@@ -205,37 +196,24 @@ class ClusterTier:
                     log.warning("cluster tier: the pool's master answers again; the tier is up")
 
     # ------------------------------------------------------------------ publishing
-    def _publish_batch(self, keys: list[bytes], headers: int) -> None:
+    def _publish_batch(self, keys: list[bytes], area: int) -> None:
         held = self._pin(keys)
         if not held:
             return
-        pinned = [key for key, _ in held]
-        world, fmt = self._format.world_size, self._format
         try:
-            names, parts = [], []
-            for i, (key, slot) in enumerate(held):
-                for rank, (address, row) in enumerate(self._rows(slot)):
-                    at = i * world + rank
-                    header = self._headers.put(headers, at, fmt.header(key, rank, row))
-                    names.append(fmt.name(key, rank))
-                    parts.append([(header, HEADER_BYTES), (address, fmt.row_stride)])
-            start = time.perf_counter()
-            codes = self._pool.put_from(names, parts)
-            seconds = time.perf_counter() - start
+            out = self._moves.put(area, held)
         finally:
-            self._manager.complete_load(pinned, owner=TIER_OWNER)
-        done = [key for i, key in enumerate(pinned)
-                if all(c == 0 for c in codes[i * world:(i + 1) * world])]
+            self._manager.complete_load([key for key, _ in held], owner=TIER_OWNER)
+        failed = len(held) - len(out.done)
         with self._lock:
-            self.stats.demotions += len(done)
-            self.stats.write_bytes += len(done) * world * fmt.object_bytes
-            self.stats.write_seconds += seconds
-            failed = len(pinned) - len(done)
+            self.stats.demotions += len(out.done)
+            self.stats.write_bytes += len(out.done) * self._block_bytes
+            self.stats.write_seconds += out.seconds
             self.stats.dropped_spills += failed
             self.stats.errors += failed
-            self._remember(done, True)
+            self._remember(out.done, True)
         if failed:
-            self._failed("publish", [c for c in codes if c != 0])
+            self._failed("publish", [c for c in out.codes if c != 0])
 
     def _pin(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
         """(key, host slot) of the keys still readable in host memory, each pinned for the
@@ -256,7 +234,7 @@ class ClusterTier:
             return held
 
     # ------------------------------------------------------------------ promoting
-    def _promote(self, run: tuple[bytes, ...], mine: frozenset[bytes], headers: int) -> None:
+    def _promote(self, run: tuple[bytes, ...], mine: frozenset[bytes], area: int) -> None:
         """Ask the pool about ``mine`` (what the tier does not know yet), then bring up the
         leading part of ``run`` the pool has, ``PROMOTE_BATCH`` blocks at a time."""
         has = self._ask(mine)
@@ -269,8 +247,7 @@ class ClusterTier:
             wanted.append(key)
         for start in range(0, len(wanted), PROMOTE_BATCH):
             chunk = wanted[start:start + PROMOTE_BATCH]
-            if not self._read_into_host(chunk, {k for k in chunk if has.get(k, False)},
-                                        headers):
+            if not self._read_into_host(chunk, {k for k in chunk if has.get(k, False)}, area):
                 return
 
     def _ask(self, keys: frozenset[bytes]) -> dict[bytes, bool] | None:
@@ -286,70 +263,46 @@ class ClusterTier:
         unknown = [k for k in keys if k not in has]
         if not unknown:
             return has
-        world, fmt = self._format.world_size, self._format
-        codes = self._pool.exists([fmt.name(k, r) for k in unknown for r in range(world)])
+        codes = self._moves.exists(unknown)
         if any(c < 0 for c in codes):
             self._failed("exists", [c for c in codes if c < 0])
             return None
-        answers = {k: all(c == 1 for c in codes[i * world:(i + 1) * world])
-                   for i, k in enumerate(unknown)}
+        answers = {k: c == 1 for k, c in zip(unknown, codes)}
         with self._lock:
             for present in (True, False):
                 self._remember([k for k, v in answers.items() if v is present], present)
         has.update(answers)
         return has
 
-    def _read_into_host(self, chunk: list[bytes], present: set[bytes], headers: int) -> bool:
+    def _read_into_host(self, chunk: list[bytes], present: set[bytes], area: int) -> bool:
         """Reserve host slots for ``chunk`` and read the pool's objects of ``present`` into
         them; whether to go on (False: no room in host memory, or the pool failed)."""
         try:
             out = self._manager.prepare_store(chunk, owner=TIER_OWNER)
-        except Exception:
+        except ManagerError:
             log.exception("cluster tier: reserving host slots for a promotion failed")
             return False
         if out is None:  # no room in host memory: the lookups simply miss
             return False
-        world, fmt = self._format.world_size, self._format
         keys = list(out.keys_to_store)
-        slots = out.store_spec.block_ids.tolist()
-        wanted = [(key, slot) for key, slot in zip(keys, slots) if key in present]
-        names, parts, views = [], [], []
-        for i, (key, slot) in enumerate(wanted):
-            for rank, (address, row) in enumerate(self._rows(slot)):
-                names.append(fmt.name(key, rank))
-                header = self._headers.slot(headers, i * world + rank)
-                parts.append([(header, HEADER_BYTES), (address, fmt.row_stride)])
-                views.append((i * world + rank, row))
-        start = time.perf_counter()
-        codes = self._pool.get_into(names, parts)
-        seconds = time.perf_counter() - start
-        good, checks = [], 0
-        for i, (key, _) in enumerate(wanted):
-            ok = True
-            for rank in range(world):
-                at, row = views[i * world + rank]
-                if codes[at] != fmt.object_bytes:
-                    ok = False
-                    break
-                if not fmt.check(self._headers.view(headers, at), key, rank, row):
-                    ok, checks = False, checks + 1
-                    break
-            if ok:
-                good.append(key)
-        bad = [key for key in keys if key not in set(good)]
-        self._manager.complete_store(good, True, owner=TIER_OWNER, source=self.source)
-        self._manager.complete_store(bad, False, owner=TIER_OWNER, source=self.source)
-        errors = [c for c in codes if c < 0]
+        wanted = [(key, slot) for key, slot in zip(keys, out.store_spec.block_ids.tolist())
+                  if key in present]
+        got = self._moves.get(area, wanted)
+        good = set(got.done)
+        self._manager.complete_store(got.done, True, owner=TIER_OWNER, source=self.source)
+        self._manager.complete_store([k for k in keys if k not in good], False,
+                                     owner=TIER_OWNER, source=self.source)
+        errors = [c for c in got.codes if c < 0]
         with self._lock:
-            self.stats.promotions += len(good)
-            self.stats.read_bytes += len(good) * world * fmt.object_bytes
-            self.stats.read_seconds += seconds
-            self.stats.checksum_failures += checks
-            self.stats.errors += len(wanted) - len(good) - checks
-            self._remember([k for k, _ in wanted if k not in set(good)], False)
-        if checks:
+            self.stats.promotions += len(got.done)
+            self.stats.read_bytes += len(got.done) * self._block_bytes
+            self.stats.read_seconds += got.seconds
+            self.stats.checksum_failures += got.mismatched
+            self.stats.errors += len(wanted) - len(got.done) - got.mismatched
+            self._remember([k for k, _ in wanted if k not in good], False)
+        if got.mismatched:
             self._warn.warn("checksum", "cluster tier: %d object(s) read from the pool did not "
-                            "check (header or CRC); dropped, not served", checks)
+                            "check (header or CRC); dropped, not served", got.mismatched)
         if errors:
             self._failed("get", errors)
         return RPC_FAIL not in errors
@@ -383,27 +336,3 @@ class ClusterTier:
         self._warn.warn("down", "cluster tier: %s; the tier is down (lookups use this node's "
                         "own tiers, nothing is published) and retries every %.0f s%s", why,
                         self._retry_s, "" if was_up else " (still down)")
-
-
-class _Scratch:
-    """A small anonymous mapping registered with the pool, for objects' headers."""
-
-    def __init__(self, pool, num_bytes: int):
-        self._map = mmap.mmap(-1, num_bytes)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        pool.register(self.address, num_bytes)
-
-    def slot(self, base: int, index: int) -> int:
-        return base + index * HEADER_BYTES
-
-    def offset(self, base: int, index: int) -> int:
-        return base - self.address + index * HEADER_BYTES
-
-    def put(self, base: int, index: int, header: bytes) -> int:
-        at = self.offset(base, index)
-        self._map[at:at + HEADER_BYTES] = header.ljust(HEADER_BYTES, b"\0")
-        return self.slot(base, index)
-
-    def view(self, base: int, index: int) -> memoryview:
-        at = self.offset(base, index)
-        return memoryview(self._map)[at:at + HEADER_BYTES]
