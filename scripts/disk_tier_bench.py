@@ -98,7 +98,7 @@ def tier_rates(directory: str, num_blocks: int, block_bytes: int, threads: int) 
         rows = lambda slot: [memoryview(region.rank_array(0)[slot])]  # noqa: E731
         tier = DiskTier(file, manager, rows, io_threads=threads, low_watermark=0.999,
                         queue_blocks=num_blocks, poll_s=0.001)
-        manager.set_lower_tier(tier)
+        manager.set_lower_tiers([tier])
         keys = [b"bench-%d" % i for i in range(num_blocks)]
         out = manager.prepare_store(keys)
         data = region.rank_array(0)

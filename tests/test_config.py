@@ -174,3 +174,40 @@ def test_the_disk_section_is_optional_checked_and_round_trips(tmp_path):
             ({"path": str(tmp_path / "d"), "capacity": 1, "speed": 1}, "unknown key disk.speed")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_dict({"disk": body})
+
+
+def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
+    from tiercache.config import config_to_toml, load_config
+
+    assert config_from_dict({}).cluster is None  # no section: this node's tiers only
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[cluster]\nmaster = "10.0.0.1:50051"\n'
+                   'metadata_server = "http://10.0.0.1:8080/metadata"\n'
+                   'local_hostname = "10.0.0.2"\nsegment_size = "8GiB"\nexists_ttl_s = 2\n')
+    config = load_config(cfg)
+    c = config.cluster
+    assert (c.backend, c.segment_bytes, c.exists_ttl_s, c.protocol, c.replicas) == \
+        ("mooncake", 8 << 30, 2.0, "tcp", 1)
+    again = tmp_path / "again.toml"
+    again.write_text(config_to_toml(config))
+    assert load_config(again) == config
+    good = {"master": "m:1", "metadata_server": "http://m:2/metadata", "local_hostname": "h"}
+    for change, message in (
+            ({"master": None}, "cluster.master is missing"),
+            ({"local_hostname": None}, "cluster.local_hostname is missing"),
+            ({"master": "m"}, "cluster.master = 'm': expected host:port"),
+            ({"master": "m:99999"}, "the port must be 1..65535"),
+            ({"metadata_server": "m:2"}, "cluster.metadata_server = 'm:2'"),
+            ({"local_hostname": "h:x"}, "cluster.local_hostname = 'h:x'"),
+            ({"backend": "redis"}, "cluster.backend = 'redis': allowed 'mooncake'"),
+            ({"protocol": "udp"}, "cluster.protocol = 'udp'"),
+            ({"segment_size": "1KiB"}, "cluster.segment_size = 1024"),
+            ({"replicas": 0}, "cluster.replicas = 0"),
+            ({"publish_queue_blocks": 0}, "cluster.publish_queue_blocks = 0"),
+            ({"exists_ttl_s": 0}, "cluster.exists_ttl_s = 0"),
+            ({"start_timeout_s": -1}, "cluster.start_timeout_s = -1"),
+            ({"port": 1}, "unknown key cluster.port")):
+        body = {**good, **change}
+        body = {key: value for key, value in body.items() if value is not None}
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_dict({"cluster": body})

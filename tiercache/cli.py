@@ -66,6 +66,7 @@ def _socket_path(args: argparse.Namespace, name: str) -> str:
 def _print_index(socket_path: str) -> None:
     from tiercache.index.client import Client
     from tiercache.errors import CoordinatorGoneError
+    from tiercache.index.results import BlockSource
 
     try:
         with Client(socket_path, timeout_s=2.0) as client:
@@ -80,6 +81,13 @@ def _print_index(socket_path: str) -> None:
           f"{s.stored_blocks} stored, {s.evicted_blocks} evicted, {s.store_rejections} "
           "store rejections")
     for name, t in tiers.items():
+        if name == BlockSource.CLUSTER.label:
+            state = "up" if t.up else "DOWN (the pool's master is unreachable; retrying)"
+            print(f"  {name} tier: {state}, this node's segment holds {t.capacity_blocks} "
+                  f"blocks; {t.promotions} promoted, {t.demotions} published, "
+                  f"{t.queued_blocks} queued, {t.dropped_spills} publishes dropped, "
+                  f"{t.checksum_failures} checksum failures, {t.errors} errors")
+            continue
         state = "up" if t.up else "DOWN (I/O errors; retrying)"
         io = "O_DIRECT" if t.direct_io else "buffered I/O"
         print(f"  {name} tier: {state}, {t.used_blocks} of {t.capacity_blocks} blocks, {io}; "

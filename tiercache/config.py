@@ -137,6 +137,81 @@ class DiskConfig:
         return os.path.join(self.path, f"tiercache-{name}.disk")
 
 
+CLUSTER_BACKENDS = ("mooncake",)
+CLUSTER_PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The optional cluster tier (``[cluster]``): a pool shared by the nodes of a cluster,
+    on Mooncake Store (``mooncake_master`` at ``master``, its HTTP metadata server at
+    ``metadata_server``). This node contributes ``segment_bytes`` of memory to the pool,
+    served at ``local_hostname`` (``host`` or ``host:port``; a host alone: a free port)."""
+
+    master: str
+    metadata_server: str
+    local_hostname: str
+    backend: str = "mooncake"
+    segment_bytes: int = 4 << 30
+    # Mooncake's own transfer buffer: tiercache's blocks move zero-copy from the registered
+    # region, not through it
+    local_buffer_bytes: int = 16 << 20
+    protocol: str = "tcp"
+    rdma_devices: str = ""  # with protocol "rdma": the NICs, e.g. "mlx5_0,mlx5_1"
+    replicas: int = 1  # copies of each object in the pool (on as many nodes' segments)
+    publish_queue_blocks: int = 256  # blocks waiting to be published; past it: dropped
+    exists_ttl_s: float = 1.0  # how long a "the pool has / has not this block" answer is used
+    retry_s: float = 5.0  # while the tier is down: probe the master this often (and log)
+    start_timeout_s: float = 10.0  # at start, wait this long for the master, then an error
+
+    def __post_init__(self) -> None:
+        if self.backend not in CLUSTER_BACKENDS:
+            raise ConfigError(f"cluster.backend = {self.backend!r}: allowed "
+                              + ", ".join(repr(b) for b in CLUSTER_BACKENDS))
+        host_port("cluster.master", self.master, need_port=True)
+        url = self.metadata_server
+        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
+            raise ConfigError(f"cluster.metadata_server = {url!r}: give the master's HTTP "
+                              "metadata URL, e.g. \"http://10.0.0.1:8080/metadata\"")
+        host_port("cluster.local_hostname", self.local_hostname, need_port=False)
+        if self.protocol not in CLUSTER_PROTOCOLS:
+            raise ConfigError(f"cluster.protocol = {self.protocol!r}: allowed "
+                              + ", ".join(repr(p) for p in CLUSTER_PROTOCOLS))
+        if self.segment_bytes < 1 << 20:
+            raise ConfigError(f"cluster.segment_size = {self.segment_bytes}: give at least "
+                              "1 MiB (what this node contributes to the pool)")
+        if self.local_buffer_bytes < 1 << 20:
+            raise ConfigError(f"cluster.local_buffer_size = {self.local_buffer_bytes}: give "
+                              "at least 1 MiB")
+        if not 1 <= self.replicas <= 8:
+            raise ConfigError(f"cluster.replicas = {self.replicas}: allowed 1..8")
+        if not 1 <= self.publish_queue_blocks <= 1 << 20:
+            raise ConfigError(f"cluster.publish_queue_blocks = {self.publish_queue_blocks}: "
+                              "allowed 1..1048576")
+        for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
+                                ("retry_s", self.retry_s, 3600),
+                                ("start_timeout_s", self.start_timeout_s, 3600)):
+            if not 0 < value <= top:
+                raise ConfigError(f"cluster.{key} = {value}: allowed above 0 up to {top} "
+                                  "(seconds)")
+
+
+def host_port(key: str, value: str, need_port: bool) -> tuple[str, int | None]:
+    """``host:port`` (or a bare host when not ``need_port``) -> (host, port); a one-line
+    error naming ``key`` otherwise."""
+    host, sep, port = value.rpartition(":") if ":" in value else (value, "", "")
+    want = "host:port" if need_port else "a host or host:port"
+    if not host or any(c.isspace() or c == "/" for c in value) or (sep and not port):
+        raise ConfigError(f"{key} = {value!r}: expected {want}")
+    if not sep:
+        if need_port:
+            raise ConfigError(f"{key} = {value!r}: expected {want} (no port given)")
+        return host, None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key} = {value!r}: the port must be 1..65535")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class ExporterConfig:
     address: str = "127.0.0.1"
@@ -172,6 +247,7 @@ class Config:
     control_max_detached_sessions_per_peer: int = 64  # closed sessions kept per process
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
     disk: DiskConfig | None = None  # the disk tier; None: host memory only
+    cluster: ClusterConfig | None = None  # the cluster tier; None: this node's tiers only
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -253,6 +329,11 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "disk": {"path": str, "capacity": (int, str), "io_threads": int,
              "low_watermark": (int, float), "direct_io": (bool, str),
              "retry_s": (int, float)},
+    "cluster": {"backend": str, "master": str, "metadata_server": str, "local_hostname": str,
+                "segment_size": (int, str), "local_buffer_size": (int, str),
+                "protocol": str, "rdma_devices": str, "replicas": int,
+                "publish_queue_blocks": int, "exists_ttl_s": (int, float),
+                "retry_s": (int, float), "start_timeout_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -304,6 +385,26 @@ def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
                       **_present(raw, {"io_threads": "io_threads",
                                        "low_watermark": "low_watermark",
                                        "retry_s": "retry_s"}))
+
+
+def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
+    for key in ("master", "metadata_server", "local_hostname"):
+        if key not in raw:
+            raise ConfigError(f"cluster.{key} is missing: the cluster tier needs cluster.master "
+                              "(host:port of mooncake_master), cluster.metadata_server (its "
+                              "HTTP metadata URL) and cluster.local_hostname (this node's "
+                              "address as the other nodes reach it)")
+    sizes = {}
+    for key, field_name in (("segment_size", "segment_bytes"),
+                            ("local_buffer_size", "local_buffer_bytes")):
+        if key in raw:
+            sizes[field_name] = parse_size(raw[key], f"cluster.{key}")
+    return ClusterConfig(**sizes, **_present(raw, {
+        "master": "master", "metadata_server": "metadata_server",
+        "local_hostname": "local_hostname", "backend": "backend", "protocol": "protocol",
+        "rdma_devices": "rdma_devices", "replicas": "replicas",
+        "publish_queue_blocks": "publish_queue_blocks", "exists_ttl_s": "exists_ttl_s",
+        "retry_s": "retry_s", "start_timeout_s": "start_timeout_s"}))
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -398,6 +499,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
                                                                 kwargs["control_socket"]))
     if "disk" in raw:
         kwargs["disk"] = _disk_from(raw["disk"], base_dir)
+    if "cluster" in raw:
+        kwargs["cluster"] = _cluster_from(raw["cluster"])
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "kv" in raw:
@@ -471,6 +574,15 @@ def config_to_toml(config: Config) -> str:
                           "io_threads": d.io_threads, "low_watermark": d.low_watermark,
                           "retry_s": d.retry_s,
                           "direct_io": "auto" if d.direct_io is None else d.direct_io}
+    if config.cluster is not None:
+        c = config.cluster
+        tables["cluster"] = {
+            "backend": c.backend, "master": c.master, "metadata_server": c.metadata_server,
+            "local_hostname": c.local_hostname, "segment_size": c.segment_bytes,
+            "local_buffer_size": c.local_buffer_bytes, "protocol": c.protocol,
+            "rdma_devices": c.rdma_devices, "replicas": c.replicas,
+            "publish_queue_blocks": c.publish_queue_blocks, "exists_ttl_s": c.exists_ttl_s,
+            "retry_s": c.retry_s, "start_timeout_s": c.start_timeout_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()
@@ -483,6 +595,6 @@ def config_keys() -> dict[str, tuple[str, ...]]:
 
 
 __all__ = [
-    "BackendKind", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
+    "BackendKind", "ClusterConfig", "Config", "ExporterConfig", "KVGeometry", "PinningPolicy", "RegionConfig",
     "check_name", "config_from_dict", "config_keys", "config_to_toml", "load_config",
 ]

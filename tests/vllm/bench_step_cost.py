@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk", action="store_true",
                         help="a disk tier below host memory (busy: it demotes ahead of the "
                              "cold pass's evictions and promotes on the warm pass's lookups)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="a cluster tier on a mooncake_master started here (busy: it "
+                             "publishes every block the cold pass stores)")
     args = parser.parse_args(argv)
     model = TinyModel()
     tokens_per_prompt = args.keys * 16
@@ -252,30 +255,49 @@ def main(argv: list[str] | None = None) -> int:
             (tmp_path / "disk").mkdir()
             disk = DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=4 << 30,
                               low_watermark=0.5)
+        master = cluster = None
+        if args.cluster:
+            from mooncake_master import MooncakeMaster
+
+            from tiercache.config import ClusterConfig
+
+            master = MooncakeMaster(tmp_path / "master")
+            cluster = ClusterConfig(master=master.address, metadata_server=master.metadata_url,
+                                    local_hostname="127.0.0.1", segment_bytes=1 << 30,
+                                    publish_queue_blocks=4096)
         config = model.coordinator_config(f"bench-{uuid.uuid4().hex[:8]}",
-                                          str(tmp_path / "c.sock"), chunks, disk=disk)
-        with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:
-            model_dir = model.write(tmp_path / "model")
-            prompts = [[(r * 7919 + i) % 250 for i in range(tokens_per_prompt)]
-                       for r in range(args.requests)]
-            direct: dict[str, float] = {}
-            for repeat in range(args.repeats):
-                salt = 1 + repeat if args.full_cache else 1  # a full cache: fresh keys each time
-                for name, ms in direct_steps(coordinator, args.requests, args.keys,
-                                             args.full_cache, salt).items():
-                    direct[name] = min(ms, direct.get(name, ms))
-            results = []
-            if args.full_cache:
-                fill(coordinator, chunks, salt=0)
-            for label in ("cold", "warm"):
-                engine = Engine.build(model, model_dir, coordinator.config_path,
-                                      num_gpu_blocks=gpu_blocks, max_num_seqs=args.requests,
-                                      max_num_batched_tokens=args.batched_tokens,
-                                      check_content=False)
-                try:
-                    results.append(run_pass(engine, prompts, label))
-                finally:
-                    engine.shutdown()
+                                          str(tmp_path / "c.sock"), chunks, disk=disk,
+                                          cluster=cluster)
+        try:
+            return _run(args, model, config, tmp_path, chunks, gpu_blocks, tokens_per_prompt)
+        finally:
+            if master is not None:
+                master.stop()
+
+
+def _run(args, model, config, tmp_path, chunks, gpu_blocks, tokens_per_prompt) -> int:
+    with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:
+        model_dir = model.write(tmp_path / "model")
+        prompts = [[(r * 7919 + i) % 250 for i in range(tokens_per_prompt)]
+                   for r in range(args.requests)]
+        direct: dict[str, float] = {}
+        for repeat in range(args.repeats):
+            salt = 1 + repeat if args.full_cache else 1  # a full cache: fresh keys each time
+            for name, ms in direct_steps(coordinator, args.requests, args.keys,
+                                         args.full_cache, salt).items():
+                direct[name] = min(ms, direct.get(name, ms))
+        results = []
+        if args.full_cache:
+            fill(coordinator, chunks, salt=0)
+        for label in ("cold", "warm"):
+            engine = Engine.build(model, model_dir, coordinator.config_path,
+                                  num_gpu_blocks=gpu_blocks, max_num_seqs=args.requests,
+                                  max_num_batched_tokens=args.batched_tokens,
+                                  check_content=False)
+            try:
+                results.append(run_pass(engine, prompts, label))
+            finally:
+                engine.shutdown()
     for r in results:
         print(f"{r['pass']}: {r['steps']} steps with calls; worst {r['worst_step_ms']:.3f} ms, "
               f"mean {r['mean_step_ms']:.3f} ms of tiercache per step; worst step's calls "

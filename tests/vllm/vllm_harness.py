@@ -78,8 +78,8 @@ class TinyModel:
 
     def coordinator_config(self, name: str, socket: str, num_chunks: int,
                            blocks_per_chunk: int = 1, index_events: bool = False,
-                           disk=None) -> Config:
-        return Config(name=name, world_size=1, disk=disk,
+                           disk=None, cluster=None) -> Config:
+        return Config(name=name, world_size=1, disk=disk, cluster=cluster,
                       kv=KVGeometry(page_bytes=(self.page_bytes,) * self.num_layers,
                                     block_size_factor=blocks_per_chunk, block_tokens=BLOCK_TOKENS),
                       region=RegionConfig(capacity_bytes=None, num_blocks=num_chunks,

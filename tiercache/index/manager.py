@@ -63,7 +63,8 @@ from tiercache.errors import (
 from tiercache.index.events import EventLog
 from tiercache.index.policies import EvictionPolicy, make_policy
 from tiercache.index.results import (
-    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease, TierStats,
+    BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
+    TierStats,
 )
 from tiercache.index.slots import (
     Holdings, Ledger, Slot, SlotState, check_keys, check_owner, require_unique,
@@ -78,14 +79,26 @@ TIER_OWNER = 0xFFFF  # the coordinator's own tiers (promotions, demotions): no s
 
 
 class LowerTier(Protocol):
-    """A tier below host memory, as the index asks it (under the index's lock: both calls
-    must be quick and must not call back into the index)."""
+    """A tier below host memory, as the index asks it. ``holds``, ``promote`` and ``stored``
+    are called under the index's lock: they must be quick (no I/O: queue the work) and must
+    not call back into the index.
+
+    * ``holds(key)``: whether the tier may have ``key`` (True starts its promotion; the
+      lookup answers "not yet").
+    * ``promote(run, mine)``: promote ``mine``, the keys of ``run`` this tier was chosen
+      for; the rest of ``run`` is in host memory already (a promotion's reservation of the
+      whole run protects them from its own evictions).
+    * ``stored(keys)``: an engine just stored these keys READY in host memory.
+    """
 
     name: str
+    source: BlockSource
 
     def holds(self, key: bytes) -> bool: ...
 
-    def promote(self, keys: Sequence[bytes]) -> None: ...
+    def promote(self, run: Sequence[bytes], mine: Collection[bytes]) -> None: ...
+
+    def stored(self, keys: Sequence[bytes]) -> None: ...
 
     def snapshot(self) -> TierStats: ...
 
@@ -116,8 +129,8 @@ class OffloadingManager:
         self._region_id = region_id
         self._max_session_blocks = max_session_blocks
         self._max_pin_owners = ledger.max_pin_owners if ledger is not None else None
-        self._below: LowerTier | None = None
-        self._key_listener = None  # (keys, removed): readable keys come and go
+        self._tiers: tuple[LowerTier, ...] = ()  # below host memory, fastest first
+        self._key_listener = None  # (keys, removed): keys enter and leave the index
         self._next_gen = 1
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
@@ -208,11 +221,12 @@ class OffloadingManager:
         if self._key_listener is not None and keys:
             self._key_listener(keys, removed)
 
-    def set_lower_tier(self, tier: LowerTier | None) -> None:
-        """Lookups and leases that miss host memory ask ``tier``: a key it holds is being
-        promoted (its lease answers ``pending``; ``lookup`` counts it not hit)."""
+    def set_lower_tiers(self, tiers: Sequence[LowerTier]) -> None:
+        """Lookups and leases that miss host memory ask ``tiers`` in order (fastest first):
+        a key one of them holds is promoted by the first that does (its lease answers
+        ``pending``; ``lookup`` counts it not hit). Engine stores are told to every tier."""
         with self._lock:
-            self._below = tier
+            self._tiers = tuple(tiers)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -292,35 +306,43 @@ class OffloadingManager:
             promoting = self._promote_after(keys, hits)
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
             run = [self._slots[key] for key in keys[:hits]]
+            promoted = [(i, slot.source) for i, slot in enumerate(run)
+                        if slot.source is not BlockSource.HOST]
             return LeaseResult(hits, promoting or (after is not None
                                                    and after.state is SlotState.WRITING),
-                               self._spec(run),
-                               tuple(i for i, slot in enumerate(run) if slot.promoted))
+                               self._spec(run), tuple(i for i, _ in promoted),
+                               tuple(source for _, source in promoted))
 
     def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
-        """Start promoting the run of keys after the host hits that the lower tier holds;
-        whether there was one (the key after the hits is then 'pending'). The run goes on
-        through keys READY in host memory, which the promotion's reservation then protects
-        from eviction (a promotion must not evict the rest of its own prefix)."""
-        below = self._below
-        if below is None or hits >= len(keys) or keys[hits] in self._slots:
+        """Start promoting the run of keys after the host hits that the lower tiers hold,
+        each key by the first tier that holds it; whether there was one (the key after the
+        hits is then 'pending'). The run goes on through keys READY in host memory, which
+        each promotion's reservation then protects from eviction (a promotion must not
+        evict the rest of its own prefix)."""
+        tiers = self._tiers
+        if not tiers or hits >= len(keys) or keys[hits] in self._slots:
             return False
-        run = []
+        run: list[bytes] = []
+        chosen: dict[bytes, LowerTier] = {}
         for key in keys[hits:]:
             slot = self._slots.get(key)
-            if slot is None and not below.holds(key):
-                break
-            if slot is not None and slot.state is SlotState.WRITING:
+            if slot is None:
+                tier = next((t for t in tiers if t.holds(key)), None)
+                if tier is None:
+                    break
+                chosen[key] = tier
+            elif slot.state is SlotState.WRITING:
                 break
             run.append(key)
-        if run:
-            below.promote(run)
+        for tier in tiers:
+            mine = {key for key, t in chosen.items() if t is tier}
+            if mine:
+                tier.promote([key for key in run if key in mine or key not in chosen], mine)
         return bool(run)
 
     def tier_stats(self) -> dict[str, TierStats]:
-        """The lower tier's figures by its name (empty without one)."""
-        below = self._below
-        return {} if below is None else {below.name: below.snapshot()}
+        """Each lower tier's figures by its name (empty without one)."""
+        return {tier.name: tier.snapshot() for tier in self._tiers}
 
     def demotion_candidates(self, num_keys: int, skip) -> list[tuple[bytes, bool]]:
         """Up to ``num_keys`` READY, unpinned keys the policy would evict next, less those
@@ -489,12 +511,15 @@ class OffloadingManager:
                                       tuple(no_room))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
-                       owner: int = LOCAL_OWNER) -> None:
+                       owner: int = LOCAL_OWNER,
+                       source: BlockSource = BlockSource.HOST) -> None:
         """Publish written blocks (READY), or free their slots when the write failed.
 
         Acts on the keys that ``owner`` reserved and that are still WRITING; every other
         key (READY, absent, or reserved by another session) is ignored, because engines
-        complete with every key of a request, sometimes twice.
+        complete with every key of a request, sometimes twice. ``source``: the tier whose
+        promotion wrote them (its own owner ``TIER_OWNER`` completes them); an engine's
+        blocks are told to the lower tiers (``LowerTier.stored``).
         """
         check_owner(owner)
         check_keys(keys, "complete_store")
@@ -511,8 +536,11 @@ class OffloadingManager:
             if success:
                 for slot in slots:
                     self._move(slot, SlotState.READY)
-                    slot.promoted = owner == TIER_OWNER
+                    slot.source = source
                 self._readable_keys.update(mine)
+                if source is BlockSource.HOST:
+                    for tier in self._tiers:
+                        tier.stored(mine)
                 self._counters["stored_blocks"] += len(slots)
                 self._emit(mine, removed=False)
                 if self._ledger is not None:

@@ -15,7 +15,7 @@ from tiercache.index.protocol import (
     ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
 )
 from tiercache.index.results import (
-    LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
+    BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -98,6 +98,7 @@ def decode_stats(reader: PayloadReader) -> ManagerStats:
 
 
 _TIER_FIELDS = [f.name for f in fields(TierStats)]
+_SOURCE_CODES = {int(s) for s in BlockSource}
 
 
 def encode_tier_stats(tiers: dict[str, TierStats]) -> bytes:
@@ -219,12 +220,14 @@ def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
 
 def encode_leases(results: Sequence[LeaseResult]) -> bytes:
     """Per lease: u8 pending, the hit run's spec (its length is ``num_hit``), then the
-    positions of the run's promoted blocks (``ids``)."""
+    positions of the run's promoted blocks (``ids``) and their sources (``ids``, the
+    ``BlockSource`` codes, co-indexed)."""
     writer = PayloadWriter().u32(len(results))
     for r in results:
         if r.spec is None:
             raise errors.ProtocolError(f"a lease of {r.num_hit} hits without its slots")
         writer.u8(int(r.pending)).spec(r.spec).ids(np.asarray(r.promoted, np.int64))
+        writer.ids(np.asarray([int(s) for s in r.sources], np.int64))
     return writer.build()
 
 
@@ -242,6 +245,11 @@ def decode_leases(reader: PayloadReader) -> list[LeaseResult]:
         if any(not 0 <= i < len(spec) for i in promoted):
             raise errors.ProtocolError(f"promoted positions {promoted[:4]} outside a run of "
                                        f"{len(spec)}")
-        results.append(LeaseResult(len(spec), bool(pending), spec, promoted))
+        codes = reader.ids().tolist()
+        if len(codes) != len(promoted) or any(c not in _SOURCE_CODES for c in codes):
+            raise errors.ProtocolError(f"lease sources {codes[:4]} for {len(promoted)} promoted "
+                                       f"positions; allowed codes {sorted(_SOURCE_CODES)}")
+        results.append(LeaseResult(len(spec), bool(pending), spec, promoted,
+                                   tuple(BlockSource(c) for c in codes)))
     reader.done()
     return results

@@ -4,6 +4,7 @@ stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from tiercache.errors import SpecError
 from tiercache.specs import CPULoadStoreSpec, Medium
@@ -25,6 +26,19 @@ class PrepareStoreOutput:
     no_room_keys: tuple[bytes, ...] = ()
 
 
+class BlockSource(IntEnum):
+    """Where a block in host memory came from (its wire code is the value; ``label`` names
+    the tier in metrics and status): an engine stored it, or a tier below promoted it."""
+
+    HOST = 0
+    DISK = 1
+    CLUSTER = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
 @dataclass(frozen=True)
 class LeaseResult:
     """``num_hit``: the leading run of readable keys, each now pinned once by the caller
@@ -34,14 +48,19 @@ class LeaseResult:
     what a load of the run reads, under the lease's own pins, so no ``prepare_load`` is
     needed. Built by hand (tests) it may be left out; equality compares ``num_hit`` and
     ``pending`` only (a spec has no value equality). ``promoted``: positions in the run of
-    blocks that came up from a tier below host memory (vLLM reports them as DISK hits)."""
+    blocks that came up from a tier below host memory, and ``sources`` (co-indexed) which
+    tier each came from (vLLM reports them as DISK or P2P hits)."""
 
     num_hit: int
     pending: bool
     spec: CPULoadStoreSpec | None = field(default=None, compare=False)
     promoted: tuple[int, ...] = field(default=(), compare=False)
+    sources: tuple[BlockSource, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
+        if len(self.sources) != len(self.promoted):
+            raise SpecError(f"{len(self.promoted)} promoted positions with "
+                            f"{len(self.sources)} sources; one source per position")
         if self.spec is not None and len(self.spec) != self.num_hit:
             raise SpecError(f"a lease of {self.num_hit} hits with {len(self.spec)} slots; "
                              "one slot per hit")
@@ -77,6 +96,7 @@ class TierStats:
     promotions: int = 0
     demotions: int = 0
     dropped_spills: int = 0
+    queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
     checksum_failures: int = 0
     errors: int = 0
     rebuilt_blocks: int = 0

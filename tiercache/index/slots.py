@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.errors import InvalidKeyError, ManagerError
+from tiercache.index.results import BlockSource
 
 
 class SlotState(Enum):
@@ -19,7 +20,7 @@ class SlotState(Enum):
 
 
 class Slot:
-    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "promoted")
+    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "source")
 
     def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0):
         self.slot_id = slot_id
@@ -27,7 +28,7 @@ class Slot:
         self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
         self.gen = gen  # the slot's generation for this key (what specs carry)
         self.hits = 0  # pins taken since it was stored (leases and loads): reuse, for tiers
-        self.promoted = False  # stored by a lower tier's promotion (not by an engine)
+        self.source = BlockSource.HOST  # or the lower tier whose promotion stored it
 
     @property
     def loads(self) -> int:

@@ -193,7 +193,8 @@ class Family(Enum):
                                       "index.max_session_share of the cache.", (),
                                       "session_limit_rejections")
     TIER_UP = ("gauge", "tiercache_tier_up",
-               "1 while the tier serves; 0 while it is marked down after I/O errors.",
+               "1 while the tier serves; 0 while it is marked down (disk: after I/O errors; "
+               "cluster: the pool's master unreachable).",
                ("tier",), "up")
     TIER_DIRECT_IO = ("gauge", "tiercache_tier_direct_io",
                       "1 when the tier reads and writes with O_DIRECT, 0 for buffered I/O.",
@@ -216,11 +217,15 @@ class Family(Enum):
                        "Blocks promoted from the tier into host memory.", ("tier",),
                        "promotions")
     TIER_DEMOTIONS = ("counter", "tiercache_tier_demotions",
-                      "Blocks written to the tier ahead of their eviction from host memory.",
-                      ("tier",), "demotions")
+                      "Blocks written to the tier (disk: ahead of their eviction from host "
+                      "memory; cluster: published to the pool).", ("tier",), "demotions")
     TIER_DROPPED_SPILLS = ("counter", "tiercache_tier_dropped_spills",
-                           "Blocks not written to the tier (not admitted under pressure, "
-                           "evicted first, or no slot free).", ("tier",), "dropped_spills")
+                           "Blocks not written to the tier (not admitted under pressure, queue "
+                           "full, evicted first, no slot free, the tier down or the write "
+                           "failed).", ("tier",), "dropped_spills")
+    TIER_QUEUED = ("gauge", "tiercache_tier_queued_blocks",
+                   "Blocks waiting to be written to the tier (disk: demotions; cluster: the "
+                   "publish queue).", ("tier",), "queued_blocks")
     TIER_CHECKSUM_FAILURES = ("counter", "tiercache_tier_checksum_failures",
                               "Blocks read from the tier whose checksum failed (dropped, "
                               "never served).", ("tier",), "checksum_failures")

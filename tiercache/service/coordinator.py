@@ -60,6 +60,7 @@ class Coordinator:
         self.exporter = None
         self.disk = None
         self.presence = None
+        self.cluster = None  # (ClusterTier, MooncakePool)
         self._closed = False
 
     def start(self) -> None:
@@ -76,6 +77,10 @@ class Coordinator:
             self._report_sessions(restored, total, damaged)
             if cfg.disk is not None:
                 self.disk = self._start_disk()
+            if cfg.cluster is not None:
+                self.cluster = self._start_cluster()
+            self.manager.set_lower_tiers([tier for tier in (
+                self.disk, self.cluster and self.cluster[0]) if tier is not None])
             self.presence = self._start_presence()
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
@@ -84,10 +89,10 @@ class Coordinator:
             self.control = control
             self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
-                disk = self.disk
+                tiers = self.disk is not None or self.cluster is not None
                 collector = TiercacheCollector(
                     self.region, manager_stats=self.control.stats,
-                    tier_stats=(lambda: {"disk": disk.snapshot()}) if disk else None)
+                    tier_stats=self.manager.tier_stats if tiers else None)
                 self.exporter = start_exporter(cfg.exporter, collector)
         except BaseException:
             self.close()
@@ -173,7 +178,6 @@ class Coordinator:
         except BaseException:
             file.close()
             raise
-        self.manager.set_lower_tier(tier)
         tier.start()
         how = "O_DIRECT" if file.direct_io else f"buffered I/O ({file.direct_io_reason})"
         self.say(f"disk tier: {file.num_slots} block(s) of {format_bytes(file.slot_bytes)} "
@@ -189,6 +193,10 @@ class Coordinator:
 
         num_keys = self.manager.num_blocks + (self.disk.capacity_blocks if self.disk else 0)
         presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
+        if self.cluster is not None:  # the pool's keys are not counted here: no zero is sure
+            presence.set_exact(False)
+            self.say("key presence map: not exact (a cluster tier's keys are not counted on "
+                     "this node): every new request is looked up in the coordinator, one step")
         try:
             self.manager.set_key_listener(presence.update)
             if self.disk is not None:
@@ -204,9 +212,52 @@ class Coordinator:
             self.disk.set_key_listener(None)
         self.presence.close()
 
-    def _stop_disk(self) -> None:
-        self.manager.set_lower_tier(None)
-        self.disk.close()
+    def _start_cluster(self):
+        """The cluster tier: this node's segment mounted in the pool (waiting up to
+        ``cluster.start_timeout_s`` for the master), the region registered with the pool's
+        client for zero-copy transfers, the tier's threads started."""
+        from tiercache.tiers.cluster import ClusterTier
+        from tiercache.tiers.cluster_object import BlockFormat
+        from tiercache.tiers.mooncake_pool import MooncakePool
+
+        cfg, layout, region = self.config.cluster, self.region.layout, self.region
+        block_format = BlockFormat.of(layout)
+        t0 = time.perf_counter()
+        pool = MooncakePool(cfg)
+        pool.open()
+        try:
+            pool.register(region.base_address, layout.total_bytes)
+
+            def rows(slot: int) -> list[tuple[int, memoryview]]:
+                views = [region.rank_array(rank)[slot] for rank in range(layout.world_size)]
+                return [(row.ctypes.data, memoryview(row)) for row in views]
+
+            tier = ClusterTier(
+                pool, self.manager, block_format, rows,
+                capacity_blocks=cfg.segment_bytes // (block_format.object_bytes
+                                                      * layout.world_size),
+                publish_queue_blocks=cfg.publish_queue_blocks, exists_ttl_s=cfg.exists_ttl_s,
+                retry_s=cfg.retry_s)
+        except BaseException:
+            pool.close()
+            raise
+        tier.start()
+        self.say(f"cluster tier: Mooncake Store, master {cfg.master}, this node's segment "
+                 f"{format_bytes(cfg.segment_bytes)} at {pool.hostname} ({cfg.protocol}); "
+                 f"block format {block_format.digest.hex()}; ready in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        return tier, pool
+
+    def _stop_tiers(self) -> None:
+        self.manager.set_lower_tiers([])
+        try:
+            if self.cluster is not None:
+                tier, pool = self.cluster
+                tier.close()
+                pool.close()
+        finally:
+            if self.disk is not None:
+                self.disk.close()
 
     def serve_until(self, stop: threading.Event) -> None:
         stop.wait()
@@ -220,7 +271,7 @@ class Coordinator:
         keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
                             ("presence", self.presence and self._stop_presence),
-                            ("disk", self.disk and self._stop_disk),
+                            ("tiers", (self.disk or self.cluster) and self._stop_tiers),
                             ("control", self.control and (
                                 lambda: self.control.close(end_sessions=not keep))),
                             # a scrape the exporter could not drain may still read the

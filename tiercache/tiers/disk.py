@@ -38,12 +38,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from tiercache.index.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
-from tiercache.index.results import TierStats
+from tiercache.index.results import BlockSource, TierStats
 from tiercache.tiers.disk_file import DiskSlotFile
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class DiskTier:
         self._stopped = threading.Event()  # the watcher sleeps on this, not on ``_work``
         self._threads: list[threading.Thread] = []
         self._key_listener = None
-        self.name = "disk"
+        self.source = BlockSource.DISK
+        self.name = self.source.label
         self.stats = TierStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
 
     # ------------------------------------------------------------------ life
@@ -152,17 +153,21 @@ class DiskTier:
         with self._lock:
             return key in self._index and time.monotonic() >= self._down_until
 
-    def promote(self, keys: Sequence[bytes]) -> None:
-        """Queue promotions of these keys (those not being promoted already), in jobs of at
-        most ``PROMOTE_BATCH`` keys: one job reserves its host slots at once."""
+    def promote(self, keys: Sequence[bytes], mine: Collection[bytes]) -> None:
+        """Queue promotions of ``mine`` (those not being promoted already) in jobs over the
+        run ``keys``, of at most ``PROMOTE_BATCH`` keys: one job reserves its host slots at
+        once."""
         with self._lock:
-            todo = [k for k in keys if k not in self._promoting and k in self._index]
+            todo = [k for k in mine if k not in self._promoting and k in self._index]
             if not todo:
                 return
             self._promoting.update(todo)
             for start in range(0, len(keys), PROMOTE_BATCH):  # the run's host keys too: a
                 chunk = tuple(keys[start:start + PROMOTE_BATCH])  # job's reservation protects
                 self._push(_PROMOTE, ("promote", chunk))  # them from its own evictions
+
+    def stored(self, keys: Sequence[bytes]) -> None:
+        """Engine stores reach the disk by demotion ahead of eviction, not at store time."""
 
     def _push(self, priority: int, job: tuple) -> None:
         heapq.heappush(self._queue, (priority, next(self._count), job))
@@ -254,8 +259,8 @@ class DiskTier:
                                 "did not check (header or data CRC); dropped, not served",
                                 key[:32], disk_slot)
             (good if ok else bad).append(key)
-        self._manager.complete_store(good, True, owner=TIER_OWNER)
-        self._manager.complete_store(bad, False, owner=TIER_OWNER)
+        self._manager.complete_store(good, True, owner=TIER_OWNER, source=self.source)
+        self._manager.complete_store(bad, False, owner=TIER_OWNER, source=self.source)
         with self._lock:
             self._promoting.difference_update(keys)
 
@@ -356,4 +361,5 @@ class DiskTier:
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return replace(self.stats, up=time.monotonic() >= self._down_until)
+            return replace(self.stats, up=time.monotonic() >= self._down_until,
+                           queued_blocks=len(self._demoting))

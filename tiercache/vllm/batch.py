@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from tiercache.index.results import BlockSource
+
 if TYPE_CHECKING:
     from tiercache.vllm.leases import RequestLeases
 
@@ -55,7 +57,8 @@ class LeaseAnswer(NamedTuple):
     reserved: Sequence[tuple[bytes, FencedSlot]] = ()
     skipped: Sequence[bytes] = ()
     no_room: Sequence[bytes] = ()
-    promoted: Sequence[int] = ()  # positions in the run that came up from disk
+    promoted: Sequence[int] = ()  # positions in the run that came up from a lower tier
+    sources: Sequence[BlockSource] = ()  # co-indexed with promoted: which tier
 
 
 @dataclass

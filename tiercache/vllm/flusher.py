@@ -306,7 +306,7 @@ class Flusher:
                          for keys, r in zip(group, results)]
                 for r, mine in zip(results, ahead.reserve(rests)):
                     answers.append(LeaseAnswer(r.num_hit, r.pending, fenced_slots(r.spec), *mine,
-                                               promoted=r.promoted))
+                                               promoted=r.promoted, sources=r.sources))
         return answers, retried, ahead.evicted
 
 

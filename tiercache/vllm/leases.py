@@ -62,6 +62,7 @@ from itertools import islice
 from typing import Any
 
 from tiercache.errors import StateError
+from tiercache.index.results import BlockSource
 from tiercache.vllm.batch import Answers, Batch, FencedSlot, LeaseAnswer, Probe
 
 
@@ -73,12 +74,12 @@ def _always(key: bytes) -> bool:
 
 
 class _Held:
-    __slots__ = ("slot_id", "refs", "from_disk")
+    __slots__ = ("slot_id", "refs", "source")
 
-    def __init__(self, slot_id: FencedSlot, from_disk: bool = False):
+    def __init__(self, slot_id: FencedSlot, source: BlockSource = BlockSource.HOST):
         self.slot_id = slot_id
         self.refs = 0
-        self.from_disk = from_disk  # promoted from the disk tier: vLLM's load source DISK
+        self.source = source  # the tier it was promoted from (vLLM's load source)
 
 
 class RequestLeases:
@@ -373,11 +374,11 @@ class LeaseBook:
                 self._queued.stores_failed.extend(batch.prefix + k for k, _ in answer.reserved)
                 continue
             self._file_reservations(request, answer)
-            promoted = set(answer.promoted)
+            promoted = dict(zip(answer.promoted, answer.sources, strict=True))
             for i, (key, slot_id) in enumerate(zip(leased, answer.slot_ids, strict=True)):
                 held = self.held.get(key)
                 if held is None:
-                    held = self.held[key] = _Held(slot_id, i in promoted)
+                    held = self.held[key] = _Held(slot_id, promoted.get(i, BlockSource.HOST))
                 elif held.slot_id != slot_id:
                     raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
                                      f"lease says slot {slot_id}")

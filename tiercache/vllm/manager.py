@@ -71,6 +71,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.errors import CoordinatorGoneError, SpecError
 from tiercache.region.presence import PresenceView
+from tiercache.index.results import BlockSource
 from tiercache.specs import CPULoadStoreSpec
 from tiercache.vllm.flusher import Flusher, IndexSession
 from tiercache.vllm.batch import Answers, FencedSlot, fenced_slots
@@ -78,7 +79,10 @@ from tiercache.vllm.leases import LeaseBook, RequestLeases
 from tiercache.vllm.namespace import Namespace
 
 _HOST = CacheHitSource.HOST
-_DISK = CacheHitSource.DISK
+# A cluster hit came from the pool, i.e. another node's memory: vLLM's P2P (what its own
+# Mooncake connector reports); DISK for the disk tier.
+_LOAD_SOURCES = {BlockSource.HOST: _HOST, BlockSource.DISK: CacheHitSource.DISK,
+                 BlockSource.CLUSTER: CacheHitSource.P2P}
 LOOKUP_WAIT_S = 0.05  # the longest a lookup waits for its request's probe to be answered
 PRESENCE_CHECK_S = 1.0  # how often the scheduler checks that its presence map is current
 PRESENCE_RETRY_S = 0.05  # ... while it has none, or one its coordinator retired
@@ -203,10 +207,10 @@ class TierCacheManager(OffloadingManager):
         return self._book.lookup(key, req_context)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        """DISK for a block the coordinator promoted from its disk tier for this lease,
-        HOST otherwise (and for keys no longer held)."""
+        """DISK for a block the coordinator promoted from its disk tier for this lease, P2P
+        from the cluster tier, HOST otherwise (and for keys no longer held)."""
         held = self._book.held.get(key)
-        return _DISK if held is not None and held.from_disk else _HOST
+        return _HOST if held is None else _LOAD_SOURCES[held.source]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> TierCacheLoadStoreSpec:

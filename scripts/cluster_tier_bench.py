@@ -1,0 +1,300 @@
+"""Cluster tier throughput against Mooncake Store's own batch put/get, measured in one run.
+
+    PYTHONPATH=. python3 scripts/cluster_tier_bench.py [--blocks 128] [--block-mib 2]
+        [--protocol tcp] [--json PATH]
+
+Starts a ``mooncake_master`` on loopback (free ports; its HTTP metadata server in the same
+process) and two nodes in this process, each a Mooncake client with its own segment.
+
+* **Ceiling**: Mooncake's own ``batch_put_from`` / ``batch_get_into`` of ``--blocks``
+  objects of ``--block-mib`` MiB between registered buffers (node A puts, node B gets),
+  in batches of the sizes the tier uses (16 for puts, 32 for gets); and one object got
+  alone (p50).
+
+Each figure is the best of ``--rounds`` rounds (fresh names each round, the last round's
+objects removed first, so every round writes segment memory the previous one touched: the
+first round pays the segments' page faults, for the ceiling and the tier alike).
+* **Tier**: the coordinator's code path without its processes: on node A a real region,
+  index and ``ClusterTier`` publish every block an engine stores (write-through, from the
+  region, header and CRC); on node B a second region, index and ``ClusterTier`` promote
+  them on lookup (exists, reserve host slots, get into them, check header and CRC, READY);
+  then one block at a time, from the lookup that starts it to READY (the pool asked
+  whether it has the block each time: ``exists_ttl_s`` ~0). Every promoted block is
+  compared byte for byte with what node A stored.
+
+Prints a markdown table with each tier figure's ratio to the ceiling of its direction;
+``--json`` writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MIB = 1 << 20
+PUT_BATCH, GET_BATCH = 16, 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master(workdir: str):
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    log = open(os.path.join(workdir, "master.log"), "w")
+    proc = subprocess.Popen(
+        [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+         f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={metrics}", "--enable_metric_reporting=false",
+         "--default_kv_lease_ttl=1000"],  # a get holds its objects 1 s (rounds remove)
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    for port in (rpc, http):
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise SystemExit("mooncake_master did not start: see " + log.name)
+                time.sleep(0.05)
+    return proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
+
+
+def cluster_config(master: str, metadata: str, segment_bytes: int, protocol: str, **kw):
+    from tiercache.config import ClusterConfig
+
+    return ClusterConfig(master=master, metadata_server=metadata, local_hostname="127.0.0.1",
+                         segment_bytes=segment_bytes, protocol=protocol, **kw)
+
+
+def ceiling(master: str, metadata: str, blocks: int, block_bytes: int, protocol: str,
+            rounds: int) -> dict:
+    """Mooncake's own batch put and get of the same sizes, node A to node B."""
+    from tiercache.tiers.mooncake_pool import MooncakePool
+
+    segment = int(blocks * block_bytes * 1.25)
+    a = MooncakePool(cluster_config(master, metadata, segment, protocol))
+    b = MooncakePool(cluster_config(master, metadata, segment, protocol))
+    a.open()
+    b.open()
+    src, dst = mmap.mmap(-1, blocks * block_bytes), mmap.mmap(-1, blocks * block_bytes)
+    src_at = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_at = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    try:
+        src.write(np.random.default_rng(3).integers(0, 256, len(src), np.uint8).tobytes())
+        dst.write(bytes(len(dst)))  # both buffers faulted in, as the region is
+        a.register(src_at, len(src))
+        b.register(dst_at, len(dst))
+        parts = [[(src_at + i * block_bytes, block_bytes)] for i in range(blocks)]
+        into = [[(dst_at + i * block_bytes, block_bytes)] for i in range(blocks)]
+        out = {"put": 0.0, "get": 0.0}
+        names: list[str] = []
+        for r in range(rounds):
+            remove_all(a, names)
+            names = [f"raw/{r}/{i}" for i in range(blocks)]
+            start = time.perf_counter()
+            for i in range(0, blocks, PUT_BATCH):
+                assert set(a.put_from(names[i:i + PUT_BATCH], parts[i:i + PUT_BATCH])) == {0}
+            out["put"] = max(out["put"], blocks * block_bytes / (time.perf_counter() - start))
+            start = time.perf_counter()
+            for i in range(0, blocks, GET_BATCH):
+                got = b.get_into(names[i:i + GET_BATCH], into[i:i + GET_BATCH])
+                assert set(got) == {block_bytes}, got
+            out["get"] = max(out["get"], blocks * block_bytes / (time.perf_counter() - start))
+            assert src[:] == dst[:], "Mooncake's own get returned other bytes"
+        latencies = []
+        for i in range(20):  # one object alone (with its exists, as a lookup asks)
+            start = time.perf_counter()
+            b.exists(names[i:i + 1])
+            b.get_into(names[i:i + 1], into[i:i + 1])
+            latencies.append(time.perf_counter() - start)
+        out["one_ms_p50"] = statistics.median(latencies) * 1e3
+        return out
+    finally:
+        a.close()
+        b.close()
+        del src_at, dst_at
+
+
+def remove_all(pool, names: list[str]) -> None:
+    """Remove objects (once their read leases ran out)."""
+    deadline = time.monotonic() + 10
+    while names and time.monotonic() < deadline:
+        names = [n for n, code in zip(names, pool.remove(names)) if code != 0]
+        time.sleep(0.02)
+
+
+class Node:
+    """A region, its index and a cluster tier, as a coordinator wires them."""
+
+    def __init__(self, name: str, blocks: int, block_bytes: int, cfg):
+        from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
+        from tiercache.index.manager import OffloadingManager
+        from tiercache.region.ledger import IndexLedger
+        from tiercache.region.shared import SharedOffloadRegion
+        from tiercache.tiers.cluster import ClusterTier
+        from tiercache.tiers.cluster_object import BlockFormat
+        from tiercache.tiers.mooncake_pool import MooncakePool
+
+        config = Config(name=f"cluster-bench-{name}-{os.getpid()}", world_size=1,
+                        kv=KVGeometry(page_bytes=(block_bytes,), block_size_factor=1),
+                        region=RegionConfig(capacity_bytes=None, num_blocks=blocks,
+                                            prefault_threads=2),
+                        exporter=ExporterConfig(enabled=False), cluster=cfg)
+        self.region = region = SharedOffloadRegion.create(config)
+        layout = region.layout
+        self.manager = OffloadingManager(blocks, ledger=IndexLedger(region.ledger_array()),
+                                         region_id=region.region_id)
+        self.pool = MooncakePool(cfg)
+        self.pool.open()
+        self.pool.register(region.base_address, layout.total_bytes)
+
+        def rows(slot):
+            row = region.rank_array(0)[slot]
+            return [(row.ctypes.data, memoryview(row))]
+
+        self.format = fmt = BlockFormat.of(layout)
+        self.tier = ClusterTier(self.pool, self.manager, fmt, rows,
+                                capacity_blocks=cfg.segment_bytes // fmt.object_bytes,
+                                publish_queue_blocks=cfg.publish_queue_blocks,
+                                exists_ttl_s=cfg.exists_ttl_s, retry_s=cfg.retry_s)
+        self.manager.set_lower_tiers([self.tier])
+        self.tier.start()
+
+    def close(self) -> None:
+        self.manager.set_lower_tiers([])
+        self.tier.close()
+        self.pool.close()
+        self.region.close()
+
+
+def tier_rates(master: str, metadata: str, blocks: int, block_bytes: int, protocol: str,
+               rounds: int) -> dict:
+    segment = int(blocks * (block_bytes + 4096) * 1.25)
+    a = Node("a", blocks, block_bytes, cluster_config(
+        master, metadata, segment, protocol, publish_queue_blocks=blocks))
+    b = Node("b", blocks, block_bytes, cluster_config(
+        master, metadata, segment, protocol, exists_ttl_s=1e-3))
+    try:
+        result = {"publish": 0.0, "promote": 0.0}
+        keys: list[bytes] = []
+        for r in range(rounds):
+            remove_all(a.pool, [a.format.name(k, 0) for k in keys])
+            a.manager.reset()
+            b.manager.reset()
+            keys = [b"bench-%d-%d" % (r, i) for i in range(blocks)]
+            publish, promote = one_round(a, b, keys, block_bytes)
+            result["publish"] = max(result["publish"], publish)
+            result["promote"] = max(result["promote"], promote)
+        print("tier: one block at a time", file=sys.stderr)
+        latencies = []
+        for key in keys[-20:]:  # from the lookup that starts it to READY
+            b.manager.reset()
+            time.sleep(0.002)  # the tier's exists answer (1 ms) is stale: asked again
+            start = time.perf_counter()
+            b.manager.lookup([key])
+            while b.manager.lookup([key]) == 0:
+                time.sleep(0.0001)
+            latencies.append(time.perf_counter() - start)
+        result["one_ms_p50"] = statistics.median(latencies) * 1e3
+        result["one_ms_max"] = max(latencies) * 1e3
+        return result
+    finally:
+        a.close()
+        b.close()
+
+
+def one_round(a: Node, b: Node, keys: list[bytes], block_bytes: int) -> tuple[float, float]:
+    """Publish ``keys`` from node A, promote them on node B: (publish, promote) bytes/s."""
+    blocks = len(keys)
+    data = a.region.rank_array(0)
+    out = a.manager.prepare_store(keys)
+    data[out.store_spec.block_ids] = np.random.default_rng(len(keys)).integers(
+        0, 256, (blocks, data.shape[1]), dtype=np.uint8)
+    published = a.tier.snapshot().demotions
+    print("tier: publishing", file=sys.stderr)
+    start = time.perf_counter()
+    a.manager.complete_store(keys)  # an engine's store: every block queued to publish
+    while a.tier.snapshot().demotions < published + blocks:
+        assert a.tier.snapshot().dropped_spills == 0, a.tier.snapshot()
+        time.sleep(0.0005)
+    publish = blocks * block_bytes / (time.perf_counter() - start)
+    promoted = b.tier.snapshot().promotions
+    print("tier: promoting", file=sys.stderr)
+    start = time.perf_counter()
+    for i in range(0, blocks, GET_BATCH):
+        b.manager.lookup(keys[i:i + GET_BATCH])  # starts the promotions (pending)
+    while b.tier.snapshot().promotions < promoted + blocks:
+        stats = b.tier.snapshot()
+        assert (stats.checksum_failures, stats.errors) == (0, 0), stats
+        time.sleep(0.0005)
+    promote = blocks * block_bytes / (time.perf_counter() - start)
+    spec_a = a.manager.prepare_load(keys)
+    spec_b = b.manager.prepare_load(keys)
+    assert np.array_equal(data[spec_a.block_ids], b.region.rank_array(0)[spec_b.block_ids]), \
+        "node B promoted other bytes than node A stored"
+    a.manager.complete_load(keys)
+    b.manager.complete_load(keys)
+    return publish, promote
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=128)
+    ap.add_argument("--block-mib", type=int, default=2)
+    ap.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    block = args.block_mib * MIB
+    with tempfile.TemporaryDirectory(prefix="cluster-bench-") as workdir:
+        proc, master, metadata = start_master(workdir)
+        try:
+            print(f"cluster tier bench: {args.blocks} blocks of {args.block_mib} MiB, "
+                  f"{args.protocol} on loopback", file=sys.stderr)
+            raw = ceiling(master, metadata, args.blocks, block, args.protocol, args.rounds)
+            print("ceiling: done", file=sys.stderr)
+            tier = tier_rates(master, metadata, args.blocks, block, args.protocol,
+                              args.rounds)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    gb = 1e9
+    print("| what | GB/s | ratio to Mooncake's own (same run) |\n|---|---|---|")
+    print(f"| Mooncake batch put, node A ({PUT_BATCH} × {args.block_mib} MiB per call) | "
+          f"{raw['put'] / gb:.2f} | 1 |")
+    print(f"| Mooncake batch get, node B ({GET_BATCH} × {args.block_mib} MiB per call) | "
+          f"{raw['get'] / gb:.2f} | 1 |")
+    print(f"| tier publish (host → pool: pin, CRC, header, put) | {tier['publish'] / gb:.2f} | "
+          f"{tier['publish'] / raw['put']:.2f} of put |")
+    print(f"| tier promotion (pool → host: exists, reserve, get, check) | "
+          f"{tier['promote'] / gb:.2f} | {tier['promote'] / raw['get']:.2f} of get |")
+    print(f"| one {args.block_mib} MiB block promoted, lookup to READY | p50 "
+          f"{tier['one_ms_p50']:.2f} ms, max {tier['one_ms_max']:.2f} ms | Mooncake: exists "
+          f"+ get of one object p50 {raw['one_ms_p50']:.2f} ms |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceiling": raw, "tier": tier, "args": vars(args)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

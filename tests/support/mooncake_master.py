@@ -1,0 +1,98 @@
+"""A real ``mooncake_master`` for tests: on 127.0.0.1, free ports, its HTTP metadata server
+in the same process; killed, stopped and started again on the same ports by the test.
+``stop()`` always runs (use it as a context manager)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 30.0
+CLIENT_TTL_S = 2  # a client silent this long is dropped (its segment unmounted): tests wait less
+
+
+def master_binary() -> str:
+    path = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable),
+                                                          "mooncake_master")
+    if not os.access(path, os.X_OK):
+        pytest.fail("mooncake_master is not installed: pip install the `test` extra "
+                    "(mooncake-transfer-engine-non-cuda) and `make mooncake`; the cluster "
+                    "tier's tests cannot run without it")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """One master (RPC, HTTP metadata and metrics ports on 127.0.0.1)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.address = f"127.0.0.1:{self.rpc_port}"
+        self.metadata_url = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "the master runs already"
+        self.starts += 1
+        log = (self.workdir / f"master-{self.starts}.log").open("w")
+        self.proc = subprocess.Popen(
+            [master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={self.metrics_port}", f"--client_ttl={CLIENT_TTL_S}",
+             "--enable_metric_reporting=false"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (accepts(self.rpc_port) and accepts(self.http_port)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not start:\n{self.output()}")
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        return "".join(p.read_text() for p in sorted(self.workdir.glob("master-*.log")))
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

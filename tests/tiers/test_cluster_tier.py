@@ -1,0 +1,328 @@
+"""The cluster tier through real coordinators and a real ``mooncake_master`` on loopback:
+two coordinators (own instance names, regions, sockets) stand for two nodes. What node A
+stores is an exact hit on node B after promotion; a node of another geometry sees none of
+it; a master killed makes B's lookups plain misses (no error) and the tier comes back with
+a master; node A stopped or killed: B's lookups of A's blocks miss cleanly; an object
+damaged in the pool, or a key a dead writer left stuck mid-put, is a miss, never a load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from control_children import block_pattern, rows_hold
+from control_support import wait_for
+from e2e_support import metrics_url, sample, scrape
+from mooncake_master import MooncakeMaster
+from tiercache.config import ClusterConfig, KVGeometry, RegionConfig
+from tiercache.index.client import Client
+from tiercache.index.results import BlockSource
+from tiercache.region.layout import RegionLayout
+from tiercache.region.shared import SharedOffloadRegion
+from tiercache.service.process import CoordinatorProcess
+from tiercache.tiers.cluster_object import BlockFormat
+
+ROW = 4096
+KEYS = [b"cluster-key-%d" % i for i in range(24)]
+
+
+@pytest.fixture
+def master(tmp_path):
+    with MooncakeMaster(tmp_path / "master") as m:
+        yield m
+
+
+@pytest.fixture
+def start_node(make_config, instance_name, tmp_path, master):
+    """``start(node, page=ROW)`` -> a running coordinator of its own instance, region and
+    socket, with a cluster tier on ``master``; all stopped and cleaned up after."""
+    started = []
+
+    def start(node: str, page: int = ROW, num_blocks: int = 64) -> CoordinatorProcess:
+        config = make_config(
+            name=f"{instance_name}{node}", control_socket=str(tmp_path / f"{node}.sock"),
+            kv=KVGeometry(page_bytes=(page,)),
+            region=RegionConfig(capacity_bytes=None, num_blocks=num_blocks, prefault_threads=1),
+            cluster=ClusterConfig(master=master.address, metadata_server=master.metadata_url,
+                                  local_hostname="127.0.0.1", segment_bytes=32 << 20,
+                                  exists_ttl_s=0.5, retry_s=0.3, start_timeout_s=5))
+        process = CoordinatorProcess(config, tmp_path / f"node-{node}")
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.cleanup()
+
+
+def cluster_stats(node: CoordinatorProcess):
+    with Client(node.config) as client:
+        return client.tier_stats()["cluster"]
+
+
+def store(node: CoordinatorProcess, keys: list[bytes], timeout_s: float = 30.0) -> bool:
+    """Store ``keys`` on ``node`` (each rank's row its pattern); whether they are published
+    within ``timeout_s``."""
+    config = node.config
+    before = cluster_stats(node).demotions
+    with SharedOffloadRegion.attach(config.name) as region, Client(config) as client:
+        out = client.prepare_store(keys)
+        assert out is not None and list(out.keys_to_store) == keys
+        stride = region.layout.row_stride
+        for slot, key in zip(out.store_spec.block_ids.tolist(), keys):
+            for rank in range(config.world_size):
+                region.rank_array(rank)[slot] = block_pattern(key, rank, stride)
+        client.complete_store(keys)
+    try:
+        wait_for(lambda: cluster_stats(node).demotions >= before + len(keys),
+                 f"node {config.name} publishes its {len(keys)} blocks", timeout_s)
+    except AssertionError:
+        return False
+    return True
+
+
+def lease_settled(client: Client, keys: list[bytes], timeout_s: float = 30.0):
+    """Lease ``keys`` (a prefix), asking again while the answer is pending; the answers."""
+    answers = [client.lease(keys)]
+    deadline = time.monotonic() + timeout_s
+    while answers[-1].pending:
+        assert time.monotonic() < deadline, f"stayed pending for {timeout_s} s"
+        time.sleep(0.005)
+        answers.append(client.lease(keys))
+    return answers
+
+
+def load(node: CoordinatorProcess, keys: list[bytes]) -> tuple[int, int, list]:
+    """(exact, wrong, answers): ``keys`` leased on ``node`` as one prefix until settled,
+    then every hit's rows compared with its pattern under the lease's pins."""
+    with SharedOffloadRegion.attach(node.config.name) as region, Client(node.config) as client:
+        answers = lease_settled(client, keys)
+        final = answers[-1]
+        slots = final.spec.block_ids.tolist() if final.num_hit else []
+        exact = sum(rows_hold(region, slot, key) for slot, key in zip(slots, keys))
+        client.release(keys[:final.num_hit])
+    return exact, len(slots) - exact, answers
+
+
+def test_a_block_stored_on_node_a_is_an_exact_hit_on_node_b(start_node):
+    a, b = start_node("a"), start_node("b")
+    assert "cluster tier: Mooncake Store" in a.output()
+    assert store(a, KEYS)
+    exact, wrong, answers = load(b, KEYS)
+    assert (exact, wrong) == (len(KEYS), 0)
+    assert answers[0].num_hit == 0 and answers[0].pending  # promoted first, then a hit
+    final = answers[-1]
+    assert final.promoted == tuple(range(len(KEYS)))  # every block came up from the pool
+    assert set(final.sources) == {BlockSource.CLUSTER}
+    stats = cluster_stats(b)
+    assert stats.promotions == len(KEYS) and stats.up
+    assert (stats.checksum_failures, stats.errors) == (0, 0)
+    # the same figures as metrics with tier="cluster", and a line in `tiercache status`
+    url = metrics_url(b)
+    assert sample(scrape(url), "tiercache_tier_promotions_total", tier="cluster") == len(KEYS)
+    assert sample(scrape(metrics_url(a)), "tiercache_tier_demotions_total",
+                  tier="cluster") == len(KEYS)
+    out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                          str(b.config_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "cluster tier: up, this node's segment holds" in out.stdout
+    assert f"{len(KEYS)} promoted" in out.stdout
+
+
+def test_two_clients_asking_for_one_block_promote_it_once(start_node):
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:1])
+    with Client(b.config) as one, Client(b.config) as two:
+        first, second = one.lease(KEYS[:1]), two.lease(KEYS[:1])
+        assert first.num_hit == 0 and first.pending
+        # asked while the pool is being asked: pending (reserved already) or a plain miss
+        assert second.num_hit == 0
+        assert lease_settled(one, KEYS[:1])[-1].num_hit == 1
+        assert lease_settled(two, KEYS[:1])[-1].num_hit == 1
+    assert cluster_stats(b).promotions == 1
+
+
+def test_a_node_of_another_geometry_sees_none_of_it(start_node):
+    a, c = start_node("a"), start_node("c", page=2 * ROW)
+    assert store(a, KEYS[:8])
+    exact, wrong, answers = load(c, KEYS[:8])
+    assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0)
+    assert len(answers) <= 2  # a cold miss costs one extra lookup at most
+    assert cluster_stats(c).promotions == 0
+    ours = BlockFormat.of(RegionLayout.from_config(a.config))
+    theirs = BlockFormat.of(RegionLayout.from_config(c.config))
+    assert ours.name(KEYS[0], 0) != theirs.name(KEYS[0], 0)
+
+
+def test_a_cold_miss_costs_one_extra_lookup_at_most(start_node):
+    b = start_node("b")
+    with Client(b.config) as client:
+        answers = lease_settled(client, [b"never-stored-%d" % i for i in range(8)])
+        assert len(answers) <= 2 and answers[-1].num_hit == 0
+        again = client.lease([b"never-stored-0"])  # remembered: a plain miss at once
+        assert (again.num_hit, again.pending) == (0, False)
+
+
+def test_master_killed_lookups_miss_without_errors_and_the_tier_recovers(start_node, master):
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:8])
+    master.kill()
+    wait_for(lambda: not cluster_stats(b).up, "node b marks the tier down")
+    with Client(b.config) as client:  # no error, no pending: this node's own tiers only
+        answer = client.lease(KEYS[:8])
+        assert (answer.num_hit, answer.pending) == (0, False)
+    assert sample(scrape(metrics_url(b)), "tiercache_tier_up", tier="cluster") == 0
+    assert "the tier is down" in b.output()
+    with Client(a.config) as client:  # a store while down is not published, and not lost
+        out = client.prepare_store([b"while-down"])
+        client.complete_store(list(out.keys_to_store))
+    master.start()  # an empty master on the same ports: the pool starts over
+    wait_for(lambda: cluster_stats(a).up and cluster_stats(b).up, "both tiers come back")
+    assert "answers again; the tier is up" in b.output()
+    # a master back re-mounts the nodes' segments within a few seconds; puts before
+    # that fail (counted): store fresh blocks until a batch is published
+    fresh = next((keys for attempt in range(30)
+                  if store(a, keys := [b"back-%d-%d" % (attempt, i) for i in range(4)], 1.0)),
+                 None)
+    assert fresh is not None, "node a never published again"
+    exact, wrong, _ = load(b, fresh)
+    assert (exact, wrong) == (4, 0)
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_node_a_gone_its_blocks_miss_cleanly_on_node_b(start_node, how):
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:8])
+    if how == "stopped":
+        assert a.stop() == 0  # its segment is unmounted: its objects leave the pool
+    else:
+        a.kill()  # its segment stays listed until the master's client TTL: gets fail
+    exact, wrong, answers = load(b, KEYS[:8])
+    assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0)
+    stats = cluster_stats(b)
+    assert stats.up and stats.promotions == 0 and stats.checksum_failures == 0
+
+
+def test_a_damaged_object_in_the_pool_is_a_miss_never_a_load(start_node, master):
+    """Objects a test client puts under node b's names: a flipped byte in a row, a header
+    naming another key, one of another geometry's format, one cut short. Each is a miss,
+    the first three counted as checksum failures, the last as an error."""
+    import ctypes
+    import mmap
+
+    from tiercache.tiers.mooncake_pool import MooncakePool
+
+    b = start_node("b")
+    fmt = BlockFormat.of(RegionLayout.from_config(b.config))
+    other = BlockFormat(fmt.world_size, fmt.row_stride, (ROW // 2, ROW // 2),
+                        fmt.block_size_factor)
+    flipped, renamed, foreign, short = (b"damaged-%d" % i for i in range(4))
+    pool = MooncakePool(ClusterConfig(master=master.address,
+                                      metadata_server=master.metadata_url,
+                                      local_hostname="127.0.0.1", segment_bytes=16 << 20))
+    pool.open()
+    buf = mmap.mmap(-1, 1 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    try:
+        pool.register(base, len(buf))
+        names, parts, at = [], [], 0
+        for key, written_as, form in ((flipped, flipped, fmt), (renamed, b"someone-else", fmt),
+                                      (foreign, foreign, other), (short, short, fmt)):
+            for rank in range(fmt.world_size):
+                row = block_pattern(written_as, rank, fmt.row_stride).tobytes()
+                header = form.header(written_as, rank, row).ljust(512, b"\0")
+                if key == flipped:
+                    row = bytes([row[0] ^ 1]) + row[1:]
+                obj = (header + row)[:100 if key == short else None]
+                buf[at:at + len(obj)] = obj
+                names.append(fmt.name(key, rank))
+                parts.append([(base + at, len(obj))])
+                at += len(obj)
+        assert pool.put_from(names, parts) == [0] * len(names)
+        for key in (flipped, renamed, foreign, short):
+            exact, wrong, answers = load(b, [key])
+            assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0), key
+        stats = cluster_stats(b)
+        assert (stats.promotions, stats.checksum_failures) == (0, 3)
+        assert stats.errors >= 1 and stats.up
+        with Client(b.config) as client:  # a slot given back, never a READY block
+            assert client.stats().ready_blocks == 0
+    finally:
+        pool.close()
+        del base
+        buf.close()
+
+
+STUCK_WRITER = """
+import os, signal, sys
+os.environ["GLOG_minloglevel"] = "3"
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", sys.argv[1], 16 << 20, 16 << 20, "tcp", "", sys.argv[2]) == 0
+codes = store.batch_put_session_start(sys.argv[4:], [int(sys.argv[3])] * len(sys.argv[4:]))
+assert codes == [0] * len(sys.argv[4:]), codes
+print("started", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a writer that dies mid-put (Mooncake #974)
+"""
+
+
+def test_a_key_a_dead_writer_left_stuck_mid_put_misses_and_stalls_nothing(start_node, master):
+    a, b = start_node("a"), start_node("b")
+    fmt = BlockFormat.of(RegionLayout.from_config(b.config))
+    stuck = b"stuck-key"
+    names = [fmt.name(stuck, rank) for rank in range(fmt.world_size)]
+    child = subprocess.run([sys.executable, "-c", STUCK_WRITER, master.metadata_url,
+                            master.address, str(fmt.object_bytes), *names],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -9 and "started" in child.stdout, child.stderr[-2000:]
+    exact, wrong, answers = load(b, [stuck])  # reserved in the pool, never written: a miss
+    assert (exact, wrong, answers[-1].num_hit) == (0, 0, 0)
+    store(a, [stuck, *KEYS[:3]], timeout_s=5)  # node a's publish of it does not stall a's tier
+    exact, wrong, _ = load(b, KEYS[:3])  # and the blocks published beside it are hits
+    assert (exact, wrong, cluster_stats(a).up, cluster_stats(b).up) == (3, 0, True, True)
+
+
+def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_path):
+    from mooncake_master import free_port
+    from tiercache.errors import ServiceError
+
+    config = make_config(cluster=ClusterConfig(
+        master=f"127.0.0.1:{free_port()}", metadata_server="http://127.0.0.1:1/metadata",
+        local_hostname="127.0.0.1", segment_bytes=16 << 20, start_timeout_s=0.5))
+    with pytest.raises(ServiceError) as failed:
+        CoordinatorProcess(config, tmp_path / "node")
+    assert "no mooncake_master answers there (waited 0.5 s, cluster.start_timeout_s)" \
+        in str(failed.value)
+
+
+def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
+    """A master that accepts connections and never answers (SIGSTOP: a black-holed network
+    looks the same): the tier's calls wait, the lookups do not."""
+    import os
+    import signal
+
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:4])
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        with Client(b.config, timeout_s=5.0) as client:
+            first = client.lease(KEYS[:4])  # asks the pool in the background: "not yet"
+            assert (first.num_hit, first.pending) == (0, True)
+            for _ in range(20):  # while the pool does not answer: plain misses, at once
+                again = client.lease(KEYS[:4])
+                assert (again.num_hit, again.pending) == (0, False)
+            out = client.prepare_store([b"host-only"])  # the host tier serves meanwhile
+            client.complete_store(list(out.keys_to_store))
+            assert client.lookup([b"host-only"]) == 1
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    loads = []  # once it answers again the blocks come up, exact
+
+    def all_exact() -> bool:
+        loads.append(load(b, KEYS[:4])[:2])
+        return loads[-1] == (4, 0)
+    wait_for(all_exact, "the blocks come up once the master answers")
+    assert all(wrong == 0 for _, wrong in loads)

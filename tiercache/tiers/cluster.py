@@ -1,0 +1,338 @@
+"""The cluster tier: blocks stored on one node are found by the engines of every node.
+
+A pool shared by the nodes of a cluster (Mooncake Store, behind ``MooncakePool``), below
+host memory and the disk tier. Owned by the coordinator, which maps the region: blocks
+move zero-copy between the pool and the host slots (the region is registered with the
+pool's client), on the tier's own threads (``cluster_transfer.BlockTransfers`` moves the
+bytes; this module keeps the bookkeeping). Workers and the engine's step never wait on
+the pool, and nothing here does network I/O under the index's lock.
+
+* **Publish: write-through, asynchronous, bounded.** A block an engine stores READY is
+  queued (``LowerTier.stored``); the publisher pins a batch (as the tier's own owner),
+  writes one object per rank (header + row, see ``cluster_object``) and unpins. The queue
+  holds ``publish_queue_blocks``; past it a block is dropped and counted, never waited for.
+* **Promote: what a lookup finds in the pool comes up like a disk hit.** A lookup that
+  misses host memory and the disk asks ``holds``, which answers from what the tier knows
+  (no I/O): "the pool has it" or "has not" (an answer of the last ``exists_ttl_s``), or,
+  for a key it knows nothing of, "maybe" — the lookup answers "not yet" (pending) and the
+  promoter asks the pool (one batched exists for the run), reserves host slots for the
+  leading run the pool has, reads each object into its slot, checks its header and CRC,
+  and completes the store (READY) or frees the slot. A key is promoted once however many
+  ask (it is WRITING in the host index from the reservation on).
+* **What a cold miss costs: one extra lookup, at most.** While the pool is being asked
+  about a key, and for ``exists_ttl_s`` after it answered "no", ``holds`` answers "no": a
+  block the pool does not have is a plain miss from the second lookup on, whatever the
+  pool's latency. The price: a block published by another node within ``exists_ttl_s``
+  of a "no" here, or asked again before the pool answered, is missed that once.
+* **Fail: the pool is a cache.** A master that cannot be reached (Mooncake's ``RPC_FAIL``,
+  or the health probe every ``retry_s`` failing) marks the tier down: ``holds`` answers
+  "no", publishing drops, one log line per interval; the probe brings it back. A get that
+  fails for one object (a dead node's segment, a key stuck mid-put by a writer that died)
+  or an object that does not check is a miss for that block (counted), never a load.
+
+Thread-safety: ``holds``, ``promote`` and ``stored`` run under the index's lock and only
+take the tier's lock briefly; the tier never calls the index holding its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+
+from tiercache.errors import ManagerError
+from tiercache.index.loglimit import LogLimiter
+from tiercache.index.manager import TIER_OWNER, OffloadingManager
+from tiercache.index.results import BlockSource, TierStats
+from tiercache.tiers.cluster_object import BlockFormat
+from tiercache.tiers.cluster_transfer import BlockTransfers, Rows
+from tiercache.tiers.mooncake_pool import RPC_FAIL
+
+log = logging.getLogger(__name__)
+
+PUBLISH_BATCH = 16  # blocks per publish (pinned, put and unpinned together)
+PROMOTE_BATCH = 32  # blocks per promotion read (their host slots reserved together)
+MAX_PROMOTIONS_QUEUED = 64  # promotion jobs waiting; past it a lookup's run is a miss
+MAX_KNOWN = 1 << 16  # exists answers remembered (oldest forgotten first)
+PROBE_NAME = "tiercache/health-probe"  # the health probe asks whether this exists
+
+
+class ClusterTier:
+    """See the module docstring. ``pool``: a ``MooncakePool`` (open, the region
+    registered); ``rows(slot)``: the host slot's rows, rank by rank."""
+
+    def __init__(self, pool, manager: OffloadingManager, block_format: BlockFormat,
+                 rows: Rows, *, capacity_blocks: int, publish_queue_blocks: int = 256,
+                 exists_ttl_s: float = 1.0, retry_s: float = 5.0, io_threads: int = 2,
+                 log_interval_s: float = 10.0):
+        self._pool = pool
+        self._manager = manager
+        self._format = block_format
+        self._queue_max = publish_queue_blocks
+        self._ttl_s = exists_ttl_s
+        self._retry_s = retry_s
+        self._warn = LogLimiter(log, log_interval_s)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._publish: deque[bytes] = deque()
+        self._jobs: deque[tuple[tuple[bytes, ...], frozenset[bytes]]] = deque()
+        self._probing: set[bytes] = set()  # keys a queued or running job asks the pool about
+        self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
+        self._up = True
+        self._stop = False
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._io_threads = io_threads
+        self._moves = BlockTransfers(pool, block_format, rows, num_areas=2 * io_threads,
+                                     max_blocks=max(PUBLISH_BATCH, PROMOTE_BATCH))
+        self.source = BlockSource.CLUSTER
+        self.name = self.source.label
+        self._block_bytes = block_format.world_size * block_format.object_bytes
+        self.stats = TierStats(capacity_blocks=capacity_blocks)
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        """``io_threads`` publishers and as many promoters (a batch's checksums overlap
+        another's transfer), and the health probe."""
+        work = []
+        for i in range(self._io_threads):  # each thread its own area of header buffers
+            work.append((self._publisher, f"publish-{i}", (2 * i,)))
+            work.append((self._promoter, f"promote-{i}", (2 * i + 1,)))
+        for target, name, args in [*work, (self._health, "health", ())]:
+            thread = threading.Thread(target=target, args=args, daemon=True,
+                                      name=f"tiercache-cluster-{name}")
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self) -> None:
+        """Stop the threads (a transfer in flight finishes first); the pool stays open
+        (its owner closes it)."""
+        with self._lock:
+            self._stop = True
+            self._work.notify_all()
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+
+    # ------------------------------------------------------------------ the index's side
+    def holds(self, key: bytes) -> bool:
+        with self._lock:
+            if not self._up:
+                return False
+            known = self._known.get(key)
+            if known is not None and known[1] > time.monotonic():
+                return known[0]
+            return key not in self._probing  # unknown: maybe (asked once; see the docstring)
+
+    def promote(self, run: Sequence[bytes], mine: Collection[bytes]) -> None:
+        with self._lock:
+            todo = frozenset(k for k in mine if k not in self._probing)
+            if not todo or not self._up:
+                return
+            if len(self._jobs) >= MAX_PROMOTIONS_QUEUED:  # busy: these are misses a while
+                self._remember(todo, False)
+                return
+            self._probing.update(todo)
+            self._jobs.append((tuple(run), todo))
+            self._work.notify_all()
+
+    def stored(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            if not self._up:
+                self.stats.dropped_spills += len(keys)
+                return
+            room = self._queue_max - len(self._publish)
+            self._publish.extend(keys[:max(room, 0)])
+            if len(keys) > room:
+                self.stats.dropped_spills += len(keys) - max(room, 0)
+            self._work.notify_all()
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return replace(self.stats, up=self._up, queued_blocks=len(self._publish))
+
+    # ------------------------------------------------------------------ threads
+    def _next(self, queue: deque, count: int) -> list | None:
+        """Up to ``count`` items of ``queue`` once it has any; None when stopping."""
+        with self._lock:
+            while not queue and not self._stop:
+                self._work.wait()
+            if self._stop:
+                return None
+            return [queue.popleft() for _ in range(min(count, len(queue)))]
+
+    def _publisher(self, area: int) -> None:
+        while (keys := self._next(self._publish, PUBLISH_BATCH)) is not None:
+            try:
+                self._publish_batch(keys, area)
+            except Exception:  # a bug: keep the tier serving, say it loudly
+                log.exception("cluster tier: publishing failed")
+
+    def _promoter(self, area: int) -> None:
+        while (jobs := self._next(self._jobs, 1)) is not None:
+            (run, mine), = jobs
+            try:
+                self._promote(run, mine, area)
+            except Exception:
+                log.exception("cluster tier: a promotion failed")
+            finally:
+                with self._lock:
+                    self._probing.difference_update(mine)
+
+    def _health(self) -> None:
+        """Ask the master every ``retry_s`` (any answer but an error is "up")."""
+        while not self._stopped.wait(self._retry_s):
+            (code,) = self._pool.exists([PROBE_NAME])
+            if code < 0:
+                self._down(f"the health probe failed (code {code})")
+            else:
+                with self._lock:
+                    was_up, self._up = self._up, True
+                if not was_up:
+                    log.warning("cluster tier: the pool's master answers again; the tier is up")
+
+    # ------------------------------------------------------------------ publishing
+    def _publish_batch(self, keys: list[bytes], area: int) -> None:
+        held = self._pin(keys)
+        if not held:
+            return
+        try:
+            out = self._moves.put(area, held)
+        finally:
+            self._manager.complete_load([key for key, _ in held], owner=TIER_OWNER)
+        failed = len(held) - len(out.done)
+        with self._lock:
+            self.stats.demotions += len(out.done)
+            self.stats.write_bytes += len(out.done) * self._block_bytes
+            self.stats.write_seconds += out.seconds
+            self.stats.dropped_spills += failed
+            self.stats.errors += failed
+            self._remember(out.done, True)
+        if failed:
+            self._failed("publish", [c for c in out.codes if c != 0])
+
+    def _pin(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
+        """(key, host slot) of the keys still readable in host memory, each pinned for the
+        tier (one index call for the batch where it can); an evicted one is a dropped
+        publish."""
+        try:
+            spec = self._manager.prepare_load(keys, owner=TIER_OWNER)
+            return list(zip(keys, spec.block_ids.tolist()))
+        except ManagerError:  # one was evicted (or is being rewritten) since: one by one
+            held = []
+            for key in keys:
+                try:
+                    spec = self._manager.prepare_load([key], owner=TIER_OWNER)
+                    held.append((key, int(spec.block_ids[0])))
+                except ManagerError:
+                    with self._lock:
+                        self.stats.dropped_spills += 1
+            return held
+
+    # ------------------------------------------------------------------ promoting
+    def _promote(self, run: tuple[bytes, ...], mine: frozenset[bytes], area: int) -> None:
+        """Ask the pool about ``mine`` (what the tier does not know yet), then bring up the
+        leading part of ``run`` the pool has, ``PROMOTE_BATCH`` blocks at a time."""
+        has = self._ask(mine)
+        if has is None:
+            return
+        wanted = []
+        for key in run:
+            if key in mine and not has.get(key, False):
+                break
+            wanted.append(key)
+        for start in range(0, len(wanted), PROMOTE_BATCH):
+            chunk = wanted[start:start + PROMOTE_BATCH]
+            if not self._read_into_host(chunk, {k for k in chunk if has.get(k, False)}, area):
+                return
+
+    def _ask(self, keys: frozenset[bytes]) -> dict[bytes, bool] | None:
+        """Whether the pool has each key (every rank's object): fresh answers the tier
+        remembers, the rest in one batched exists. None when the pool could not answer."""
+        now = time.monotonic()
+        has: dict[bytes, bool] = {}
+        with self._lock:
+            for key in keys:
+                known = self._known.get(key)
+                if known is not None and known[1] > now:
+                    has[key] = known[0]
+        unknown = [k for k in keys if k not in has]
+        if not unknown:
+            return has
+        codes = self._moves.exists(unknown)
+        if any(c < 0 for c in codes):
+            self._failed("exists", [c for c in codes if c < 0])
+            return None
+        answers = {k: c == 1 for k, c in zip(unknown, codes)}
+        with self._lock:
+            for present in (True, False):
+                self._remember([k for k, v in answers.items() if v is present], present)
+        has.update(answers)
+        return has
+
+    def _read_into_host(self, chunk: list[bytes], present: set[bytes], area: int) -> bool:
+        """Reserve host slots for ``chunk`` and read the pool's objects of ``present`` into
+        them; whether to go on (False: no room in host memory, or the pool failed)."""
+        try:
+            out = self._manager.prepare_store(chunk, owner=TIER_OWNER)
+        except ManagerError:
+            log.exception("cluster tier: reserving host slots for a promotion failed")
+            return False
+        if out is None:  # no room in host memory: the lookups simply miss
+            return False
+        keys = list(out.keys_to_store)
+        wanted = [(key, slot) for key, slot in zip(keys, out.store_spec.block_ids.tolist())
+                  if key in present]
+        got = self._moves.get(area, wanted)
+        good = set(got.done)
+        self._manager.complete_store(got.done, True, owner=TIER_OWNER, source=self.source)
+        self._manager.complete_store([k for k in keys if k not in good], False,
+                                     owner=TIER_OWNER, source=self.source)
+        errors = [c for c in got.codes if c < 0]
+        with self._lock:
+            self.stats.promotions += len(got.done)
+            self.stats.read_bytes += len(got.done) * self._block_bytes
+            self.stats.read_seconds += got.seconds
+            self.stats.checksum_failures += got.mismatched
+            self.stats.errors += len(wanted) - len(got.done) - got.mismatched
+            self._remember([k for k, _ in wanted if k not in good], False)
+        if got.mismatched:
+            self._warn.warn("checksum", "cluster tier: %d object(s) read from the pool did not "
+                            "check (header or CRC); dropped, not served", got.mismatched)
+        if errors:
+            self._failed("get", errors)
+        return RPC_FAIL not in errors
+
+    # ------------------------------------------------------------------ state
+    def _remember(self, keys: Collection[bytes], present: bool) -> None:
+        """Note the pool's answer for ``keys`` (under the lock)."""
+        until = time.monotonic() + self._ttl_s
+        known = self._known
+        for key in keys:
+            known[key] = (present, until)
+            known.move_to_end(key)
+        while len(known) > MAX_KNOWN:
+            known.popitem(last=False)
+
+    def _failed(self, what: str, codes: list[int]) -> None:
+        """Pool calls that answered errors: the master gone marks the tier down."""
+        if RPC_FAIL in codes:
+            self._down(f"a {what} found the master unreachable (code {RPC_FAIL})")
+        else:
+            self._warn.warn(what, "cluster tier: %d object(s) failed in a %s (codes %s); "
+                            "missed, not served", len(codes), what, sorted(set(codes))[:4])
+
+    def _down(self, why: str) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            was_up, self._up = self._up, False
+            dropped = len(self._publish)
+            self._publish.clear()
+            self.stats.dropped_spills += dropped
+        self._warn.warn("down", "cluster tier: %s; the tier is down (lookups use this node's "
+                        "own tiers, nothing is published) and retries every %.0f s%s", why,
+                        self._retry_s, "" if was_up else " (still down)")

@@ -1,0 +1,155 @@
+"""The cluster pool on Mooncake Store: the one module of tiercache that imports ``mooncake``.
+
+Pinned to ``mooncake-transfer-engine-non-cuda`` ``MOONCAKE_VERSION`` (its 0.3.x API churns:
+a new version is a change of this file alone). The cluster tier speaks only this class's
+verbs, each batched over object names and each answering per name, never raising for a
+pool that is down (a negative code per name, as Mooncake answers):
+
+* ``exists(names)``  -> per name: 1 present, 0 absent, < 0 an error
+* ``get_into(names, parts)`` -> per name: bytes read into the name's buffers, or < 0
+* ``put_from(names, parts)`` -> per name: 0 stored, or < 0
+* ``register(address, num_bytes)``: memory the zero-copy calls read and write (the region's
+  mapping, the headers' buffers); ``parts`` are ``[(address, num_bytes), ...]`` inside it
+* ``close()``: unmounts this node's segment (its objects leave the pool) and disconnects.
+
+What Mooncake does that the tier relies on, as measured with this version (loopback TCP):
+calls to a master that is gone answer ``RPC_FAIL`` (-900) at once; the client reconnects
+and re-mounts its segment by itself when a master is back (about 1.5 s); the Python
+binding releases the GIL during transfers. ``setup`` against an absent master retries for
+about 90 s, so ``open`` first waits (``start_timeout_s``) for the master's port to accept.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+from tiercache.config import ClusterConfig, host_port
+from tiercache.errors import ConfigError, TierError
+
+MOONCAKE_VERSION = "0.3.13.post1"
+RPC_FAIL = -900  # Mooncake's error code for a master it cannot reach
+Parts = Sequence[tuple[int, int]]  # (address, num_bytes) of one object's buffers, in order
+
+
+def master_reachable(address: str, timeout_s: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s``."""
+    host, port = host_port("cluster.master", address, need_port=True)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakePool:
+    """One Mooncake Store client: this node's segment of ``config.segment_bytes`` mounted in
+    the pool of the master at ``config.master``. Thread-safe (Mooncake's client is)."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self._store = None
+        self._registered: list[int] = []
+        self._replicate = None
+
+    def open(self) -> None:
+        """Connect and mount this node's segment. Raises ``ConfigError`` (one line) when the
+        master does not answer within ``start_timeout_s`` or Mooncake refuses the setup."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.start_timeout_s
+        while not master_reachable(cfg.master, min(1.0, cfg.start_timeout_s)):
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"cluster.master = {cfg.master!r}: no mooncake_master "
+                                  f"answers there (waited {cfg.start_timeout_s:g} s, "
+                                  "cluster.start_timeout_s)")
+            time.sleep(0.1)
+        # Mooncake logs through glog; INFO and WARNING lines of every call would flood the
+        # coordinator's log (the operator's own GLOG_minloglevel wins).
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as e:
+            raise ConfigError(f"cluster.backend = 'mooncake': the mooncake package is not "
+                              f"installed ({e}); pip install "
+                              f"mooncake-transfer-engine-non-cuda=={MOONCAKE_VERSION}") from e
+        store = MooncakeDistributedStore()
+        code = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes,
+                           cfg.local_buffer_bytes, cfg.protocol, cfg.rdma_devices, cfg.master)
+        if code != 0:
+            store.close()
+            raise ConfigError(
+                f"cluster: Mooncake refused the setup (code {code}) with master {cfg.master}, "
+                f"metadata server {cfg.metadata_server}, local_hostname "
+                f"{cfg.local_hostname}, segment_size {cfg.segment_bytes}")
+        replicate = ReplicateConfig()
+        replicate.replica_num = cfg.replicas
+        # A node's objects live in the segment it contributes (and die with it): its own
+        # blocks never cost another node's memory, and a dead node takes only its own.
+        replicate.preferred_segment = store.get_hostname()
+        self._store, self._replicate = store, replicate
+
+    @property
+    def hostname(self) -> str:
+        """Where this node's segment is served (``host:port``, the port Mooncake picked)."""
+        return self._require().get_hostname()
+
+    def register(self, address: int, num_bytes: int) -> None:
+        code = self._require().register_buffer(address, num_bytes)
+        if code != 0:
+            raise TierError(f"cluster: Mooncake could not register {num_bytes} bytes at "
+                            f"{address:#x} for zero-copy transfers (code {code})")
+        self._registered.append(address)
+
+    def exists(self, names: Sequence[str]) -> list[int]:
+        if not names:
+            return []
+        return self._call(lambda s: s.batch_is_exist(list(names)), len(names))
+
+    def get_into(self, names: Sequence[str], parts: Sequence[Parts]) -> list[int]:
+        if not names:
+            return []
+        ptrs = [[a for a, _ in p] for p in parts]
+        sizes = [[n for _, n in p] for p in parts]
+        return self._call(lambda s: s.batch_get_into_multi_buffers(list(names), ptrs, sizes),
+                          len(names))
+
+    def put_from(self, names: Sequence[str], parts: Sequence[Parts]) -> list[int]:
+        if not names:
+            return []
+        ptrs = [[a for a, _ in p] for p in parts]
+        sizes = [[n for _, n in p] for p in parts]
+        return self._call(lambda s: s.batch_put_from_multi_buffers(
+            list(names), ptrs, sizes, self._replicate), len(names))
+
+    def remove(self, names: Sequence[str]) -> list[int]:
+        if not names:
+            return []
+        return self._call(lambda s: s.batch_remove(list(names)), len(names))
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is None:
+            return
+        for address in self._registered:
+            store.unregister_buffer(address)
+        self._registered.clear()
+        store.close()
+
+    def _call(self, call, count: int) -> list[int]:
+        """A batched call's per-name codes; a call the binding fails with ``RuntimeError``
+        answers ``RPC_FAIL`` for every name (the tier counts it, logs it and marks itself
+        down, as for a master that is gone)."""
+        try:
+            codes = call(self._require())
+        except RuntimeError:
+            return [RPC_FAIL] * count
+        if len(codes) != count:
+            raise TierError(f"cluster: Mooncake answered {len(codes)} codes for {count} names")
+        return [int(c) for c in codes]
+
+    def _require(self):
+        if self._store is None:
+            raise TierError("cluster: the Mooncake client is not open (open() it first)")
+        return self._store
