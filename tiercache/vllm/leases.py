@@ -237,12 +237,9 @@ class LeaseBook:
         self._num_stored += len(to_store)
         return to_store, slots, unknown
 
-    def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot],
-                        evicted: int = 0) -> None:
-        """Stores asked on the spot; those that evicted for themselves already spent their
-        share of the step's eviction budget (``num_stored``)."""
+    def stores_prepared(self, keys: Sequence[bytes], slots: Sequence[FencedSlot]) -> None:
         self.writing.update(zip(keys, slots))
-        self._num_stored += max(0, len(keys) - evicted)
+        self._num_stored += len(keys)
 
     def complete_store(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Queue the publication (or freeing) of our stores; keys not being written by this

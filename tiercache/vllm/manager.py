@@ -245,7 +245,7 @@ class TierCacheManager(OffloadingManager):
         cut = len(prefix)
         asked = [OffloadKey(k[cut:]) for k in out.keys_to_store]
         asked_slots = fenced_slots(out.store_spec)
-        self._book.stores_prepared(asked, asked_slots, len(out.evicted_keys))
+        self._book.stores_prepared(asked, asked_slots)
         evicted = self._evicted(out.evicted_keys)
         return PrepareStoreOutput(to_store + asked, TierCacheLoadStoreSpec(slots + asked_slots),
                                   evicted)
