@@ -137,9 +137,8 @@ def test_two_clients_asking_for_one_block_promote_it_once(start_node):
     assert store(a, KEYS[:1])
     with Client(b.config) as one, Client(b.config) as two:
         first, second = one.lease(KEYS[:1]), two.lease(KEYS[:1])
-        assert first.num_hit == 0 and first.pending
-        # asked while the pool is being asked: pending (reserved already) or a plain miss
-        assert second.num_hit == 0
+        assert (first.num_hit, first.pending) == (0, True)
+        assert second.pending or second.num_hit == 1  # the same promotion (or done)
         assert lease_settled(one, KEYS[:1])[-1].num_hit == 1
         assert lease_settled(two, KEYS[:1])[-1].num_hit == 1
     assert cluster_stats(b).promotions == 1
