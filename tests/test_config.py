@@ -205,6 +205,7 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
             ({"replicas": 0}, "cluster.replicas = 0"),
             ({"publish_queue_blocks": 0}, "cluster.publish_queue_blocks = 0"),
             ({"exists_ttl_s": 0}, "cluster.exists_ttl_s = 0"),
+            ({"exists_wait_s": 0}, "cluster.exists_wait_s = 0"),
             ({"start_timeout_s": -1}, "cluster.start_timeout_s = -1"),
             ({"port": 1}, "unknown key cluster.port")):
         body = {**good, **change}

@@ -161,6 +161,7 @@ class ClusterConfig:
     replicas: int = 1  # copies of each object in the pool (on as many nodes' segments)
     publish_queue_blocks: int = 256  # blocks waiting to be published; past it: dropped
     exists_ttl_s: float = 1.0  # how long a "the pool has / has not this block" answer is used
+    exists_wait_s: float = 0.05  # a lookup answers "not yet" this long while the pool is asked
     retry_s: float = 5.0  # while the tier is down: probe the master this often (and log)
     start_timeout_s: float = 10.0  # at start, wait this long for the master, then an error
 
@@ -189,6 +190,7 @@ class ClusterConfig:
             raise ConfigError(f"cluster.publish_queue_blocks = {self.publish_queue_blocks}: "
                               "allowed 1..1048576")
         for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
+                                ("exists_wait_s", self.exists_wait_s, 60),
                                 ("retry_s", self.retry_s, 3600),
                                 ("start_timeout_s", self.start_timeout_s, 3600)):
             if not 0 < value <= top:
@@ -333,6 +335,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "segment_size": (int, str), "local_buffer_size": (int, str),
                 "protocol": str, "rdma_devices": str, "replicas": int,
                 "publish_queue_blocks": int, "exists_ttl_s": (int, float),
+                "exists_wait_s": (int, float),
                 "retry_s": (int, float), "start_timeout_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
@@ -404,7 +407,8 @@ def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
         "local_hostname": "local_hostname", "backend": "backend", "protocol": "protocol",
         "rdma_devices": "rdma_devices", "replicas": "replicas",
         "publish_queue_blocks": "publish_queue_blocks", "exists_ttl_s": "exists_ttl_s",
-        "retry_s": "retry_s", "start_timeout_s": "start_timeout_s"}))
+        "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
+        "start_timeout_s": "start_timeout_s"}))
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -582,7 +586,8 @@ def config_to_toml(config: Config) -> str:
             "local_buffer_size": c.local_buffer_bytes, "protocol": c.protocol,
             "rdma_devices": c.rdma_devices, "replicas": c.replicas,
             "publish_queue_blocks": c.publish_queue_blocks, "exists_ttl_s": c.exists_ttl_s,
-            "retry_s": c.retry_s, "start_timeout_s": c.start_timeout_s}
+            "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
+            "start_timeout_s": c.start_timeout_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

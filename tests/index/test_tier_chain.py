@@ -17,10 +17,10 @@ class DictTier:
         self.asked: list[tuple[list[bytes], set[bytes]]] = []
         self.told: list[bytes] = []
 
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: bytes, owner: int) -> bool:
         return key in self.blocks
 
-    def promote(self, run, mine) -> None:
+    def promote(self, run, mine, owner) -> None:
         self.asked.append((list(run), set(mine)))
 
     def stored(self, keys) -> None:

@@ -41,7 +41,10 @@ def test_a_prefix_computed_on_node_a_is_loaded_on_node_b_byte_for_byte(master, s
 
     cluster = ClusterConfig(master=master.address, metadata_server=master.metadata_url,
                             local_hostname="127.0.0.1", segment_bytes=64 << 20,
-                            exists_ttl_s=0.5, retry_s=0.5, start_timeout_s=10)
+                            exists_ttl_s=0.5, retry_s=0.5, start_timeout_s=10,
+                            # the harness's steps take a few ms: wait for the pool's answer
+                            # (2 cores and a full test run may make it slower than 50 ms)
+                            exists_wait_s=5.0)
     node_a = start_coordinator(suffix="a", cluster=cluster)
     node_b = start_coordinator(suffix="b", cluster=cluster)
     first = make_engine(node_a, num_gpu_blocks=16)

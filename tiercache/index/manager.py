@@ -83,20 +83,21 @@ class LowerTier(Protocol):
     are called under the index's lock: they must be quick (no I/O: queue the work) and must
     not call back into the index.
 
-    * ``holds(key)``: whether the tier may have ``key`` (True starts its promotion; the
-      lookup answers "not yet").
-    * ``promote(run, mine)``: promote ``mine``, the keys of ``run`` this tier was chosen
-      for; the rest of ``run`` is in host memory already (a promotion's reservation of the
-      whole run protects them from its own evictions).
+    * ``holds(key, owner)``: whether the tier may have ``key`` (True starts its promotion;
+      the lookup answers "not yet"). ``owner``: who asks (a tier may answer each asker
+      differently while it finds out, see ``tiercache.tiers.cluster``).
+    * ``promote(run, mine, owner)``: promote ``mine``, the keys of ``run`` this tier was
+      chosen for; the rest of ``run`` is in host memory already (a promotion's reservation
+      of the whole run protects them from its own evictions).
     * ``stored(keys)``: an engine just stored these keys READY in host memory.
     """
 
     name: str
     source: BlockSource
 
-    def holds(self, key: bytes) -> bool: ...
+    def holds(self, key: bytes, owner: int) -> bool: ...
 
-    def promote(self, run: Sequence[bytes], mine: Collection[bytes]) -> None: ...
+    def promote(self, run: Sequence[bytes], mine: Collection[bytes], owner: int) -> None: ...
 
     def stored(self, keys: Sequence[bytes]) -> None: ...
 
@@ -242,7 +243,7 @@ class OffloadingManager:
         """Length of the leading run of keys that are readable (READY or LOADING)."""
         with self._lock:
             hits = self._count_hits(keys, "lookup")
-            self._promote_after(keys, hits)
+            self._promote_after(keys, hits, LOCAL_OWNER)
             return hits
 
     def _count_hits(self, keys: Sequence[bytes], verb: str) -> int:
@@ -303,7 +304,7 @@ class OffloadingManager:
                 self._counters["hit_blocks"] -= readable - hits  # refused: a miss
                 self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
-            promoting = self._promote_after(keys, hits)
+            promoting = self._promote_after(keys, hits, owner)
             after = self._slots.get(keys[hits]) if hits < len(keys) else None
             run = [self._slots[key] for key in keys[:hits]]
             promoted = [(i, slot.source) for i, slot in enumerate(run)
@@ -313,7 +314,7 @@ class OffloadingManager:
                                self._spec(run), tuple(i for i, _ in promoted),
                                tuple(source for _, source in promoted))
 
-    def _promote_after(self, keys: Sequence[bytes], hits: int) -> bool:
+    def _promote_after(self, keys: Sequence[bytes], hits: int, owner: int) -> bool:
         """Start promoting the run of keys after the host hits that the lower tiers hold,
         each key by the first tier that holds it; whether there was one (the key after the
         hits is then 'pending'). The run goes on through keys READY in host memory, which
@@ -327,7 +328,7 @@ class OffloadingManager:
         for key in keys[hits:]:
             slot = self._slots.get(key)
             if slot is None:
-                tier = next((t for t in tiers if t.holds(key)), None)
+                tier = next((t for t in tiers if t.holds(key, owner)), None)
                 if tier is None:
                     break
                 chosen[key] = tier
@@ -337,7 +338,8 @@ class OffloadingManager:
         for tier in tiers:
             mine = {key for key, t in chosen.items() if t is tier}
             if mine:
-                tier.promote([key for key in run if key in mine or key not in chosen], mine)
+                tier.promote([key for key in run if key in mine or key not in chosen], mine,
+                             owner)
         return bool(run)
 
     def tier_stats(self) -> dict[str, TierStats]:

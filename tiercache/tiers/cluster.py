@@ -19,11 +19,14 @@ the pool, and nothing here does network I/O under the index's lock.
   leading run the pool has, reads each object into its slot, checks its header and CRC,
   and completes the store (READY) or frees the slot. A key is promoted once however many
   ask (it is WRITING in the host index from the reservation on).
-* **What a cold miss costs: one extra lookup, at most.** While the pool is being asked
-  about a key, and for ``exists_ttl_s`` after it answered "no", ``holds`` answers "no": a
-  block the pool does not have is a plain miss from the second lookup on, whatever the
-  pool's latency. The price: a block published by another node within ``exists_ttl_s``
-  of a "no" here, or asked again before the pool answered, is missed that once.
+* **What a cold miss costs: bounded.** While the pool is being asked about a key,
+  ``holds`` answers "maybe" to each new asker (session), and to those who asked already
+  for ``exists_wait_s`` (a pool that answers within it is waited for); after that "no";
+  for ``exists_ttl_s`` after the pool answered "no", "no" to everyone. So a block the
+  pool does not have costs an asker one extra lookup, or at most ``exists_wait_s`` of
+  them when the pool is slow. The price: a block published by another node within
+  ``exists_ttl_s`` of a "no" here, or whose "yes" comes later than ``exists_wait_s``, is
+  missed that once.
 * **Fail: the pool is a cache.** A master that cannot be reached (Mooncake's ``RPC_FAIL``,
   or the health probe every ``retry_s`` failing) marks the tier down: ``holds`` answers
   "no", publishing drops, one log line per interval; the probe brings it back. A get that
@@ -66,20 +69,23 @@ class ClusterTier:
 
     def __init__(self, pool, manager: OffloadingManager, block_format: BlockFormat,
                  rows: Rows, *, capacity_blocks: int, publish_queue_blocks: int = 256,
-                 exists_ttl_s: float = 1.0, retry_s: float = 5.0, io_threads: int = 2,
+                 exists_ttl_s: float = 1.0, exists_wait_s: float = 0.05,
+                 retry_s: float = 5.0, io_threads: int = 2,
                  log_interval_s: float = 10.0):
         self._pool = pool
         self._manager = manager
         self._format = block_format
         self._queue_max = publish_queue_blocks
         self._ttl_s = exists_ttl_s
+        self._wait_s = exists_wait_s
         self._retry_s = retry_s
         self._warn = LogLimiter(log, log_interval_s)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._publish: deque[bytes] = deque()
         self._jobs: deque[tuple[tuple[bytes, ...], frozenset[bytes]]] = deque()
-        self._probing: set[bytes] = set()  # keys a queued or running job asks the pool about
+        # keys a queued or running job asks the pool about -> (since, the askers told "maybe")
+        self._probing: dict[bytes, tuple[float, set[int]]] = {}
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
         self._up = True
         self._stop = False
@@ -119,24 +125,39 @@ class ClusterTier:
         self._threads.clear()
 
     # ------------------------------------------------------------------ the index's side
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: bytes, owner: int) -> bool:
+        """From what the tier knows, never the pool: its fresh answer, else "maybe" while
+        the pool is asked — to a new asker, or for ``exists_wait_s`` (see the module
+        docstring)."""
         with self._lock:
             if not self._up:
                 return False
+            now = time.monotonic()
             known = self._known.get(key)
-            if known is not None and known[1] > time.monotonic():
+            if known is not None and known[1] > now:
                 return known[0]
-            return key not in self._probing  # unknown: maybe (asked once; see the docstring)
+            probing = self._probing.get(key)
+            if probing is None:
+                return True
+            since, askers = probing
+            return owner not in askers or now - since < self._wait_s
 
-    def promote(self, run: Sequence[bytes], mine: Collection[bytes]) -> None:
+    def promote(self, run: Sequence[bytes], mine: Collection[bytes], owner: int) -> None:
         with self._lock:
+            if not self._up:
+                return
+            for key in mine:
+                if key in self._probing:  # asked already: this asker heard "maybe" too
+                    self._probing[key][1].add(owner)
             todo = frozenset(k for k in mine if k not in self._probing)
-            if not todo or not self._up:
+            if not todo:
                 return
             if len(self._jobs) >= MAX_PROMOTIONS_QUEUED:  # busy: these are misses a while
                 self._remember(todo, False)
                 return
-            self._probing.update(todo)
+            now = time.monotonic()
+            for key in todo:
+                self._probing[key] = (now, {owner})
             self._jobs.append((tuple(run), todo))
             self._work.notify_all()
 
@@ -181,7 +202,8 @@ class ClusterTier:
                 log.exception("cluster tier: a promotion failed")
             finally:
                 with self._lock:
-                    self._probing.difference_update(mine)
+                    for key in mine:
+                        del self._probing[key]
 
     def _health(self) -> None:
         """Ask the master every ``retry_s`` (any answer but an error is "up")."""
@@ -289,17 +311,17 @@ class ClusterTier:
                   if key in present]
         got = self._moves.get(area, wanted)
         good = set(got.done)
-        self._manager.complete_store(got.done, True, owner=TIER_OWNER, source=self.source)
-        self._manager.complete_store([k for k in keys if k not in good], False,
-                                     owner=TIER_OWNER, source=self.source)
         errors = [c for c in got.codes if c < 0]
-        with self._lock:
+        with self._lock:  # booked before the blocks are READY: a hit is already counted
             self.stats.promotions += len(got.done)
             self.stats.read_bytes += len(got.done) * self._block_bytes
             self.stats.read_seconds += got.seconds
             self.stats.checksum_failures += got.mismatched
             self.stats.errors += len(wanted) - len(got.done) - got.mismatched
             self._remember([k for k, _ in wanted if k not in good], False)
+        self._manager.complete_store(got.done, True, owner=TIER_OWNER, source=self.source)
+        self._manager.complete_store([k for k in keys if k not in good], False,
+                                     owner=TIER_OWNER, source=self.source)
         if got.mismatched:
             self._warn.warn("checksum", "cluster tier: %d object(s) read from the pool did not "
                             "check (header or CRC); dropped, not served", got.mismatched)

@@ -149,11 +149,11 @@ class DiskTier:
         self._file.close()
 
     # ------------------------------------------------------------------ the index's side
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: bytes, owner: int) -> bool:
         with self._lock:
             return key in self._index and time.monotonic() >= self._down_until
 
-    def promote(self, keys: Sequence[bytes], mine: Collection[bytes]) -> None:
+    def promote(self, keys: Sequence[bytes], mine: Collection[bytes], owner: int) -> None:
         """Queue promotions of ``mine`` (those not being promoted already) in jobs over the
         run ``keys``, of at most ``PROMOTE_BATCH`` keys: one job reserves its host slots at
         once."""
