@@ -297,15 +297,16 @@ def test_a_lease_answers_the_fenced_slots_its_load_reads_in_one_round_trip(sched
 
 def test_a_lookup_takes_nothing_a_miss_evicts_no_stored_block(spec_for, start_coordinator):
     # vLLM's manager contract: lookup is a query. A probe reserves the chunks a request is
-    # about to compute from free slots only; the store itself may evict.
+    # about to compute from free slots only; the store itself may evict. (The probed
+    # request starts with a cached chunk: a wholly new one is a cold miss, never probed.)
     small = start_coordinator(num_chunks=2)
     sched = Scheduler(spec_for(small).get_manager())
     writer, probe = sched.request("w"), sched.request("p")
     sched.store(writer, [key(1), key(2)])
     sched.end_step()
-    sched.lookup(probe, [key(3)])
+    assert sched.lookup(probe, [key(1), key(3)]) == [RETRY, RETRY]
     sched.end_step()
-    assert sched.lookup(probe, [key(3)]) == [MISS]
+    assert sched.lookup(probe, [key(1), key(3)]) == [HIT, MISS]
     assert coordinator_stats(small).evicted_blocks == 0
     reader = sched.request("r")
     sched.lookup(reader, [key(1), key(2)])
@@ -316,6 +317,27 @@ def test_a_lookup_takes_nothing_a_miss_evicts_no_stored_block(spec_for, start_co
     sched.end_step()
     out = sched.store(probe, [key(3)])
     assert out.keys_to_store == [key(3)] and len(out.evicted_keys) == 1
+
+
+def test_a_cold_request_is_a_miss_at_its_first_lookup_with_no_round_trip(sched, coordinator):
+    # Issue 21, item 1: no tier holds the request's first chunk (the coordinator's key
+    # presence map says so), so it is admitted in this step; nothing is probed.
+    ctx = sched.request("cold")
+    lookups = coordinator_stats(coordinator).lookups
+    assert sched.lookup(ctx, [key(7)]) == [MISS]
+    sched.end_step()
+    assert coordinator_stats(coordinator).lookups == lookups, "no lease RPC for it"
+    with sched.manager.lock:
+        values = sched.manager.get_stats().metric_sections()[1]
+    assert values["vllm:kv_offload_tiercache_cold_misses"] == {(): 1}
+    assert "vllm:kv_offload_tiercache_probed_keys" not in values
+    other = sched.request("warm")  # once stored, the same first chunk is probed, then a HIT
+    sched.store(other, [key(7)])
+    sched.end_step()
+    again = sched.request("again")
+    assert sched.lookup(again, [key(7)]) == [RETRY]
+    sched.end_step()
+    assert sched.lookup(again, [key(7)]) == [HIT]
 
 
 def test_reservations_evict_no_more_than_the_step_stored_and_retry_what_found_no_room(
