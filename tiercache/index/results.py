@@ -85,7 +85,7 @@ class OffloadingEvent:
 
 @dataclass
 class TierStats:
-    """Counters (lifetime) and gauges of a tier below host memory (the disk tier's)."""
+    """Counters (lifetime) and gauges of a tier below host memory (disk or cluster)."""
 
     capacity_blocks: int = 0
     used_blocks: int = 0

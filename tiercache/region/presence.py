@@ -106,10 +106,6 @@ class PresenceMap:
     def num_counters(self) -> int:
         return self._n
 
-    @property
-    def exact(self) -> bool:
-        return self._exact
-
     def set_exact(self, exact: bool) -> None:
         """Clear EXACT for a tier whose keys are not counted here (every key is "maybe")."""
         with self._lock:
