@@ -3,10 +3,13 @@ two coordinators (own instance names, regions, sockets) stand for two nodes. Wha
 stores is an exact hit on node B after promotion; a node of another geometry sees none of
 it; a master killed makes B's lookups plain misses (no error) and the tier comes back with
 a master; node A stopped or killed: B's lookups of A's blocks miss cleanly; an object
-damaged in the pool, or a key a dead writer left stuck mid-put, is a miss, never a load."""
+damaged in the pool, or a key a dead writer left stuck mid-put, is a miss, never a load;
+a node stops without waiting on calls a frozen master holds."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -303,9 +306,6 @@ def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_pat
 def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
     """A master that accepts connections and never answers (SIGSTOP: a black-holed network
     looks the same): the tier's calls wait, the lookups do not."""
-    import os
-    import signal
-
     a, b = start_node("a"), start_node("b")
     assert store(a, KEYS[:4])
     os.kill(master.proc.pid, signal.SIGSTOP)
@@ -329,3 +329,33 @@ def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
         return loads[-1] == (4, 0)
     wait_for(all_exact, "the blocks come up once the master answers")
     assert all(wrong == 0 for _, wrong in loads)
+
+
+def test_a_node_stops_without_waiting_on_calls_a_frozen_master_holds(start_node, master,
+                                                                      monkeypatch):
+    """With the master frozen (SIGSTOP) node b's health probe and promoter are in calls it
+    never answers: Mooncake's RPC timeout is set to an hour for the nodes, so a stop that
+    waited for them would not end. b stops cleanly all the same (region and socket gone),
+    saying what it abandoned; node a's calls go on once the master does."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", str(3600 * 1000))
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:4])
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        with Client(b.config) as client:
+            assert client.lease(KEYS[:4]).pending  # b's promoter asks the frozen pool
+        wait_for(lambda: cluster_stats(b).calls_in_flight >= 2,
+                 "node b's promoter and health probe wait on the frozen master")
+        assert b.stop(timeout_s=300) == 0  # the bound: 2 x cluster.stop_timeout_s (2 s)
+        out = b.output()
+        line = next(x for x in out.splitlines() if "abandoned what the pool's master" in x)
+        assert "health: exists (health probe) for" in line
+        assert "promote-" in line and ": exists for" in line
+        assert "Mooncake's close (not started: calls in it)" in line
+        assert "stopped; removed region" in out
+        assert not [n for n in os.listdir("/dev/shm") if b.config.name in n]
+        assert not os.path.exists(b.config.socket_path)
+        assert master.proc.poll() is None  # stopped while the master was still frozen
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    assert store(a, [b"after-the-thaw"])  # node a publishes again once the master answers

@@ -27,6 +27,11 @@ the pool, and nothing here does network I/O under the index's lock.
   them when the pool is slow. The price: a block published by another node within
   ``exists_ttl_s`` of a "no" here, or whose "yes" comes later than ``exists_wait_s``, is
   missed that once.
+* **Stop: bounded.** ``close(timeout_s)`` waits that long for threads in a pool call; a
+  master that does not answer (frozen, black-holed) holds Mooncake's calls for its own RPC
+  timeout (30 s by default), so the threads still in one are abandoned: they are daemon
+  threads, and what they hold (pins and reservations of this index, header buffers) dies
+  with the index and the process; their names and calls are returned for the log.
 * **Fail: the pool is a cache.** A master that cannot be reached (Mooncake's ``RPC_FAIL``,
   or the health probe every ``retry_s`` failing) marks the tier down: ``holds`` answers
   "no", publishing drops, one log line per interval; the probe brings it back. A get that
@@ -43,7 +48,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from tiercache.errors import ManagerError
@@ -87,6 +93,7 @@ class ClusterTier:
         # keys a queued or running job asks the pool about -> (since, the askers told "maybe")
         self._probing: dict[bytes, tuple[float, set[int]]] = {}
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
+        self._calls: dict[str, tuple[str, float]] = {}  # thread -> (pool call, since)
         self._up = True
         self._stop = False
         self._stopped = threading.Event()
@@ -113,16 +120,26 @@ class ClusterTier:
             thread.start()
             self._threads.append(thread)
 
-    def close(self) -> None:
-        """Stop the threads (a transfer in flight finishes first); the pool stays open
-        (its owner closes it)."""
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Stop the threads, waiting up to ``timeout_s`` in all (None: as long as it takes)
+        for those in a pool call; the pool stays open (its owner closes it). Returns the
+        calls abandoned, ``"<thread>: <call> for <s> s"`` each (empty: every thread ended).
+        An abandoned thread is a daemon blocked in Mooncake: the process may end under it;
+        in-process, its call may still write into the region's mapping when it returns,
+        so the region's owner must keep the mapping (see ``Coordinator.close``)."""
         with self._lock:
             self._stop = True
             self._work.notify_all()
         self._stopped.set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join()
-        self._threads.clear()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        now = time.monotonic()
+        with self._lock:
+            return [f"{t.name.removeprefix('tiercache-cluster-')}: "
+                    + (f"{call[0]} for {now - call[1]:.1f} s" if call else "not in a call")
+                    for t in self._threads for call in [self._calls.get(t.name)]]
 
     # ------------------------------------------------------------------ the index's side
     def holds(self, key: bytes, owner: int) -> bool:
@@ -174,7 +191,21 @@ class ClusterTier:
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return replace(self.stats, up=self._up, queued_blocks=len(self._publish))
+            return replace(self.stats, up=self._up, queued_blocks=len(self._publish),
+                           calls_in_flight=len(self._calls))
+
+    @contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """Around each pool call: what this thread waits on (``calls_in_flight``, and
+        what ``close`` abandons)."""
+        me = threading.current_thread().name
+        with self._lock:
+            self._calls[me] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._calls[me]
 
     # ------------------------------------------------------------------ threads
     def _next(self, queue: deque, count: int) -> list | None:
@@ -208,7 +239,8 @@ class ClusterTier:
     def _health(self) -> None:
         """Ask the master every ``retry_s`` (any answer but an error is "up")."""
         while not self._stopped.wait(self._retry_s):
-            (code,) = self._pool.exists([PROBE_NAME])
+            with self._calling("exists (health probe)"):
+                (code,) = self._pool.exists([PROBE_NAME])
             if code < 0:
                 self._down(f"the health probe failed (code {code})")
             else:
@@ -223,7 +255,8 @@ class ClusterTier:
         if not held:
             return
         try:
-            out = self._moves.put(area, held)
+            with self._calling("put"):
+                out = self._moves.put(area, held)
         finally:
             self._manager.complete_load([key for key, _ in held], owner=TIER_OWNER)
         failed = len(held) - len(out.done)
@@ -285,7 +318,8 @@ class ClusterTier:
         unknown = [k for k in keys if k not in has]
         if not unknown:
             return has
-        codes = self._moves.exists(unknown)
+        with self._calling("exists"):
+            codes = self._moves.exists(unknown)
         if any(c < 0 for c in codes):
             self._failed("exists", [c for c in codes if c < 0])
             return None
@@ -309,7 +343,8 @@ class ClusterTier:
         keys = list(out.keys_to_store)
         wanted = [(key, slot) for key, slot in zip(keys, out.store_spec.block_ids.tolist())
                   if key in present]
-        got = self._moves.get(area, wanted)
+        with self._calling("get"):
+            got = self._moves.get(area, wanted)
         good = set(got.done)
         errors = [c for c in got.codes if c < 0]
         with self._lock:  # booked before the blocks are READY: a hit is already counted
