@@ -52,9 +52,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def master_binary() -> str:
+    """``$MOONCAKE_MASTER``, else the binary inside the installed ``mooncake`` package (what
+    its ``mooncake_master`` console script runs; found wherever pip put the package)."""
+    if os.environ.get("MOONCAKE_MASTER"):
+        return os.environ["MOONCAKE_MASTER"]
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the mooncake package is not installed "
+                         "(pip install mooncake-transfer-engine-non-cuda==0.3.13.post1)")
+    binary = os.path.join(list(spec.submodule_search_locations)[0], "mooncake_master")
+    if not os.access(binary, os.X_OK):
+        os.chmod(binary, os.stat(binary).st_mode | 0o111)
+    return binary
+
+
 def start_master(workdir: str):
     rpc, http, metrics = free_port(), free_port(), free_port()
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    binary = master_binary()
     log = open(os.path.join(workdir, "master.log"), "w")
     proc = subprocess.Popen(
         [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
