@@ -160,6 +160,8 @@ class ClusterConfig:
     rdma_devices: str = ""  # with protocol "rdma": the NICs, e.g. "mlx5_0,mlx5_1"
     replicas: int = 1  # copies of each object in the pool (on as many nodes' segments)
     publish_queue_blocks: int = 256  # blocks waiting to be published; past it: dropped
+    publish_threads: int = 4  # batched puts in flight (Mooncake copies on one thread)
+    promote_threads: int = 2  # batched gets in flight
     exists_ttl_s: float = 1.0  # how long a "the pool has / has not this block" answer is used
     exists_wait_s: float = 0.05  # a lookup answers "not yet" this long while the pool is asked
     retry_s: float = 5.0  # while the tier is down: probe the master this often (and log)
@@ -191,6 +193,10 @@ class ClusterConfig:
         if not 1 <= self.publish_queue_blocks <= 1 << 20:
             raise ConfigError(f"cluster.publish_queue_blocks = {self.publish_queue_blocks}: "
                               "allowed 1..1048576")
+        for key, value in (("publish_threads", self.publish_threads),
+                           ("promote_threads", self.promote_threads)):
+            if not 1 <= value <= 64:
+                raise ConfigError(f"cluster.{key} = {value}: allowed 1..64")
         for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
                                 ("exists_wait_s", self.exists_wait_s, 60),
                                 ("retry_s", self.retry_s, 3600),
@@ -337,7 +343,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "cluster": {"backend": str, "master": str, "metadata_server": str, "local_hostname": str,
                 "segment_size": (int, str), "local_buffer_size": (int, str),
                 "protocol": str, "rdma_devices": str, "replicas": int,
-                "publish_queue_blocks": int, "exists_ttl_s": (int, float),
+                "publish_queue_blocks": int, "publish_threads": int,
+                "promote_threads": int, "exists_ttl_s": (int, float),
                 "exists_wait_s": (int, float),
                 "retry_s": (int, float), "start_timeout_s": (int, float),
                 "stop_timeout_s": (int, float)},
@@ -410,7 +417,8 @@ def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
         "master": "master", "metadata_server": "metadata_server",
         "local_hostname": "local_hostname", "backend": "backend", "protocol": "protocol",
         "rdma_devices": "rdma_devices", "replicas": "replicas",
-        "publish_queue_blocks": "publish_queue_blocks", "exists_ttl_s": "exists_ttl_s",
+        "publish_queue_blocks": "publish_queue_blocks", "publish_threads": "publish_threads",
+        "promote_threads": "promote_threads", "exists_ttl_s": "exists_ttl_s",
         "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
         "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}))
 
@@ -589,7 +597,9 @@ def config_to_toml(config: Config) -> str:
             "local_hostname": c.local_hostname, "segment_size": c.segment_bytes,
             "local_buffer_size": c.local_buffer_bytes, "protocol": c.protocol,
             "rdma_devices": c.rdma_devices, "replicas": c.replicas,
-            "publish_queue_blocks": c.publish_queue_blocks, "exists_ttl_s": c.exists_ttl_s,
+            "publish_queue_blocks": c.publish_queue_blocks,
+            "publish_threads": c.publish_threads, "promote_threads": c.promote_threads,
+            "exists_ttl_s": c.exists_ttl_s,
             "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
             "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
     return "\n".join(

@@ -89,7 +89,7 @@ class ClusterTier:
     def __init__(self, pool, manager: OffloadingManager, block_format: BlockFormat,
                  rows: Rows, *, capacity_blocks: int, publish_queue_blocks: int = 256,
                  exists_ttl_s: float = 1.0, exists_wait_s: float = 0.05,
-                 retry_s: float = 5.0, io_threads: int = 2,
+                 retry_s: float = 5.0, publish_threads: int = 4, promote_threads: int = 2,
                  log_interval_s: float = 10.0):
         self._pool = pool
         self._manager = manager
@@ -116,8 +116,9 @@ class ClusterTier:
         self._stop = False
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._io_threads = io_threads
-        self._moves = BlockTransfers(pool, block_format, rows, num_areas=2 * io_threads,
+        self._publish_threads, self._promote_threads = publish_threads, promote_threads
+        self._moves = BlockTransfers(pool, block_format, rows,
+                                     num_areas=publish_threads + promote_threads,
                                      max_blocks=max(PUBLISH_BATCH, PROMOTE_BATCH))
         self.source = BlockSource.CLUSTER
         self.name = self.source.label
@@ -126,12 +127,15 @@ class ClusterTier:
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
-        """``io_threads`` publishers and as many promoters (a batch's checksums overlap
-        another's transfer), and the health probe."""
-        work = []
-        for i in range(self._io_threads):  # each thread its own area of header buffers
-            work.append((self._publisher, f"publish-{i}", (2 * i,)))
-            work.append((self._promoter, f"promote-{i}", (2 * i + 1,)))
+        """``publish_threads`` publishers, ``promote_threads`` promoters, and the health
+        probe. Publishing wants more calls in flight than promoting: Mooncake's client
+        copies into its own segment on one thread and each put also waits on the master,
+        so while one publisher checksums its batch or waits for an answer another's copy
+        must be queued (docs/benchmarks.md: 2 publishers kept that thread busy about half
+        the time on the development VM)."""
+        work = [(self._publisher, f"publish-{i}", (i,)) for i in range(self._publish_threads)]
+        work += [(self._promoter, f"promote-{i}", (self._publish_threads + i,))
+                 for i in range(self._promote_threads)]  # each thread its header buffers
         for target, name, args in [*work, (self._health, "health", ())]:
             thread = threading.Thread(target=target, args=args, daemon=True,
                                       name=f"tiercache-cluster-{name}")
