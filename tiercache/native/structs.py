@@ -9,6 +9,8 @@ library is built with the system compiler). Field names are the C names.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import Protocol
 
 MAX_SLOTS = 64  # TC_MAX_SLOTS: ring slots a loop may have
 ATTRS_BYTES = 24  # sizeof(CUmemcpyAttributes), copied raw into tc_config.attrs
@@ -98,7 +100,11 @@ def python_layout() -> Layout:
     return out
 
 
-def c_layout(lib: ctypes.CDLL) -> Layout:
+class _Reports(Protocol):
+    tc_layout: Callable[..., int]
+
+
+def c_layout(lib: _Reports) -> Layout:
     """The same table as the compiled C reports it (``tc_layout``)."""
     strct, field = ctypes.c_char_p(), ctypes.c_char_p()
     offset, size = ctypes.c_int64(), ctypes.c_int64()
@@ -111,7 +117,7 @@ def c_layout(lib: ctypes.CDLL) -> Layout:
     return out
 
 
-def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
+def layout_mismatches(lib: _Reports) -> list[str]:
     """Every difference between the mirrors and the C structs, one line each (none: [])."""
     c, py = c_layout(lib), python_layout()
     lines = []
