@@ -50,7 +50,9 @@ def main() -> None:
               f"{row['pattern_load_call_p99_us']:.0f} one {row['pattern_one_call_p50_us']:.0f}/"
               f"{row['pattern_one_call_p99_us']:.0f} | 1-block us "
               f"{row['pattern_one_block_p50_us']:.0f}/{row['pattern_one_block_p99_us']:.0f} "
-              f"(target {row['pattern_one_block_target_us']:.0f})", flush=True)
+              f"(target {row['pattern_one_block_target_us']:.0f}) | calls that lost the GIL "
+              f"{row['pattern_calls_interrupted']:.2f}, {row['pattern_gc_collections']} GCs "
+              f"(longest {row['pattern_gc_max_ms']:.1f} ms)", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceiling": ceiling, "rows": rows}, fh, indent=1)

@@ -20,11 +20,14 @@ Figures: both-ways rate per order (median and minimum, against the sum of the tw
 one-way ceilings), the host time of every ``transfer_async`` call (p50, p99), a one-block
 load from call to result (p50, p99; the wire time of its bytes beside it), and the
 control: two plain torch copies of the same bytes, issued the same way on two streams
-in the same process.
+in the same process. Two counts say where a slow call's time went: the calls during
+which the other thread ran (the call lost the GIL, or waited for it), and the garbage
+collections during the pattern with the longest one.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -68,6 +71,27 @@ class BusyPython:
         self._thread.join()
 
 
+class _GcPauses:
+    """The garbage collections while entered: how many, and the longest (seconds)."""
+
+    def __init__(self) -> None:
+        self.count, self.max_s, self._t0 = 0, 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.max_s = max(self.max_s, time.perf_counter() - self._t0)
+
+    def __enter__(self) -> _GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def _python_work(n: int) -> int:
     """Interpreter work of the kind a step does: small objects built and dropped."""
     d = {i: (i, str(i)) for i in range(n)}
@@ -97,6 +121,8 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
     both_bytes = plans.store.num_bytes + plans.load.num_bytes
     sum_ceiling = (ceiling["gpu_to_cpu"] + ceiling["cpu_to_gpu"]) * 1e9
 
+    interrupted = [0, 0]  # calls during which the other thread ran, calls
+
     def step(specs: list) -> tuple[float, list[float]]:
         """One step: (wall seconds from the first call until both reported, each call's
         host seconds)."""
@@ -105,9 +131,12 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
         pending, took = set(), []
         for spec in specs:
             job = next(jobs)
+            rounds = busy.rounds
             c0 = time.perf_counter()
             handlers.transfer_async(job, spec)
             took.append(time.perf_counter() - c0)
+            interrupted[0] += busy.rounds != rounds
+            interrupted[1] += 1
             pending.add(job)
         while pending:
             for result in handlers.get_finished():
@@ -118,7 +147,8 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
         return time.perf_counter() - t0, took
 
     out: dict[str, Any] = {}
-    with BusyPython() as busy:
+    pauses = _GcPauses()
+    with BusyPython() as busy, pauses:
         for order in ORDERS:
             directions = [G2C, C2G] if order == "store_first" else [C2G, G2C]
             specs = [plans.store_spec if d is G2C else plans.load_spec for d in directions]
@@ -141,6 +171,8 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
         out["pattern_control_ratio"], out["pattern_control_min_ratio"] = \
             _torch_control(rig, plans, steps, sum_ceiling)
         out["pattern_busy_rounds"] = busy.rounds
+    out["pattern_calls_interrupted"] = interrupted[0] / max(interrupted[1], 1)
+    out["pattern_gc_collections"], out["pattern_gc_max_ms"] = pauses.count, pauses.max_s * 1e3
     handlers.shutdown()
     one_bytes = plans.one_load_spec[1].block_ids.size * sum(
         g.pair_bytes for g in plans.planner.groups)
