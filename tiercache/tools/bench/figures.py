@@ -65,8 +65,11 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
                       f"both {row['engine_both']:.1f} GB/s, transfer_async "
                       f"{row['engine_submit_us']:.0f}/{row['engine_submit_load_us']:.0f} us, "
                       f"1 block load {row['engine_one_block_us']:.0f} us")
-        if pattern_steps:
-            row.update(engine_pattern(rig, plans, built, pattern_steps, ceil))
+        if pattern_steps:  # the engine view's handlers closed the backends: fresh ones
+            fresh = rig.backends(backend, w, plans.planner)
+            row.update(engine_pattern(rig, plans, fresh, pattern_steps, ceil))
+            for made in fresh.values():
+                made.close()
             progress.step(f"{w.label()} {backend.label} engine pattern",
                           f"both {row['pattern_store_first_ratio']:.2f}/"
                           f"{row['pattern_load_first_ratio']:.2f} (torch "
