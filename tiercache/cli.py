@@ -41,6 +41,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         coordinator.serve_until(stop)
     finally:
         coordinator.close()
+    if coordinator.abandoned:  # Mooncake's teardown at exit would hang or abort under them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
@@ -84,8 +89,10 @@ def _print_index(socket_path: str) -> None:
         if name == BlockSource.CLUSTER.label:
             state = "up" if t.up else "DOWN (the pool's master is unreachable; retrying)"
             print(f"  {name} tier: {state}, this node's segment holds {t.capacity_blocks} "
-                  f"blocks; {t.promotions} promoted, {t.demotions} published, "
+                  f"blocks; {t.used_blocks} published by this node and in the pool at their "
+                  f"last check; {t.promotions} promoted, {t.demotions} published, "
                   f"{t.queued_blocks} queued, {t.dropped_spills} publishes dropped, "
+                  f"{t.calls_in_flight} pool calls under way, "
                   f"{t.checksum_failures} checksum failures, {t.errors} errors")
             continue
         state = "up" if t.up else "DOWN (I/O errors; retrying)"

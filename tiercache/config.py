@@ -164,6 +164,8 @@ class ClusterConfig:
     exists_wait_s: float = 0.05  # a lookup answers "not yet" this long while the pool is asked
     retry_s: float = 5.0  # while the tier is down: probe the master this often (and log)
     start_timeout_s: float = 10.0  # at start, wait this long for the master, then an error
+    # at stop, wait this long for the tier's pool calls, and as long for Mooncake's close
+    stop_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.backend not in CLUSTER_BACKENDS:
@@ -192,7 +194,8 @@ class ClusterConfig:
         for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
                                 ("exists_wait_s", self.exists_wait_s, 60),
                                 ("retry_s", self.retry_s, 3600),
-                                ("start_timeout_s", self.start_timeout_s, 3600)):
+                                ("start_timeout_s", self.start_timeout_s, 3600),
+                                ("stop_timeout_s", self.stop_timeout_s, 3600)):
             if not 0 < value <= top:
                 raise ConfigError(f"cluster.{key} = {value}: allowed above 0 up to {top} "
                                   "(seconds)")
@@ -336,7 +339,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "protocol": str, "rdma_devices": str, "replicas": int,
                 "publish_queue_blocks": int, "exists_ttl_s": (int, float),
                 "exists_wait_s": (int, float),
-                "retry_s": (int, float), "start_timeout_s": (int, float)},
+                "retry_s": (int, float), "start_timeout_s": (int, float),
+                "stop_timeout_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -408,7 +412,7 @@ def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
         "rdma_devices": "rdma_devices", "replicas": "replicas",
         "publish_queue_blocks": "publish_queue_blocks", "exists_ttl_s": "exists_ttl_s",
         "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
-        "start_timeout_s": "start_timeout_s"}))
+        "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}))
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -587,7 +591,7 @@ def config_to_toml(config: Config) -> str:
             "rdma_devices": c.rdma_devices, "replicas": c.replicas,
             "publish_queue_blocks": c.publish_queue_blocks, "exists_ttl_s": c.exists_ttl_s,
             "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
-            "start_timeout_s": c.start_timeout_s}
+            "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

@@ -2,7 +2,8 @@
 keeps its blocks in a dict and promotes when told to (the real tiers have tests of their
 own in tests/tiers): the first tier that holds a key promotes it; each tier is given its
 own keys of a run and the host-resident ones beside them; engine stores are told to every
-tier, promotions to none; a lease names the tier each promoted block came from."""
+tier, promotions to every tier but the one they came from; a lease names the tier each
+promoted block came from."""
 
 from __future__ import annotations
 
@@ -69,14 +70,20 @@ def test_each_tier_gets_its_keys_of_a_run_with_the_host_ones_beside_them():
     assert cluster.asked == [([k(2), k(3)], {k(3)})]  # not promoted
 
 
-def test_engine_stores_are_told_to_every_tier_and_promotions_to_none():
-    manager, disk, cluster = chain(cluster_keys=[k(5)])
+def test_engine_stores_are_told_to_every_tier_and_promotions_to_the_others():
+    manager, disk, cluster = chain(disk_keys=[k(4)], cluster_keys=[k(5)])
     out = manager.prepare_store([k(0), k(1)])
     manager.complete_store(list(out.keys_to_store))
     assert disk.told == cluster.told == [k(0), k(1)]
     manager.lease([k(5)])
-    cluster.finish()
-    assert disk.told == cluster.told == [k(0), k(1)]  # the promoted block is not told
+    cluster.finish()  # up from the pool: the disk is told, the pool is not told again
+    assert (disk.told, cluster.told) == ([k(0), k(1), k(5)], [k(0), k(1)])
+    manager.lease([k(4)])
+    disk.finish()  # up from the disk: published like an engine's store
+    assert (disk.told, cluster.told) == ([k(0), k(1), k(5)], [k(0), k(1), k(4)])
+    out = manager.prepare_store([k(6)])  # a failed store is told to nobody
+    manager.complete_store(list(out.keys_to_store), False)
+    assert (len(disk.told), len(cluster.told)) == (3, 3)
 
 
 def test_a_lease_names_the_tier_each_promoted_block_came_from():

@@ -3,10 +3,15 @@ two coordinators (own instance names, regions, sockets) stand for two nodes. Wha
 stores is an exact hit on node B after promotion; a node of another geometry sees none of
 it; a master killed makes B's lookups plain misses (no error) and the tier comes back with
 a master; node A stopped or killed: B's lookups of A's blocks miss cleanly; an object
-damaged in the pool, or a key a dead writer left stuck mid-put, is a miss, never a load."""
+damaged in the pool, or a key a dead writer left stuck mid-put, is a miss, never a load;
+a node stops without waiting on calls a frozen master holds; blocks promoted from a node's
+disk are published, those promoted from the pool are not published again; the tier counts
+the blocks this node published that the pool still holds."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,16 +22,19 @@ from control_children import block_pattern, rows_hold
 from control_support import wait_for
 from e2e_support import metrics_url, sample, scrape
 from mooncake_master import MooncakeMaster
-from tiercache.config import ClusterConfig, KVGeometry, RegionConfig
+from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
 from tiercache.index.client import Client
 from tiercache.index.results import BlockSource
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
 from tiercache.tiers.cluster_object import BlockFormat
+from tiercache.tiers.disk_file import HEADER_BYTES as DISK_HEADER_BYTES
+from tiercache.tiers.mooncake_pool import MooncakePool
 
 ROW = 4096
 WAIT_S = 0.05  # cluster.exists_wait_s
+TTL_S = 0.5  # cluster.exists_ttl_s
 KEYS = [b"cluster-key-%d" % i for i in range(24)]
 
 
@@ -39,19 +47,28 @@ def master(tmp_path):
 @pytest.fixture
 def start_node(make_config, instance_name, tmp_path, master):
     """``start(node, page=ROW)`` -> a running coordinator of its own instance, region and
-    socket, with a cluster tier on ``master``; all stopped and cleaned up after."""
+    socket, with a cluster tier on ``master`` (and with ``disk``, a disk tier whose file
+    outlives the coordinator: start the node again to find it); all stopped and cleaned up
+    after."""
     started = []
 
-    def start(node: str, page: int = ROW, num_blocks: int = 64) -> CoordinatorProcess:
+    def start(node: str, page: int = ROW, num_blocks: int = 64,
+              disk: bool = False) -> CoordinatorProcess:
+        disk_config = None
+        if disk:
+            (tmp_path / f"disk-{node}").mkdir(exist_ok=True)
+            disk_config = DiskConfig(path=str(tmp_path / f"disk-{node}"), low_watermark=0.5,
+                                     capacity_bytes=64 * (DISK_HEADER_BYTES + 2 * page))
         config = make_config(
             name=f"{instance_name}{node}", control_socket=str(tmp_path / f"{node}.sock"),
             kv=KVGeometry(page_bytes=(page,)),
             region=RegionConfig(capacity_bytes=None, num_blocks=num_blocks, prefault_threads=1),
+            disk=disk_config,
             cluster=ClusterConfig(master=master.address, metadata_server=master.metadata_url,
                                   local_hostname="127.0.0.1", segment_bytes=32 << 20,
-                                  exists_ttl_s=0.5, exists_wait_s=WAIT_S, retry_s=0.3,
+                                  exists_ttl_s=TTL_S, exists_wait_s=WAIT_S, retry_s=0.3,
                                   start_timeout_s=5))
-        process = CoordinatorProcess(config, tmp_path / f"node-{node}")
+        process = CoordinatorProcess(config, tmp_path / f"node-{node}-{len(started)}")
         started.append(process)
         return process
 
@@ -60,9 +77,16 @@ def start_node(make_config, instance_name, tmp_path, master):
         process.cleanup()
 
 
-def cluster_stats(node: CoordinatorProcess):
+def cluster_stats(node: CoordinatorProcess, tier: str = "cluster"):
     with Client(node.config) as client:
-        return client.tier_stats()["cluster"]
+        return client.tier_stats()[tier]
+
+
+def drained(node: CoordinatorProcess):
+    """The cluster tier's figures once nothing waits to be published (queued_blocks counts
+    the publishes under way too)."""
+    return wait_for(lambda: (s := cluster_stats(node)).queued_blocks == 0 and s,
+                    f"node {node.config.name} publishes what it queued")
 
 
 def store(node: CoordinatorProcess, keys: list[bytes], timeout_s: float = 30.0) -> bool:
@@ -215,8 +239,6 @@ def test_a_damaged_object_in_the_pool_is_a_miss_never_a_load(start_node, master)
     import ctypes
     import mmap
 
-    from tiercache.tiers.mooncake_pool import MooncakePool
-
     b = start_node("b")
     fmt = BlockFormat.of(RegionLayout.from_config(b.config))
     other = BlockFormat(fmt.world_size, fmt.row_stride, (ROW // 2, ROW // 2),
@@ -303,9 +325,6 @@ def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_pat
 def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
     """A master that accepts connections and never answers (SIGSTOP: a black-holed network
     looks the same): the tier's calls wait, the lookups do not."""
-    import os
-    import signal
-
     a, b = start_node("a"), start_node("b")
     assert store(a, KEYS[:4])
     os.kill(master.proc.pid, signal.SIGSTOP)
@@ -329,3 +348,102 @@ def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
         return loads[-1] == (4, 0)
     wait_for(all_exact, "the blocks come up once the master answers")
     assert all(wrong == 0 for _, wrong in loads)
+
+
+def test_a_node_stops_without_waiting_on_calls_a_frozen_master_holds(start_node, master,
+                                                                      monkeypatch):
+    """With the master frozen (SIGSTOP) node b's health probe and promoter are in calls it
+    never answers: Mooncake's RPC timeout is set to an hour for the nodes, so a stop that
+    waited for them would not end. b stops cleanly all the same (region and socket gone),
+    saying what it abandoned; node a's calls go on once the master does."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", str(3600 * 1000))
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:4])
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        with Client(b.config) as client:
+            assert client.lease(KEYS[:4]).pending  # b's promoter asks the frozen pool
+        wait_for(lambda: cluster_stats(b).calls_in_flight >= 2,
+                 "node b's promoter and health probe wait on the frozen master")
+        assert b.stop(timeout_s=300) == 0  # the bound: 2 x cluster.stop_timeout_s (2 s)
+        out = b.output()
+        line = next(x for x in out.splitlines() if "abandoned what the pool's master" in x)
+        assert "health: exists (health probe) for" in line
+        assert "promote-" in line and ": exists for" in line
+        assert "Mooncake's close (not started: calls in it)" in line
+        assert "stopped; removed region" in out
+        assert not [n for n in os.listdir("/dev/shm") if b.config.name in n]
+        assert not os.path.exists(b.config.socket_path)
+        assert master.proc.poll() is None  # stopped while the master was still frozen
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    assert store(a, [b"after-the-thaw"])  # node a publishes again once the master answers
+
+
+def test_blocks_promoted_from_disk_are_published_and_those_from_the_pool_are_not(start_node):
+    """Node a (host memory and a disk tier) stores blocks; the oldest are demoted to disk;
+    a stops (its segment and objects leave the pool) and starts again with its disk: a
+    lookup promotes them from disk, and the tier publishes them as if an engine had
+    stored them: node b, which missed them before, loads them from the pool byte for byte.
+    b does not publish what it promoted from the pool, and a does not publish again what
+    it promoted from disk a second time while the pool still holds it."""
+    a = start_node("a", num_blocks=16, disk=True)
+    assert store(a, KEYS[:12])  # 12 of 16 host slots: the disk tier demotes the oldest
+    wait_for(lambda: cluster_stats(a, "disk").used_blocks >= 4, "node a demotes to disk")
+    assert a.stop() == 0
+    b = start_node("b")
+    assert load(b, KEYS[:4])[2][-1].num_hit == 0  # gone from the pool with node a
+
+    a = start_node("a", num_blocks=16, disk=True)  # a fresh region; the disk rebuilt
+    answers = load(a, KEYS[:4])[2]
+    assert answers[-1].num_hit == 4 and set(answers[-1].sources) == {BlockSource.DISK}
+    wait_for(lambda: cluster_stats(a).demotions >= 4, "node a publishes what its disk held")
+    loads = []
+
+    def b_loads_them() -> bool:  # once b's "the pool has not" (exists_ttl_s) runs out
+        loads.append(load(b, KEYS[:4]))
+        return loads[-1][:2] == (4, 0)
+    wait_for(b_loads_them, "node b loads node a's disk blocks from the pool")
+    assert all(wrong == 0 for _, wrong, _ in loads)
+    assert set(loads[-1][2][-1].sources) == {BlockSource.CLUSTER}
+
+    assert store(b, [b"b-own"])  # b's own block is published; what came from the pool not
+    assert drained(b).demotions == 1
+
+    fillers = [b"filler-%d" % i for i in range(16)]  # a's host evicts KEYS[:4] (on disk)
+    assert store(a, fillers)
+    before = drained(a)
+    time.sleep(2 * TTL_S)  # a's own "the pool has them" of their publish has run out: what
+    answers = load(a, KEYS[:4])[2]  # a knows now is its census of what it published
+    assert set(answers[-1].sources) == {BlockSource.DISK}  # up from disk again
+    assert store(a, [b"a-after"])
+    after = drained(a)
+    assert (after.demotions + after.dropped_spills
+            == before.demotions + before.dropped_spills + 1)
+
+
+def test_the_blocks_a_node_published_that_the_pool_still_holds(start_node, master):
+    """``used_blocks`` (tiercache_tier_blocks{tier="cluster"}): node a's blocks the pool
+    held at their last check; node b promoted some of them and counts none; when the pool
+    loses some (removed here by another client, as the master's eviction would), a's
+    count drops by as many at their next check."""
+    a, b = start_node("a"), start_node("b")
+    assert store(a, KEYS[:8])
+    assert cluster_stats(a).used_blocks == 8
+    assert load(b, KEYS[:2])[:2] == (2, 0)
+    assert cluster_stats(b).used_blocks == 0
+    fmt = BlockFormat.of(RegionLayout.from_config(a.config))
+    names = [fmt.name(key, rank) for key in KEYS[4:7] for rank in range(fmt.world_size)]
+    pool = MooncakePool(ClusterConfig(master=master.address,
+                                      metadata_server=master.metadata_url,
+                                      local_hostname="127.0.0.1", segment_bytes=16 << 20))
+    pool.open()
+    try:
+        assert pool.remove(names) == [0] * len(names)
+    finally:
+        pool.close()
+    wait_for(lambda: cluster_stats(a).used_blocks == 5, "node a's census finds three gone")
+    assert sample(scrape(metrics_url(a)), "tiercache_tier_blocks", tier="cluster") == 5
+    out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                          str(a.config_path)], capture_output=True, text=True)
+    assert "5 published by this node and in the pool at their last check" in out.stdout

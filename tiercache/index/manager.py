@@ -89,7 +89,9 @@ class LowerTier(Protocol):
     * ``promote(run, mine, owner)``: promote ``mine``, the keys of ``run`` this tier was
       chosen for; the rest of ``run`` is in host memory already (a promotion's reservation
       of the whole run protects them from its own evictions).
-    * ``stored(keys)``: an engine just stored these keys READY in host memory.
+    * ``stored(keys)``: these keys just became READY in host memory, stored by an engine
+      or promoted from another tier (never from this one: a tier is not told of its own
+      promotions).
     """
 
     name: str
@@ -520,8 +522,9 @@ class OffloadingManager:
         Acts on the keys that ``owner`` reserved and that are still WRITING; every other
         key (READY, absent, or reserved by another session) is ignored, because engines
         complete with every key of a request, sometimes twice. ``source``: the tier whose
-        promotion wrote them (its own owner ``TIER_OWNER`` completes them); an engine's
-        blocks are told to the lower tiers (``LowerTier.stored``).
+        promotion wrote them (its own owner ``TIER_OWNER`` completes them). The blocks are
+        told to every lower tier but the one they came from (``LowerTier.stored``): a block
+        promoted from disk is published to the cluster tier as an engine's is.
         """
         check_owner(owner)
         check_keys(keys, "complete_store")
@@ -540,8 +543,8 @@ class OffloadingManager:
                     self._move(slot, SlotState.READY)
                     slot.source = source
                 self._readable_keys.update(mine)
-                if source is BlockSource.HOST:
-                    for tier in self._tiers:
+                for tier in self._tiers:  # all but the tier they came up from
+                    if tier.source is not source:
                         tier.stored(mine)
                 self._counters["stored_blocks"] += len(slots)
                 self._emit(mine, removed=False)

@@ -97,6 +97,7 @@ class TierStats:
     demotions: int = 0
     dropped_spills: int = 0
     queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
+    calls_in_flight: int = 0  # disk: promotion/demotion jobs; cluster: calls to the pool
     checksum_failures: int = 0
     errors: int = 0
     rebuilt_blocks: int = 0

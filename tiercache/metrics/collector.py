@@ -226,6 +226,11 @@ class Family(Enum):
     TIER_QUEUED = ("gauge", "tiercache_tier_queued_blocks",
                    "Blocks waiting to be written to the tier (disk: demotions; cluster: the "
                    "publish queue).", ("tier",), "queued_blocks")
+    TIER_CALLS_IN_FLIGHT = ("gauge", "tiercache_tier_calls_in_flight",
+                            "Calls to the tier's medium under way (disk: promotion and "
+                            "demotion jobs; cluster: exists, get and put calls to the pool and "
+                            "the health probe). Stuck at the thread count: a hung disk or a "
+                            "master that does not answer.", ("tier",), "calls_in_flight")
     TIER_CHECKSUM_FAILURES = ("counter", "tiercache_tier_checksum_failures",
                               "Blocks read from the tier whose checksum failed (dropped, "
                               "never served).", ("tier",), "checksum_failures")

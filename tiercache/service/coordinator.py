@@ -61,6 +61,10 @@ class Coordinator:
         self.disk = None
         self.presence = None
         self.cluster = None  # (ClusterTier, MooncakePool)
+        # what stop left blocked in Mooncake (the cluster tier's pool calls, the client's
+        # close): daemon threads; the region stays mapped under them, and `serve` ends the
+        # process without Mooncake's teardown (which would hang or abort under them)
+        self.abandoned: list[str] = []
         self._closed = False
 
     def start(self) -> None:
@@ -252,12 +256,29 @@ class Coordinator:
         self.manager.set_lower_tiers([])
         try:
             if self.cluster is not None:
-                tier, pool = self.cluster
-                tier.close()
-                pool.close()
+                self._stop_cluster()
         finally:
             if self.disk is not None:
                 self.disk.close()
+
+    def _stop_cluster(self) -> None:
+        """The tier's threads, then Mooncake's client, each waited for at most
+        ``cluster.stop_timeout_s``: a master that does not answer (frozen, black-holed)
+        holds Mooncake's calls for its own RPC timeout, and a stop must not. What is still
+        blocked then is abandoned (one line says what); a client with a call still in it
+        is not closed under that call."""
+        tier, pool = self.cluster
+        bound = self.config.cluster.stop_timeout_s
+        calls = tier.close(bound)
+        closed = not calls and pool.close(bound)
+        if closed:
+            return
+        self.abandoned = calls + ["Mooncake's close" + (" (not started: calls in it)"
+                                                        if calls else "")]
+        self.say(f"cluster tier: stop waited {bound:g} s (cluster.stop_timeout_s) and "
+                 f"abandoned what the pool's master still holds: {'; '.join(self.abandoned)}. "
+                 "Daemon threads holding nothing the next start needs; this process ends "
+                 "without Mooncake's teardown")
 
     def serve_until(self, stop: threading.Event) -> None:
         stop.wait()
@@ -276,9 +297,11 @@ class Coordinator:
                                 lambda: self.control.close(end_sessions=not keep))),
                             # a scrape the exporter could not drain may still read the
                             # mapping: then unlink the region but keep it mapped
+                            # (and a Mooncake call abandoned under it may still write it)
                             ("region", self.region and (
-                                lambda: self.region.close(unlink=not keep,
-                                                          unmap="exporter" not in errors)))):
+                                lambda: self.region.close(
+                                    unlink=not keep,
+                                    unmap="exporter" not in errors and not self.abandoned)))):
             if not close:
                 continue
             try:

@@ -7,10 +7,22 @@ pool's client), on the tier's own threads (``cluster_transfer.BlockTransfers`` m
 bytes; this module keeps the bookkeeping). Workers and the engine's step never wait on
 the pool, and nothing here does network I/O under the index's lock.
 
-* **Publish: write-through, asynchronous, bounded.** A block an engine stores READY is
-  queued (``LowerTier.stored``); the publisher pins a batch (as the tier's own owner),
-  writes one object per rank (header + row, see ``cluster_object``) and unpins. The queue
-  holds ``publish_queue_blocks``; past it a block is dropped and counted, never waited for.
+* **Publish: write-through, asynchronous, bounded.** A block that becomes READY in host
+  memory, stored by an engine or promoted from the disk tier, is queued
+  (``LowerTier.stored``; the tier's own promotions are not: they came from the pool),
+  unless the tier knows the pool has it (this node published it and the last census found
+  it, or an exists answer of the last ``exists_ttl_s`` said so). The publisher pins a batch
+  (as the tier's own owner), writes one object per rank (header + row, see
+  ``cluster_object``) and unpins. The queue holds ``publish_queue_blocks``; past it a
+  block is dropped and counted, never waited for.
+* **What it holds: this node's published blocks, checked.** The keys this node published
+  whole are kept; the health thread asks the pool about ``CENSUS_NAMES`` of their objects
+  every ``retry_s`` (the least recently checked first) and forgets those it no longer has
+  (evicted by the master, the segment gone with a master restart). ``used_blocks`` is
+  their number: blocks this node published that the pool held at their last check. It is
+  not this node's segment's occupancy (other nodes' objects can live there, and this
+  node's in others' once its segment is full) nor the pool's size (``mooncake_master``'s
+  metrics say those), and an eviction shows at the block's next check.
 * **Promote: what a lookup finds in the pool comes up like a disk hit.** A lookup that
   misses host memory and the disk asks ``holds``, which answers from what the tier knows
   (no I/O): "the pool has it" or "has not" (an answer of the last ``exists_ttl_s``), or,
@@ -27,6 +39,11 @@ the pool, and nothing here does network I/O under the index's lock.
   them when the pool is slow. The price: a block published by another node within
   ``exists_ttl_s`` of a "no" here, or whose "yes" comes later than ``exists_wait_s``, is
   missed that once.
+* **Stop: bounded.** ``close(timeout_s)`` waits that long for threads in a pool call; a
+  master that does not answer (frozen, black-holed) holds Mooncake's calls for its own RPC
+  timeout (30 s by default), so the threads still in one are abandoned: they are daemon
+  threads, and what they hold (pins and reservations of this index, header buffers) dies
+  with the index and the process; their names and calls are returned for the log.
 * **Fail: the pool is a cache.** A master that cannot be reached (Mooncake's ``RPC_FAIL``,
   or the health probe every ``retry_s`` failing) marks the tier down: ``holds`` answers
   "no", publishing drops, one log line per interval; the probe brings it back. A get that
@@ -43,7 +60,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from tiercache.errors import ManagerError
@@ -61,6 +79,7 @@ PROMOTE_BATCH = 32  # blocks per promotion read (their host slots reserved toget
 MAX_PROMOTIONS_QUEUED = 64  # promotion jobs waiting; past it a lookup's run is a miss
 MAX_KNOWN = 1 << 16  # exists answers remembered (oldest forgotten first)
 PROBE_NAME = "tiercache/health-probe"  # the health probe asks whether this exists
+CENSUS_NAMES = 8192  # objects of published blocks checked per retry_s (one batched exists)
 
 
 class ClusterTier:
@@ -87,6 +106,12 @@ class ClusterTier:
         # keys a queued or running job asks the pool about -> (since, the askers told "maybe")
         self._probing: dict[bytes, tuple[float, set[int]]] = {}
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
+        self._calls: dict[str, tuple[str, float]] = {}  # thread -> (pool call, since)
+        self._publishing = 0  # blocks taken off the publish queue, not booked yet
+        # keys this node published whole that the pool held at their last check, least
+        # recently checked first (at most 2x what this node's segment holds)
+        self._published: OrderedDict[bytes, None] = OrderedDict()
+        self._published_max = max(2 * capacity_blocks, PUBLISH_BATCH)
         self._up = True
         self._stop = False
         self._stopped = threading.Event()
@@ -113,16 +138,26 @@ class ClusterTier:
             thread.start()
             self._threads.append(thread)
 
-    def close(self) -> None:
-        """Stop the threads (a transfer in flight finishes first); the pool stays open
-        (its owner closes it)."""
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Stop the threads, waiting up to ``timeout_s`` in all (None: as long as it takes)
+        for those in a pool call; the pool stays open (its owner closes it). Returns the
+        calls abandoned, ``"<thread>: <call> for <s> s"`` each (empty: every thread ended).
+        An abandoned thread is a daemon blocked in Mooncake: the process may end under it;
+        in-process, its call may still write into the region's mapping when it returns,
+        so the region's owner must keep the mapping (see ``Coordinator.close``)."""
         with self._lock:
             self._stop = True
             self._work.notify_all()
         self._stopped.set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join()
-        self._threads.clear()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        now = time.monotonic()
+        with self._lock:
+            return [f"{t.name.removeprefix('tiercache-cluster-')}: "
+                    + (f"{call[0]} for {now - call[1]:.1f} s" if call else "not in a call")
+                    for t in self._threads for call in [self._calls.get(t.name)]]
 
     # ------------------------------------------------------------------ the index's side
     def holds(self, key: bytes, owner: int) -> bool:
@@ -166,6 +201,9 @@ class ClusterTier:
             if not self._up:
                 self.stats.dropped_spills += len(keys)
                 return
+            now = time.monotonic()
+            keys = [k for k in keys if k not in self._published
+                    and not ((known := self._known.get(k)) and known[0] and known[1] > now)]
             room = self._queue_max - len(self._publish)
             self._publish.extend(keys[:max(room, 0)])
             if len(keys) > room:
@@ -174,17 +212,36 @@ class ClusterTier:
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return replace(self.stats, up=self._up, queued_blocks=len(self._publish))
+            return replace(self.stats, up=self._up, used_blocks=len(self._published),
+                           queued_blocks=len(self._publish) + self._publishing,
+                           calls_in_flight=len(self._calls))
+
+    @contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """Around each pool call: what this thread waits on (``calls_in_flight``, and
+        what ``close`` abandons)."""
+        me = threading.current_thread().name
+        with self._lock:
+            self._calls[me] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._calls[me]
 
     # ------------------------------------------------------------------ threads
     def _next(self, queue: deque, count: int) -> list | None:
-        """Up to ``count`` items of ``queue`` once it has any; None when stopping."""
+        """Up to ``count`` items of ``queue`` once it has any; None when stopping. Blocks
+        taken to publish count as queued until they are booked."""
         with self._lock:
             while not queue and not self._stop:
                 self._work.wait()
             if self._stop:
                 return None
-            return [queue.popleft() for _ in range(min(count, len(queue)))]
+            items = [queue.popleft() for _ in range(min(count, len(queue)))]
+            if queue is self._publish:
+                self._publishing += len(items)
+            return items
 
     def _publisher(self, area: int) -> None:
         while (keys := self._next(self._publish, PUBLISH_BATCH)) is not None:
@@ -192,6 +249,9 @@ class ClusterTier:
                 self._publish_batch(keys, area)
             except Exception:  # a bug: keep the tier serving, say it loudly
                 log.exception("cluster tier: publishing failed")
+            finally:
+                with self._lock:
+                    self._publishing -= len(keys)
 
     def _promoter(self, area: int) -> None:
         while (jobs := self._next(self._jobs, 1)) is not None:
@@ -206,16 +266,41 @@ class ClusterTier:
                         del self._probing[key]
 
     def _health(self) -> None:
-        """Ask the master every ``retry_s`` (any answer but an error is "up")."""
+        """Ask the master every ``retry_s`` (any answer but an error is "up"); while up,
+        check the next of this node's published blocks."""
         while not self._stopped.wait(self._retry_s):
-            (code,) = self._pool.exists([PROBE_NAME])
+            with self._calling("exists (health probe)"):
+                (code,) = self._pool.exists([PROBE_NAME])
             if code < 0:
                 self._down(f"the health probe failed (code {code})")
-            else:
-                with self._lock:
-                    was_up, self._up = self._up, True
-                if not was_up:
-                    log.warning("cluster tier: the pool's master answers again; the tier is up")
+                continue
+            with self._lock:
+                was_up, self._up = self._up, True
+            if not was_up:
+                log.warning("cluster tier: the pool's master answers again; the tier is up")
+            self._census()
+
+    def _census(self) -> None:
+        """Ask the pool about the ``CENSUS_NAMES`` least recently checked objects of this
+        node's published blocks; forget the blocks it no longer has whole."""
+        with self._lock:
+            count = max(1, CENSUS_NAMES // self._format.world_size)
+            keys = [k for k, _ in zip(self._published, range(count))]
+        if not keys:
+            return
+        with self._calling("exists (census)"):
+            codes = self._moves.exists(keys)
+        if any(c < 0 for c in codes):
+            self._failed("census", [c for c in codes if c < 0])
+            return
+        with self._lock:
+            for key, code in zip(keys, codes):
+                if key not in self._published:  # forgotten meanwhile
+                    continue
+                if code == 1:
+                    self._published.move_to_end(key)
+                else:
+                    del self._published[key]
 
     # ------------------------------------------------------------------ publishing
     def _publish_batch(self, keys: list[bytes], area: int) -> None:
@@ -223,11 +308,17 @@ class ClusterTier:
         if not held:
             return
         try:
-            out = self._moves.put(area, held)
+            with self._calling("put"):
+                out = self._moves.put(area, held)
         finally:
             self._manager.complete_load([key for key, _ in held], owner=TIER_OWNER)
         failed = len(held) - len(out.done)
         with self._lock:
+            for key in out.done:
+                self._published[key] = None
+                self._published.move_to_end(key)
+            while len(self._published) > self._published_max:
+                self._published.popitem(last=False)
             self.stats.demotions += len(out.done)
             self.stats.write_bytes += len(out.done) * self._block_bytes
             self.stats.write_seconds += out.seconds
@@ -285,7 +376,8 @@ class ClusterTier:
         unknown = [k for k in keys if k not in has]
         if not unknown:
             return has
-        codes = self._moves.exists(unknown)
+        with self._calling("exists"):
+            codes = self._moves.exists(unknown)
         if any(c < 0 for c in codes):
             self._failed("exists", [c for c in codes if c < 0])
             return None
@@ -309,7 +401,8 @@ class ClusterTier:
         keys = list(out.keys_to_store)
         wanted = [(key, slot) for key, slot in zip(keys, out.store_spec.block_ids.tolist())
                   if key in present]
-        got = self._moves.get(area, wanted)
+        with self._calling("get"):
+            got = self._moves.get(area, wanted)
         good = set(got.done)
         errors = [c for c in got.codes if c < 0]
         with self._lock:  # booked before the blocks are READY: a hit is already counted

@@ -182,6 +182,7 @@ class DiskTier:
                 if self._stop:
                     return
                 _, _, (kind, payload) = heapq.heappop(self._queue)
+                self.stats.calls_in_flight += 1
             try:
                 if kind == "promote":
                     self._promote(payload)
@@ -189,6 +190,9 @@ class DiskTier:
                     self._demote(*payload)
             except Exception:  # a bug: keep the tier serving, say it loudly
                 log.exception("disk tier: %s failed", kind)
+            finally:
+                with self._lock:
+                    self.stats.calls_in_flight -= 1
 
     def _watch(self) -> None:
         """Demote ahead of eviction while host free slots are below the watermark."""

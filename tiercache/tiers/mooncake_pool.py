@@ -10,19 +10,26 @@ pool that is down (a negative code per name, as Mooncake answers):
 * ``put_from(names, parts)`` -> per name: 0 stored, or < 0
 * ``register(address, num_bytes)``: memory the zero-copy calls read and write (the region's
   mapping, the headers' buffers); ``parts`` are ``[(address, num_bytes), ...]`` inside it
-* ``close()``: unmounts this node's segment (its objects leave the pool) and disconnects.
+* ``close(timeout_s)``: unmounts this node's segment (its objects leave the pool) and
+  disconnects; bounded (a master that does not answer holds it for Mooncake's RPC timeout).
 
 What Mooncake does that the tier relies on, as measured with this version (loopback TCP):
 calls to a master that is gone answer ``RPC_FAIL`` (-900) at once; the client reconnects
 and re-mounts its segment by itself when a master is back (about 1.5 s); the Python
 binding releases the GIL during transfers. ``setup`` against an absent master retries for
 about 90 s, so ``open`` first waits (``start_timeout_s``) for the master's port to accept.
+A master that accepts and never answers (SIGSTOP, a black-holed network) holds every call,
+``close`` included, for Mooncake's RPC timeout (``MC_RPC_TIMEOUT_MS``, 30 s by default),
+then the call answers -901 (per name). A process whose Mooncake client is still in a call
+at exit hangs or aborts in Mooncake's teardown (observed): ``tiercache serve`` then ends
+with ``os._exit`` (``Coordinator.abandoned``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
@@ -128,14 +135,27 @@ class MooncakePool:
             return []
         return self._call(lambda s: s.batch_remove(list(names)), len(names))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Unregister the buffers, unmount the segment and disconnect; whether that ended.
+        With ``timeout_s`` it runs on a daemon thread waited for that long: a master that
+        does not answer leaves it there (abandoned, False; the client must not be used
+        again, and the process should end without Mooncake's teardown)."""
         store, self._store = self._store, None
         if store is None:
-            return
-        for address in self._registered:
-            store.unregister_buffer(address)
-        self._registered.clear()
-        store.close()
+            return True
+        registered, self._registered = self._registered, []
+
+        def close() -> None:
+            for address in registered:
+                store.unregister_buffer(address)
+            store.close()
+        if timeout_s is None:
+            close()
+            return True
+        closing = threading.Thread(target=close, daemon=True, name="tiercache-mooncake-close")
+        closing.start()
+        closing.join(timeout_s)
+        return not closing.is_alive()
 
     def _call(self, call, count: int) -> list[int]:
         """A batched call's per-name codes; a call the binding fails with ``RuntimeError``
