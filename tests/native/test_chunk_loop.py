@@ -221,7 +221,8 @@ def _submit(loop: ChunkLoop, planner: TransferPlanner, case):
     table = np.full((4, plan.num_pairs), -1, dtype=np.int64)
     ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
                          end_event=END, table_event=TABLE, direction=case.direction,
-                         pairs=plan.pairs, works=plan.works, table=table.ctypes.data,
+                         validated=plan.buffer, num_pairs=plan.num_pairs,
+                         num_works=plan.num_works, table=table.ctypes.data,
                          keep=table)
     return ticket, table, plan
 

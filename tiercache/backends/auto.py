@@ -8,15 +8,17 @@ backend kind it records in the rank's stats block):
 2. Every GPU page ≥ ``LARGE_PAGE_BYTES``: ``ce`` — the copy engines reach the PCIe
    ceiling on such units by themselves, and need no staging memory.
 3. Otherwise time the candidates that leave the SMs to the model — ``ce`` and
-   ``staged`` — on scratch memory shaped like this rank's pages and host rows (in the
-   planner's host order). Both figures are *marginal*: what a ``CALIBRATION_BYTES``
-   transfer adds over one a quarter that size (a single small transfer overweights
-   fixed per-transfer costs). A candidate whose submission holds the calling thread
-   for more than ``HOST_SHARE_LIMIT`` of the transfer's time is passed over: that
-   thread drives the model and the other direction (``ce`` on 32 KiB pages moves at
-   the PCIe ceiling but walks ~0.5 µs of driver time per page, ~9 ms of a 10 ms
-   transfer; both directions at once then reach only 0.64 of the ceiling). Among the
-   rest, the higher rate wins.
+   ``staged`` — each as it will run for the rank: on scratch memory shaped like the
+   rank's KV cache (one tensor per page size, scattered blocks, host rows), through a
+   planner over that scratch, so ``ce`` takes merged page plans and ``staged`` block
+   plans issued by its native chunk loop. The rate is *marginal*: what a
+   ``CALIBRATION_BYTES`` transfer adds over one a quarter that size (a single small
+   transfer overweights fixed per-transfer costs). A candidate whose ``submit`` holds
+   the calling thread for more than ``HOST_SHARE_LIMIT`` of the large transfer's time
+   is passed over: that thread drives the model and the other direction (``ce`` on 32
+   KiB pages moves at the PCIe ceiling but walks ~0.5 µs of driver time per page, ~9 ms
+   of a 10 ms transfer). The share is the whole call's, not a marginal one: a noisy
+   small run cannot make a slow call look cheap. Among the rest, the higher rate wins.
 
 When ``staged`` wins it takes every plan of the rank as block plans, issued by its
 native chunk loop (one block goes through it faster than through ``ce``: docs/benchmarks.md,
@@ -48,8 +50,10 @@ from tiercache.backends.kind import BackendKind
 from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError
+from tiercache.pages import PageArray
+from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import CopyPlan, PlanForm
-from tiercache.specs import Direction
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 
 log = logging.getLogger(__name__)
 
@@ -100,57 +104,46 @@ class AutoBackend(CopyBackend):
             self.small.close()
 
 
-def _candidates(device: int, driver: CudaDriver) -> list[Callable[[], CopyBackend]]:
-    return [lambda: CeBackend(device, driver), lambda: StagedBackend(device, driver=driver)]
+def _candidates(device: int, driver: CudaDriver, planner: TransferPlanner
+                ) -> list[Callable[[], CopyBackend]]:
+    return [lambda: CeBackend(device, driver),
+            lambda: StagedBackend(device, driver=driver, planner=planner)]
 
 
 class _Scratch:
-    """GPU pages and pinned host rows shaped like the rank's (same page sizes, same page
-    offsets inside a host row), enough blocks for ``CALIBRATION_BYTES``. Descriptors are
-    block by block in ascending host rows, tensors by row offset: the planner's order."""
+    """GPU pages (one tensor per page size of the rank, tensor after tensor, as a KV
+    cache is) and pinned host rows (each row one page of every tensor), enough blocks
+    for ``CALIBRATION_BYTES`` twice over, with a planner over them; transfers take
+    scattered GPU blocks and rows."""
 
     def __init__(self, context: BackendContext, device: torch.device):
-        gpu_page = [p.page_bytes for p in context.gpu_pages]
-        host_page = [p.page_bytes for p in context.cpu_pages]
-        base = context.cpu_pages[0].base_address
-        offsets = [p.base_address - base for p in context.cpu_pages]
-        row_stride = max(context.cpu_pages[0].block_stride_bytes,
-                         max(o + p.block_bytes for o, p in zip(offsets, context.cpu_pages)))
-        if any(o < 0 or o >= row_stride for o in offsets):  # pages not laid out in rows
-            offsets = list(np.cumsum([0] + [p.block_bytes for p in context.cpu_pages[:-1]]))
-            row_stride = sum(p.block_bytes for p in context.cpu_pages)
-        block_bytes = sum(gpu_page)
+        pages = [p.page_bytes for p in context.gpu_pages]
+        block_bytes = sum(pages)
         self.num_blocks = max(2, min(CALIBRATION_BYTES // block_bytes, 4096))
-        self.gpu = torch.empty(self.num_blocks * 2 * block_bytes, dtype=torch.uint8, device=device)
-        self.host = torch.empty(self.num_blocks * 2 * row_stride, dtype=torch.uint8,
-                                pin_memory=True)
+        total = 2 * self.num_blocks
+        self.gpu = torch.empty(total * block_bytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(total * block_bytes, dtype=torch.uint8, pin_memory=True)
+        offsets = np.cumsum([0] + pages[:-1]).tolist()
+        gpu_pages = [PageArray(self.gpu.data_ptr() + total * o, total, p, p)
+                     for o, p in zip(offsets, pages)]
+        cpu_pages = [PageArray(self.host.data_ptr() + o, total, block_bytes, p)
+                     for o, p in zip(offsets, pages)]
+        self.planner = TransferPlanner(gpu_pages, cpu_pages, 1)
         rng = np.random.default_rng(0)
-        gpu_blocks = rng.permutation(2 * self.num_blocks)[: self.num_blocks].astype(np.uint64)
-        rows = rng.permutation(2 * self.num_blocks)[: self.num_blocks].astype(np.uint64)
-        rows.sort()
-        by_offset = np.argsort(offsets, kind="stable")
-        gpu_off = np.cumsum([0] + gpu_page[:-1]).astype(np.uint64)[by_offset]
-        gpu_addr = np.uint64(self.gpu.data_ptr()) + gpu_blocks[:, None] * np.uint64(block_bytes) \
-            + gpu_off[None, :]
-        host_addr = np.uint64(self.host.data_ptr()) + rows[:, None] * np.uint64(row_stride) \
-            + np.asarray(offsets, dtype=np.uint64)[by_offset][None, :]
-        self.gpu_addr = gpu_addr.ravel()
-        self.host_addr = host_addr.ravel()
-        sizes = np.minimum(gpu_page, host_page)[by_offset].astype(np.uint64)
-        self.sizes = np.tile(sizes, self.num_blocks)
-        self.num_tensors = len(gpu_page)
+        self._gpu_blocks = rng.permutation(total)[:self.num_blocks]
+        self._rows = rng.permutation(total)[:self.num_blocks]
 
-    def plan(self, direction: Direction, num_blocks: int) -> CopyPlan:
-        """The first ``num_blocks`` blocks (at most ``self.num_blocks``)."""
-        n = num_blocks * self.num_tensors
-        src, dst = direction.src_dst(self.gpu_addr[:n], self.host_addr[:n])
-        return CopyPlan(src, dst, self.sizes[:n], direction)
+    def plan(self, backend: CopyBackend, direction: Direction, num_blocks: int) -> Plan:
+        """The first ``num_blocks`` blocks, planned as ``backend`` takes them."""
+        gpu = GPULoadStoreSpec(self._gpu_blocks[:num_blocks])
+        cpu = CPULoadStoreSpec(self._rows[:num_blocks])
+        return self.planner.plan_as(backend.plan_form, direction, direction.src_dst(gpu, cpu))
 
 
-def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Stream
+def _time_backend(backend: CopyBackend, plan: Plan, stream: torch.cuda.Stream
                   ) -> tuple[float, float]:
     """Median seconds of one transfer, GPU-timed, and of its ``submit`` call on the
-    host, after one warm-up (the candidates issue on the calling thread: page plans)."""
+    host, after one warm-up."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     seconds, host_seconds = [], []
     for rep in range(CALIBRATION_REPS + 1):
@@ -158,6 +151,8 @@ def _time_backend(backend: CopyBackend, plan: CopyPlan, stream: torch.cuda.Strea
         t0 = time.perf_counter()
         token = backend.submit(plan, Ordering(stream))
         host_s = time.perf_counter() - t0
+        if token.wait_issued():  # a native loop's transfer is on the stream only then
+            raise BackendError(f"{backend.kind.label}'s issuing thread failed")
         end.record(stream)
         end.synchronize()
         del token
@@ -179,17 +174,17 @@ class _Measured:
         return self.host_share > HOST_SHARE_LIMIT, -self.rate_bps
 
 
-def _measure(backend: CopyBackend, small: CopyPlan, large: CopyPlan,
+def _measure(backend: CopyBackend, small: Plan, large: Plan,
              stream: torch.cuda.Stream) -> _Measured:
-    """What ``large`` adds over ``small`` (fixed per-transfer costs cancel); the plain
-    figures of ``large`` when timing noise hides the difference."""
-    t_small, h_small = _time_backend(backend, small, stream)
+    """The rate ``large`` adds over ``small`` (fixed per-transfer costs cancel; the plain
+    rate of ``large`` when timing noise hides the difference) and the host share of the
+    whole ``large`` call."""
+    t_small, _ = _time_backend(backend, small, stream)
     t_large, h_large = _time_backend(backend, large, stream)
+    share = h_large / t_large
     if t_large <= t_small:
-        return _Measured(backend, large.num_bytes / t_large, h_large / t_large)
-    extra_s = t_large - t_small
-    return _Measured(backend, (large.num_bytes - small.num_bytes) / extra_s,
-                     max(h_large - h_small, 0.0) / extra_s)
+        return _Measured(backend, large.num_bytes / t_large, share)
+    return _Measured(backend, (large.num_bytes - small.num_bytes) / (t_large - t_small), share)
 
 
 def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
@@ -214,11 +209,13 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     started = time.perf_counter()
     try:
         scratch = _Scratch(context, torch_device)
-        large = scratch.plan(direction, scratch.num_blocks)
-        small = scratch.plan(direction, max(1, scratch.num_blocks // 4))
         stream = torch.cuda.Stream(device=torch_device)
-        measured = [_measure(build(), small, large, stream)
-                    for build in _candidates(device, driver)]
+        measured = []
+        for build in _candidates(device, driver, scratch.planner):
+            backend = build()
+            large = scratch.plan(backend, direction, scratch.num_blocks)
+            small = scratch.plan(backend, direction, max(1, scratch.num_blocks // 4))
+            measured.append(_measure(backend, small, large, stream))
     except (RuntimeError, BackendError) as e:
         raise BackendError(f"auto: calibration for {direction.label} failed: {e}") from e
     measured.sort(key=lambda m: m.preference)
@@ -226,16 +223,16 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     for other in measured[1:]:
         other.backend.close()
     chosen = best.backend
-    if chosen.kind is BackendKind.STAGED and context.planner is not None:
-        chosen.close()  # calibrated on scratch pages; the rank's own has its block layout
+    if chosen.kind is BackendKind.STAGED:
+        chosen.close()  # calibrated on the scratch's planner; the rank's own has its layout
         chosen = StagedBackend(device, driver=driver, planner=context.planner)
     elapsed_ms = (time.perf_counter() - started) * 1e3
     summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "
                         f"(host {m.host_share:.0%})"
                         for m in measured)
     reason = (f"fastest SM-free path holding the host <= {HOST_SHARE_LIMIT:.0%} of a transfer "
-              f"at {smallest} B pages: {summary}, marginal ({large.num_descriptors} pages, "
-              f"{elapsed_ms:.0f} ms calibration)")
+              f"at {smallest} B pages: {summary}, marginal rates ({scratch.num_blocks} blocks "
+              f"of {len(context.gpu_pages)} pages, {elapsed_ms:.0f} ms calibration)")
     return (AutoChoice(direction, best.backend.kind, reason,
                        tuple((m.backend.kind, round(m.rate_bps / 1e9, 2)) for m in measured)),
             chosen)

@@ -6,10 +6,18 @@ One binding for the package: the copy backends, the native chunk loop (by addres
 module imports nothing of tiercache but errors: registering host memory never loads
 the copy backends or the native build step. Why ctypes and the driver, not cuda-bindings: the copy path
 passes numpy arrays of 16 k pointers per call, and a ctypes call hands the driver the
-arrays' own memory (zero copy, GIL released during the call) where cuda-bindings
+arrays' own memory (zero copy) where cuda-bindings
 converts Python lists; and ctypes needs no package beyond the driver itself. The
 driver API (not the runtime) also leaves the runtime's last-error state alone, so a
 failed call here never resurfaces as a bogus error in a later torch call.
+
+The GIL: calls that only enqueue work or ask about it (event record and query, stream
+waits, async copies, the current context) keep the GIL; only calls that wait for the
+device or the OS (event and stream synchronisation, host registration, creation and
+destruction) release it. A released GIL is taken back only when every other Python
+thread that wants it lets go, which in a busy process takes up to the interpreter's
+switch interval (5 ms) per call: the engine's thread must not pay that a few times per
+transfer for calls of a few microseconds.
 
 ``cuMemcpyBatchAsync`` changed ABI in CUDA 13 (``failIdx`` dropped); the header
 remaps the name to ``_v2`` at compile time, so the symbol is looked up with
@@ -68,13 +76,13 @@ class MemcpyAttributes(ctypes.Structure):
 
 
 _u64p = ctypes.c_void_p
-_BATCH_12_8 = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
+_BATCH_12_8 = ctypes.PYFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
                                ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
                                ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p)
-_BATCH_13_0 = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
+_BATCH_13_0 = ctypes.PYFUNCTYPE(ctypes.c_int, _u64p, _u64p, _u64p, ctypes.c_size_t,
                                ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
                                ctypes.c_size_t, ctypes.c_void_p)
-_MEMCPY_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+_MEMCPY_ASYNC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
                                  ctypes.c_void_p)
 
 
@@ -88,13 +96,14 @@ class CudaDriver:
     """libcuda entry points, resolved once per process user (cheap to build: a few µs)."""
 
     def __init__(self) -> None:
-        try:
+        try:  # one library, two bindings: GIL released (waits) and kept (module docstring)
             self._lib = ctypes.CDLL("libcuda.so.1")
+            self._fast = ctypes.PyDLL("libcuda.so.1")
         except OSError as e:
             raise BackendError(f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}") from e
-        lib = self._lib
+        lib, fast = self._lib, self._fast
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        fast.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
         version = ctypes.c_int(0)
         self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
@@ -116,15 +125,17 @@ class CudaDriver:
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
-        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-        lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+        fast.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fast.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        fast.cuEventQuery.argtypes = [ctypes.c_void_p]
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
-        elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        elapsed = getattr(fast, "cuEventElapsedTime_v2", None) or fast.cuEventElapsedTime
         elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
         self._elapsed = elapsed
-        self._event_record = lib.cuEventRecord
-        self._stream_wait_event = lib.cuStreamWaitEvent
+        self._event_record = fast.cuEventRecord
+        self._stream_wait_event = fast.cuStreamWaitEvent
+        self._event_query = fast.cuEventQuery
+        self._ctx_get_current = fast.cuCtxGetCurrent
         self._fail_index = ctypes.c_size_t(0)
         self._attr_index = ctypes.c_size_t(0)
 
@@ -170,7 +181,7 @@ class CudaDriver:
 
     def has_current_context(self) -> bool:
         ctx = ctypes.c_void_p(0)
-        return self._lib.cuCtxGetCurrent(ctypes.byref(ctx)) == CUDA_SUCCESS and bool(ctx.value)
+        return self._ctx_get_current(ctypes.byref(ctx)) == CUDA_SUCCESS and bool(ctx.value)
 
     # ------------------------------------------------------------ copies
     def memcpy_batch(self, dsts: int, srcs: int, sizes: int, count: int,
@@ -228,7 +239,7 @@ class CudaDriver:
 
     def event_done(self, event: int) -> bool:
         """``cuEventQuery``: True once the work before the recorded event has finished."""
-        rc = self._lib.cuEventQuery(event)
+        rc = self._event_query(event)
         if rc == _CUDA_ERROR_NOT_READY:
             return False
         self._check(rc, "cuEventQuery")
@@ -251,7 +262,7 @@ class CudaDriver:
     def current_context(self) -> int:
         """The calling thread's current ``CUcontext``; ``BackendError`` when none is."""
         ctx = ctypes.c_void_p(0)
-        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        self._check(self._ctx_get_current(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
             raise BackendError("no CUDA context is current on this thread")
         return int(ctx.value)

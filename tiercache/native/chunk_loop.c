@@ -57,7 +57,8 @@ typedef struct {
 /* The static tables of a BlockLayout (backends/staged/block_layout.py), owned by the
  * caller. */
 typedef struct {
-    int32_t factor, num_groups, whole_rows, _pad; /* whole_rows: loads take whole images */
+    int32_t factor, num_groups, whole_rows; /* whole_rows: loads take whole images */
+    int32_t max_runs;                       /* the most runs a row's template has */
     uint64_t chunk_bytes;
     const int64_t *cpu_stride, *row_origin, *pitch; /* per group */
     const int64_t *tpl_first, *tpl_count;           /* per template */
@@ -95,12 +96,11 @@ typedef struct {
     void *start_ev, *end_ev;      /* recorded on stream around the transfer (NULL: none) */
     void *table_ev;               /* recorded on stream after the last launch (NULL: none) */
     int32_t store, num_works;
-    const int64_t *validated;     /* (3, num_pairs): GPU ids, CPU rows, sub-pages (tc_validate) */
-    const int64_t *work_meta;     /* (num_works, 2): group, count; works back to back */
+    /* The block plan's buffer (tc_validate's output): (3, num_pairs) GPU ids, CPU rows,
+     * sub-pages, then (num_works, 2) group and count of each work, back to back. */
+    const int64_t *validated;
     int64_t *pairs;               /* out: the (4, num_pairs) table the kernels read */
     int64_t num_pairs;            /* the works' counts summed */
-    uint64_t *dma_host, *dma_slot, *dma_bytes, *stage; /* out: room for max_dmas each */
-    int64_t max_dmas;
     volatile int32_t *status;     /* written last: 0, or the first failing CUresult */
 } tc_job;
 
@@ -109,8 +109,16 @@ typedef struct node {
     struct node *next;
 } node;
 
+/* The loop's DMA scratch, reused job after job (the batch call reads its descriptors
+ * during the call): host address, slot offset, bytes and staging address of each DMA. */
+typedef struct {
+    uint64_t *host, *slot, *bytes, *stage;
+    int64_t cap;
+} dma_t;
+
 typedef struct {
     tc_config cfg;
+    dma_t dma; /* this thread's only */
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t work, issued_cv;
@@ -210,20 +218,39 @@ static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index
     return num_rows;
 }
 
-/* Lay the job out: pairs into j->pairs, DMAs into j->dma_*, chunk boundaries into
+/* Room for n DMAs in the scratch (grown, never shrunk). Returns 0 or an error. */
+static int dma_reserve(dma_t *x, int64_t n) {
+    if (n <= x->cap)
+        return 0;
+    int64_t cap = n > 2 * x->cap ? n : 2 * x->cap;
+    uint64_t *m = malloc(4 * (size_t)cap * sizeof *m);
+    if (!m)
+        return TC_ERROR_OUT_OF_MEMORY;
+    free(x->host);
+    x->host = m, x->slot = m + cap, x->bytes = m + 2 * cap, x->stage = m + 3 * cap;
+    x->cap = cap;
+    return 0;
+}
+
+/* Lay the job out: pairs into j->pairs, DMAs into *x, chunk boundaries into
  * *pair_first / *dma_first (malloc'd, num_chunks + 1 each). Returns 0 or an error. */
-static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first,
+static int lay_out(const tc_geometry *geo, const tc_job *j, dma_t *x, int64_t **pair_first,
                    int64_t **dma_first, int64_t *num_chunks) {
     int64_t f = geo->factor, total = 0, P = j->num_pairs, at = 0;
+    const int64_t *work_meta = j->validated + 3 * P;
     *pair_first = *dma_first = NULL;
     *num_chunks = 0;
+    /* rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row */
+    int64_t max_dmas = (P + j->num_works) * (geo->max_runs > 0 ? geo->max_runs : 1);
+    if (dma_reserve(x, max_dmas))
+        return TC_ERROR_OUT_OF_MEMORY;
     tc_work *works = malloc((size_t)j->num_works * sizeof *works);
     if (!works)
         return TC_ERROR_OUT_OF_MEMORY;
     for (int32_t i = 0; i < j->num_works; i++) {
         tc_work *w = &works[i];
-        w->group = (int32_t)j->work_meta[2 * i];
-        w->count = (int32_t)j->work_meta[2 * i + 1];
+        w->group = (int32_t)work_meta[2 * i];
+        w->count = (int32_t)work_meta[2 * i + 1];
         if (w->count <= 0 || w->group < 0 || w->group >= geo->num_groups || at + w->count > P) {
             free(works);
             return TC_ERROR_INVALID_VALUE;
@@ -272,18 +299,18 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, int64_t **pair_first
         for (int64_t u = first; u < first + runs && !err; u++) {
             uint64_t h = (uint64_t)(host + geo->run_offset[u]);
             uint64_t s = (uint64_t)(slot + geo->run_offset[u]), n = (uint64_t)geo->run_bytes[u];
-            if (d > df[k] && j->dma_host[d - 1] + j->dma_bytes[d - 1] == h
-                && j->dma_slot[d - 1] + j->dma_bytes[d - 1] == s) {
-                j->dma_bytes[d - 1] += n; /* continues its neighbour on both sides */
+            if (d > df[k] && x->host[d - 1] + x->bytes[d - 1] == h
+                && x->slot[d - 1] + x->bytes[d - 1] == s) {
+                x->bytes[d - 1] += n; /* continues its neighbour on both sides */
                 continue;
             }
-            if (d >= j->max_dmas) {
+            if (d >= max_dmas) {
                 err = TC_ERROR_INVALID_VALUE;
                 break;
             }
-            j->dma_host[d] = h;
-            j->dma_slot[d] = s;
-            j->dma_bytes[d] = n;
+            x->host[d] = h;
+            x->slot[d] = s;
+            x->bytes[d] = n;
             d++;
         }
     }
@@ -452,6 +479,7 @@ static int run_job(tc_queue *q, const tc_job *j) {
     record_fn record = (record_fn)c->record;
     wait_fn wait = (wait_fn)c->wait;
     void *S = j->stream, *D = c->dma_stream;
+    const dma_t *x = &q->dma;
     int err = 0, rc;
     int64_t *pair_first = NULL, *dma_first = NULL, num_chunks = 0;
 #define CALL(x)                                                                            \
@@ -471,7 +499,7 @@ static int run_job(tc_queue *q, const tc_job *j) {
     if (j->start_ev)
         CALL(record(j->start_ev, S));
     if (j->num_works > 0 && !err)
-        err = lay_out(c->geometry, j, &pair_first, &dma_first, &num_chunks);
+        err = lay_out(c->geometry, j, &q->dma, &pair_first, &dma_first, &num_chunks);
     /* One chunk has nothing to overlap: all of it on the transfer's stream, no hops to
      * the DMA stream and back (the slot's free event still orders it with the ring). */
     int hop = num_chunks > 1;
@@ -486,7 +514,7 @@ static int run_job(tc_queue *q, const tc_job *j) {
             uint64_t base = c->ring_base + (uint64_t)s * c->slot_bytes;
             int64_t lo = dma_first[k], hi = dma_first[k + 1];
             for (int64_t i = lo; i < hi; i++)
-                j->stage[i] = base + j->dma_slot[i];
+                x->stage[i] = base + x->slot[i];
             int64_t first = pair_first[k], count = pair_first[k + 1] - first;
             if (j->store) {
                 CALL(wait(S, c->free_ev[s], 0));
@@ -495,12 +523,12 @@ static int run_job(tc_queue *q, const tc_job *j) {
                     CALL(record(c->ready_ev[s], S));
                     CALL(wait(D, c->ready_ev[s], 0));
                 }
-                CALL(batch(c, j->dma_host + lo, j->stage + lo, j->dma_bytes + lo,
+                CALL(batch(c, x->host + lo, x->stage + lo, x->bytes + lo,
                            (size_t)(hi - lo), 1, X));
                 CALL(record(c->free_ev[s], X));
             } else {
                 CALL(wait(X, c->free_ev[s], 0));
-                CALL(batch(c, j->stage + lo, j->dma_host + lo, j->dma_bytes + lo,
+                CALL(batch(c, x->stage + lo, x->host + lo, x->bytes + lo,
                            (size_t)(hi - lo), 0, X));
                 if (hop) {
                     CALL(record(c->ready_ev[s], D));
@@ -630,6 +658,7 @@ void tc_close(tc_queue *q) {
     pthread_cond_destroy(&q->work);
     pthread_cond_destroy(&q->issued_cv);
     pthread_mutex_destroy(&q->mu);
+    free(q->dma.host);
     free(q);
 }
 
@@ -652,7 +681,7 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_bounds, num_gpu_blocks), TC_FIELD(tc_bounds, num_slots),
     TC_STRUCT(tc_geometry),
     TC_FIELD(tc_geometry, factor), TC_FIELD(tc_geometry, num_groups),
-    TC_FIELD(tc_geometry, whole_rows), TC_FIELD(tc_geometry, _pad),
+    TC_FIELD(tc_geometry, whole_rows), TC_FIELD(tc_geometry, max_runs),
     TC_FIELD(tc_geometry, chunk_bytes), TC_FIELD(tc_geometry, cpu_stride),
     TC_FIELD(tc_geometry, row_origin), TC_FIELD(tc_geometry, pitch),
     TC_FIELD(tc_geometry, tpl_first), TC_FIELD(tc_geometry, tpl_count),
@@ -671,9 +700,7 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_job, stream), TC_FIELD(tc_job, after), TC_FIELD(tc_job, prev_end),
     TC_FIELD(tc_job, start_ev), TC_FIELD(tc_job, end_ev), TC_FIELD(tc_job, table_ev),
     TC_FIELD(tc_job, store), TC_FIELD(tc_job, num_works), TC_FIELD(tc_job, validated),
-    TC_FIELD(tc_job, work_meta), TC_FIELD(tc_job, pairs), TC_FIELD(tc_job, num_pairs),
-    TC_FIELD(tc_job, dma_host), TC_FIELD(tc_job, dma_slot), TC_FIELD(tc_job, dma_bytes),
-    TC_FIELD(tc_job, stage), TC_FIELD(tc_job, max_dmas), TC_FIELD(tc_job, status),
+    TC_FIELD(tc_job, pairs), TC_FIELD(tc_job, num_pairs), TC_FIELD(tc_job, status),
 };
 
 int tc_layout(int32_t i, const char **strct, const char **field, int64_t *offset,

@@ -56,8 +56,8 @@ class Geometry:
         return max(int(self.tpl_count.max()), 1)
 
     def struct(self) -> GeometryStruct:
-        g = GeometryStruct(self.factor, int(self.pitch.size), int(self.whole_rows), 0,
-                           self.chunk_bytes)
+        g = GeometryStruct(self.factor, int(self.pitch.size), int(self.whole_rows),
+                           self.max_runs, self.chunk_bytes)
         for name in ("cpu_stride", "row_origin", "pitch", "tpl_first", "tpl_count",
                      "run_offset", "run_bytes"):
             setattr(g, name, getattr(self, name).ctypes.data)
@@ -163,46 +163,46 @@ class ChunkLoop:
         if not self._queue:
             raise BackendError("the staged chunk loop could not start its thread")
         self.num_slots = n
+        self._job = JobStruct()
+        self._job_ref = ctypes.byref(self._job)
+        self._submit = self._lib.tc_submit
         self._pending: deque[tuple[ctypes.c_int32, object]] = deque()  # alive until issued
 
     def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
                end_event: int = 0, table_event: int = 0, direction: Direction | None = None,
-               pairs: np.ndarray | None = None, works: np.ndarray | None = None,
+               validated: np.ndarray | None = None, num_pairs: int = 0, num_works: int = 0,
                table: int = 0, keep: object = None) -> Ticket:
-        """Queue one transfer moving in ``direction``: ``pairs`` ((3, P) int64: GPU ids,
-        region slots, sub-pages) of the non-empty groups ``works`` ((W, 2) int64: group,
-        pair count), both C-contiguous (a validated block plan's), laid out by the loop
-        into the pair table at address ``table`` ((4, P) int64: the memory the kernels
-        read) and DMA arrays the ticket holds. No works: only the ordering events (wait
-        for ``after``, then ``prev_end``; record ``start_event``, ``end_event``)."""
+        """Queue one transfer moving in ``direction``: ``validated`` is a block plan's
+        buffer (C-contiguous int64: (3, ``num_pairs``) GPU ids, region slots, sub-pages of
+        the non-empty groups, then (``num_works``, 2) group and pair count of each), laid
+        out by the loop into the pair table at address ``table`` ((4, P) int64: the memory
+        the kernels read) and DMAs of the loop's own. No works: only the ordering events
+        (wait for ``after``, then ``prev_end``; record ``start_event``, ``end_event``).
+        Called from one thread (the job struct is reused: ``tc_submit`` copies it)."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
         status = ctypes.c_int32(STATUS_PENDING)
-        j = JobStruct(stream, after or None, prev_end or None, start_event or None,
-                      end_event or None, table_event or None,
-                      int(direction is Direction.GPU_TO_CPU))
+        j = self._job
+        j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
+        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
+            table_event or None
+        j.store = direction is Direction.GPU_TO_CPU
         j.status = ctypes.addressof(status)
-        held: tuple[object, ...] = (keep,)
-        num_works = 0 if works is None else int(works.shape[0])
         if num_works:
-            num_pairs = int(pairs.shape[1])
-            # rows <= pairs + 1 per work (a partial first row), DMAs <= runs per row
-            max_dmas = (num_pairs + num_works) * self.geometry.max_runs
-            dmas = np.empty((4, max_dmas), dtype=np.uint64)  # host, slot offset, bytes, stage
-            base = address_of(dmas)
-            j.num_works, j.validated, j.work_meta = num_works, address_of(pairs), address_of(works)
-            j.pairs, j.num_pairs, j.max_dmas = table, num_pairs, max_dmas
-            j.dma_host, j.dma_slot, j.dma_bytes, j.stage = (base + i * 8 * max_dmas
-                                                            for i in range(4))
-            held = (keep, pairs, works, dmas)
+            j.num_works, j.num_pairs = num_works, num_pairs
+            j.validated, j.pairs = address_of(validated), table
+            held: tuple[object, ...] = (keep, validated)
+        else:
+            j.num_works = j.num_pairs = 0
+            held = (keep,)
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:
             pending.popleft()  # issued: the loop no longer reads its arrays or status cell
-        seq = self._lib.tc_submit(self._queue, ctypes.byref(j))
+        seq = self._submit(self._queue, self._job_ref)
         if not seq:
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
         pending.append((status, held))  # whatever the caller drops, the loop's memory lives
-        return Ticket(self, int(seq), status, held)
+        return Ticket(self, seq, status, held)
 
     def wait(self, seq: int = 0) -> None:
         """Block (GIL released) until job ``seq`` (0: every job so far) was issued."""

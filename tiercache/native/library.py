@@ -1,40 +1,66 @@
-"""The compiled ``chunk_loop.c``, bound once per process with its argument types."""
+"""The compiled ``chunk_loop.c``, bound once per process with its argument types.
+
+Two bindings of the one library: ``tc_validate``, ``tc_submit``, ``tc_issued`` and
+``tc_layout`` return in microseconds and keep the GIL (``PyDLL``); ``tc_open``,
+``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
+Why: a released GIL is taken back only when the process's other Python threads let go,
+up to the switch interval (5 ms) later in a busy process (``tiercache.device.driver``).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 
 from tiercache.native.build import build
 from tiercache.native.structs import ConfigStruct, JobStruct
 
 _vp = ctypes.c_void_p
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: Library | None = None
 
 
-def library() -> ctypes.CDLL:
+@dataclass(frozen=True)
+class Library:
+    """The library's functions, each bound as its GIL rule says (module docstring)."""
+
+    tc_validate: ctypes._CFuncPtr
+    tc_submit: ctypes._CFuncPtr
+    tc_issued: ctypes._CFuncPtr
+    tc_layout: ctypes._CFuncPtr
+    tc_open: ctypes._CFuncPtr
+    tc_wait: ctypes._CFuncPtr
+    tc_close: ctypes._CFuncPtr
+
+
+def _bind(path: str) -> Library:
+    keep, wait = ctypes.PyDLL(path), ctypes.CDLL(path)
+    keep.tc_validate.argtypes = [_vp, ctypes.c_int32,  # tc_bounds *: its address
+                                 ctypes.c_int32, _vp, _vp, ctypes.c_int64, _vp,
+                                 ctypes.c_int64, _vp]
+    keep.tc_validate.restype = ctypes.c_int
+    keep.tc_submit.argtypes = [_vp, ctypes.POINTER(JobStruct)]
+    keep.tc_submit.restype = ctypes.c_uint64
+    keep.tc_issued.argtypes = [_vp]
+    keep.tc_issued.restype = ctypes.c_uint64
+    keep.tc_layout.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_char_p)] * 2 \
+        + [ctypes.POINTER(ctypes.c_int64)] * 2
+    keep.tc_layout.restype = ctypes.c_int
+    wait.tc_open.argtypes = [ctypes.POINTER(ConfigStruct)]
+    wait.tc_open.restype = _vp
+    wait.tc_wait.argtypes = [_vp, ctypes.c_uint64]
+    wait.tc_wait.restype = None
+    wait.tc_close.argtypes = [_vp]
+    wait.tc_close.restype = None
+    return Library(keep.tc_validate, keep.tc_submit, keep.tc_issued, keep.tc_layout,
+                   wait.tc_open, wait.tc_wait, wait.tc_close)
+
+
+def library() -> Library:
     """The built library (compiled at the first call of the process: ``build``)."""
     global _library
     with _lock:
         if _library is None:
-            lib = ctypes.CDLL(str(build()))
-            lib.tc_open.argtypes = [ctypes.POINTER(ConfigStruct)]
-            lib.tc_open.restype = _vp
-            lib.tc_submit.argtypes = [_vp, ctypes.POINTER(JobStruct)]
-            lib.tc_submit.restype = ctypes.c_uint64
-            lib.tc_wait.argtypes = [_vp, ctypes.c_uint64]
-            lib.tc_wait.restype = None
-            lib.tc_issued.argtypes = [_vp]
-            lib.tc_issued.restype = ctypes.c_uint64
-            lib.tc_close.argtypes = [_vp]
-            lib.tc_close.restype = None
-            lib.tc_validate.argtypes = [_vp, ctypes.c_int32,  # tc_bounds *: its address
-                                        ctypes.c_int32, _vp, _vp, ctypes.c_int64, _vp,
-                                        ctypes.c_int64, _vp]
-            lib.tc_validate.restype = ctypes.c_int
-            lib.tc_layout.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_char_p)] * 2 \
-                + [ctypes.POINTER(ctypes.c_int64)] * 2
-            lib.tc_layout.restype = ctypes.c_int
-            _library = lib
+            _library = _bind(str(build()))
         return _library

@@ -9,6 +9,8 @@ library is built with the system compiler). Field names are the C names.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import Protocol
 
 MAX_SLOTS = 64  # TC_MAX_SLOTS: ring slots a loop may have
 ATTRS_BYTES = 24  # sizeof(CUmemcpyAttributes), copied raw into tc_config.attrs
@@ -36,7 +38,7 @@ class GeometryStruct(ctypes.Structure):
 
     _fields_ = [
         ("factor", ctypes.c_int32), ("num_groups", ctypes.c_int32),
-        ("whole_rows", ctypes.c_int32), ("_pad", ctypes.c_int32),
+        ("whole_rows", ctypes.c_int32), ("max_runs", ctypes.c_int32),
         ("chunk_bytes", ctypes.c_uint64),
         ("cpu_stride", _vp), ("row_origin", _vp), ("pitch", _vp),
         ("tpl_first", _vp), ("tpl_count", _vp), ("run_offset", _vp), ("run_bytes", _vp),
@@ -64,16 +66,14 @@ class ConfigStruct(ctypes.Structure):
 
 
 class JobStruct(ctypes.Structure):
-    """``tc_job``: one transfer (its arrays must live until it is issued)."""
+    """``tc_job``: one transfer (its arrays must live until it is issued; ``tc_submit``
+    copies the struct itself)."""
 
     _fields_ = [
         ("stream", _vp), ("after", _vp), ("prev_end", _vp), ("start_ev", _vp),
         ("end_ev", _vp), ("table_ev", _vp),
         ("store", ctypes.c_int32), ("num_works", ctypes.c_int32),
-        ("validated", _vp), ("work_meta", _vp),
-        ("pairs", _vp), ("num_pairs", ctypes.c_int64),
-        ("dma_host", _vp), ("dma_slot", _vp), ("dma_bytes", _vp), ("stage", _vp),
-        ("max_dmas", ctypes.c_int64),
+        ("validated", _vp), ("pairs", _vp), ("num_pairs", ctypes.c_int64),
         ("status", _vp),
     ]
 
@@ -98,7 +98,11 @@ def python_layout() -> Layout:
     return out
 
 
-def c_layout(lib: ctypes.CDLL) -> Layout:
+class _Reports(Protocol):
+    tc_layout: Callable[..., int]
+
+
+def c_layout(lib: _Reports) -> Layout:
     """The same table as the compiled C reports it (``tc_layout``)."""
     strct, field = ctypes.c_char_p(), ctypes.c_char_p()
     offset, size = ctypes.c_int64(), ctypes.c_int64()
@@ -111,7 +115,7 @@ def c_layout(lib: ctypes.CDLL) -> Layout:
     return out
 
 
-def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
+def layout_mismatches(lib: _Reports) -> list[str]:
     """Every difference between the mirrors and the C structs, one line each (none: [])."""
     c, py = c_layout(lib), python_layout()
     lines = []

@@ -49,6 +49,7 @@ from tiercache.device.events import Event, Stream
 from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.planning.planner import PlanBuffers, TransferPlanner
+from tiercache.planning.plans import PlanForm
 from tiercache.region.stats import RankStats
 from tiercache.specs import Direction, TransferSpec
 from tiercache.transfer.fence import SlotFence
@@ -85,7 +86,7 @@ class _Transfer:
     start_event: Event
     end_event: Event
     compute_mark: Event  # the compute stream's work at submit time, which the transfer waits for
-    buffers: PlanBuffers  # the plan's arrays: reused once the transfer finished
+    buffers: PlanBuffers | None  # a page plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
     submission: Submission | None = field(default=None, repr=False)  # held until finished
     failed_on_device: bool = False
@@ -123,12 +124,15 @@ class SingleDirectionOffloadingHandler:
         if job_id in self._by_job:
             raise SpecError(f"job id {job_id} is already in flight on the "
                             f"{self.direction.label} handler; job ids must be unique")
-        buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
+        form = self.backend.plan_form
+        buffers = None  # block plans are O(blocks) arrays of their own; page plans reuse these
+        if form is not PlanForm.BLOCKS:
+            buffers = self._buffer_pool.pop() if self._buffer_pool else PlanBuffers()
         try:
-            plan = self.planner.plan_as(self.backend.plan_form, self.direction, transfer,
-                                        buffers)
+            plan = self.planner.plan_as(form, self.direction, transfer, buffers)
         except SpecError:
-            self._buffer_pool.append(buffers)
+            if buffers is not None:
+                self._buffer_pool.append(buffers)
             raise
         refusal = None
         if self._fence is not None:
@@ -137,8 +141,11 @@ class SingleDirectionOffloadingHandler:
                 log.error("%s job %d refused, nothing copied: %s", self.direction.label, job_id,
                           refusal)
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
-        start, end, mark = (self._event_pool.pop() if self._event_pool
-                            else self._streams.new_timing_event() for _ in range(3))
+        events = self._event_pool
+        if len(events) >= 3:
+            start, end, mark = events.pop(), events.pop(), events.pop()
+        else:
+            start, end, mark = (self._streams.new_timing_event() for _ in range(3))
         submitted, token = self._enqueue(job_id, plan, stream, start, end, mark,
                                          refused=refusal is not None)
         transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, mark, buffers,
@@ -211,7 +218,8 @@ class SingleDirectionOffloadingHandler:
         del self._by_job[transfer.job_id]
         self._stream_pool.append(transfer.stream)
         self._event_pool += (transfer.start_event, transfer.end_event, transfer.compute_mark)
-        self._buffer_pool.append(transfer.buffers)
+        if transfer.buffers is not None:
+            self._buffer_pool.append(transfer.buffers)
         if self._stats is not None:
             self._stats.record_transfer(self.direction, transfer.num_bytes, seconds, success)
         return TransferResult(transfer.job_id, success, transfer.num_bytes, seconds,

@@ -191,20 +191,24 @@ class StagedBackend(StreamBackend):
         if len(ordering.after) > 2:
             raise BackendError(f"{len(ordering.after)} events to wait for: the chunk loop "
                                "takes two")
-        marks = [_handle(e) for e in ordering.after] + [0, 0]
-        order = dict(stream=handle, after=marks[0], prev_end=marks[1],
-                     start_event=_handle(ordering.start), end_event=_handle(ordering.end))
+        after, prev_end = (*map(_handle, ordering.after), 0, 0)[:2]
+        start, end = _handle(ordering.start), _handle(ordering.end)
+        submit = self._loop.submit
         if plan is None or plan.empty:
-            return Submission((), self._loop.submit(**order))
+            return Submission((), submit(stream=handle, after=after, prev_end=prev_end,
+                                         start_event=start, end_event=end))
         try:
             staging.check(plan)
         except BackendError:
-            self._loop.submit(**order)  # the end event is still recorded, in order
+            submit(stream=handle, after=after, prev_end=prev_end, start_event=start,
+                   end_event=end)  # the end event is still recorded, in order
             raise
         address, token = tables.reserve(plan.num_pairs)
-        ticket = self._loop.submit(**order, table_event=tables.table_event(token),
-                                   direction=plan.direction, pairs=plan.pairs,
-                                   works=plan.works, table=address, keep=plan)
+        ticket = submit(stream=handle, after=after, prev_end=prev_end, start_event=start,
+                        end_event=end, table_event=tables.table_event(token),
+                        direction=plan.direction, validated=plan.buffer,
+                        num_pairs=plan.num_pairs, num_works=plan.num_works, table=address,
+                        keep=plan)
         tables.release_after(token, ticket)
         return Submission((plan,), ticket)
 

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, metavar="N",
                    help="timed repetitions per figure (after warm-up); rates are medians, the "
                         "ceiling the best of twice as many. Default: %(default)s")
+    p.add_argument("--pattern-steps", type=int, default=40, metavar="N",
+                   help="engine-pattern steps per order (store first, load first): store and "
+                        "load back to back from one thread with another Python thread busy; "
+                        "host time and one-block latency as p50/p99 (0: skip). "
+                        "Default: %(default)s")
     p.add_argument("--matmul", action="store_true",
                    help="also measure a bf16 8192^3 matmul alone and beside continuous "
                         "both-ways copies of the 32 KiB workload")

@@ -14,6 +14,7 @@ from tiercache.backends.base import CopyBackend, Plan
 from tiercache.planning.planner import PlanBuffers
 from tiercache.planning.plans import PlanForm
 from tiercache.specs import Direction
+from tiercache.tools.bench.engine import engine_pattern
 from tiercache.tools.bench.report import Progress, Report, fmt_rate
 from tiercache.tools.bench.rig import BenchBackend, GpuRig, RigPlans, submit_now
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
@@ -28,7 +29,7 @@ LATENCY_REPS, LATENCY_WARM, SUBMIT_REPS = 20, 5, 10
 
 
 def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps: int,
-                   report: Report, progress: Progress) -> None:
+                   report: Report, progress: Progress, pattern_steps: int = 0) -> None:
     """Store, load and both-ways rates of each backend on ``w`` (plus latency and submit
     time on the default workload)."""
     plans = rig.plans(w)
@@ -64,6 +65,19 @@ def bench_workload(rig: GpuRig, w: Workload, backends: list[BenchBackend], reps:
                       f"both {row['engine_both']:.1f} GB/s, transfer_async "
                       f"{row['engine_submit_us']:.0f}/{row['engine_submit_load_us']:.0f} us, "
                       f"1 block load {row['engine_one_block_us']:.0f} us")
+        if pattern_steps:  # the engine view's handlers closed the backends: fresh ones
+            fresh = rig.backends(backend, w, plans.planner)
+            row.update(engine_pattern(rig, plans, fresh, pattern_steps, ceil))
+            for made in fresh.values():
+                made.close()
+            progress.step(f"{w.label()} {backend.label} engine pattern",
+                          f"both {row['pattern_store_first_ratio']:.2f}/"
+                          f"{row['pattern_load_first_ratio']:.2f} (torch "
+                          f"{row['pattern_control_ratio']:.2f}), calls p50/p99 "
+                          f"{row['pattern_store_call_p50_us']:.0f}/"
+                          f"{row['pattern_store_call_p99_us']:.0f} us, 1 block "
+                          f"{row['pattern_one_block_p50_us']:.0f}/"
+                          f"{row['pattern_one_block_p99_us']:.0f} us")
         report.add(**row)
         for made in built.values():
             made.close()
@@ -246,13 +260,14 @@ def run_gpu(args) -> Report:
                             f"{drv.driver_version}, torch {torch.__version__}, "
                             f"batch ABI {drv.batch_abi}")
     workloads = [Workload.for_page(int(p * KIB), max_tensors=args.tensors) for p in args.page_kib]
-    progress = Progress(1 + len(workloads) * len(args.backend) * 4 + len(args.backend)
+    progress = Progress(1 + len(workloads) * len(args.backend) * (5 if args.pattern_steps else 4)
+                        + len(args.backend)
                         + (len(args.matmul_backends) if args.matmul else 0))
     report.ceiling = rig.ceiling(args.reps)
     progress.step("ceiling (one 512 MiB pinned copy)",
                   " ".join(f"{k} {v:.1f}" for k, v in report.ceiling.items()) + " GB/s")
     for w in workloads:
-        bench_workload(rig, w, args.backend, args.reps, report, progress)
+        bench_workload(rig, w, args.backend, args.reps, report, progress, args.pattern_steps)
     if args.matmul:
         w = Workload.for_page(32 * KIB, max_tensors=args.tensors)
         plans = rig.plans(w, seed=1)

@@ -93,6 +93,35 @@ def _engine_lines(report: Report) -> list[str]:
     return lines
 
 
+def _pattern_lines(report: Report) -> list[str]:
+    """The engine's pattern (tiercache.tools.bench.engine): both-ways rates against the
+    sum of the one-way ceilings, call host times and the one-block load as p50/p99."""
+    rows = [r for r in report.rows if "pattern_store_first_ratio" in r]
+    if not rows:
+        return []
+    lines = ["", "engine pattern (store and load back to back from one thread, another Python "
+                 "thread busy; both ways / sum of one-way ceilings, median [min]; host time "
+                 "p50/p99):",
+             f"{'workload':24s} {'backend':14s} {'store first':>12s} {'load first':>12s} "
+             f"{'torch copies':>12s} {'store call us':>14s} {'load call us':>13s} "
+             f"{'1-block us':>11s} {'target':>6s} {'1-block call':>12s} {'lost GIL':>8s} "
+             f"{'GCs (max ms)':>12s}"]
+    for r in rows:
+        def ratio(k: str) -> str:
+            return f"{r[f'pattern_{k}_ratio']:.2f} [{r[f'pattern_{k}_min_ratio']:.2f}]"
+
+        def pcts(k: str) -> str:
+            return f"{r[f'pattern_{k}_p50_us']:.0f}/{r[f'pattern_{k}_p99_us']:.0f}"
+
+        lines.append(f"{r['workload']:24s} {_shown_name(r):14s} {ratio('store_first'):>12s} "
+                     f"{ratio('load_first'):>12s} {ratio('control'):>12s} "
+                     f"{pcts('store_call'):>14s} {pcts('load_call'):>13s} "
+                     f"{pcts('one_block'):>11s} {r['pattern_one_block_target_us']:6.0f} "
+                     f"{pcts('one_call'):>12s} {r['pattern_calls_interrupted']:8.2f} "
+                     f"{r['pattern_gc_collections']:>5d} ({r['pattern_gc_max_ms']:.1f})")
+    return lines
+
+
 def _matmul_lines(report: Report) -> list[str]:
     rows = [r for r in report.rows if r.get("mode") == "matmul"]
     if not rows:
@@ -114,4 +143,4 @@ def format_report(report: Report) -> str:
               "ceiling: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in report.ceiling.items()),
               ""]
     return "\n".join(header + _rate_lines(report) + _latency_lines(report)
-                     + _engine_lines(report) + _matmul_lines(report))
+                     + _engine_lines(report) + _pattern_lines(report) + _matmul_lines(report))
