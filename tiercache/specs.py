@@ -178,11 +178,12 @@ class Direction(IntEnum):
                 ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
         """``(gpu_spec, cpu_spec)`` of a transfer in this direction; ``SpecError`` naming
         the given types when the pair does not move this way."""
-        if not self._matches(src_spec, dst_spec):
-            want = ", ".join(c.__name__ for c in self.src_dst(GPULoadStoreSpec, CPULoadStoreSpec))
-            raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = ({want}); "
-                            f"got {_type_names((src_spec, dst_spec))}")
-        return self.src_dst(src_spec, dst_spec)  # type: ignore[return-value]
+        gpu, cpu = self.src_dst(src_spec, dst_spec)
+        if isinstance(gpu, GPULoadStoreSpec) and isinstance(cpu, CPULoadStoreSpec):
+            return gpu, cpu
+        want = ", ".join(c.__name__ for c in self.src_dst(GPULoadStoreSpec, CPULoadStoreSpec))
+        raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = ({want}); "
+                        f"got {_type_names((src_spec, dst_spec))}")
 
     def src_dst(self, gpu_side, cpu_side):
         """Order a (GPU side, CPU side) pair as (source, destination); the same swap

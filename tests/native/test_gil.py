@@ -33,15 +33,6 @@ def test_the_library_binds_every_function_by_the_gil_rule():
     assert {n for n in names if keeps_gil(getattr(lib, n))} == KEEP
 
 
-def test_the_check_tells_the_two_bindings_apart():
-    """The control: the same library through ``CDLL`` releases, through ``PyDLL`` keeps."""
-    from tiercache.native.build import build
-
-    path = str(build())
-    assert not keeps_gil(ctypes.CDLL(path).tc_validate)
-    assert keeps_gil(ctypes.PyDLL(path).tc_validate)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is None, reason="needs the CUDA driver")
 def test_the_drivers_transfer_path_keeps_the_gil():

@@ -28,5 +28,4 @@ def test_engine_pattern_reports_distributions_and_the_control(tmp_path):
         assert 0 < row[f"pattern_{order}_min_ratio"] <= row[f"pattern_{order}_ratio"]
     for what in ("store_call", "load_call", "one_call", "one_block"):
         assert 0 < row[f"pattern_{what}_p50_us"] <= row[f"pattern_{what}_p99_us"]
-    assert row["pattern_one_block_wire_us"] < row["pattern_one_block_target_us"]
     assert row["pattern_busy_rounds"] > 0  # the other Python thread ran meanwhile

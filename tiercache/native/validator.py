@@ -46,21 +46,15 @@ class NativeValidator:
                  block_indices: Sequence[int], slots: np.ndarray
                  ) -> tuple[np.ndarray, int] | int:
         """(the block-plan buffer, its number of works), or the refusal's code
-        (``SPEC_ERRORS``). Ids that are not C-contiguous int64 are converted first."""
+        (``SPEC_ERRORS``). Ids are int64 (a spec's ``block_ids``); anything else is
+        converted first (the C reads them as such)."""
+        g = len(group_sizes)
+        if g != self.num_groups:
+            return 1
         if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
         if slots.dtype != np.int64 or not slots.flags.c_contiguous:
             slots = np.ascontiguousarray(slots, dtype=np.int64)
-        return self.validate_spec_ids(direction, gpu_ids, group_sizes, block_indices, slots)
-
-    def validate_spec_ids(self, direction: Direction, gpu_ids: np.ndarray,
-                          group_sizes: Sequence[int], block_indices: Sequence[int],
-                          slots: np.ndarray) -> tuple[np.ndarray, int] | int:
-        """``validate`` for ids as specs hold them (``block_ids``: C-contiguous int64,
-        which ``tiercache.specs`` guarantees), unchecked: the planner's path."""
-        g = len(group_sizes)
-        if g != self.num_groups:
-            return 1
         n = gpu_ids.size
         out = np.empty(3 * n + 2 * g, dtype=np.int64)
         rc = self._lib.tc_validate(self._bounds_ref, direction is Direction.GPU_TO_CPU, g,

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from tiercache.native.validator import NativeValidator
 
 _U64 = np.uint64
-_G2C = Direction.GPU_TO_CPU
 _ENDS_CACHE_ENTRIES = 1024  # distinct (group shape) tuples remembered; small arrays each
 
 __all__ = ["PlanBuffers", "TransferPlanner"]
@@ -184,10 +183,6 @@ class TransferPlanner:
               ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
         """``(gpu_spec, cpu_spec)`` of a transfer moving in ``direction``; ``SpecError`` when
         it is not such a pair (what every validation starts with)."""
-        if type(transfer) is tuple and len(transfer) == 2:  # noqa: E721 - the common case, cheaply
-            gpu, cpu = transfer if direction is _G2C else transfer[::-1]
-            if type(gpu) is GPULoadStoreSpec and type(cpu) is CPULoadStoreSpec:  # noqa: E721
-                return gpu, cpu
         if not isinstance(transfer, tuple) or len(transfer) != 2:
             raise SpecError(f"a transfer is a (src_spec, dst_spec) pair; got {transfer!r}")
         return direction.gpu_cpu(*transfer)
@@ -205,8 +200,8 @@ class TransferPlanner:
                                               [g.num_gpu_blocks for g in self._groups],
                                               [g.num_slots for g in self._groups])
         sizes = gpu.group_sizes
-        done = self._validator.validate_spec_ids(direction, gpu.block_ids, sizes,
-                                                 gpu.block_indices, cpu.block_ids)
+        done = self._validator.validate(direction, gpu.block_ids, sizes, gpu.block_indices,
+                                        cpu.block_ids)
         if isinstance(done, int):
             self.group_works(direction, transfer)  # raises the SpecError that says why
             from tiercache.native.validator import SPEC_ERRORS
