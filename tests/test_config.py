@@ -184,12 +184,13 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
     cfg.write_text('[cluster]\nmaster = "10.0.0.1:50051"\n'
                    'metadata_server = "http://10.0.0.1:8080/metadata"\n'
                    'local_hostname = "10.0.0.2"\nsegment_size = "8GiB"\nexists_ttl_s = 2\n'
-                   'publish_threads = 6\nstop_timeout_s = 3\n')
+                   'publish_threads = 6\nstop_timeout_s = 3\ncensus_period_s = 300\n')
     config = load_config(cfg)
     c = config.cluster
     assert (c.backend, c.segment_bytes, c.exists_ttl_s, c.protocol, c.replicas) == \
         ("mooncake", 8 << 30, 2.0, "tcp", 1)
     assert (c.publish_threads, c.promote_threads, c.stop_timeout_s) == (6, 2, 3.0)
+    assert c.census_period_s == 300.0
     again = tmp_path / "again.toml"
     again.write_text(config_to_toml(config))
     assert load_config(again) == config
@@ -210,6 +211,7 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
             ({"exists_wait_s": 0}, "cluster.exists_wait_s = 0"),
             ({"start_timeout_s": -1}, "cluster.start_timeout_s = -1"),
             ({"stop_timeout_s": 0}, "cluster.stop_timeout_s = 0"),
+            ({"census_period_s": 0}, "cluster.census_period_s = 0"),
             ({"publish_threads": 0}, "cluster.publish_threads = 0: allowed 1..64"),
             ({"promote_threads": 65}, "cluster.promote_threads = 65: allowed 1..64"),
             ({"port": 1}, "unknown key cluster.port")):

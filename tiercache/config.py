@@ -165,6 +165,10 @@ class ClusterConfig:
     exists_ttl_s: float = 1.0  # how long a "the pool has / has not this block" answer is used
     exists_wait_s: float = 0.05  # a lookup answers "not yet" this long while the pool is asked
     retry_s: float = 5.0  # while the tier is down: probe the master this often (and log)
+    # ask the pool whether it still holds each published block this often, no more: the
+    # master leases (keeps from eviction) each object it is asked about for its
+    # default_kv_lease_ttl (10 s in the pinned version); keep this well above that
+    census_period_s: float = 120.0
     start_timeout_s: float = 10.0  # at start, wait this long for the master, then an error
     # at stop, wait this long for the tier's pool calls, and as long for Mooncake's close
     stop_timeout_s: float = 2.0
@@ -200,6 +204,7 @@ class ClusterConfig:
         for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
                                 ("exists_wait_s", self.exists_wait_s, 60),
                                 ("retry_s", self.retry_s, 3600),
+                                ("census_period_s", self.census_period_s, 86400),
                                 ("start_timeout_s", self.start_timeout_s, 3600),
                                 ("stop_timeout_s", self.stop_timeout_s, 3600)):
             if not 0 < value <= top:
@@ -346,8 +351,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "publish_queue_blocks": int, "publish_threads": int,
                 "promote_threads": int, "exists_ttl_s": (int, float),
                 "exists_wait_s": (int, float),
-                "retry_s": (int, float), "start_timeout_s": (int, float),
-                "stop_timeout_s": (int, float)},
+                "retry_s": (int, float), "census_period_s": (int, float),
+                "start_timeout_s": (int, float), "stop_timeout_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -420,6 +425,7 @@ def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
         "publish_queue_blocks": "publish_queue_blocks", "publish_threads": "publish_threads",
         "promote_threads": "promote_threads", "exists_ttl_s": "exists_ttl_s",
         "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
+        "census_period_s": "census_period_s",
         "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}))
 
 
@@ -601,7 +607,7 @@ def config_to_toml(config: Config) -> str:
             "publish_threads": c.publish_threads, "promote_threads": c.promote_threads,
             "exists_ttl_s": c.exists_ttl_s,
             "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
-            "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
+            "census_period_s": c.census_period_s, "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

@@ -17,6 +17,10 @@ import pytest
 
 START_TIMEOUT_S = 30.0
 CLIENT_TTL_S = 2  # a client silent this long is dropped (its segment unmounted): tests wait less
+# the master leases each object it is asked about this long (its default: 10 s); a leased
+# object is neither evicted nor removed (OBJECT_HAS_LEASE). Short, so that tests that remove
+# objects wait less; the nodes' census_period_s stays above it, as the docs ask
+LEASE_TTL_MS = 1000
 
 
 def master_binary() -> str:
@@ -65,6 +69,7 @@ class MooncakeMaster:
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
              f"--metrics_port={self.metrics_port}", f"--client_ttl={CLIENT_TTL_S}",
+             f"--default_kv_lease_ttl={LEASE_TTL_MS}",
              "--enable_metric_reporting=false"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()

@@ -30,11 +30,12 @@ from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
 from tiercache.tiers.cluster_object import BlockFormat
 from tiercache.tiers.disk_file import HEADER_BYTES as DISK_HEADER_BYTES
-from tiercache.tiers.mooncake_pool import MooncakePool
+from tiercache.tiers.mooncake_pool import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, MooncakePool
 
 ROW = 4096
 WAIT_S = 0.05  # cluster.exists_wait_s
 TTL_S = 0.5  # cluster.exists_ttl_s
+CENSUS_S = 2.0  # cluster.census_period_s: above the test master's lease (LEASE_TTL_MS)
 KEYS = [b"cluster-key-%d" % i for i in range(24)]
 
 
@@ -67,7 +68,7 @@ def start_node(make_config, instance_name, tmp_path, master):
             cluster=ClusterConfig(master=master.address, metadata_server=master.metadata_url,
                                   local_hostname="127.0.0.1", segment_bytes=32 << 20,
                                   exists_ttl_s=TTL_S, exists_wait_s=WAIT_S, retry_s=0.3,
-                                  start_timeout_s=5))
+                                  census_period_s=CENSUS_S, start_timeout_s=5))
         process = CoordinatorProcess(config, tmp_path / f"node-{node}-{len(started)}")
         started.append(process)
         return process
@@ -426,22 +427,31 @@ def test_the_blocks_a_node_published_that_the_pool_still_holds(start_node, maste
     """``used_blocks`` (tiercache_tier_blocks{tier="cluster"}): node a's blocks the pool
     held at their last check; node b promoted some of them and counts none; when the pool
     loses some (removed here by another client, as the master's eviction would), a's
-    count drops by as many at their next check."""
+    count drops by as many at their next check. a's census leases what it asks about
+    only once per ``census_period_s``, so the objects are free to go (a census every
+    ``retry_s`` kept them leased for good, and the remove failed with OBJECT_HAS_LEASE)."""
     a, b = start_node("a"), start_node("b")
     assert store(a, KEYS[:8])
     assert cluster_stats(a).used_blocks == 8
     assert load(b, KEYS[:2])[:2] == (2, 0)
     assert cluster_stats(b).used_blocks == 0
+    time.sleep(CENSUS_S + 0.5)  # a's census has asked the pool about all 8 (and leased them)
     fmt = BlockFormat.of(RegionLayout.from_config(a.config))
     names = [fmt.name(key, rank) for key in KEYS[4:7] for rank in range(fmt.world_size)]
     pool = MooncakePool(ClusterConfig(master=master.address,
                                       metadata_server=master.metadata_url,
                                       local_hostname="127.0.0.1", segment_bytes=16 << 20))
     pool.open()
+    codes = []
+
+    def removed() -> bool:  # leased for LEASE_TTL_MS after a's census or publish asked
+        codes.append(pool.remove(names))
+        return all(code in (0, OBJECT_NOT_FOUND) for code in codes[-1])
     try:
-        assert pool.remove(names) == [0] * len(names)
+        wait_for(removed, "the pool removes node a's objects", timeout_s=CENSUS_S + 2)
     finally:
         pool.close()
+    assert {c for answer in codes for c in answer} <= {0, OBJECT_HAS_LEASE}
     wait_for(lambda: cluster_stats(a).used_blocks == 5, "node a's census finds three gone")
     assert sample(scrape(metrics_url(a)), "tiercache_tier_blocks", tier="cluster") == 5
     out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",

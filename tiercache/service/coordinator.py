@@ -242,6 +242,7 @@ class Coordinator:
                                                       * layout.world_size),
                 publish_queue_blocks=cfg.publish_queue_blocks, exists_ttl_s=cfg.exists_ttl_s,
                 exists_wait_s=cfg.exists_wait_s, retry_s=cfg.retry_s,
+                census_period_s=cfg.census_period_s,
                 publish_threads=cfg.publish_threads, promote_threads=cfg.promote_threads)
         except BaseException:
             pool.close()

@@ -16,13 +16,18 @@ the pool, and nothing here does network I/O under the index's lock.
   ``cluster_object``) and unpins. The queue holds ``publish_queue_blocks``; past it a
   block is dropped and counted, never waited for.
 * **What it holds: this node's published blocks, checked.** The keys this node published
-  whole are kept; the health thread asks the pool about ``CENSUS_NAMES`` of their objects
-  every ``retry_s`` (the least recently checked first) and forgets those it no longer has
-  (evicted by the master, the segment gone with a master restart). ``used_blocks`` is
-  their number: blocks this node published that the pool held at their last check. It is
-  not this node's segment's occupancy (other nodes' objects can live there, and this
-  node's in others' once its segment is full) nor the pool's size (``mooncake_master``'s
-  metrics say those), and an eviction shows at the block's next check.
+  whole are kept; the health thread asks the pool about those whose last check (or
+  publish) is ``census_period_s`` old, up to ``CENSUS_NAMES`` objects every ``retry_s``,
+  and forgets those it no longer has (evicted by the master, the segment gone with a
+  master restart). Each block is asked about at most once per ``census_period_s``
+  because the master *leases* every object it is asked about (for its
+  ``default_kv_lease_ttl``, 10 s in the pinned version), and a leased object can be
+  neither evicted nor removed: a census any faster would keep this node's objects in the
+  pool for good and fill it. ``used_blocks`` is their number: blocks this node published
+  that the pool held at their last check. It is not this node's segment's occupancy
+  (other nodes' objects can live there, and this node's in others' once its segment is
+  full) nor the pool's size (``mooncake_master``'s metrics say those), and an eviction
+  shows at the block's next check, up to ``census_period_s`` later.
 * **Promote: what a lookup finds in the pool comes up like a disk hit.** A lookup that
   misses host memory and the disk asks ``holds``, which answers from what the tier knows
   (no I/O): "the pool has it" or "has not" (an answer of the last ``exists_ttl_s``), or,
@@ -79,7 +84,7 @@ PROMOTE_BATCH = 32  # blocks per promotion read (their host slots reserved toget
 MAX_PROMOTIONS_QUEUED = 64  # promotion jobs waiting; past it a lookup's run is a miss
 MAX_KNOWN = 1 << 16  # exists answers remembered (oldest forgotten first)
 PROBE_NAME = "tiercache/health-probe"  # the health probe asks whether this exists
-CENSUS_NAMES = 8192  # objects of published blocks checked per retry_s (one batched exists)
+CENSUS_NAMES = 8192  # at most this many objects checked per retry_s (one batched exists)
 
 
 class ClusterTier:
@@ -89,7 +94,8 @@ class ClusterTier:
     def __init__(self, pool, manager: OffloadingManager, block_format: BlockFormat,
                  rows: Rows, *, capacity_blocks: int, publish_queue_blocks: int = 256,
                  exists_ttl_s: float = 1.0, exists_wait_s: float = 0.05,
-                 retry_s: float = 5.0, publish_threads: int = 4, promote_threads: int = 2,
+                 retry_s: float = 5.0, census_period_s: float = 120.0,
+                 publish_threads: int = 4, promote_threads: int = 2,
                  log_interval_s: float = 10.0):
         self._pool = pool
         self._manager = manager
@@ -98,6 +104,7 @@ class ClusterTier:
         self._ttl_s = exists_ttl_s
         self._wait_s = exists_wait_s
         self._retry_s = retry_s
+        self._census_period_s = census_period_s
         self._warn = LogLimiter(log, log_interval_s)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -110,7 +117,9 @@ class ClusterTier:
         self._publishing = 0  # blocks taken off the publish queue, not booked yet
         # keys this node published whole that the pool held at their last check, least
         # recently checked first (at most 2x what this node's segment holds)
-        self._published: OrderedDict[bytes, None] = OrderedDict()
+        # published whole -> when the pool last said it has them (publish or census);
+        # the least recently checked first
+        self._published: OrderedDict[bytes, float] = OrderedDict()
         self._published_max = max(2 * capacity_blocks, PUBLISH_BATCH)
         self._up = True
         self._stop = False
@@ -285,11 +294,17 @@ class ClusterTier:
             self._census()
 
     def _census(self) -> None:
-        """Ask the pool about the ``CENSUS_NAMES`` least recently checked objects of this
-        node's published blocks; forget the blocks it no longer has whole."""
+        """Ask the pool about the published blocks last checked ``census_period_s`` ago
+        or more (up to ``CENSUS_NAMES`` objects, the least recently checked first); forget
+        those it no longer has whole."""
+        due = time.monotonic() - self._census_period_s
         with self._lock:
             count = max(1, CENSUS_NAMES // self._format.world_size)
-            keys = [k for k, _ in zip(self._published, range(count))]
+            keys = []
+            for key, checked in self._published.items():
+                if checked > due or len(keys) == count:
+                    break
+                keys.append(key)
         if not keys:
             return
         with self._calling("exists (census)"):
@@ -297,11 +312,13 @@ class ClusterTier:
         if any(c < 0 for c in codes):
             self._failed("census", [c for c in codes if c < 0])
             return
+        now = time.monotonic()
         with self._lock:
             for key, code in zip(keys, codes):
                 if key not in self._published:  # forgotten meanwhile
                     continue
                 if code == 1:
+                    self._published[key] = now
                     self._published.move_to_end(key)
                 else:
                     del self._published[key]
@@ -317,9 +334,10 @@ class ClusterTier:
         finally:
             self._manager.complete_load([key for key, _ in held], owner=TIER_OWNER)
         failed = len(held) - len(out.done)
+        now = time.monotonic()
         with self._lock:
             for key in out.done:
-                self._published[key] = None
+                self._published[key] = now
                 self._published.move_to_end(key)
             while len(self._published) > self._published_max:
                 self._published.popitem(last=False)

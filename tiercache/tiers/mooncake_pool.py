@@ -38,6 +38,8 @@ from tiercache.errors import ConfigError, TierError
 
 MOONCAKE_VERSION = "0.3.13.post1"
 RPC_FAIL = -900  # Mooncake's error code for a master it cannot reach
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706  # asked about (exists, get) within the master's default_kv_lease_ttl
 Parts = Sequence[tuple[int, int]]  # (address, num_bytes) of one object's buffers, in order
 
 
