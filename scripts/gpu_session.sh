@@ -6,7 +6,8 @@
 # figures from one machine. pattern: the engine's pattern (scripts/engine_pattern.py) on
 # BASELINE_DIR and on this tree, alternately, twice (engine.py copied into the baseline).
 # profile: the call profile (scripts/engine_call_profile.py) of BASELINE_DIR and this
-# tree, alternately, three times, pinned to one CPU.
+# tree, alternately, three times, pinned to one CPU. one-block: where a one-block load's
+# time goes (scripts/one_block_probe.py). pattern-here: the engine's pattern on this tree, twice.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 if [ -d .whl ]; then  # packages the device image lacks (posix_ipc, test tools), carried as wheels
@@ -43,6 +44,8 @@ for step in $STEPS; do
           PYTHONPATH=$tree:/tmp/site taskset -c 3 timeout 100 python3 scripts/engine_call_profile.py 2>&1 | grep '^RESULT' >> "$OUT/profile.txt"
         done
       done ;;
+    one-block) timeout 250 python3 scripts/one_block_probe.py --json "$OUT/one_block.json" 2>&1 | grep -v '^\[' | tee "$OUT/one_block.txt" ;;
+    pattern-here) for r in 1 2; do timeout 150 python3 scripts/engine_pattern.py 2>&1 | grep -v '^\[' | tee -a "$OUT/pattern_here.txt"; done ;;
     baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.tools.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
   esac
 done

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,8 @@ _BATCH = {ABI_13_0: ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctype
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                      ctypes.c_void_p, ctypes.c_void_p)}
 _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_CTX_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+LOOP_CTX = 0xC7  # the context the loop makes current on its thread
 
 # handles: small distinct integers (the stand-ins only compare them)
 STREAM, DMA, PACK, UNPACK = 0x100, 0x200, 0x300, 0x301
@@ -83,7 +86,9 @@ class FakeGpu:
         self.trace: list[tuple] = []
         self.errors: list[BaseException] = []
         self.fail_batch = fail_batch
-        self.threads: set[int] = set()
+        self.threads: set[int] = set()  # who made the calls (context calls aside)
+        self.current = LOOP_CTX  # what cuCtxGetCurrent answers (on any thread)
+        self.gate: threading.Event | None = None  # set: the next end record waits for it
         self.claimed = -1  # the slot of the chunk being issued (its free wait came last)
         self.tables: list[np.ndarray] = []  # the pair table of each launch, as the kernel saw it
         self.dmas: list[tuple[int, int, int]] = []  # (host, slot offset, bytes), issue order
@@ -91,15 +96,17 @@ class FakeGpu:
         self.c_record = _RECORD(self._guard(self.record))
         self.c_wait = _WAIT(self._guard(self.wait))
         self.c_batch = _BATCH[abi](self._guard(self.batch))
-        self.c_ctx = _CTX(self._guard(lambda ctx: self.trace.append(("ctx", ctx)) or 0))
+        self.c_ctx = _CTX(self._guard(lambda ctx: self.trace.append(("ctx", ctx)) or 0, False))
+        self.c_ctx_get = _CTX_GET(self._guard(self.ctx_get, False))
         address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         self.driver = LoopDriver(address(self.c_launch), address(self.c_record),
                                  address(self.c_wait), address(self.c_batch),
-                                 address(self.c_ctx), abi, 0xC7)
+                                 address(self.c_ctx), abi, LOOP_CTX, address(self.c_ctx_get))
 
-    def _guard(self, fn):
+    def _guard(self, fn, track: bool = True):
         def call(*args):
-            self.threads.add(threading.get_ident())
+            if track:
+                self.threads.add(threading.get_ident())
             try:
                 return fn(*args)
             except BaseException as e:  # noqa: BLE001 - surfaced by the test
@@ -113,7 +120,14 @@ class FakeGpu:
                 return m.at(address, n)
         raise AssertionError(f"{address:#x} is in no memory")
 
+    def ctx_get(self, out):
+        out[0] = self.current
+        return 0
+
     def record(self, event, stream):
+        if event == END and self.gate is not None:
+            gate, self.gate = self.gate, None
+            assert gate.wait(30), "the test never opened the gate"
         self.trace.append(("record", NAMES[event], NAMES[stream]))
         return 0
 
@@ -286,9 +300,11 @@ def _num_rows(case, w) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from([ABI_13_0, ABI_12_8]))
-def test_loop_lays_out_and_moves_the_plans_bytes_in_the_pipeline_order(data, abi):
-    _check(draw_case(HypDraw(data)), abi)
+@given(st.data(), st.sampled_from([ABI_13_0, ABI_12_8]), st.booleans())
+def test_loop_lays_out_and_moves_the_plans_bytes_in_the_pipeline_order(data, abi, inline):
+    """Issued by the loop's thread, or (``inline``) by the caller inside ``submit``: the
+    same bytes, table, DMAs and calls either way."""
+    _check(draw_case(HypDraw(data)), abi, inline)
 
 
 @pytest.mark.parametrize("store", [True, False])
@@ -335,7 +351,7 @@ def test_whole_row_loads_merge_rows_when_the_groups_pitches_differ(rows, dmas):
     assert layout.dma_slot.tolist() == [0] * len(dmas)  # each from its chunk's slot start
 
 
-def _check(case, abi):
+def _check(case, abi, inline: bool = False):
     prepared = _prepare(case)
     reference, layout = prepared.plan, prepared.layout
     gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
@@ -343,23 +359,31 @@ def _check(case, abi):
                                                       cpu_data, GPU_BASE, CPU_BASE)
     fake, loop = prepared.rig(abi)
     try:
+        if inline:
+            loop.set_inline(1 << 40)
         ticket, table, validated = prepared.submit(loop)
+        assert ticket.issued() or not inline  # issued inside submit
         ticket.wait()
         assert ticket.issued() and ticket.status == 0
+        assert loop.stamps()[3] == inline
     finally:
         loop.close()
     np.testing.assert_array_equal(validated.pairs, reference.pairs)  # C = numpy validation
     np.testing.assert_array_equal(validated.works, reference.works)
     assert not fake.errors, fake.errors
-    assert threading.get_ident() not in fake.threads  # every call came from the loop thread
+    # every call came from one thread: the caller's when inline, else the loop's
+    assert (fake.threads == {threading.get_ident()}) == inline and len(fake.threads) == 1
     assert_same(case, plan, layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
     assert all(np.array_equal(t, table) for t in fake.tables)  # the launches read the table
-    assert fake.trace[0] == ("ctx", 0xC7)  # the context is made current before any job
+    assert ("ctx", LOOP_CTX) in fake.trace  # the loop's thread makes its context current
+    if not inline:
+        assert fake.trace[0] == ("ctx", LOOP_CTX)  # before any job
+    calls = [t for t in fake.trace if t[0] != "ctx"]
     if _row_order_is_unique(case, reference):  # the numpy layout, exactly
         np.testing.assert_array_equal(table, layout.pairs)
         assert fake.dmas == list(zip(layout.dma_host.tolist(), layout.dma_slot.tolist(),
                                      layout.dma_bytes.tolist()))
-        assert fake.trace[1:] == _contract(layout, case.store, 0)
+        assert calls == _contract(layout, case.store, 0)
     return layout
 
 
@@ -428,6 +452,54 @@ def test_an_empty_job_only_orders():
         loop.close()
     assert fake.trace[1:] == [("wait", "S", "after"), ("wait", "S", "prev"),
                               ("record", "start", "S"), ("record", "end", "S")]
+
+
+def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
+    """The caller issues a job itself only when the loop is idle: while the loop's thread
+    is still issuing an earlier job (held here at that job's end record), a small job is
+    queued behind it, not issued beside it (they share the ring and the DMA scratch)."""
+    prepared = _multi_chunk_store()
+    layout = prepared.layout
+    fake, loop = prepared.rig()
+    fake.gate = gate = threading.Event()
+    try:
+        first, _, _ = prepared.submit(loop)  # inline off: to the loop's thread, held there
+        deadline = time.monotonic() + 30
+        while ("wait", "S", "done") not in fake.trace:  # the loop is inside the first job
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        loop.set_inline(1 << 40)
+        second, _, _ = prepared.submit(loop)
+        assert not second.issued() and not first.issued()
+        gate.set()
+        loop.wait()
+        assert (first.status, second.status) == (0, 0)
+        assert loop.stamps()[3] is False  # the second too was issued by the loop's thread
+        third, _, _ = prepared.submit(loop)  # the loop idle again: inline
+        assert third.issued() and third.status == 0 and loop.stamps()[3] is True
+    finally:
+        gate.set()
+        loop.close()
+    assert not fake.errors, fake.errors
+    calls = [t for t in fake.trace if t[0] != "ctx"]
+    n = layout.num_chunks
+    assert calls == (_contract(layout, True, 0) + _contract(layout, True, n % NUM_SLOTS)
+                     + _contract(layout, True, 2 * n % NUM_SLOTS))  # in order, cursor shared
+    assert len(fake.threads) == 2  # the loop's thread for two, the caller's for the third
+
+
+def test_a_caller_without_the_loops_context_never_issues_inline():
+    prepared = _multi_chunk_store()
+    fake, loop = prepared.rig()
+    fake.current = 0xD0  # another context is current on the caller's thread
+    try:
+        loop.set_inline(1 << 40)
+        ticket, _, _ = prepared.submit(loop)
+        ticket.wait()
+        assert ticket.status == 0 and loop.stamps()[3] is False
+    finally:
+        loop.close()
+    assert threading.get_ident() not in fake.threads
 
 
 def test_bad_configurations_and_jobs_are_refused():

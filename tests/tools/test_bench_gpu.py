@@ -26,6 +26,7 @@ def test_engine_pattern_reports_distributions_and_the_control(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     for order in ("store_first", "load_first", "control"):
         assert 0 < row[f"pattern_{order}_min_ratio"] <= row[f"pattern_{order}_ratio"]
-    for what in ("store_call", "load_call", "one_call", "one_block"):
+    for what in ("store_call", "load_call", "one_call", "one_block", "one_block_spin",
+                 "one_block_torch"):
         assert 0 < row[f"pattern_{what}_p50_us"] <= row[f"pattern_{what}_p99_us"]
     assert row["pattern_busy_rounds"] > 0  # the other Python thread ran meanwhile

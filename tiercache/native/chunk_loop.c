@@ -8,7 +8,9 @@
  * merged) and enqueues it on the GPU: per chunk one pack/unpack launch, one
  * cuMemcpyBatchAsync and four event calls (backends/staged/backend.py has the order). It
  * never takes the GIL and never waits for the device: it only enqueues, so the engine's
- * thread is held for none of this.
+ * thread is held for none of this. The exception is a small job (at most inline_pairs
+ * pairs, tc_set_inline) that finds the loop idle: the caller issues it itself inside
+ * tc_submit, which then costs it the job's few driver calls instead of a thread wake-up.
  *
  * Jobs are issued strictly in submission order (a FIFO, one thread). Each job also
  * carries the handler's ordering events (wait for the previous transfer, record the
@@ -26,6 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                          unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -39,6 +42,7 @@ typedef int (*batch_12_fn)(const uint64_t *dsts, const uint64_t *srcs, const uin
                            size_t count, const void *attrs, size_t *attr_idxs, size_t num_attrs,
                            size_t *fail_idx, void *stream);
 typedef int (*ctx_fn)(void *ctx);
+typedef int (*ctx_get_fn)(void **ctx);
 
 #define TC_MAX_SLOTS 64
 #define TC_MAX_PARAMS 16
@@ -74,6 +78,7 @@ typedef struct {
 
 typedef struct {
     void *launch, *record, *wait, *batch, *ctx_set; /* driver entry points */
+    void *ctx_get; /* cuCtxGetCurrent: the caller may issue a job itself only in ctx */
     int32_t batch_abi;                              /* 12080 (with failIdx) or 13000 */
     int32_t num_slots;
     void *ctx;        /* made current on the loop's thread (NULL: leave as is) */
@@ -106,6 +111,7 @@ typedef struct {
 
 typedef struct node {
     tc_job job;
+    int64_t submitted_ns; /* CLOCK_MONOTONIC at tc_submit */
     struct node *next;
 } node;
 
@@ -118,13 +124,15 @@ typedef struct {
 
 typedef struct {
     tc_config cfg;
-    dma_t dma; /* this thread's only */
+    dma_t dma; /* whoever issues a job, under mu (the loop's thread or an inline caller) */
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t work, issued_cv;
     node *head, *tail;
     uint64_t submitted, issued;
-    int64_t cursor; /* the ring slot the next chunk takes (this thread's only) */
+    int64_t cursor; /* the ring slot the next chunk takes (whoever issues, under mu) */
+    int64_t inline_pairs; /* jobs of at most this many pairs: issued by the caller when idle */
+    int64_t stamps[4];    /* the last job: submitted, picked up, issued (ns), 1 if inline */
     int stop;
 } tc_queue;
 
@@ -561,6 +569,12 @@ static int run_job(tc_queue *q, const tc_job *j) {
     return err;
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static void *loop(void *arg) {
     tc_queue *q = arg;
     int ctx_rc = q->cfg.ctx ? ((ctx_fn)q->cfg.ctx_set)(q->cfg.ctx) : 0;
@@ -572,9 +586,13 @@ static void *loop(void *arg) {
             break; /* stop, and nothing left */
         node *n = q->head;
         pthread_mutex_unlock(&q->mu);
+        int64_t picked = now_ns();
         int rc = ctx_rc ? ctx_rc : run_job(q, &n->job);
+        int64_t issued = now_ns();
         __atomic_store_n(n->job.status, rc, __ATOMIC_RELEASE);
         pthread_mutex_lock(&q->mu);
+        q->stamps[0] = n->submitted_ns, q->stamps[1] = picked, q->stamps[2] = issued;
+        q->stamps[3] = 0;
         q->head = n->next;
         if (!q->head)
             q->tail = NULL;
@@ -595,6 +613,7 @@ tc_queue *tc_open(const tc_config *cfg) {
     if (!q)
         return NULL;
     q->cfg = *cfg;
+    q->inline_pairs = -1;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->work, NULL);
     pthread_cond_init(&q->issued_cv, NULL);
@@ -605,21 +624,49 @@ tc_queue *tc_open(const tc_config *cfg) {
     return q;
 }
 
+/* Whether the calling thread may issue a job itself: the loop's context is current. */
+static int caller_in_context(const tc_config *c) {
+    if (!c->ctx_get)
+        return c->ctx == NULL;
+    void *current = NULL;
+    return ((ctx_get_fn)c->ctx_get)(&current) == 0 && current != NULL
+           && (c->ctx == NULL || current == c->ctx);
+}
+
 /* Queue a copy of *job (its arrays must live until it is issued); its sequence number
- * (1, 2, ...), or 0 when refused (closing, or no memory). */
+ * (1, 2, ...), or 0 when refused (closing, or no memory). A job of at most inline_pairs
+ * pairs that finds the loop idle (nothing queued, nothing being issued) is issued here,
+ * on the caller's thread, before this returns: a small job then pays neither the loop
+ * thread's wake-up nor a second core's cold caches. Either way jobs are issued one at a
+ * time, in submission order, under the queue's lock. */
 uint64_t tc_submit(tc_queue *q, const tc_job *job) {
-    node *n = malloc(sizeof *n);
-    if (!n)
-        return 0;
-    n->job = *job;
-    n->next = NULL;
+    int64_t submitted = now_ns();
     __atomic_store_n(job->status, -1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&q->mu);
     if (q->stop) {
         pthread_mutex_unlock(&q->mu);
-        free(n);
         return 0;
     }
+    if (!q->head && job->num_pairs <= q->inline_pairs && caller_in_context(&q->cfg)) {
+        uint64_t seq = ++q->submitted;
+        int64_t picked = now_ns();
+        int rc = run_job(q, job);
+        __atomic_store_n(job->status, rc, __ATOMIC_RELEASE);
+        q->stamps[0] = submitted, q->stamps[1] = picked, q->stamps[2] = now_ns();
+        q->stamps[3] = 1;
+        q->issued++;
+        pthread_cond_broadcast(&q->issued_cv);
+        pthread_mutex_unlock(&q->mu);
+        return seq;
+    }
+    node *n = malloc(sizeof *n);
+    if (!n) {
+        pthread_mutex_unlock(&q->mu);
+        return 0;
+    }
+    n->job = *job;
+    n->submitted_ns = submitted;
+    n->next = NULL;
     if (q->tail)
         q->tail->next = n;
     else
@@ -629,6 +676,22 @@ uint64_t tc_submit(tc_queue *q, const tc_job *job) {
     pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
     return seq;
+}
+
+/* Jobs of at most this many pairs are issued by the caller when the loop is idle
+ * (0: never; negative: never either, even empty jobs). */
+void tc_set_inline(tc_queue *q, int64_t pairs) {
+    pthread_mutex_lock(&q->mu);
+    q->inline_pairs = pairs;
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* The last issued job's times (CLOCK_MONOTONIC ns: submitted, picked up, issued) and
+ * whether the caller issued it (1) or the loop's thread (0); zeros before any job. */
+void tc_stamps(tc_queue *q, int64_t *out) {
+    pthread_mutex_lock(&q->mu);
+    memcpy(out, q->stamps, sizeof q->stamps);
+    pthread_mutex_unlock(&q->mu);
 }
 
 /* Block until the jobs up to seq were issued (seq 0: all submitted so far). */
@@ -688,7 +751,8 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_geometry, run_offset), TC_FIELD(tc_geometry, run_bytes),
     TC_STRUCT(tc_config),
     TC_FIELD(tc_config, launch), TC_FIELD(tc_config, record), TC_FIELD(tc_config, wait),
-    TC_FIELD(tc_config, batch), TC_FIELD(tc_config, ctx_set), TC_FIELD(tc_config, batch_abi),
+    TC_FIELD(tc_config, batch), TC_FIELD(tc_config, ctx_set), TC_FIELD(tc_config, ctx_get),
+    TC_FIELD(tc_config, batch_abi),
     TC_FIELD(tc_config, num_slots), TC_FIELD(tc_config, ctx), TC_FIELD(tc_config, dma_stream),
     TC_FIELD(tc_config, ring_base), TC_FIELD(tc_config, slot_bytes),
     TC_FIELD(tc_config, free_ev), TC_FIELD(tc_config, ready_ev), TC_FIELD(tc_config, begin_ev),

@@ -108,7 +108,9 @@ class LoopKernel:
 class LoopDriver:
     """Driver entry points as C function addresses (``cuLaunchKernel``, ``cuEventRecord``,
     ``cuStreamWaitEvent``, ``cuMemcpyBatchAsync`` of ``batch_abi``, ``cuCtxSetCurrent``)
-    and the context to make current on the loop's thread (0: none)."""
+    and the context to make current on the loop's thread (0: none); ``ctx_get``
+    (``cuCtxGetCurrent``; 0: none) lets a caller issue a small job itself, only while
+    that context is current on its thread (``ChunkLoop.set_inline``)."""
 
     launch: int
     record: int
@@ -117,6 +119,7 @@ class LoopDriver:
     ctx_set: int
     batch_abi: int
     ctx: int
+    ctx_get: int = 0
 
 
 class ChunkLoop:
@@ -137,6 +140,7 @@ class ChunkLoop:
         c.launch, c.record, c.wait = driver.launch, driver.record, driver.wait
         c.batch, c.ctx_set, c.batch_abi, c.ctx = driver.batch, driver.ctx_set, \
             driver.batch_abi, driver.ctx or None
+        c.ctx_get = driver.ctx_get or None
         c.num_slots, c.dma_stream = n, dma_stream
         c.ring_base, c.slot_bytes = ring_base, slot_bytes
         for i in range(n):
@@ -203,6 +207,22 @@ class ChunkLoop:
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
         pending.append((status, held))  # whatever the caller drops, the loop's memory lives
         return Ticket(self, seq, status, held)
+
+    def set_inline(self, max_pairs: int) -> None:
+        """Jobs of at most ``max_pairs`` pairs that find the loop idle (nothing queued,
+        nothing being issued) are issued by ``submit`` on the caller's thread, before it
+        returns (their few driver calls instead of the loop thread's wake-up); -1: every
+        job goes to the loop's thread. Issue order is submission order either way."""
+        if self._queue is not None:
+            self._lib.tc_set_inline(self._queue, max_pairs)
+
+    def stamps(self) -> tuple[int, int, int, bool]:
+        """The last issued job: when it was submitted, picked up and issued
+        (``time.monotonic_ns`` clock), and whether the caller issued it."""
+        out = (ctypes.c_int64 * 4)()
+        if self._queue is not None:
+            self._lib.tc_stamps(self._queue, out)
+        return out[0], out[1], out[2], bool(out[3])
 
     def wait(self, seq: int = 0) -> None:
         """Block (GIL released) until job ``seq`` (0: every job so far) was issued."""

@@ -39,7 +39,9 @@ Who issues it. Block plans go to the native chunk loop (``tiercache.native.chunk
 with the ordering's events: ``submit`` only reserves a pair-table buffer and queues the
 plan; the loop's own thread (no GIL) lays it out (the same layout as ``block_layout``,
 its specification and test oracle) and makes every driver call above, in order, and the
-``Submission``'s ticket says when it is done. A transfer of one chunk has nothing to
+``Submission``'s ticket says when it is done. A plan whose pairs fit one chunk that finds
+the loop idle is laid out and issued the same way by the caller, inside the submit (its
+few driver calls cost the caller less than waking the loop's thread). A transfer of one chunk has nothing to
 overlap and runs on ``stream`` alone (no hops to the DMA stream). Page plans, and block
 plans with ``native=False``, are issued from Python on the calling thread, after the
 loop has issued what it holds (the ring's events are shared).
@@ -164,11 +166,21 @@ class StagedBackend(StreamBackend):
         loop_driver = LoopDriver(entry("cuLaunchKernel"), entry("cuEventRecord"),
                                  entry("cuStreamWaitEvent"), drv.batch_address,
                                  entry("cuCtxSetCurrent"), int(drv.batch_abi),
-                                 drv.current_context())
-        return ChunkLoop(loop_driver, loop_kernel, staging.loop_geometry(), dma_stream=self._dma,
+                                 drv.current_context(), entry("cuCtxGetCurrent"))
+        geometry = staging.loop_geometry()
+        loop = ChunkLoop(loop_driver, loop_kernel, geometry, dma_stream=self._dma,
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
                          free_events=self._free, ready_events=self._ready,
                          begin_event=self._start, done_event=self._done, attrs=attrs)
+        # a job whose pairs fit one chunk (a row holds at least one pair) is a handful of
+        # driver calls: the caller issues it itself when the loop is idle
+        loop.set_inline(geometry.chunk_bytes // int(geometry.pitch.max()))
+        return loop
+
+    @property
+    def chunk_loop(self) -> ChunkLoop | None:
+        """The native chunk loop issuing block plans (None without one)."""
+        return self._loop
 
     @property
     def native(self) -> bool:

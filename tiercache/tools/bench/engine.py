@@ -18,9 +18,11 @@ find it taken by a burst when it returns.
 
 Figures: both-ways rate per order (median and minimum, against the sum of the two
 one-way ceilings), the host time of every ``transfer_async`` call (p50, p99), a one-block
-load from call to result (p50, p99; the wire time of its bytes beside it), and the
-control: two plain torch copies of the same bytes, issued the same way on two streams
-in the same process. Two counts say where a slow call's time went: the calls during
+load from call to result (p50, p99; the wire time of its bytes beside it), seen by a
+poller that lets go of the GIL between polls and by one that keeps it (``spin``: the other
+thread's bursts cannot delay seeing it), and the controls: two plain torch copies of the
+same bytes, issued the same way on two streams in the same process, and one plain torch
+copy of a block's bytes for the one-block figure. Two counts say where a slow call's time went: the calls during
 which the other thread ran (the call lost the GIL, or waited for it), and the garbage
 collections during the pattern with the longest one.
 """
@@ -123,9 +125,10 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
 
     interrupted = [0, 0]  # calls during which the other thread ran, calls
 
-    def step(specs: list) -> tuple[float, list[float]]:
-        """One step: (wall seconds from the first call until both reported, each call's
-        host seconds)."""
+    def step(specs: list, spin: bool = False) -> tuple[float, list[float]]:
+        """One step: (wall seconds from the first call until all reported, each call's
+        host seconds). ``spin``: poll keeping the GIL (the result is seen when it is
+        there, whatever the other thread does)."""
         _python_for(STEP_PYTHON_S)
         t0 = time.perf_counter()
         pending, took = set(), []
@@ -143,7 +146,8 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
                 if not result.success:
                     raise AssertionError(f"engine-pattern transfer {result.job_id} failed")
                 pending.discard(result.job_id)
-            time.sleep(0)  # the GIL let go, as a step waiting on its GPU does
+            if not spin:
+                time.sleep(0)  # the GIL let go, as a step waiting on its GPU does
         return time.perf_counter() - t0, took
 
     out: dict[str, Any] = {}
@@ -162,28 +166,56 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
             rates = both_bytes / np.asarray(walls) / sum_ceiling
             out[f"pattern_{order}_ratio"] = float(np.median(rates))
             out[f"pattern_{order}_min_ratio"] = float(rates.min())
-        one_walls, one_calls = [], []
+        one_walls, one_calls, spin_walls = [], [], []
         for i in range(WARM_STEPS + ONE_BLOCK_STEPS):
             wall, took = step([plans.one_load_spec])
+            spun, _ = step([plans.one_load_spec], spin=True)
             if i >= WARM_STEPS:
                 one_walls.append(wall)
+                spin_walls.append(spun)
                 one_calls += took
+        one_bytes = plans.one_load_spec[1].block_ids.size * sum(
+            g.pair_bytes for g in plans.planner.groups)
+        torch_one = _torch_one_block(rig, one_bytes)
         out["pattern_control_ratio"], out["pattern_control_min_ratio"] = \
             _torch_control(rig, plans, steps, sum_ceiling)
         out["pattern_busy_rounds"] = busy.rounds
     out["pattern_calls_interrupted"] = interrupted[0] / max(interrupted[1], 1)
     out["pattern_gc_collections"], out["pattern_gc_max_ms"] = pauses.count, pauses.max_s * 1e3
     handlers.shutdown()
-    one_bytes = plans.one_load_spec[1].block_ids.size * sum(
-        g.pair_bytes for g in plans.planner.groups)
     wire_s = one_bytes / (ceiling["cpu_to_gpu"] * 1e9)
     out["pattern_store_call_p50_us"], out["pattern_store_call_p99_us"] = _pcts(calls[G2C])
     out["pattern_load_call_p50_us"], out["pattern_load_call_p99_us"] = _pcts(calls[C2G])
     out["pattern_one_call_p50_us"], out["pattern_one_call_p99_us"] = _pcts(one_calls)
     out["pattern_one_block_p50_us"], out["pattern_one_block_p99_us"] = _pcts(one_walls)
+    out["pattern_one_block_spin_p50_us"], out["pattern_one_block_spin_p99_us"] = \
+        _pcts(spin_walls)
+    out["pattern_one_block_torch_p50_us"], out["pattern_one_block_torch_p99_us"] = \
+        _pcts(torch_one)
     out["pattern_one_block_wire_us"] = wire_s * 1e6
     out["pattern_one_block_target_us"] = (1.5 * wire_s + 20e-6) * 1e6
     return out
+
+
+def _torch_one_block(rig: GpuRig, num_bytes: int) -> list[float]:
+    """Call to result of one plain torch copy of a block's bytes (host to GPU), issued and
+    polled as the one-block loads are (the GIL let go between polls): the floor of "copy
+    one block and see it done" in this process."""
+    torch = rig.torch
+    src, dst, stream = rig.host[:num_bytes], rig.gpu[:num_bytes], rig.streams[0]
+    end = torch.cuda.Event()
+    walls = []
+    for i in range(WARM_STEPS + ONE_BLOCK_STEPS):
+        _python_for(STEP_PYTHON_S)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        while not end.query():
+            time.sleep(0)
+        if i >= WARM_STEPS:
+            walls.append(time.perf_counter() - t0)
+    return walls
 
 
 def _torch_control(rig: GpuRig, plans: RigPlans, steps: int, sum_ceiling: float

@@ -104,7 +104,8 @@ def _pattern_lines(report: Report) -> list[str]:
                  "p50/p99):",
              f"{'workload':24s} {'backend':14s} {'store first':>12s} {'load first':>12s} "
              f"{'torch copies':>12s} {'store call us':>14s} {'load call us':>13s} "
-             f"{'1-block us':>11s} {'target':>6s} {'1-block call':>12s} {'lost GIL':>8s} "
+             f"{'1-block us':>11s} {'spin':>9s} {'torch':>9s} {'target':>6s} "
+             f"{'1-block call':>12s} {'lost GIL':>8s} "
              f"{'GCs (max ms)':>12s}"]
     for r in rows:
         def ratio(k: str) -> str:
@@ -116,7 +117,8 @@ def _pattern_lines(report: Report) -> list[str]:
         lines.append(f"{r['workload']:24s} {_shown_name(r):14s} {ratio('store_first'):>12s} "
                      f"{ratio('load_first'):>12s} {ratio('control'):>12s} "
                      f"{pcts('store_call'):>14s} {pcts('load_call'):>13s} "
-                     f"{pcts('one_block'):>11s} {r['pattern_one_block_target_us']:6.0f} "
+                     f"{pcts('one_block'):>11s} {pcts('one_block_spin'):>9s} "
+                     f"{pcts('one_block_torch'):>9s} {r['pattern_one_block_target_us']:6.0f} "
                      f"{pcts('one_call'):>12s} {r['pattern_calls_interrupted']:8.2f} "
                      f"{r['pattern_gc_collections']:>5d} ({r['pattern_gc_max_ms']:.1f})")
     return lines
