@@ -638,7 +638,8 @@ static int caller_in_context(const tc_config *c) {
  * pairs that finds the loop idle (nothing queued, nothing being issued) is issued here,
  * on the caller's thread, before this returns: a small job then pays neither the loop
  * thread's wake-up nor a second core's cold caches. Either way jobs are issued one at a
- * time, in submission order, under the queue's lock. */
+ * time, in submission order, under the queue's lock. The caller keeps the GIL through
+ * the inline issue (a few enqueue-only driver calls, as torch's own launches do). */
 uint64_t tc_submit(tc_queue *q, const tc_job *job) {
     int64_t submitted = now_ns();
     __atomic_store_n(job->status, -1, __ATOMIC_RELAXED);
