@@ -6,7 +6,10 @@ manager's lock (vLLM's own async lookups work the same way: one queue item per s
 background thread, a real lock). Filing goes through a mailbox: the thread posts the
 filing, then takes the lock to run it; a scheduler that holds the lock and needs a
 request's answer now (``await_answers``, from a lookup) runs what is posted itself, so
-it never waits on this thread for the lock it holds. Per batch, in order: completed stores, failed stores
+it never waits on this thread for the lock it holds. Only answers go through the mailbox:
+a failed batch and a lost session drop leases, so they are filed between steps (the
+thread takes the lock), never inside a step whose HITs still wait for their
+``prepare_load``. Per batch, in order: completed stores, failed stores
 (both on the *writer* session, which made those reservations), releases, the batch's
 retries (one ``prepare_store``, writer session, for keys of earlier probes that found no
 room), then one ``lease_batch`` for every probed request (*bulk* session, which owns the
@@ -187,6 +190,14 @@ class Flusher:
         with self._lock:
             self.drain()
 
+    def _file_between_steps(self, filing: Callable[[], None]) -> None:
+        """Run ``filing`` under the manager's lock, after what is posted, never from a
+        waiting lookup: it drops leases, and vLLM holds the lock for its whole step, so a
+        HIT this step answered keeps its lease until the step's ``prepare_load``."""
+        with self._lock:
+            self.drain()
+            filing()
+
     @property
     def coordinator_up(self) -> bool:
         return self._down_since is None
@@ -253,7 +264,7 @@ class Flusher:
             self._on_flush(time.perf_counter() - start)
 
     def _fail(self, batch: Batch) -> None:
-        self._file(lambda: self._book.batch_failed(batch))
+        self._file_between_steps(lambda: self._book.batch_failed(batch))
         self._done()
 
     def _done(self) -> None:
@@ -271,7 +282,7 @@ class Flusher:
         except CoordinatorGoneError:
             return False
         resumed = self._bulk.resumed and self._writer.resumed
-        self._file(self._book.reconnected if resumed else self._book.session_lost)
+        self._file_between_steps(self._book.reconnected if resumed else self._book.session_lost)
         log.warning("tiercache: coordinator back after %.1f s (%s)",
                     time.monotonic() - (self._down_since or 0.0),
                     "session resumed" if resumed else "new session: earlier leases are gone")
