@@ -36,9 +36,9 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
 * ``reset_cache`` moves the engine to a fresh namespace epoch (it never loads a block
   computed before the reset, and other engines keep theirs); pins and writes in flight
   are fenced until ``on_reset_flushed``.
-* ``get_load_source`` names the tier a hit came from; ``get_stats`` adds tiercache's own metrics (declared by
-  the spec's ``build_metric_definitions``); ``shutdown`` stops the flusher and closes both
-  sessions (the coordinator frees whatever they still held).
+* ``get_load_source`` names the tier a hit came from; ``get_stats`` adds tiercache's own
+  metrics (declared by the spec's ``build_metric_definitions``); ``shutdown`` stops the
+  flusher and closes both sessions (the coordinator frees whatever they still held).
 """
 
 from __future__ import annotations
