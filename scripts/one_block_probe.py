@@ -32,9 +32,10 @@ import time
 import numpy as np
 
 from tiercache.backends.auto import AutoBackend
+from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
-from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, _python_for, _python_work
+from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for, python_work
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
@@ -59,17 +60,16 @@ def probe(rig: GpuRig, kib: int, steps: int) -> dict:
     built = rig.backends(BenchBackend.parse("auto"), w, plans.planner)
     load = built[Direction.CPU_TO_GPU]
     chosen = load.chosen if isinstance(load, AutoBackend) else load
-    loop = getattr(chosen, "chunk_loop", None)
+    loop = chosen.chunk_loop if isinstance(chosen, StagedBackend) else None
     handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
     jobs = iter(range(1, 1 << 30))
     one_bytes = plans.one_load_spec[1].block_ids.size * sum(
         g.pair_bytes for g in plans.planner.groups)
     row: dict = {"workload": w.label(), "backend": chosen.kind.label, "one_bytes": one_bytes}
-    inline_pairs = (loop.geometry.chunk_bytes // int(loop.geometry.pitch.max())
-                    if loop is not None else None)  # what the backend sets
+    inline_pairs = loop.geometry.one_chunk_pairs if loop is not None else None  # as the backend
 
     def one_step(spin: bool, parts: dict[str, list[int]], record: bool) -> bool:
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         job = next(jobs)
         t0 = time.monotonic_ns()
         handlers.transfer_async(job, plans.one_load_spec)
@@ -135,7 +135,7 @@ def torch_control(rig: GpuRig, n: int, steps: int, spin: bool) -> dict:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     totals, calls, gpus = [], [], []
     for i in range(WARM + steps):
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         t0 = time.monotonic_ns()
         with torch.cuda.stream(stream):
             start.record(stream)
@@ -157,9 +157,9 @@ def noop_control(steps: int) -> dict:
     """A fixed bit of Python (about a call's length), timed as the calls are."""
     took = []
     for i in range(WARM + steps):
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         t0 = time.monotonic_ns()
-        _python_work(40)
+        python_work(40)
         took.append(time.monotonic_ns() - t0)
     return summary({"work": took[WARM:]})
 

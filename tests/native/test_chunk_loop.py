@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +88,7 @@ class FakeGpu:
         self.threads: set[int] = set()  # who made the calls (context calls aside)
         self.current = LOOP_CTX  # what cuCtxGetCurrent answers (on any thread)
         self.gate: threading.Event | None = None  # set: the next end record waits for it
+        self.at_gate = threading.Event()  # the loop's thread waits at the gate
         self.claimed = -1  # the slot of the chunk being issued (its free wait came last)
         self.tables: list[np.ndarray] = []  # the pair table of each launch, as the kernel saw it
         self.dmas: list[tuple[int, int, int]] = []  # (host, slot offset, bytes), issue order
@@ -127,6 +127,7 @@ class FakeGpu:
     def record(self, event, stream):
         if event == END and self.gate is not None:
             gate, self.gate = self.gate, None
+            self.at_gate.set()
             assert gate.wait(30), "the test never opened the gate"
         self.trace.append(("record", NAMES[event], NAMES[stream]))
         return 0
@@ -426,7 +427,7 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
         later, _, _ = prepared.submit(loop)
         loop.wait()
         assert failed.status == 700 and later.status == 0
-        assert loop.num_issued == 2
+        assert failed.issued() and later.issued()
     finally:
         loop.close()
     first_end = fake.trace.index(("record", "end", "S"))
@@ -464,10 +465,7 @@ def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
     fake.gate = gate = threading.Event()
     try:
         first, _, _ = prepared.submit(loop)  # inline off: to the loop's thread, held there
-        deadline = time.monotonic() + 30
-        while ("wait", "S", "done") not in fake.trace:  # the loop is inside the first job
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        assert fake.at_gate.wait(30)  # the loop is inside the first job
         loop.set_inline(1 << 40)
         second, _, _ = prepared.submit(loop)
         assert not second.issued() and not first.issued()
@@ -486,6 +484,38 @@ def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
     assert calls == (_contract(layout, True, 0) + _contract(layout, True, n % NUM_SLOTS)
                      + _contract(layout, True, 2 * n % NUM_SLOTS))  # in order, cursor shared
     assert len(fake.threads) == 2  # the loop's thread for two, the caller's for the third
+
+
+def test_only_a_job_within_the_inline_bound_is_issued_by_the_caller():
+    prepared = _multi_chunk_store()
+    fake, loop = prepared.rig()
+    pairs = prepared.plan.num_pairs
+    try:
+        loop.set_inline(pairs - 1)
+        over, _, _ = prepared.submit(loop)
+        over.wait()
+        assert over.status == 0 and loop.stamps()[3] is False
+        loop.set_inline(pairs)
+        within, _, _ = prepared.submit(loop)
+        assert within.issued() and within.status == 0 and loop.stamps()[3] is True
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    assert threading.get_ident() in fake.threads and len(fake.threads) == 2
+
+
+def test_one_chunk_pairs_bounds_a_job_that_fits_one_chunk():
+    """The backend's inline bound: any job of that many pairs lays out as one chunk."""
+    from block_reference import RngDraw
+    checked = 0
+    for seed in range(300):
+        case = draw_case(RngDraw(seed))
+        prepared = _prepare(case)
+        bound = prepared.staging.loop_geometry().one_chunk_pairs
+        if prepared.plan.num_pairs <= bound:
+            assert prepared.layout.num_chunks <= 1, (seed, bound, prepared.plan.num_pairs)
+            checked += 1
+    assert checked >= 20  # the bound was exercised, not vacuous
 
 
 def test_a_caller_without_the_loops_context_never_issues_inline():

@@ -12,10 +12,13 @@
  * pairs, tc_set_inline) that finds the loop idle: the caller issues it itself inside
  * tc_submit, which then costs it the job's few driver calls instead of a thread wake-up.
  *
- * Jobs are issued strictly in submission order (a FIFO, one thread). Each job also
- * carries the handler's ordering events (wait for the previous transfer, record the
- * start, record the end), so that everything a transfer puts on its stream is put there
- * by this thread, in order. A job's status cell is written last (0 or the first failing
+ * Jobs are issued strictly in submission order, one at a time (a FIFO). What keeps the
+ * two issuers apart: the loop's thread leaves a job at the queue's head until it has
+ * issued it (it issues with the lock released), and the caller issues inline only under
+ * the lock and only while the head is empty; so the ring cursor and the DMA scratch have
+ * one user at a time. Each job also carries the handler's ordering events (wait for the
+ * previous transfer, record the start, record the end), so that everything a transfer
+ * puts on its stream is put there by its issuer, in order. A job's status cell is written last (0 or the first failing
  * CUresult) and the issued count is then bumped: the caller must not trust the job's
  * events before it sees the job issued.
  *
@@ -124,13 +127,13 @@ typedef struct {
 
 typedef struct {
     tc_config cfg;
-    dma_t dma; /* whoever issues a job, under mu (the loop's thread or an inline caller) */
+    dma_t dma; /* the issuer's: the loop's thread, or an inline caller (file comment) */
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t work, issued_cv;
     node *head, *tail;
     uint64_t submitted, issued;
-    int64_t cursor; /* the ring slot the next chunk takes (whoever issues, under mu) */
+    int64_t cursor; /* the ring slot the next chunk takes (the issuer's, as dma) */
     int64_t inline_pairs; /* jobs of at most this many pairs: issued by the caller when idle */
     int64_t stamps[4];    /* the last job: submitted, picked up, issued (ns), 1 if inline */
     int stop;
@@ -589,10 +592,10 @@ static void *loop(void *arg) {
         int64_t picked = now_ns();
         int rc = ctx_rc ? ctx_rc : run_job(q, &n->job);
         int64_t issued = now_ns();
-        __atomic_store_n(n->job.status, rc, __ATOMIC_RELEASE);
         pthread_mutex_lock(&q->mu);
         q->stamps[0] = n->submitted_ns, q->stamps[1] = picked, q->stamps[2] = issued;
-        q->stamps[3] = 0;
+        q->stamps[3] = 0; /* before the status: a caller that sees it issued reads these */
+        __atomic_store_n(n->job.status, rc, __ATOMIC_RELEASE);
         q->head = n->next;
         if (!q->head)
             q->tail = NULL;
@@ -638,7 +641,7 @@ static int caller_in_context(const tc_config *c) {
  * pairs that finds the loop idle (nothing queued, nothing being issued) is issued here,
  * on the caller's thread, before this returns: a small job then pays neither the loop
  * thread's wake-up nor a second core's cold caches. Either way jobs are issued one at a
- * time, in submission order, under the queue's lock. The caller keeps the GIL through
+ * time, in submission order (file comment). The caller keeps the GIL through
  * the inline issue (a few enqueue-only driver calls, as torch's own launches do). */
 uint64_t tc_submit(tc_queue *q, const tc_job *job) {
     int64_t submitted = now_ns();
@@ -703,13 +706,6 @@ void tc_wait(tc_queue *q, uint64_t seq) {
     while (q->issued < seq)
         pthread_cond_wait(&q->issued_cv, &q->mu);
     pthread_mutex_unlock(&q->mu);
-}
-
-uint64_t tc_issued(tc_queue *q) {
-    pthread_mutex_lock(&q->mu);
-    uint64_t n = q->issued;
-    pthread_mutex_unlock(&q->mu);
-    return n;
 }
 
 /* Issue what is queued, stop the thread, free the queue. */

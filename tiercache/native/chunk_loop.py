@@ -55,6 +55,12 @@ class Geometry:
         """The most runs one row's template has."""
         return max(int(self.tpl_count.max()), 1)
 
+    @property
+    def one_chunk_pairs(self) -> int:
+        """A job of at most this many pairs fits one chunk (a row holds at least one
+        pair, and no row is wider than the widest pitch)."""
+        return self.chunk_bytes // int(self.pitch.max())
+
     def struct(self) -> GeometryStruct:
         g = GeometryStruct(self.factor, int(self.pitch.size), int(self.whole_rows),
                            self.max_runs, self.chunk_bytes)
@@ -205,7 +211,8 @@ class ChunkLoop:
         seq = self._submit(self._queue, self._job_ref)
         if not seq:
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
-        pending.append((status, held))  # whatever the caller drops, the loop's memory lives
+        if status.value == STATUS_PENDING:  # issued inline: nothing left for the loop to read
+            pending.append((status, held))  # whatever the caller drops, the loop's memory lives
         return Ticket(self, seq, status, held)
 
     def set_inline(self, max_pairs: int) -> None:
@@ -229,12 +236,8 @@ class ChunkLoop:
         if self._queue is not None:
             self._lib.tc_wait(self._queue, seq)
 
-    @property
-    def num_issued(self) -> int:
-        return 0 if self._queue is None else int(self._lib.tc_issued(self._queue))
-
     def close(self) -> None:
-        if self._queue is not None:
-            self._lib.tc_close(self._queue)
-            self._queue = None
+        queue, self._queue = self._queue, None  # no submit reaches it while it closes
+        if queue is not None:
+            self._lib.tc_close(queue)
             self._pending.clear()

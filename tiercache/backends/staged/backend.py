@@ -172,9 +172,9 @@ class StagedBackend(StreamBackend):
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
                          free_events=self._free, ready_events=self._ready,
                          begin_event=self._start, done_event=self._done, attrs=attrs)
-        # a job whose pairs fit one chunk (a row holds at least one pair) is a handful of
-        # driver calls: the caller issues it itself when the loop is idle
-        loop.set_inline(geometry.chunk_bytes // int(geometry.pitch.max()))
+        # a job that fits one chunk is a handful of driver calls: the caller issues it
+        # itself when the loop is idle
+        loop.set_inline(geometry.one_chunk_pairs)
         return loop
 
     @property

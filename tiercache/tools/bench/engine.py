@@ -60,7 +60,7 @@ class BusyPython:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            _python_for(BUSY_BURST_S)
+            python_for(BUSY_BURST_S)
             self.rounds += 1
             time.sleep(BUSY_IDLE_S)
 
@@ -94,16 +94,16 @@ class _GcPauses:
         gc.callbacks.remove(self._callback)
 
 
-def _python_work(n: int) -> int:
+def python_work(n: int) -> int:
     """Interpreter work of the kind a step does: small objects built and dropped."""
     d = {i: (i, str(i)) for i in range(n)}
     return sum(len(v[1]) for v in d.values())
 
 
-def _python_for(seconds: float) -> None:
+def python_for(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        _python_work(50)
+        python_work(50)
 
 
 def _pcts(values: list[float], scale: float = 1e6) -> tuple[float, float]:
@@ -129,7 +129,7 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
         """One step: (wall seconds from the first call until all reported, each call's
         host seconds). ``spin``: poll keeping the GIL (the result is seen when it is
         there, whatever the other thread does)."""
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         t0 = time.perf_counter()
         pending, took = set(), []
         for spec in specs:
@@ -206,7 +206,7 @@ def _torch_one_block(rig: GpuRig, num_bytes: int) -> list[float]:
     end = torch.cuda.Event()
     walls = []
     for i in range(WARM_STEPS + ONE_BLOCK_STEPS):
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -231,7 +231,7 @@ def _torch_control(rig: GpuRig, plans: RigPlans, steps: int, sum_ceiling: float
     ends = [torch.cuda.Event() for _ in range(2)]
     walls = []
     for i in range(WARM_STEPS + steps):
-        _python_for(STEP_PYTHON_S)
+        python_for(STEP_PYTHON_S)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for (dst, src), stream, end in zip(((store_dst, store_src), (load_dst, load_src)),
