@@ -198,9 +198,10 @@ class Coordinator:
         num_keys = self.manager.num_blocks + (self.disk.capacity_blocks if self.disk else 0)
         presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
         if self.cluster is not None:  # the pool's keys are not counted here: no zero is sure
-            presence.set_exact(False)
+            presence.set_exact(False)  # for good: nothing reads the counts, none are kept
             self.say("key presence map: not exact (a cluster tier's keys are not counted on "
                      "this node): every new request is looked up in the coordinator, one step")
+            return presence
         try:
             self.manager.set_key_listener(presence.update)
             if self.disk is not None:

@@ -115,10 +115,8 @@ class ClusterTier:
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
         self._calls: dict[str, tuple[str, float]] = {}  # thread -> (pool call, since)
         self._publishing = 0  # blocks taken off the publish queue, not booked yet
-        # keys this node published whole that the pool held at their last check, least
-        # recently checked first (at most 2x what this node's segment holds)
-        # published whole -> when the pool last said it has them (publish or census);
-        # the least recently checked first
+        # keys this node published whole -> when the pool last said it has them (publish
+        # or census), least recently checked first (at most 2x what its segment holds)
         self._published: OrderedDict[bytes, float] = OrderedDict()
         self._published_max = max(2 * capacity_blocks, PUBLISH_BATCH)
         self._up = True

@@ -50,11 +50,11 @@ from functools import cached_property
 
 from tiercache.errors import TierError
 from tiercache.region.layout import RegionLayout
+from tiercache.region.ledger import KEY_BYTES
 
 FORMAT_VERSION = 1
 MAGIC = b"TCPOOL01"
 HEADER_BYTES = 512
-KEY_BYTES = 256
 _HEADER = struct.Struct("<8s16sIIQIHH256s")
 _CRC = struct.Struct("<I")
 assert _HEADER.size == 304
