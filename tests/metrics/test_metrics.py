@@ -170,8 +170,8 @@ def test_index_counters_and_gauges_come_from_manager_stats():
     assert value("tiercache_index_failed_store_blocks_total") == 1
     assert value("tiercache_index_capacity_blocks") == 8
     by_state = {s: value("tiercache_index_blocks", {"state": s})
-                for s in ("free", "writing", "ready", "loading")}
-    assert by_state == {"free": 2, "writing": 1, "ready": 4, "loading": 1}
+                for s in ("free", "writing", "ready", "loading", "quarantined")}
+    assert by_state == {"free": 2, "writing": 1, "ready": 4, "loading": 1, "quarantined": 0}
     assert sum(by_state.values()) == value("tiercache_index_capacity_blocks")
     assert value("tiercache_index_occupancy_ratio") == 0.75
 

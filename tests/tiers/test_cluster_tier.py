@@ -457,3 +457,47 @@ def test_the_blocks_a_node_published_that_the_pool_still_holds(start_node, maste
     out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
                           str(a.config_path)], capture_output=True, text=True)
     assert "5 published by this node and in the pool at their last check" in out.stdout
+
+
+def test_a_read_from_a_frozen_node_holds_its_host_slots_out(start_node):
+    """Node a frozen (SIGSTOP) after publishing: node b's reads of a's objects wait on a's
+    segment; Mooncake gives up on them after 60 s (TRANSFER_FAIL) without stopping them,
+    and node a, thawed, answers them into b's memory (seen: 3 of 4 such slots held a's
+    rows after the thaw). Meanwhile b's lookups miss those blocks after PROMOTION_WAIT_S
+    instead of waiting; afterwards b holds the reads' host slots out of use (quarantined),
+    so b's own blocks, stored into every other slot before node a thaws, are exact after
+    it (freed instead, those slots are the first reused)."""
+    a, b = start_node("a"), start_node("b", num_blocks=16)
+    keys = KEYS[:4]
+    assert store(a, keys)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        with Client(b.config) as client:
+            answers = lease_settled(client, keys, timeout_s=30)  # not the read's 60 s
+            assert answers[0].pending and answers[-1].num_hit == 0
+            wait_for(lambda: cluster_stats(b).errors >= len(keys),
+                     "Mooncake gives up on node b's reads", 120)
+            mine = [b"b-own-%d" % i for i in range(16 - len(keys))]
+            out = client.prepare_store(mine)
+            assert out is not None and list(out.keys_to_store) == mine
+            own_slots = set(out.store_spec.block_ids.tolist())
+            with SharedOffloadRegion.attach(b.config.name) as region:
+                stride = region.layout.row_stride
+                for slot, key in zip(out.store_spec.block_ids.tolist(), mine):
+                    for rank in range(b.config.world_size):
+                        region.rank_array(rank)[slot] = block_pattern(key, rank, stride)
+            client.complete_store(mine)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    time.sleep(2.0)  # node a answers the reads b gave up on
+    exact, wrong, _ = load(b, mine)
+    assert (exact, wrong) == (len(mine), 0)
+    with Client(b.config) as client:
+        assert client.stats().quarantined_blocks == len(keys)
+        more = client.prepare_store([b"one-too-many"])  # evicts one of b's: none is free
+        assert more.evicted_keys and set(more.store_spec.block_ids.tolist()) <= own_slots
+    assert "held out of use until the coordinator restarts" in b.output()
+    assert sample(scrape(metrics_url(b)), "tiercache_index_blocks", state="quarantined") == 4
+    out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                          str(b.config_path)], capture_output=True, text=True)
+    assert "4 held out after failed reads" in out.stdout, out.stdout

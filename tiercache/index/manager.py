@@ -76,6 +76,7 @@ __all__ = ["LOCAL_OWNER", "LeaseResult", "ManagerStats", "OffloadingEvent", "Off
 
 LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers sessions from 1
 TIER_OWNER = 0xFFFF  # the coordinator's own tiers (promotions, demotions): no session, no cap
+PROMOTION_WAIT_S = 1.0  # a lower tier's promotion pending longer: lookups miss it (_overdue)
 
 
 class LowerTier(Protocol):
@@ -140,6 +141,7 @@ class OffloadingManager:
         self._ledger = ledger
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._quarantined: set[int] = set()  # slots held out of use (see quarantine)
         self._clear_index()
         self._events = EventLog()
         if ledger is not None:
@@ -288,7 +290,8 @@ class OffloadingManager:
 
         Counted as a lookup (and the hits in ``leased_blocks``, not ``loaded_blocks``: the
         caller may load from the answer's spec or never). ``pending``: the key after the
-        hit run is being written.
+        hit run is being written (by a lower tier's promotion: for at most
+        ``PROMOTION_WAIT_S``, then a miss).
         """
         check_owner(owner)
         with self._lock:
@@ -312,9 +315,18 @@ class OffloadingManager:
             promoted = [(i, slot.source) for i, slot in enumerate(run)
                         if slot.source is not BlockSource.HOST]
             return LeaseResult(hits, promoting or (after is not None
-                                                   and after.state is SlotState.WRITING),
+                                                   and after.state is SlotState.WRITING
+                                                   and not self._overdue(keys[hits])),
                                self._spec(run), tuple(i for i, _ in promoted),
                                tuple(source for _, source in promoted))
+
+    def _overdue(self, key: bytes) -> bool:
+        """Whether ``key`` is being promoted by a lower tier for longer than
+        ``PROMOTION_WAIT_S`` (a hung disk, a frozen node whose object is being read): a
+        lookup then misses it instead of waiting (pending) until the read gives up."""
+        tiers = self._holdings.get(TIER_OWNER)
+        since = tiers.writing.get(key) if tiers is not None else None
+        return since is not None and time.monotonic() - since > PROMOTION_WAIT_S
 
     def _promote_after(self, keys: Sequence[bytes], hits: int, owner: int) -> bool:
         """Start promoting the run of keys after the host hits that the lower tiers hold,
@@ -555,6 +567,36 @@ class OffloadingManager:
                 self._counters["failed_store_blocks"] += len(slots)
             self._tidy(owner, holdings)
 
+    def quarantine(self, keys: Sequence[bytes], *, owner: int = LOCAL_OWNER) -> int:
+        """A write that failed but may still land (a lower tier's read that gave up while its
+        transfer may still run): forget the keys that ``owner`` reserved and that are still
+        WRITING (lookups miss them at once) and hold their slots out of use for the life of
+        this index, ``reset`` included: a late write then lands in a slot no block uses.
+        A new index (a coordinator restart) frees them: the process whose transfer it was is
+        gone. Returns how many slots this call held out."""
+        check_owner(owner)
+        check_keys(keys, "quarantine")
+        with self._lock:
+            holdings = self._holdings.get(owner)
+            if holdings is None:
+                return 0
+            mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
+            held_out = []
+            for key in mine:
+                del holdings.writing[key]
+                slot = self._slots.pop(key)
+                self._policy.remove(key)
+                self._num_by_state[SlotState.WRITING] -= 1
+                held_out.append(slot.slot_id)
+            self._quarantined.update(held_out)
+            if mine:
+                self._keys_changed(mine, True)
+                self._counters["failed_store_blocks"] += len(mine)
+                if self._ledger is not None:  # no block there; a restart may reuse the slot
+                    self._ledger.free(held_out)
+            self._tidy(owner, holdings)
+            return len(mine)
+
     # ------------------------------------------------------------------ sessions
 
     def end_session(self, owner: int) -> SessionRelease:
@@ -577,20 +619,25 @@ class OffloadingManager:
 
     def expire_reservations(self, max_age_s: float, now: float | None = None) -> int:
         """Free every reservation older than ``max_age_s`` (its writer never completed it:
-        its ``complete_store`` is then ignored); returns how many."""
+        its ``complete_store`` is then ignored); returns how many. A lower tier's
+        (``TIER_OWNER``) are quarantined instead of freed: its read may still land."""
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = 0
+            tier_reads = []
             for owner, holdings in list(self._holdings.items()):
                 old = [k for k, since in holdings.writing.items() if now - since > max_age_s]
-                if old:
+                if old and owner == TIER_OWNER:  # a tier's read still under way may land
+                    tier_reads = old
+                elif old:
                     for key in old:
                         del holdings.writing[key]
                     self._free_writing(old)
                     expired += len(old)
                     self._tidy(owner, holdings)
             self._counters["expired_reservations"] += expired
-            return expired
+        # outside the lock: quarantine takes it (held out, not freed; see quarantine)
+        return expired + (self.quarantine(tier_reads, owner=TIER_OWNER) if tier_reads else 0)
 
     def holds(self, owner: int) -> bool:
         """Whether ``owner`` holds any reservation or pin."""
@@ -642,6 +689,7 @@ class OffloadingManager:
                 writing_blocks=by_state[SlotState.WRITING],
                 ready_blocks=by_state[SlotState.READY],
                 loading_blocks=by_state[SlotState.LOADING],
+                quarantined_blocks=len(self._quarantined),
             )
 
     # ------------------------------------------------------------------ internals
@@ -721,7 +769,7 @@ class OffloadingManager:
         return lambda key: slots[key].state is ready and key not in protected
 
     def _num_free(self) -> int:
-        return self._capacity - len(self._slots)
+        return self._capacity - len(self._slots) - len(self._quarantined)
 
     def _num_evictable(self, protected_keys: Sequence[bytes]) -> int:
         """READY blocks that are not among ``protected_keys``: what eviction can free."""
@@ -731,11 +779,13 @@ class OffloadingManager:
         return self._num_by_state[ready] - protected
 
     def _allocate(self, key: bytes) -> Slot:
-        if self._free:
-            slot_id = self._free.pop()
-        else:
-            slot_id = self._next_fresh
-            self._next_fresh += 1
+        slot_id = None
+        while slot_id is None or slot_id in self._quarantined:  # (after a reset: see quarantine)
+            if self._free:
+                slot_id = self._free.pop()
+            else:
+                slot_id = self._next_fresh
+                self._next_fresh += 1
         assert slot_id < self._capacity, "allocated past capacity: free-slot accounting is broken"
         slot = self._slots[key] = Slot(slot_id, SlotState.WRITING, self._next_gen)
         self._next_gen += 1

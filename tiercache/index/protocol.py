@@ -26,8 +26,9 @@ MAGIC = b"TCKV"
 # 4: LEASE_BATCH answers each hit run's fenced spec, PREPARE_STORE takes an eviction limit and
 # answers the keys that found no room; 5: TIER_STATS, lease answers name promoted blocks;
 # 6: lease answers name each promoted block's tier, TIER_STATS carries queued blocks;
-# 7: TIER_STATS carries the tier's calls in flight
-PROTOCOL_VERSION = 7
+# 7: TIER_STATS carries the tier's calls in flight; 8: STATS carries quarantined blocks,
+# TIER_STATS whether the tier promotes
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256

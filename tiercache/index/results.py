@@ -103,14 +103,16 @@ class TierStats:
     rebuilt_blocks: int = 0
     up: bool = True
     direct_io: bool = False
+    promoting: bool = True  # False: promotions stopped (cluster: too many slots held out)
 
 
 @dataclass(frozen=True)
 class ManagerStats:
     """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.
 
-    ``free + writing + ready + loading == capacity``; ``loading`` counts every pinned
-    block, whether a load or a lease holds it. ``recovered_blocks`` came back from the
+    ``free + writing + ready + loading + quarantined == capacity``; ``loading`` counts every
+    pinned block, whether a load or a lease holds it; ``quarantined`` slots are held out of
+    use after a write that may still land (``OffloadingManager.quarantine``). ``recovered_blocks`` came back from the
     region's ledger when the index was built, with ``recovered_pins`` and
     ``recovered_writing_blocks`` of the sessions that survived, and ``damaged_records``
     (ledger records that failed their checksum: dropped, never served); ``sessions_ended``,
@@ -142,6 +144,7 @@ class ManagerStats:
     damaged_records: int = 0
     expired_reservations: int = 0
     session_limit_rejections: int = 0
+    quarantined_blocks: int = 0
 
     @property
     def occupancy(self) -> float:

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 _DURATION_LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS_S) + ("+Inf",)
 _SIZE_LE = tuple(floatToGoString(b) for b in SIZE_BUCKETS_BYTES) + ("+Inf",)
-INDEX_BLOCK_STATES = ("free", "writing", "ready", "loading")
+INDEX_BLOCK_STATES = ("free", "writing", "ready", "loading", "quarantined")
 _RANK, _RANK_DIR = ("rank",), ("rank", "direction")
 _ATTACHMENT = ("rank", "attachment")
 _TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
@@ -196,6 +196,10 @@ class Family(Enum):
                "1 while the tier serves; 0 while it is marked down (disk: after I/O errors; "
                "cluster: the pool's master unreachable).",
                ("tier",), "up")
+    TIER_PROMOTING = ("gauge", "tiercache_tier_promoting",
+                      "1 while the tier promotes what lookups find in it; 0 once promotions "
+                      "stopped (cluster: too many host slots held out after reads that may "
+                      "still land).", ("tier",), "promoting")
     TIER_DIRECT_IO = ("gauge", "tiercache_tier_direct_io",
                       "1 when the tier reads and writes with O_DIRECT, 0 for buffered I/O.",
                       ("tier",), "direct_io")
@@ -401,7 +405,7 @@ class TiercacheCollector(Collector):
             f[family].add_metric([], family.read_stat(stats))
         f[Family.INDEX_CAPACITY].add_metric([], stats.capacity_blocks)
         by_state = (stats.free_blocks, stats.writing_blocks, stats.ready_blocks,
-                    stats.loading_blocks)
+                    stats.loading_blocks, stats.quarantined_blocks)
         for state, blocks in zip(INDEX_BLOCK_STATES, by_state, strict=True):
             f[Family.INDEX_BLOCKS].add_metric([state], blocks)
         f[Family.OCCUPANCY].add_metric([], stats.occupancy)

@@ -54,6 +54,14 @@ the pool, and nothing here does network I/O under the index's lock.
   "no", publishing drops, one log line per interval; the probe brings it back. A get that
   fails for one object (a dead node's segment, a key stuck mid-put by a writer that died)
   or an object that does not check is a miss for that block (counted), never a load.
+* **A read given up on may still land.** Mooncake answers a get ``TRANSFER_FAIL`` after
+  waiting 60 s on a peer's segment (a frozen node) without stopping the transfer, which
+  lands when the peer answers. Every failed read but those the master refused before any
+  transfer (``NOTHING_MOVED``) has its host slot quarantined (``OffloadingManager
+  .quarantine``): the key is a miss, the slot is never reused while this coordinator
+  runs. Past ``1 / QUARANTINE_SHARE`` of host memory held out, promotions stop
+  (``promoting``; lookups answer from this node's tiers). While a read waits, lookups
+  of its block are pending for at most ``PROMOTION_WAIT_S`` (the index), then misses.
 
 Thread-safety: ``holds``, ``promote`` and ``stored`` run under the index's lock and only
 take the tier's lock briefly; the tier never calls the index holding its own lock.
@@ -75,7 +83,7 @@ from tiercache.index.manager import TIER_OWNER, OffloadingManager
 from tiercache.index.results import BlockSource, TierStats
 from tiercache.tiers.cluster_object import BlockFormat
 from tiercache.tiers.cluster_transfer import BlockTransfers, Rows
-from tiercache.tiers.mooncake_pool import RPC_FAIL
+from tiercache.tiers.mooncake_pool import NOTHING_MOVED, RPC_FAIL
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,7 @@ PUBLISH_BATCH = 16  # blocks per publish (pinned, put and unpinned together)
 PROMOTE_BATCH = 32  # blocks per promotion read (their host slots reserved together)
 MAX_PROMOTIONS_QUEUED = 64  # promotion jobs waiting; past it a lookup's run is a miss
 MAX_KNOWN = 1 << 16  # exists answers remembered (oldest forgotten first)
+QUARANTINE_SHARE = 64  # promotions stop once 1/64 of host memory's slots are held out
 PROBE_NAME = "tiercache/health-probe"  # the health probe asks whether this exists
 CENSUS_NAMES = 8192  # at most this many objects checked per retry_s (one batched exists)
 
@@ -131,6 +140,10 @@ class ClusterTier:
         self.name = self.source.label
         self._block_bytes = block_format.world_size * block_format.object_bytes
         self.stats = TierStats(capacity_blocks=capacity_blocks)
+        self._promoting = True
+        self._quarantined = 0  # host slots held out after reads that may still land
+        self._quarantine_max = max(PROMOTE_BATCH,
+                                   manager.stats().capacity_blocks // QUARANTINE_SHARE)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -176,7 +189,7 @@ class ClusterTier:
         the pool is asked — to a new asker, or for ``exists_wait_s`` (see the module
         docstring)."""
         with self._lock:
-            if not self._up:
+            if not self._up or not self._promoting:
                 return False
             now = time.monotonic()
             known = self._known.get(key)
@@ -190,7 +203,7 @@ class ClusterTier:
 
     def promote(self, run: Sequence[bytes], mine: Collection[bytes], owner: int) -> None:
         with self._lock:
-            if not self._up:
+            if not self._up or not self._promoting:
                 return
             for key in mine:
                 if key in self._probing:  # asked already: this asker heard "maybe" too
@@ -223,7 +236,8 @@ class ClusterTier:
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return replace(self.stats, up=self._up, used_blocks=len(self._published),
+            return replace(self.stats, up=self._up, promoting=self._promoting,
+                           used_blocks=len(self._published),
                            queued_blocks=len(self._publish) + self._publishing,
                            calls_in_flight=len(self._calls))
 
@@ -421,10 +435,18 @@ class ClusterTier:
         keys = list(out.keys_to_store)
         wanted = [(key, slot) for key, slot in zip(keys, out.store_spec.block_ids.tolist())
                   if key in present]
-        with self._calling("get"):
-            got = self._moves.get(area, wanted)
+        try:
+            with self._calling("get"):
+                got = self._moves.get(area, wanted)
+        except BaseException:  # the read may be under way still: hold its slots out
+            self._hold_out([k for k, _ in wanted])
+            self._manager.complete_store(keys, False, owner=TIER_OWNER, source=self.source)
+            raise
         good = set(got.done)
         errors = [c for c in got.codes if c < 0]
+        world = self._format.world_size
+        landing = [key for i, (key, _) in enumerate(wanted) if key not in good and any(
+            c < 0 and c not in NOTHING_MOVED for c in got.codes[i * world:(i + 1) * world])]
         with self._lock:  # booked before the blocks are READY: a hit is already counted
             self.stats.promotions += len(got.done)
             self.stats.read_bytes += len(got.done) * self._block_bytes
@@ -432,6 +454,7 @@ class ClusterTier:
             self.stats.checksum_failures += got.mismatched
             self.stats.errors += len(wanted) - len(got.done) - got.mismatched
             self._remember([k for k, _ in wanted if k not in good], False)
+        self._hold_out(landing)
         self._manager.complete_store(got.done, True, owner=TIER_OWNER, source=self.source)
         self._manager.complete_store([k for k in keys if k not in good], False,
                                      owner=TIER_OWNER, source=self.source)
@@ -441,6 +464,28 @@ class ClusterTier:
         if errors:
             self._failed("get", errors)
         return RPC_FAIL not in errors
+
+    def _hold_out(self, keys: list[bytes]) -> None:
+        """Reads of ``keys`` that failed in a way that may leave their transfer running
+        (Mooncake gives up waiting on a transfer without stopping it): their host slots
+        are quarantined, never reused while this coordinator runs, so a late write lands
+        in no block. Past ``max_quarantined`` slots, promotions stop (``promoting``)."""
+        if not keys:
+            return
+        held = self._manager.quarantine(keys, owner=TIER_OWNER)
+        with self._lock:
+            self._quarantined += held
+            stop = self._promoting and self._quarantined >= self._quarantine_max
+            if stop:  # queued jobs dropped: their keys are misses from now on
+                self._promoting = False
+                for _, todo in self._jobs:
+                    for key in todo:
+                        del self._probing[key]
+                self._jobs.clear()
+        log.error("cluster tier: %d read(s) from the pool failed with their transfer possibly "
+                  "still running; their host slots are held out of use until the coordinator "
+                  "restarts (%d so far)%s", held, self._quarantined,
+                  f"; promotions from the pool stop at {self._quarantine_max}" if stop else "")
 
     # ------------------------------------------------------------------ state
     def _remember(self, keys: Collection[bytes], present: bool) -> None:

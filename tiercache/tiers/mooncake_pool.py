@@ -40,6 +40,12 @@ MOONCAKE_VERSION = "0.3.13.post1"
 RPC_FAIL = -900  # Mooncake's error code for a master it cannot reach
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706  # asked about (exists, get) within the master's default_kv_lease_ttl
+REPLICA_IS_NOT_READY = -703
+# A get's per-name answers given before any transfer was started (the master said the
+# object or its replica is not there): nothing can land later. Every other error may
+# come from a transfer Mooncake stopped waiting for (TRANSFER_FAIL after its timeout)
+# while it still runs, and the tier holds that block's host slot out of use.
+NOTHING_MOVED = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
 Parts = Sequence[tuple[int, int]]  # (address, num_bytes) of one object's buffers, in order
 
 
