@@ -24,7 +24,7 @@ from e2e_support import metrics_url, sample, scrape
 from mooncake_master import MooncakeMaster
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
 from tiercache.index.client import Client
-from tiercache.index.results import BlockSource
+from tiercache.index.results import BlockSource, LeaseResult
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
@@ -466,7 +466,8 @@ def test_a_read_from_a_frozen_node_holds_its_host_slots_out(start_node):
     rows after the thaw). Meanwhile b's lookups miss those blocks after PROMOTION_WAIT_S
     instead of waiting; afterwards b holds the reads' host slots out of use (quarantined),
     so b's own blocks, stored into every other slot before node a thaws, are exact after
-    it (freed instead, those slots are the first reused)."""
+    it (freed instead, those slots are the first reused). Past 1/64 of its slots held out
+    (one, here) b stops promoting."""
     a, b = start_node("a"), start_node("b", num_blocks=16)
     keys = KEYS[:4]
     assert store(a, keys)
@@ -497,7 +498,14 @@ def test_a_read_from_a_frozen_node_holds_its_host_slots_out(start_node):
         more = client.prepare_store([b"one-too-many"])  # evicts one of b's: none is free
         assert more.evicted_keys and set(more.store_spec.block_ids.tolist()) <= own_slots
     assert "held out of use until the coordinator restarts" in b.output()
-    assert sample(scrape(metrics_url(b)), "tiercache_index_blocks", state="quarantined") == 4
+    assert "promotions from the pool stop at 1" in b.output()  # 16 // 64 slots at most
+    assert not cluster_stats(b).promoting
+    url = metrics_url(b)
+    assert sample(scrape(url), "tiercache_index_blocks", state="quarantined") == 4
+    assert sample(scrape(url), "tiercache_tier_promoting", tier="cluster") == 0
     out = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
                           str(b.config_path)], capture_output=True, text=True)
     assert "4 held out after failed reads" in out.stdout, out.stdout
+    assert "NOT PROMOTING" in out.stdout
+    with Client(b.config) as client:  # a block the pool holds is a plain miss now
+        assert client.lease(keys) == LeaseResult(0, False)

@@ -142,8 +142,7 @@ class ClusterTier:
         self.stats = TierStats(capacity_blocks=capacity_blocks)
         self._promoting = True
         self._quarantined = 0  # host slots held out after reads that may still land
-        self._quarantine_max = max(PROMOTE_BATCH,
-                                   manager.stats().capacity_blocks // QUARANTINE_SHARE)
+        self._quarantine_max = max(1, manager.stats().capacity_blocks // QUARANTINE_SHARE)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
