@@ -129,13 +129,15 @@ def _matmul_lines(report: Report) -> list[str]:
     if not rows:
         return []
     lines = ["", f"{'matmul beside':14s} {'solo TFLOP/s':>12s} {'beside':>8s} {'ratio':>6s} "
-                 f"{'copies GB/s':>12s}"]
+                 f"{'min':>6s} {'copies GB/s':>12s}   (median of rounds solo/beside/solo; "
+                 "every round's ratio)"]
     both = report.ceiling["both"]
     for r in rows:
         copies = r["copy_both_gbps_beside"]
         lines.append(f"{r['backend']:14s} {r['matmul_solo_tflops']:12.0f} "
                      f"{r['matmul_beside_tflops']:8.0f} {r['matmul_ratio']:6.3f} "
-                     f"{copies:8.1f} ({copies / both:.2f})"
+                     f"{r['matmul_min_ratio']:6.3f} {copies:8.1f} ({copies / both:.2f})   "
+                     + " ".join(f"{x:.3f}" for x in r["matmul_ratios"])
                      + ("" if r["copies_covered_matmul"] else " [copies ended first]"))
     return lines
 
