@@ -140,8 +140,7 @@ class ClusterTier:
         self.name = self.source.label
         self._block_bytes = block_format.world_size * block_format.object_bytes
         self.stats = TierStats(capacity_blocks=capacity_blocks)
-        self._promoting = True
-        self._quarantined = 0  # host slots held out after reads that may still land
+        self._promoting = True  # False once too many host slots are held out (_hold_out)
         self._quarantine_max = max(1, manager.stats().capacity_blocks // QUARANTINE_SHARE)
 
     # ------------------------------------------------------------------ life
@@ -468,13 +467,14 @@ class ClusterTier:
         """Reads of ``keys`` that failed in a way that may leave their transfer running
         (Mooncake gives up waiting on a transfer without stopping it): their host slots
         are quarantined, never reused while this coordinator runs, so a late write lands
-        in no block. Past ``max_quarantined`` slots, promotions stop (``promoting``)."""
-        if not keys:
+        in no block. Once the index holds ``max(1, capacity / QUARANTINE_SHARE)`` slots out
+        (these, and lower tiers' reservations it expired), promotions stop (``promoting``)."""
+        held = self._manager.quarantine(keys, owner=TIER_OWNER) if keys else 0
+        if not held:  # none left to hold (an expired reservation is held out already)
             return
-        held = self._manager.quarantine(keys, owner=TIER_OWNER)
+        total = self._manager.stats().quarantined_blocks
         with self._lock:
-            self._quarantined += held
-            stop = self._promoting and self._quarantined >= self._quarantine_max
+            stop = self._promoting and total >= self._quarantine_max
             if stop:  # queued jobs dropped: their keys are misses from now on
                 self._promoting = False
                 for _, todo in self._jobs:
@@ -483,7 +483,7 @@ class ClusterTier:
                 self._jobs.clear()
         log.error("cluster tier: %d read(s) from the pool failed with their transfer possibly "
                   "still running; their host slots are held out of use until the coordinator "
-                  "restarts (%d so far)%s", held, self._quarantined,
+                  "restarts (%d so far)%s", held, total,
                   f"; promotions from the pool stop at {self._quarantine_max}" if stop else "")
 
     # ------------------------------------------------------------------ state
