@@ -581,19 +581,10 @@ class OffloadingManager:
             if holdings is None:
                 return 0
             mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
-            held_out = []
             for key in mine:
                 del holdings.writing[key]
-                slot = self._slots.pop(key)
-                self._policy.remove(key)
-                self._num_by_state[SlotState.WRITING] -= 1
-                held_out.append(slot.slot_id)
-            self._quarantined.update(held_out)
-            if mine:
-                self._keys_changed(mine, True)
-                self._counters["failed_store_blocks"] += len(mine)
-                if self._ledger is not None:  # no block there; a restart may reuse the slot
-                    self._ledger.free(held_out)
+            self._free_writing(mine, hold_out=True)
+            self._counters["failed_store_blocks"] += len(mine)
             self._tidy(owner, holdings)
             return len(mine)
 
@@ -623,21 +614,23 @@ class OffloadingManager:
         (``TIER_OWNER``) are quarantined instead of freed: its read may still land."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = 0
-            tier_reads = []
+            expired = held_out = 0
             for owner, holdings in list(self._holdings.items()):
                 old = [k for k, since in holdings.writing.items() if now - since > max_age_s]
-                if old and owner == TIER_OWNER:  # a tier's read still under way may land
-                    tier_reads = old
-                elif old:
-                    for key in old:
-                        del holdings.writing[key]
-                    self._free_writing(old)
+                if not old:
+                    continue
+                for key in old:
+                    del holdings.writing[key]
+                tier_read = owner == TIER_OWNER  # a tier's read still under way may land
+                self._free_writing(old, hold_out=tier_read)
+                if tier_read:
+                    held_out += len(old)
+                else:
                     expired += len(old)
-                    self._tidy(owner, holdings)
+                self._tidy(owner, holdings)
             self._counters["expired_reservations"] += expired
-        # outside the lock: quarantine takes it (held out, not freed; see quarantine)
-        return expired + (self.quarantine(tier_reads, owner=TIER_OWNER) if tier_reads else 0)
+            self._counters["failed_store_blocks"] += held_out
+            return expired + held_out
 
     def holds(self, owner: int) -> bool:
         """Whether ``owner`` holds any reservation or pin."""
@@ -748,16 +741,22 @@ class OffloadingManager:
             self._move(slot, SlotState.READY)
         return dropped
 
-    def _free_writing(self, keys: Sequence[bytes]) -> None:
-        """Forget blocks that were being written (failed store, ended session)."""
+    def _free_writing(self, keys: Sequence[bytes], hold_out: bool = False) -> None:
+        """Forget blocks that were being written (failed store, ended session); their
+        slots go to the free list, or with ``hold_out`` out of use (see ``quarantine``).
+        The ledger records them free either way: no block is there, and a restart may
+        reuse them."""
         freed = []
         for key in keys:
             slot = self._slots.pop(key)
             assert slot.state is SlotState.WRITING, "freed a slot that is not being written"
             self._policy.remove(key)
             self._num_by_state[SlotState.WRITING] -= 1
-            self._free.append(slot.slot_id)
             freed.append(slot.slot_id)
+        if hold_out:
+            self._quarantined.update(freed)
+        else:
+            self._free.extend(freed)
         self._keys_changed(keys, True)
         if self._ledger is not None:
             self._ledger.free(freed)
