@@ -8,7 +8,8 @@
 # profile: the call profile (scripts/engine_call_profile.py) of BASELINE_DIR and this
 # tree, alternately, three times, pinned to one CPU. one-block: where a one-block load's
 # time goes (scripts/one_block_probe.py). pattern-here: the engine's pattern on this tree, twice.
-# matmul-sweep: the matmul beside staged copies per pack/unpack launch shape (scripts/matmul_sweep.py).
+# matmul-sweep: the matmul beside staged copies per pack/unpack launch shape (scripts/matmul_sweep.py,
+# SWEEP_ARGS). tail: where the slow calls of the pattern spend their time (scripts/call_tail_probe.py).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 if [ -d .whl ]; then  # packages the device image lacks (posix_ipc, test tools), carried as wheels
@@ -46,7 +47,8 @@ for step in $STEPS; do
         done
       done ;;
     one-block) timeout 250 python3 scripts/one_block_probe.py --json "$OUT/one_block.json" 2>&1 | grep -v '^\[' | tee "$OUT/one_block.txt" ;;
-    matmul-sweep) timeout 400 python3 scripts/matmul_sweep.py --json "$OUT/matmul_sweep.json" 2>&1 | grep -v '^\[' | tee "$OUT/matmul_sweep.txt" ;;
+    matmul-sweep) timeout 400 python3 scripts/matmul_sweep.py ${SWEEP_ARGS:-} --json "$OUT/matmul_sweep.json" 2>&1 | grep -v '^\[' | tee "$OUT/matmul_sweep.txt" ;;
+    tail) timeout 300 python3 scripts/call_tail_probe.py --json "$OUT/call_tail.json" 2>&1 | grep -v '^\[' | tee "$OUT/call_tail.txt" ;;
     pattern-here) for r in 1 2; do timeout 150 python3 scripts/engine_pattern.py 2>&1 | grep -v '^\[' | tee -a "$OUT/pattern_here.txt"; done ;;
     baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.tools.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
   esac

@@ -78,6 +78,9 @@ PLANNED = {
                                                    num_slots=2, direct_bytes=64 << 10),
     # the same pipeline issued from Python on the caller's thread (the native loop off)
     "staged-blocks-python": lambda planner: _staged(planner=planner, native=False),
+    # as many pack programs as tensor columns: one program per column strides over every
+    # pair of a chunk (by default the block kernel launches one per (pair, tensor))
+    "staged-blocks-strided": lambda planner: _staged(planner=planner, pack_programs=4),
 }
 
 
@@ -349,7 +352,7 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
 
 @pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small",
                                   "staged-blocks", "staged-blocks-small",
-                                  "staged-blocks-python"])
+                                  "staged-blocks-python", "staged-blocks-strided"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
@@ -430,7 +433,7 @@ def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     handlers.shutdown()
 
 
-@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small"])
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-strided"])
 def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buffers):
     """Transfers submitted without waiting (the native loop issues them while the caller
     submits more): stores of random blocks, then loads of them into other GPU blocks,

@@ -133,6 +133,11 @@ class StagedBackend(StreamBackend):
         self._cursor = 0
         self._scratch = Scratch()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # The page kernel launches at most pack_programs (default 2 per SM). The block kernel
+        # launches one program per (pair, tensor) unless pack_programs is given: bounded at 2
+        # per SM it gave a matmul beside both-ways copies +0-2 points and took 4-11 points
+        # of the copies' own rate (docs/benchmarks.md, "The pack kernels' share of the SMs").
+        self.pack_programs = pack_programs
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
         self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
@@ -146,7 +151,8 @@ class StagedBackend(StreamBackend):
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)
             return None
-        return (staging, BlockKernel(staging, self.device, compiled_launch=True),
+        return (staging, BlockKernel(staging, self.device, max_programs=self.pack_programs,
+                                     compiled_launch=True),
                 PairTables(self.device, self.driver))
 
     def _chunk_loop(self) -> ChunkLoop:
