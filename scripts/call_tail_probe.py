@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import resource
 import time
 from contextlib import nullcontext
 
 import numpy as np
+
+from engine_call_profile import Spans  # noqa: E402  (scripts/ is on sys.path when run)
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
@@ -54,30 +55,16 @@ SPANS = [
 ]
 
 
-class Recorder:
+class Recorder(Spans):
     """Per-call span times (ns) by wrapping ``SPANS``; ``current`` collects the open call's."""
 
     def __init__(self) -> None:
         self.current: dict[str, int] | None = None
-        self.names: list[str] = []
-        for module, cls_name, attr in SPANS:
-            cls = getattr(importlib.import_module(module), cls_name)
-            original = cls.__dict__.get(attr)
-            if original is None:
-                continue
-            name = f"{cls_name}.{attr}"
-            self.names.append(name)
-            setattr(cls, attr, self._wrap(name, original))
+        super().__init__(SPANS)
 
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.current is not None:
-                    self.current[name] = self.current.get(name, 0) + time.perf_counter_ns() - t0
-        return timed
+    def add(self, name: str, ns: int) -> None:
+        if self.current is not None:
+            self.current[name] = self.current.get(name, 0) + ns
 
 
 def run(rig: GpuRig, kib: int, steps: int, busy_mode: bool, rec: Recorder) -> dict:

@@ -141,18 +141,20 @@ class Spans:
         ("tiercache.device.driver", "CudaDriver", "memcpy_batch"),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, targets: list[tuple[str, str, str]] | None = None) -> None:
         import importlib
 
         self.total: dict[str, int] = {}
         self.calls: dict[str, int] = {}
+        self.names: list[str] = []
         self._saved = []
-        for module, cls_name, attr in self.TARGETS:
+        for module, cls_name, attr in targets or self.TARGETS:
             cls = getattr(importlib.import_module(module), cls_name)
             original = cls.__dict__.get(attr)
             if original is None:
                 continue
             self._saved.append((cls, attr, original))
+            self.names.append(f"{cls_name}.{attr}")
             setattr(cls, attr, self._wrap(f"{cls_name}.{attr}", original))
 
     def _wrap(self, name, fn):
@@ -161,9 +163,13 @@ class Spans:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total[name] = self.total.get(name, 0) + time.perf_counter_ns() - t0
-                self.calls[name] = self.calls.get(name, 0) + 1
+                self.add(name, time.perf_counter_ns() - t0)
         return timed
+
+    def add(self, name: str, ns: int) -> None:
+        """One timed call of ``name`` (a subclass may keep them otherwise)."""
+        self.total[name] = self.total.get(name, 0) + ns
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def stop(self) -> None:
         for cls, attr, original in self._saved:
