@@ -88,6 +88,8 @@ def _build(name: str, direction: Direction, planner=None):
     if name in PLANNED:
         backend = PLANNED[name](planner)
         assert backend.plan_form is PlanForm.BLOCKS  # the block layout accepted the geometry
+        if name == "staged-blocks-strided":  # one program per column: every launch strides
+            assert backend._blocks[1].max_pair_programs == 1
         return backend
     return BUILDERS[name]()
 

@@ -544,11 +544,9 @@ class OffloadingManager:
             holdings = self._holdings.get(owner)
             if holdings is None:
                 return
-            mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
+            mine = holdings.take_writing(keys)
             if not mine:
                 return
-            for key in mine:
-                del holdings.writing[key]
             slots = [self._slots[k] for k in mine]
             if success:
                 for slot in slots:
@@ -580,9 +578,7 @@ class OffloadingManager:
             holdings = self._holdings.get(owner)
             if holdings is None:
                 return 0
-            mine = [k for k in dict.fromkeys(keys) if k in holdings.writing]
-            for key in mine:
-                del holdings.writing[key]
+            mine = holdings.take_writing(keys)
             self._free_writing(mine, hold_out=True)
             self._counters["failed_store_blocks"] += len(mine)
             self._tidy(owner, holdings)
@@ -616,11 +612,10 @@ class OffloadingManager:
         with self._lock:
             expired = held_out = 0
             for owner, holdings in list(self._holdings.items()):
-                old = [k for k, since in holdings.writing.items() if now - since > max_age_s]
+                old = holdings.take_writing([k for k, since in holdings.writing.items()
+                                             if now - since > max_age_s])
                 if not old:
                     continue
-                for key in old:
-                    del holdings.writing[key]
                 tier_read = owner == TIER_OWNER  # a tier's read still under way may land
                 self._free_writing(old, hold_out=tier_read)
                 if tier_read:

@@ -49,6 +49,14 @@ class Holdings:
     def num_blocks(self) -> int:
         return len(self.writing) + len(self.pinned)
 
+    def take_writing(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``keys`` this owner reserved (each once, in order), no longer
+        reserved by it: what a completion, a quarantine or an expiry acts on."""
+        mine = [k for k in dict.fromkeys(keys) if k in self.writing]
+        for key in mine:
+            del self.writing[key]
+        return mine
+
 
 class Ledger(Protocol):
     """The durable mirror the index writes through (``tiercache.region.ledger.IndexLedger``)."""

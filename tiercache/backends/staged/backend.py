@@ -137,13 +137,14 @@ class StagedBackend(StreamBackend):
         # launches one program per (pair, tensor) unless pack_programs is given: bounded at 2
         # per SM it gave a matmul beside both-ways copies +0-2 points and took 4-11 points
         # of the copies' own rate (docs/benchmarks.md, "The pack kernels' share of the SMs").
-        self.pack_programs = pack_programs
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
-        self._blocks = None if planner is None else self._block_path(planner, load_whole_rows)
+        self._blocks = None if planner is None else self._block_path(planner, load_whole_rows,
+                                                                       pack_programs)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
         self.plan_form = PlanForm.PAGES if self._blocks is None else PlanForm.BLOCKS
 
-    def _block_path(self, planner: TransferPlanner, load_whole_rows: bool
+    def _block_path(self, planner: TransferPlanner, load_whole_rows: bool,
+                    max_programs: int | None
                     ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
         try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
             staging = BlockStaging.of_planner(planner, self.chunk_bytes, load_whole_rows)
@@ -151,7 +152,7 @@ class StagedBackend(StreamBackend):
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)
             return None
-        return (staging, BlockKernel(staging, self.device, max_programs=self.pack_programs,
+        return (staging, BlockKernel(staging, self.device, max_programs=max_programs,
                                      compiled_launch=True),
                 PairTables(self.device, self.driver))
 
