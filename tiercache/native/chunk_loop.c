@@ -104,6 +104,7 @@ typedef struct {
     void *start_ev, *end_ev;      /* recorded on stream around the transfer (NULL: none) */
     void *table_ev;               /* recorded on stream after the last launch (NULL: none) */
     int32_t store, num_works;
+    int32_t owns;                 /* validated is the job's own (tc_transfer): freed once issued */
     /* The block plan's buffer (tc_validate's output): (3, num_pairs) GPU ids, CPU rows,
      * sub-pages, then (num_works, 2) group and count of each work, back to back. */
     const int64_t *validated;
@@ -591,6 +592,8 @@ static void *loop(void *arg) {
         pthread_mutex_unlock(&q->mu);
         int64_t picked = now_ns();
         int rc = ctx_rc ? ctx_rc : run_job(q, &n->job);
+        if (n->job.owns)
+            free((void *)n->job.validated);
         int64_t issued = now_ns();
         pthread_mutex_lock(&q->mu);
         q->stamps[0] = n->submitted_ns, q->stamps[1] = picked, q->stamps[2] = issued;
@@ -636,8 +639,9 @@ static int caller_in_context(const tc_config *c) {
            && (c->ctx == NULL || current == c->ctx);
 }
 
-/* Queue a copy of *job (its arrays must live until it is issued); its sequence number
- * (1, 2, ...), or 0 when refused (closing, or no memory). A job of at most inline_pairs
+/* Queue a copy of *job (its arrays must live until it is issued; an owned validated
+ * buffer is freed by its issuer); its sequence number (1, 2, ...), or 0 when refused
+ * (closing, or no memory: the caller still owns everything then). A job of at most inline_pairs
  * pairs that finds the loop idle (nothing queued, nothing being issued) is issued here,
  * on the caller's thread, before this returns: a small job then pays neither the loop
  * thread's wake-up nor a second core's cold caches. Either way jobs are issued one at a
@@ -655,6 +659,8 @@ uint64_t tc_submit(tc_queue *q, const tc_job *job) {
         uint64_t seq = ++q->submitted;
         int64_t picked = now_ns();
         int rc = run_job(q, job);
+        if (job->owns)
+            free((void *)job->validated);
         __atomic_store_n(job->status, rc, __ATOMIC_RELEASE);
         q->stamps[0] = submitted, q->stamps[1] = picked, q->stamps[2] = now_ns();
         q->stamps[3] = 1;
@@ -722,6 +728,140 @@ void tc_close(tc_queue *q) {
     free(q);
 }
 
+/* ------------------------------------------------------------------ one call per transfer */
+
+/* What tc_transfer checks a transfer against besides the planner's bounds: the bytes one
+ * pair of each group moves, and the worker's slot fence (tiercache/transfer/fence.py):
+ * the index ledger's records in this worker's mapping (NULL: no fence), their count and
+ * size, where a record keeps its generation (u64) and state (u32), and the identity of
+ * the region mapped. Owned by the caller. */
+typedef struct {
+    const tc_bounds *bounds;
+    const int64_t *pair_bytes;
+    const uint8_t *ledger;
+    int64_t ledger_slots, record_bytes, gen_offset, state_offset;
+    uint64_t region_id;
+} tc_caller;
+
+#define TC_LEDGER_WRITING 1u /* LedgerState: a store's slots are still reserved for it */
+#define TC_LEDGER_READY 2u   /* a load's slots still hold its block */
+#define TC_FENCED 100        /* tc_transfer's codes past the TC_SPEC_* ones */
+#define TC_MARK_FAILED 101
+
+/* What tc_transfer did: code 0 (queued), a TC_SPEC_* refusal (nothing queued), TC_FENCED
+ * or TC_MARK_FAILED (only the job's ordering events queued; cu: the CUresult of the
+ * mark); the bytes the transfer moves (0 when refused by the spec); its sequence number
+ * (0: nothing queued). */
+typedef struct {
+    int32_t code, cu;
+    int64_t num_bytes;
+    uint64_t seq;
+} tc_outcome;
+
+/* SlotFence.refusal's rule: a fenced spec (region_id != 0) must name the region mapped,
+ * and each slot must still have the generation it was handed out with, in the state the
+ * direction needs. No ledger: the caller has no fence. */
+static int fence_refuses(const tc_caller *c, int store, const int64_t *slots, int64_t n,
+                         const uint64_t *gens, uint64_t region_id) {
+    if (!c->ledger || region_id == 0)
+        return 0;
+    if (region_id != c->region_id)
+        return 1;
+    if (!gens)
+        return 0;
+    uint32_t want = store ? TC_LEDGER_WRITING : TC_LEDGER_READY;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= c->ledger_slots)
+            return 1;
+        const uint8_t *record = c->ledger + slots[i] * c->record_bytes;
+        uint64_t gen = __atomic_load_n((const uint64_t *)(record + c->gen_offset),
+                                       __ATOMIC_ACQUIRE);
+        uint32_t state = __atomic_load_n((const uint32_t *)(record + c->state_offset),
+                                         __ATOMIC_ACQUIRE);
+        if (gen != gens[i] || state != want)
+            return 1;
+    }
+    return 0;
+}
+
+/* The loop's context made current on the calling thread when none is (what torch's
+ * set_device does for a fresh thread): the mark and an inline issue act on it. */
+static int caller_context(const tc_config *c) {
+    if (!c->ctx_get || !c->ctx)
+        return 0;
+    void *current = NULL;
+    int rc = ((ctx_get_fn)c->ctx_get)(&current);
+    if (rc || current)
+        return rc;
+    return ((ctx_fn)c->ctx_set)(c->ctx);
+}
+
+/* A transfer from the engine's thread in one call, what the handler otherwise does in
+ * four steps of Python: validate its ids (tc_validate, into a buffer the job owns and
+ * its issuer frees), check the slot fence, record the compute stream's mark (job->after,
+ * on compute) and queue the job (tc_submit: inline when small and the loop is idle).
+ * job gives the transfer's stream, events, pair table, status cell and direction; its
+ * validated, num_works, num_pairs and owns are this call's. groups is (2, num_groups):
+ * group_sizes, then block_indices; slot_gens (NULL: unfenced) and region_id are the CPU
+ * spec's. A spec refusal queues nothing; a fenced-off transfer, or one whose mark
+ * failed, queues its ordering events only (later transfers wait on its end). Returns 0,
+ * or -1 when the queue refused the job (closing or no memory; nothing is queued). */
+int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *compute,
+                int32_t num_groups, const int64_t *groups, const int64_t *gpu_ids,
+                int64_t num_gpu, const int64_t *cpu_ids, int64_t num_cpu,
+                const uint64_t *slot_gens, uint64_t region_id, tc_outcome *out) {
+    out->code = out->cu = 0;
+    out->num_bytes = 0;
+    out->seq = 0;
+    if (num_groups < 0 || num_gpu < 0 || num_cpu < 0) {
+        out->code = TC_SPEC_GROUPS;
+        return 0;
+    }
+    int64_t words = 3 * num_gpu + 2 * (int64_t)num_groups;
+    int64_t *buf = malloc((size_t)(words ? words : 1) * sizeof *buf);
+    if (!buf) {
+        out->code = TC_SPEC_NO_MEMORY;
+        return 0;
+    }
+    int works = tc_validate(c->bounds, job->store, num_groups, groups, gpu_ids, num_gpu,
+                            cpu_ids, num_cpu, buf);
+    if (works < 0) {
+        free(buf);
+        out->code = -works;
+        return 0;
+    }
+    for (int32_t g = 0; g < num_groups; g++)
+        out->num_bytes += groups[g] * c->pair_bytes[g];
+    tc_job j = *job;
+    if (fence_refuses(c, j.store, cpu_ids, num_cpu, slot_gens, region_id)) {
+        out->code = TC_FENCED;
+    } else if (j.after) {
+        int rc = caller_context(&q->cfg);
+        if (!rc)
+            rc = ((record_fn)q->cfg.record)(j.after, compute);
+        if (rc) {
+            out->code = TC_MARK_FAILED;
+            out->cu = rc;
+        }
+    }
+    j.owns = 1;
+    j.validated = buf;
+    if (out->code) { /* the ordering only: nothing of the compute stream to wait for */
+        j.after = NULL;
+        j.num_works = 0;
+        j.num_pairs = 0;
+    } else {
+        j.num_works = works;
+        j.num_pairs = num_gpu;
+    }
+    out->seq = tc_submit(q, &j);
+    if (!out->seq) {
+        free(buf);
+        return -1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ layout check */
 
 /* Every struct the Python side mirrors with ctypes (tiercache/native/structs.py), field by
@@ -760,8 +900,17 @@ static const tc_field tc_fields[] = {
     TC_STRUCT(tc_job),
     TC_FIELD(tc_job, stream), TC_FIELD(tc_job, after), TC_FIELD(tc_job, prev_end),
     TC_FIELD(tc_job, start_ev), TC_FIELD(tc_job, end_ev), TC_FIELD(tc_job, table_ev),
-    TC_FIELD(tc_job, store), TC_FIELD(tc_job, num_works), TC_FIELD(tc_job, validated),
+    TC_FIELD(tc_job, store), TC_FIELD(tc_job, num_works), TC_FIELD(tc_job, owns),
+    TC_FIELD(tc_job, validated),
     TC_FIELD(tc_job, pairs), TC_FIELD(tc_job, num_pairs), TC_FIELD(tc_job, status),
+    TC_STRUCT(tc_caller),
+    TC_FIELD(tc_caller, bounds), TC_FIELD(tc_caller, pair_bytes), TC_FIELD(tc_caller, ledger),
+    TC_FIELD(tc_caller, ledger_slots), TC_FIELD(tc_caller, record_bytes),
+    TC_FIELD(tc_caller, gen_offset), TC_FIELD(tc_caller, state_offset),
+    TC_FIELD(tc_caller, region_id),
+    TC_STRUCT(tc_outcome),
+    TC_FIELD(tc_outcome, code), TC_FIELD(tc_outcome, cu), TC_FIELD(tc_outcome, num_bytes),
+    TC_FIELD(tc_outcome, seq),
 };
 
 int tc_layout(int32_t i, const char **strct, const char **field, int64_t *offset,

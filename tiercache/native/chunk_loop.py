@@ -23,8 +23,9 @@ import numpy as np
 from tiercache.errors import BackendError
 from tiercache.native.library import library
 from tiercache.native.structs import (
-    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, address_of,
+    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, OutcomeStruct, address_of,
 )
+from tiercache.native.transfer_call import Outcome, TransferChecks
 from tiercache.specs import Direction
 
 MAX_PARAMS = 16
@@ -176,6 +177,9 @@ class ChunkLoop:
         self._job = JobStruct()
         self._job_ref = ctypes.byref(self._job)
         self._submit = self._lib.tc_submit
+        self._transfer = self._lib.tc_transfer
+        self._outcome = OutcomeStruct()
+        self._outcome_ref = ctypes.byref(self._outcome)
         self._pending: deque[tuple[ctypes.c_int32, object]] = deque()  # alive until issued
 
     def submit(self, *, stream: int, after: int = 0, prev_end: int = 0, start_event: int = 0,
@@ -214,6 +218,56 @@ class ChunkLoop:
         if status.value == STATUS_PENDING:  # issued inline: nothing left for the loop to read
             pending.append((status, held))  # whatever the caller drops, the loop's memory lives
         return Ticket(self, seq, status, held)
+
+    def transfer(self, checks: TransferChecks, direction: Direction, gpu_ids: np.ndarray,
+                 group_sizes: tuple[int, ...], block_indices: tuple[int, ...],
+                 slots: np.ndarray, slot_gens: np.ndarray | None, region_id: int, *,
+                 stream: int, compute: int, mark: int, prev_end: int = 0,
+                 start_event: int = 0, end_event: int = 0, table_event: int = 0,
+                 table: int = 0) -> Outcome:
+        """A whole transfer in one native call (``tc_transfer``,
+        ``tiercache.native.transfer_call``): the ids of a GPU spec (``gpu_ids``,
+        ``group_sizes``, ``block_indices``) and a CPU spec (``slots``, ``slot_gens``,
+        ``region_id``) validated against ``checks``, the slots fenced, ``mark`` recorded on
+        the ``compute`` stream, and the job queued on ``stream`` after ``mark`` and
+        ``prev_end``, between ``start_event`` and ``end_event``, its pairs laid out into
+        ``table`` (room for (4, len(gpu_ids)) int64, read by the kernels until
+        ``table_event``). Called from one thread, like ``submit``."""
+        if self._queue is None:
+            raise BackendError("the staged chunk loop is closed")
+        if len(group_sizes) != checks.validator.num_groups or len(block_indices) != len(group_sizes):
+            return Outcome(1, 0, 0, None)  # SPEC_ERRORS[1]: not one entry per group
+        if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
+            gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
+        if slots.dtype != np.int64 or not slots.flags.c_contiguous:
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+        gens = 0
+        if slot_gens is not None:
+            if slot_gens.dtype != np.uint64 or not slot_gens.flags.c_contiguous:
+                slot_gens = np.ascontiguousarray(slot_gens, dtype=np.uint64)
+            gens = address_of(slot_gens)
+        status = ctypes.c_int32(STATUS_PENDING)
+        j = self._job
+        j.stream, j.after, j.prev_end = stream, mark or None, prev_end or None
+        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
+            table_event or None
+        j.store = direction is Direction.GPU_TO_CPU
+        j.status = ctypes.addressof(status)
+        j.pairs = table or None
+        pending = self._pending
+        while pending and pending[0][0].value != STATUS_PENDING:
+            pending.popleft()
+        out = self._outcome
+        if self._transfer(self._queue, checks.ref, self._job_ref, compute or None,
+                          len(group_sizes), checks.groups_type(*group_sizes, *block_indices),
+                          address_of(gpu_ids), gpu_ids.size, address_of(slots), slots.size,
+                          gens or None, region_id, self._outcome_ref):
+            raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
+        if not out.seq:  # refused by the validation: nothing queued
+            return Outcome(out.code, 0, 0, None)
+        if status.value == STATUS_PENDING:
+            pending.append((status, None))
+        return Outcome(out.code, out.cu, out.num_bytes, Ticket(self, out.seq, status, None))
 
     def set_inline(self, max_pairs: int) -> None:
         """Jobs of at most ``max_pairs`` pairs that find the loop idle (nothing queued,

@@ -1,8 +1,9 @@
 """The compiled ``chunk_loop.c``, bound once per process with its argument types.
 
-Two bindings of the one library: ``tc_validate``, ``tc_submit``, ``tc_set_inline``,
-``tc_stamps`` and ``tc_layout`` return in microseconds and keep the GIL (``PyDLL``;
-``tc_submit`` may issue a small job's driver calls itself); ``tc_open``, ``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
+Two bindings of the one library: ``tc_validate``, ``tc_submit``, ``tc_transfer``,
+``tc_set_inline``, ``tc_stamps`` and ``tc_layout`` return in microseconds and keep the GIL
+(``PyDLL``; ``tc_submit`` and ``tc_transfer`` may issue a small job's driver calls
+themselves, and ``tc_transfer`` records the compute stream's mark); ``tc_open``, ``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
 Why: a released GIL is taken back only when the process's other Python threads let go,
 up to the switch interval (5 ms) later in a busy process (``tiercache.device.driver``).
 """
@@ -14,7 +15,9 @@ import threading
 from dataclasses import dataclass
 
 from tiercache.native.build import build
-from tiercache.native.structs import ConfigStruct, JobStruct
+from tiercache.native.structs import (
+    CallerStruct, ConfigStruct, JobStruct, OutcomeStruct,
+)
 
 _vp = ctypes.c_void_p
 _lock = threading.Lock()
@@ -27,6 +30,7 @@ class Library:
 
     tc_validate: ctypes._CFuncPtr
     tc_submit: ctypes._CFuncPtr
+    tc_transfer: ctypes._CFuncPtr
     tc_set_inline: ctypes._CFuncPtr
     tc_stamps: ctypes._CFuncPtr
     tc_layout: ctypes._CFuncPtr
@@ -43,6 +47,11 @@ def _bind(path: str) -> Library:
     keep.tc_validate.restype = ctypes.c_int
     keep.tc_submit.argtypes = [_vp, ctypes.POINTER(JobStruct)]
     keep.tc_submit.restype = ctypes.c_uint64
+    keep.tc_transfer.argtypes = [_vp, ctypes.POINTER(CallerStruct), ctypes.POINTER(JobStruct),
+                                 _vp, ctypes.c_int32, _vp, _vp, ctypes.c_int64, _vp,
+                                 ctypes.c_int64, _vp, ctypes.c_uint64,
+                                 ctypes.POINTER(OutcomeStruct)]
+    keep.tc_transfer.restype = ctypes.c_int
     keep.tc_set_inline.argtypes = [_vp, ctypes.c_int64]
     keep.tc_set_inline.restype = None
     keep.tc_stamps.argtypes = [_vp, ctypes.POINTER(ctypes.c_int64)]
@@ -57,6 +66,7 @@ def _bind(path: str) -> Library:
     wait.tc_close.argtypes = [_vp]
     wait.tc_close.restype = None
     return Library(tc_validate=keep.tc_validate, tc_submit=keep.tc_submit,
+                   tc_transfer=keep.tc_transfer,
                    tc_set_inline=keep.tc_set_inline, tc_stamps=keep.tc_stamps,
                    tc_layout=keep.tc_layout, tc_open=wait.tc_open, tc_wait=wait.tc_wait,
                    tc_close=wait.tc_close)

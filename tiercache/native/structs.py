@@ -73,16 +73,38 @@ class JobStruct(ctypes.Structure):
     _fields_ = [
         ("stream", _vp), ("after", _vp), ("prev_end", _vp), ("start_ev", _vp),
         ("end_ev", _vp), ("table_ev", _vp),
-        ("store", ctypes.c_int32), ("num_works", ctypes.c_int32),
+        ("store", ctypes.c_int32), ("num_works", ctypes.c_int32), ("owns", ctypes.c_int32),
         ("validated", _vp), ("pairs", _vp), ("num_pairs", ctypes.c_int64),
         ("status", _vp),
+    ]
+
+
+class CallerStruct(ctypes.Structure):
+    """``tc_caller``: what ``tc_transfer`` checks a transfer against (the validator's
+    bounds, each group's bytes per pair, the fence's ledger records; the memory stays
+    the caller's)."""
+
+    _fields_ = [
+        ("bounds", _vp), ("pair_bytes", _vp), ("ledger", _vp),
+        ("ledger_slots", ctypes.c_int64), ("record_bytes", ctypes.c_int64),
+        ("gen_offset", ctypes.c_int64), ("state_offset", ctypes.c_int64),
+        ("region_id", ctypes.c_uint64),
+    ]
+
+
+class OutcomeStruct(ctypes.Structure):
+    """``tc_outcome``: what one ``tc_transfer`` did."""
+
+    _fields_ = [
+        ("code", ctypes.c_int32), ("cu", ctypes.c_int32), ("num_bytes", ctypes.c_int64),
+        ("seq", ctypes.c_uint64),
     ]
 
 
 # C name -> mirror: every struct the Python side passes to the library
 MIRRORS: dict[str, type[ctypes.Structure]] = {
     "tc_bounds": BoundsStruct, "tc_geometry": GeometryStruct, "tc_config": ConfigStruct,
-    "tc_job": JobStruct,
+    "tc_job": JobStruct, "tc_caller": CallerStruct, "tc_outcome": OutcomeStruct,
 }
 
 Layout = dict[tuple[str, str], tuple[int, int]]  # (struct, field or "") -> (offset, size)

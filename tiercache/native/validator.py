@@ -40,7 +40,12 @@ class NativeValidator:
         self._bounds = BoundsStruct(int(factor), self.num_groups,
                                     address_of(self._num_gpu_blocks), address_of(self._num_slots))
         self._bounds_ref = ctypes.addressof(self._bounds)
-        self._groups_type = ctypes.c_int64 * (2 * self.num_groups)
+        self.groups_type = ctypes.c_int64 * (2 * self.num_groups)  # group_sizes, block_indices
+
+    @property
+    def bounds_address(self) -> int:
+        """The address of its ``tc_bounds`` (alive as long as this validator)."""
+        return self._bounds_ref
 
     def validate(self, direction: Direction, gpu_ids: np.ndarray, group_sizes: Sequence[int],
                  block_indices: Sequence[int], slots: np.ndarray
@@ -58,7 +63,7 @@ class NativeValidator:
         n = gpu_ids.size
         out = np.empty(3 * n + 2 * g, dtype=np.int64)
         rc = self._lib.tc_validate(self._bounds_ref, direction is Direction.GPU_TO_CPU, g,
-                                   self._groups_type(*group_sizes, *block_indices),
+                                   self.groups_type(*group_sizes, *block_indices),
                                    address_of(gpu_ids), n, address_of(slots), slots.size,
                                    address_of(out))
         return -rc if rc < 0 else (out, rc)

@@ -26,7 +26,7 @@ validated here, in numpy (the reference the C is tested against).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -193,24 +193,39 @@ class TransferPlanner:
         if not self.native_validation:
             return self._packed(direction, self.group_works(direction, transfer))
         gpu, cpu = self.specs(direction, transfer)
+        sizes = gpu.group_sizes
+        done = self.validator().validate(direction, gpu.block_ids, sizes, gpu.block_indices,
+                                         cpu.block_ids)
+        if isinstance(done, int):
+            self.refuse(direction, transfer, done)
+        buffer, num_works = done
+        num_bytes = sum(n * b for n, b in zip(sizes, self._pair_bytes))
+        return BlockPlan(direction, buffer, int(gpu.block_ids.size), num_works, num_bytes,
+                         self._groups)
+
+    def validator(self) -> NativeValidator:
+        """``tc_validate`` over this planner's bounds (built at the first call: the native
+        build needs a C compiler, which only block plans need)."""
         if self._validator is None:
             from tiercache.native.validator import NativeValidator
 
             self._validator = NativeValidator(self.block_size_factor,
                                               [g.num_gpu_blocks for g in self._groups],
                                               [g.num_slots for g in self._groups])
-        sizes = gpu.group_sizes
-        done = self._validator.validate(direction, gpu.block_ids, sizes, gpu.block_indices,
-                                        cpu.block_ids)
-        if isinstance(done, int):
-            self.group_works(direction, transfer)  # raises the SpecError that says why
-            from tiercache.native.validator import SPEC_ERRORS
+        return self._validator
 
-            raise SpecError(f"transfer refused: {SPEC_ERRORS.get(done, done)}")
-        buffer, num_works = done
-        num_bytes = sum(n * b for n, b in zip(sizes, self._pair_bytes))
-        return BlockPlan(direction, buffer, int(gpu.block_ids.size), num_works, num_bytes,
-                         self._groups)
+    @property
+    def pair_bytes(self) -> tuple[int, ...]:
+        """Bytes one (GPU block, slot) pair of each group moves."""
+        return tuple(self._pair_bytes)
+
+    def refuse(self, direction: Direction, transfer: TransferSpec, code: int) -> NoReturn:
+        """The ``SpecError`` for a transfer the native validation refused with ``code``:
+        re-checked here so that it says why."""
+        self.group_works(direction, transfer)  # raises the SpecError that says why
+        from tiercache.native.validator import SPEC_ERRORS
+
+        raise SpecError(f"transfer refused: {SPEC_ERRORS.get(code, code)}")
 
     def _packed(self, direction: Direction, works: list[GroupWork]) -> BlockPlan:
         """``works`` in a block plan's buffer (what ``tc_validate`` writes)."""

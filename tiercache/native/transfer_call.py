@@ -1,0 +1,101 @@
+"""One native call per transfer: what ``tc_transfer`` checks a transfer against, and what
+it answers.
+
+Why: on the engine's thread a staged transfer used to be four steps of Python around
+native calls (the planner's ``tc_validate``, the fence's numpy gather, the compute
+stream's mark, the chunk loop's ``tc_submit``), each building objects and touching code
+that a step of the engine's own Python has pushed out of the caches: 150-250 µs per
+call at the median on the H100 host, most of it the Python between the calls
+(docs/benchmarks.md, "The engine's pattern"). ``tc_transfer`` does the four in C, in
+one call that keeps the GIL, with the same rules: the planner's validation (a refusal
+is re-checked in numpy so that the ``SpecError`` says why), the fence's rule
+(``tiercache.transfer.fence``), the mark before the copies, and the chunk loop's order.
+
+``TransferChecks`` holds the constant half (``tc_caller``): the validator's bounds, each
+group's bytes per pair, and the fence's ledger (``FenceTable``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from tiercache.errors import BackendError
+from tiercache.native.structs import CallerStruct, address_of
+from tiercache.native.validator import NativeValidator
+
+LEDGER_FIELDS = ("gen", "state")  # u64, u32: what the fence reads of a ledger record
+
+
+class TransferCode(IntEnum):
+    """``tc_outcome.code``: 0 queued; 1..7 the validation's refusals (nothing queued:
+    ``tiercache.native.validator.SPEC_ERRORS`` names them); past those, a transfer queued
+    with its ordering events only (no copy)."""
+
+    QUEUED = 0
+    FENCED = 100  # the fence refused the slots (or the region)
+    MARK_FAILED = 101  # the compute stream's mark could not be recorded (``cu`` says why)
+
+    @staticmethod
+    def is_spec_refusal(code: int) -> bool:
+        return 0 < code < TransferCode.FENCED
+
+
+@dataclass(frozen=True)
+class FenceTable:
+    """The slot fence as the native call reads it: the identity of the region mapped and
+    the index ledger's records in this worker's mapping (a structured array with the
+    fields ``gen`` (u64) and ``state`` (u32), ``IndexLedger.table``)."""
+
+    region_id: int
+    ledger: np.ndarray
+
+    def __post_init__(self) -> None:
+        fields = self.ledger.dtype.fields or {}
+        want = {"gen": np.dtype("<u8"), "state": np.dtype("<u4")}
+        if any(name not in fields or fields[name][0] != dtype for name, dtype in want.items()) \
+                or self.ledger.ndim != 1 or not self.ledger.flags.c_contiguous:
+            raise BackendError(f"a fence table needs a contiguous 1-d ledger with a u64 "
+                               f"'gen' and a u32 'state'; got {self.ledger.dtype} of shape "
+                               f"{self.ledger.shape}")
+
+
+class TransferChecks:
+    """``tc_caller`` over a planner's ``validator`` and ``pair_bytes`` (one entry per
+    KV-cache group) and, optionally, the fence. Holds what the struct points to."""
+
+    def __init__(self, validator: NativeValidator, pair_bytes: Sequence[int],
+                 fence: FenceTable | None = None):
+        if len(pair_bytes) != validator.num_groups:
+            raise BackendError(f"{len(pair_bytes)} pair sizes for {validator.num_groups} "
+                               "KV-cache groups: one per group")
+        self.validator = validator
+        self._pair_bytes = np.ascontiguousarray(pair_bytes, dtype=np.int64)
+        self.fence = fence
+        c = CallerStruct()
+        c.bounds, c.pair_bytes = validator.bounds_address, address_of(self._pair_bytes)
+        if fence is not None:
+            fields = fence.ledger.dtype.fields
+            c.ledger = address_of(fence.ledger)  # never NULL (numpy allocates >= 1 byte)
+            c.ledger_slots, c.record_bytes = fence.ledger.size, fence.ledger.dtype.itemsize
+            c.gen_offset, c.state_offset = fields["gen"][1], fields["state"][1]
+            c.region_id = fence.region_id
+        self._struct = c
+        self.ref = ctypes.byref(c)
+        self.groups_type = validator.groups_type
+
+
+@dataclass(frozen=True, eq=False)
+class Outcome:
+    """What one ``ChunkLoop.transfer`` did: its ``TransferCode`` (or a validation
+    refusal's code), the CUresult of a failed mark, the bytes the transfer moves, and the
+    ticket of what was queued (None: nothing was)."""
+
+    code: int
+    cu: int
+    num_bytes: int
+    ticket: object | None
