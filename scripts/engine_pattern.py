@@ -52,7 +52,8 @@ def main() -> None:
               f"{row['pattern_one_block_p50_us']:.0f}/{row['pattern_one_block_p99_us']:.0f} "
               f"(target {row['pattern_one_block_target_us']:.0f}) | calls that lost the GIL "
               f"{row['pattern_calls_interrupted']:.2f}, {row['pattern_gc_collections']} GCs "
-              f"(longest {row['pattern_gc_max_ms']:.1f} ms)", flush=True)
+              f"(longest {row['pattern_gc_max_ms']:.1f} ms) | native "
+              f"{row.get('pattern_native_store')}/{row.get('pattern_native_load')}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceiling": ceiling, "rows": rows}, fh, indent=1)

@@ -413,6 +413,8 @@ def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     rng = np.random.default_rng(5)
     handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
                                  factor=factor)
+    # the native loop's handlers take whole transfers in one native call; Python's plan
+    assert handlers.cpu_to_gpu_handler.native == (name != "staged-blocks-python")
     gpu_ids = rng.permutation(64)[:7].tolist()
     cpu_ids = rng.permutation(32)[:4].tolist()  # sub-pages 1..7 of 4 CPU blocks
     host_data = rng.integers(0, 256, HOST_BYTES, dtype=np.uint8)
@@ -448,6 +450,7 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
     handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
                                  factor=1)
     assert handlers.gpu_to_cpu_handler.backend.native
+    assert handlers.gpu_to_cpu_handler.native and handlers.cpu_to_gpu_handler.native
     written = torch.from_numpy(rng.integers(0, 256, GPU_BYTES, dtype=np.uint8)).cuda()
     gpu.copy_(written)
     host.fill_(0)
@@ -499,4 +502,46 @@ def test_chunk_loop_validation_refuses_bad_ids_with_the_planners_message(buffers
     handlers.wait([3])
     (result,) = handlers.get_finished()
     assert result.job_id == 3 and result.success
+    handlers.shutdown()
+
+
+def test_a_transfer_from_a_thread_without_a_context_gets_the_loops(buffers):
+    """The engine may submit from a thread that never made a CUDA call: the native call
+    makes the loop's context current there before it marks the compute stream (a mark
+    on no context would refuse the transfer), and the bytes land."""
+    import threading
+
+    from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+    gpu, host = buffers
+    tensors, page = 4, 32768
+    handlers, layout = _handlers("staged-blocks", gpu, host, tensors, page, gpu_blocks=64,
+                                 cpu_blocks=32, factor=1)
+    assert handlers.gpu_to_cpu_handler.native
+    written = torch.from_numpy(np.random.default_rng(11).integers(
+        0, 256, GPU_BYTES, dtype=np.uint8)).cuda()
+    gpu.copy_(written)
+    torch.cuda.synchronize()
+    assert handlers.transfer_async(1, (GPULoadStoreSpec([0]), CPULoadStoreSpec([0])))
+    handlers.wait([1])  # the pools now hold a stream and events: the thread creates none
+    got: list[object] = []
+
+    def submit() -> None:
+        from tiercache.device.driver import CudaDriver
+
+        got.append(CudaDriver().has_current_context())
+        got.append(handlers.transfer_async(2, (GPULoadStoreSpec([5, 9]), CPULoadStoreSpec([3, 4]))))
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    thread.join()
+    assert got == [False, True]
+    handlers.wait([2])
+    results = handlers.get_finished()
+    assert [r.success for r in results] == [True, True]
+    want, region = written.cpu().numpy(), host.cpu().numpy()
+    for t in range(tensors):
+        for block, row in ((5, 3), (9, 4)):
+            h = row * layout.row_stride + layout.page_offsets[t]
+            assert np.array_equal(region[h:h + page], want[t * 64 * page + block * page:][:page])
     handlers.shutdown()

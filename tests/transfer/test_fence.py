@@ -11,30 +11,34 @@ from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
 from tiercache.index.manager import OffloadingManager
 from tiercache.region.ledger import IndexLedger
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.worker import attach
 
 PAGE = 4096
 
 
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+ON_GPU = [pytest.mark.gpu,
+          pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(params=["cpu", GPU])
+@pytest.fixture(params=["cpu", pytest.param("auto", marks=ON_GPU),
+                        pytest.param("staged", marks=ON_GPU)])
 def rig(make_config, request):
     """The index over a real region and a worker: host tensors with the ``cpu`` backend, or
-    (gpu marker) CUDA tensors with the ``auto`` backend and the slice pinned."""
+    (gpu marker) CUDA tensors with the ``auto`` or the ``staged`` backend (whose fence is
+    checked in its native whole-transfer call) and the slice pinned."""
     config = make_config(world_size=1, kv=KVGeometry(page_bytes=(PAGE,)),
                          region=RegionConfig(capacity_bytes=None, num_blocks=4,
                                              prefault_threads=1))
     region = SharedOffloadRegion.create(config)
     index = OffloadingManager(4, ledger=IndexLedger(region.ledger_array()),
                               region_id=region.region_id)
-    gpu = torch.zeros((4, PAGE), dtype=torch.uint8, device=request.param)
-    backend, pinning = (("cpu", PinningPolicy.ALLOW_UNPINNED) if request.param == "cpu"
-                        else ("auto", PinningPolicy.REQUIRED))
+    backend = request.param
+    gpu = torch.zeros((4, PAGE), dtype=torch.uint8, device="cpu" if backend == "cpu" else "cuda")
+    pinning = PinningPolicy.ALLOW_UNPINNED if backend == "cpu" else PinningPolicy.REQUIRED
     worker = attach(config, 0, [gpu], backend=backend, pinning=pinning)
+    if backend == "staged":
+        assert all(worker.handlers.handler(d).native for d in Direction)
     yield region, index, worker, gpu
     worker.close()
     region.close()

@@ -44,12 +44,15 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
+from tiercache.backends.base import (
+    BackendContext, CopyBackend, NativeTransfers, Ordering, Plan, Submission,
+)
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.kind import BackendKind
 from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError
+from tiercache.native.transfer_call import FenceTable
 from tiercache.pages import PageArray
 from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import CopyPlan, PlanForm
@@ -97,6 +100,12 @@ class AutoBackend(CopyBackend):
                 and plan.num_descriptors <= SMALL_PLAN_DESCRIPTORS:
             return self.small.submit(plan, ordering)
         return self.chosen.submit(plan, ordering)
+
+    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
+                         ) -> NativeTransfers | None:
+        if self.small is not None:  # page plans, split between two backends
+            return None
+        return self.chosen.native_transfers(planner, fence)
 
     def close(self) -> None:
         self.chosen.close()

@@ -4,13 +4,20 @@ A backend only moves bytes: it gets a plan the planner already validated, in the
 declared (``plan_form``: page descriptors or block pairs), with the direction the caller
 decided, and where on which stream to put it (``Ordering``). It never sees specs, and
 never calls the planner.
+
+The one exception is deliberate: a backend that can take a whole transfer in one native
+call (``native_transfers``: validation, fence, the compute stream's mark and the issue,
+``tiercache.native.transfer_call``) gets the specs' id arrays, because doing the four
+steps in one call is what makes a transfer cost the engine's thread tens of
+microseconds instead of hundreds (docs/benchmarks.md). It applies the planner's and the
+fence's rules, not rules of its own.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tiercache.backends.kind import BackendKind
 from tiercache.device.events import Event, Stream
@@ -19,7 +26,10 @@ from tiercache.errors import BackendError
 from tiercache.pages import PageArray
 from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
-from tiercache.specs import Direction
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+
+if TYPE_CHECKING:  # the region's page-locking loads this module, and no native code
+    from tiercache.native.transfer_call import FenceTable, Outcome
 
 Plan = CopyPlan | BlockPlan
 
@@ -100,6 +110,24 @@ class Submission:
         return self.ticket.status
 
 
+class NativeTransfers(Protocol):
+    """A backend's whole-transfer entry (``CopyBackend.native_transfers``), for one
+    planner and fence, driven by one handler's thread.
+
+    ``transfer`` validates the specs as the planner would, checks the fence, records
+    ``mark`` on the calling thread's compute stream and issues the copies on ``stream``
+    after ``mark`` and ``previous``, between ``start`` and ``end`` (events of the
+    handler's platform), in one call. Its ``Outcome``: a validation refusal (code in
+    ``SPEC_ERRORS``, no ticket: nothing was enqueued, not even the mark); queued (code
+    0); or the ordering events only (``TransferCode.FENCED``, ``MARK_FAILED``: ``end``
+    is still recorded after ``previous``). ``BackendError`` when the backend cannot take
+    the job at all (closed, out of memory): nothing was enqueued then."""
+
+    def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
+                 stream: Stream, mark: Event, previous: Event | None, start: Event,
+                 end: Event) -> Outcome: ...
+
+
 class CopyBackend(ABC):
     """Moves the bytes of a plan, ordered on a stream.
 
@@ -127,6 +155,14 @@ class CopyBackend(ABC):
 
     def close(self) -> None:
         """Release buffers; called once after every transfer has finished."""
+
+    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
+                         ) -> NativeTransfers | None:
+        """Whole transfers of ``planner``'s rank in one native call each, checked against
+        ``fence`` (None: unfenced), instead of plan + ``submit``; None (the default) when
+        this backend has no such entry. A handler that gets one sends every transfer
+        through it."""
+        return None
 
 
 class StreamBackend(CopyBackend):

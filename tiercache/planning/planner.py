@@ -199,9 +199,8 @@ class TransferPlanner:
         if isinstance(done, int):
             self.refuse(direction, transfer, done)
         buffer, num_works = done
-        num_bytes = sum(n * b for n, b in zip(sizes, self._pair_bytes))
-        return BlockPlan(direction, buffer, int(gpu.block_ids.size), num_works, num_bytes,
-                         self._groups)
+        return BlockPlan(direction, buffer, int(gpu.block_ids.size), num_works,
+                         self.bytes_of(gpu), self._groups)
 
     def validator(self) -> NativeValidator:
         """``tc_validate`` over this planner's bounds (built at the first call: the native
@@ -213,6 +212,10 @@ class TransferPlanner:
                                               [g.num_gpu_blocks for g in self._groups],
                                               [g.num_slots for g in self._groups])
         return self._validator
+
+    def bytes_of(self, gpu_spec: GPULoadStoreSpec) -> int:
+        """The bytes a transfer of ``gpu_spec``'s blocks moves (of a valid spec)."""
+        return sum(n * b for n, b in zip(gpu_spec.group_sizes, self._pair_bytes))
 
     @property
     def pair_bytes(self) -> tuple[int, ...]:

@@ -14,7 +14,8 @@ handed (see ``CPULoadStoreSpec``'s fencing).
   reading) another block.
 
 The check runs on the caller's thread when the transfer is submitted (numpy over the
-spec's slots: microseconds). The copy itself runs later, on the device, milliseconds at
+spec's slots: microseconds; a backend that issues whole transfers natively checks the
+same rule in C over ``table``, ``tiercache.native.transfer_call``). The copy itself runs later, on the device, milliseconds at
 most; what could change a slot in that window is a session declared dead, and that takes
 ``index.session_timeout_s`` of silence. A refusal is a failed transfer
 (``TransferResult(success=False)``), never an exception in the engine's step.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tiercache.native.transfer_call import FenceTable
 from tiercache.region.ledger import LedgerState
 from tiercache.specs import CPULoadStoreSpec, Direction
 
@@ -34,6 +36,7 @@ class SlotFence:
 
     def __init__(self, region_id: int, ledger: np.ndarray):
         self.region_id = region_id
+        self.table = FenceTable(region_id, ledger)  # the same rule, read by native code
         self._gen = ledger["gen"]  # column views: a gather copies 8 + 4 bytes a slot, not
         self._state = ledger["state"]  # the whole record
 

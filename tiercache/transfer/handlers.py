@@ -28,7 +28,11 @@ One pass, downward: the planner validates and plans the transfer once, on the ca
 thread, in the form the backend declared (``CopyBackend.plan_form``); the fence checks its
 slots; the backend gets the plan and the ``Ordering`` (the stream, the compute stream's
 mark and the previous transfer's end to wait for, its own start and end events) in one
-``submit``. A backend that issues on a thread of its own (``staged``'s chunk loop) returns
+``submit``. A backend with a native whole-transfer entry (``staged`` issuing block plans:
+``CopyBackend.native_transfers``) takes all of that in one native call instead, under
+the same rules (a refusal there is re-checked by the planner, so the ``SpecError`` says
+why; a fenced transfer is logged with the fence's reason): in an engine step the Python
+between four native calls cost more than the calls. A backend that issues on a thread of its own (``staged``'s chunk loop) returns
 a ticket: the transfer's events mean something only once it says issued, which
 ``get_finished`` and ``wait`` check first, and a failure on that thread is
 ``success=False`` like a device failure.
@@ -48,6 +52,7 @@ from tiercache.backends.base import CopyBackend, Ordering, Plan, Submission, Tic
 from tiercache.device.events import Event, Stream
 from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
+from tiercache.native.transfer_call import TransferCode
 from tiercache.planning.planner import PlanBuffers, TransferPlanner
 from tiercache.planning.plans import PlanForm
 from tiercache.region.stats import RankStats
@@ -115,6 +120,7 @@ class SingleDirectionOffloadingHandler:
         self._event_pool: list[Event] = []
         self._buffer_pool: list[PlanBuffers] = []
         self._closed = False
+        self._native = backend.native_transfers(planner, None if fence is None else fence.table)
 
     # ---------------------------------------------------------------- submit
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:
@@ -124,6 +130,8 @@ class SingleDirectionOffloadingHandler:
         if job_id in self._by_job:
             raise SpecError(f"job id {job_id} is already in flight on the "
                             f"{self.direction.label} handler; job ids must be unique")
+        if self._native is not None:
+            return self._transfer_native(job_id, transfer)
         form = self.backend.plan_form
         buffers = None  # block plans are O(blocks) arrays of their own; page plans reuse these
         if form is not PlanForm.BLOCKS:
@@ -154,6 +162,47 @@ class SingleDirectionOffloadingHandler:
         self._by_job[job_id] = transfer_
         return submitted
 
+    def _transfer_native(self, job_id: int, transfer: TransferSpec) -> bool:
+        """``transfer_async`` in one native call (``CopyBackend.native_transfers``): the
+        planner's validation, the fence, the compute stream's mark and the submission as
+        the steps above make them, with the same outcomes."""
+        direction = self.direction
+        gpu, cpu = self.planner.specs(direction, transfer)
+        stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
+        events = self._event_pool
+        if len(events) >= 3:
+            start, end, mark = events.pop(), events.pop(), events.pop()
+        else:
+            start, end, mark = (self._streams.new_timing_event() for _ in range(3))
+        previous = self._transfers[-1].end_event if self._transfers else None
+        try:
+            outcome = self._native.transfer(direction, gpu, cpu, stream, mark, previous, start,
+                                            end)
+        except _DEVICE_ERRORS as e:  # the backend took nothing: failed, in order
+            log.error("%s job %d: the %s backend could not submit %d bytes: %s",
+                      direction.label, job_id, self.backend.kind.label,
+                      self.planner.bytes_of(gpu), e)
+            outcome = None
+        if outcome is not None and outcome.ticket is None:  # refused by the validation
+            self._stream_pool.append(stream)
+            events += (start, end, mark)
+            self.planner.refuse(direction, transfer, outcome.code)
+        submitted = outcome is not None and outcome.code == TransferCode.QUEUED
+        if outcome is not None and outcome.code == TransferCode.FENCED:
+            refusal = self._fence.refusal(direction, cpu) if self._fence is not None else None
+            log.error("%s job %d refused, nothing copied: %s", direction.label, job_id,
+                      refusal or "the fence refused its slots (since given back again)")
+        elif outcome is not None and outcome.code == TransferCode.MARK_FAILED:
+            log.error("%s job %d: the compute stream's mark could not be recorded (CUresult "
+                      "%d); nothing copied", direction.label, job_id, outcome.cu)
+        num_bytes = self.planner.bytes_of(gpu) if outcome is None else outcome.num_bytes
+        submission = None if outcome is None else Submission((), outcome.ticket)
+        transfer_ = _Transfer(job_id, num_bytes, stream, start, end, mark, None, submitted,
+                              submission)
+        self._transfers.append(transfer_)
+        self._by_job[job_id] = transfer_
+        return submitted
+
     def _enqueue(self, job_id: int, plan: Plan, stream: Stream, start: Event, end: Event,
                  mark: Event, refused: bool = False) -> tuple[bool, Submission | None]:
         previous = self._transfers[-1].end_event if self._transfers else None
@@ -171,6 +220,11 @@ class SingleDirectionOffloadingHandler:
             self._log_refusal(job_id, plan, e)
             return False, None
         return ok, token
+
+    @property
+    def native(self) -> bool:
+        """Transfers go through the backend's native whole-transfer entry."""
+        return self._native is not None
 
     @property
     def fence(self) -> SlotFence | None:

@@ -70,13 +70,16 @@ from tiercache.backends.staged.block_kernel import BlockKernel, PairTables
 from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockLayout, BlockStaging
 from tiercache.backends.staged.page_layout import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
-from tiercache.device.driver import CudaDriver, DescriptorArrays, SrcAccessOrder, device_index
+from tiercache.device.driver import (
+    CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, stream_handle,
+)
 from tiercache.device.events import DriverEvent, Event, Stream
 from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver
+from tiercache.native.transfer_call import FenceTable, Outcome, TransferChecks
 from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
-from tiercache.specs import Direction
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
 DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction
@@ -183,6 +186,17 @@ class StagedBackend(StreamBackend):
         # itself when the loop is idle
         loop.set_inline(geometry.one_chunk_pairs)
         return loop
+
+    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
+                         ) -> StagedTransfers | None:
+        """Whole transfers through the chunk loop in one native call each (``tc_transfer``)
+        when this backend issues block plans natively for ``planner``'s geometry (it was
+        built with that planner, which validates natively); else None."""
+        if self._loop is None or not planner.native_validation \
+                or self._blocks[0].groups is not planner.groups:
+            return None
+        return StagedTransfers(self._loop, self._blocks[2], self._ce.device,
+                               TransferChecks(planner.validator(), planner.pair_bytes, fence))
 
     @property
     def chunk_loop(self) -> ChunkLoop | None:
@@ -369,6 +383,36 @@ class StagedBackend(StreamBackend):
         if self._blocks is not None:
             self._blocks[2].close()
         self._ring = None  # type: ignore[assignment]
+
+
+class StagedTransfers:
+    """``NativeTransfers`` of a staged backend: a pair-table buffer reserved, then one
+    ``ChunkLoop.transfer``; the compute stream is the calling thread's current stream of
+    the backend's device (what ``CudaStreams.mark_current`` records on)."""
+
+    def __init__(self, loop: ChunkLoop, tables: PairTables, device: int,
+                 checks: TransferChecks):
+        self._loop, self._tables, self._device, self._checks = loop, tables, device, checks
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds have it
+        self._current = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+    def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
+                 stream: Stream, mark: Event, previous: Event | None, start: Event,
+                 end: Event) -> Outcome:
+        tables = self._tables
+        address, token = tables.reserve(gpu.block_ids.size)
+        try:
+            outcome = self._loop.transfer(
+                self._checks, direction, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
+                cpu.block_ids, cpu.slot_gens, cpu.region_id, stream=stream_handle(stream),
+                compute=self._current(self._device), mark=_handle(mark),
+                prev_end=_handle(previous), start_event=_handle(start), end_event=_handle(end),
+                table_event=tables.table_event(token), table=address)
+        except BaseException:
+            tables.release_after(token, None)  # nothing was enqueued that reads it
+            raise
+        tables.release_after(token, outcome.ticket)
+        return outcome
 
 
 def create(context: BackendContext) -> StagedBackend:

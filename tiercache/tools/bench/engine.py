@@ -118,6 +118,9 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
     from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
 
     handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    # (scripts/engine_pattern.py runs this module on older trees too, whose handlers have
+    # no native path)
+    native = [getattr(handlers.handler(d), "native", False) for d in (G2C, C2G)]
     jobs = iter(range(1, 1 << 30))
     calls: dict[Direction, list[float]] = {G2C: [], C2G: []}
     both_bytes = plans.store.num_bytes + plans.load.num_bytes
@@ -150,7 +153,7 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
                 time.sleep(0)  # the GIL let go, as a step waiting on its GPU does
         return time.perf_counter() - t0, took
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"pattern_native_store": native[0], "pattern_native_load": native[1]}
     pauses = _GcPauses()
     with BusyPython() as busy, pauses:
         for order in ORDERS:

@@ -106,7 +106,7 @@ def _pattern_lines(report: Report) -> list[str]:
              f"{'torch copies':>12s} {'store call us':>14s} {'load call us':>13s} "
              f"{'1-block us':>11s} {'spin':>9s} {'torch':>9s} {'target':>6s} "
              f"{'1-block call':>12s} {'lost GIL':>8s} "
-             f"{'GCs (max ms)':>12s}"]
+             f"{'GCs (max ms)':>12s} {'issue':>6s}"]
     for r in rows:
         def ratio(k: str) -> str:
             return f"{r[f'pattern_{k}_ratio']:.2f} [{r[f'pattern_{k}_min_ratio']:.2f}]"
@@ -120,8 +120,15 @@ def _pattern_lines(report: Report) -> list[str]:
                      f"{pcts('one_block'):>11s} {pcts('one_block_spin'):>9s} "
                      f"{pcts('one_block_torch'):>9s} {r['pattern_one_block_target_us']:6.0f} "
                      f"{pcts('one_call'):>12s} {r['pattern_calls_interrupted']:8.2f} "
-                     f"{r['pattern_gc_collections']:>5d} ({r['pattern_gc_max_ms']:.1f})")
+                     f"{r['pattern_gc_collections']:>5d} ({r['pattern_gc_max_ms']:.1f}) "
+                     f"{_issue(r):>6s}")
     return lines
+
+
+def _issue(row: dict) -> str:
+    """How the handlers issued: one native call per transfer, or plan + submit (Python)."""
+    native = (row.get("pattern_native_store"), row.get("pattern_native_load"))
+    return {(True, True): "native", (False, False): "python"}.get(native, "mixed")
 
 
 def _matmul_lines(report: Report) -> list[str]:
