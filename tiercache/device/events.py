@@ -30,16 +30,17 @@ class Stream(Protocol):
 
 
 class DriverEvent:
-    """A timing CUDA event behind the ``Event`` interface, with its
-    raw ``handle``: the chunk loop records and waits on it from its own thread, which a
-    torch event (created lazily, handle hidden) does not allow. Errors of work before it
-    raise ``BackendError`` from ``query`` / ``synchronize``."""
+    """A CUDA event behind the ``Event`` interface, with its raw ``handle``: the chunk loop
+    records and waits on it from its own thread, which a torch event (created lazily,
+    handle hidden) does not allow. Errors of work before it raise ``BackendError`` from
+    ``query`` / ``synchronize``. ``timing=False``: a marker only (no ``elapsed_time``),
+    which the driver records for less."""
 
     __slots__ = ("_driver", "handle")
 
-    def __init__(self, driver: CudaDriver):
+    def __init__(self, driver: CudaDriver, timing: bool = True):
         self._driver = driver
-        self.handle = driver.event_create(timing=True)
+        self.handle = driver.event_create(timing=timing)
 
     def record(self, stream: Any) -> None:
         self._driver.event_record(self.handle, int(stream.cuda_stream))

@@ -31,6 +31,12 @@ class StreamPlatform(ABC):
     def new_timing_event(self) -> Event:
         """A fresh event with timing enabled."""
 
+    def new_marker(self) -> Event:
+        """A fresh event that only marks (never asked for ``elapsed_time``): the compute
+        stream's mark of a transfer. The same as a timing event unless the platform has a
+        cheaper kind."""
+        return self.new_timing_event()
+
     @abstractmethod
     def current_stream(self) -> Stream:
         """The compute stream of the calling thread."""
@@ -65,11 +71,19 @@ class CudaStreams(StreamPlatform):
         return self._torch.cuda.Stream(device=self.device)
 
     def new_timing_event(self) -> Event:
+        return self._event(timing=True)
+
+    def _event(self, timing: bool) -> DriverEvent:
         if not self._driver.has_current_context():
             self._torch.cuda.set_device(self.device)  # the primary context, current
-        event = DriverEvent(self._driver)
+        event = DriverEvent(self._driver, timing)
         self._events.append(event)
         return event
+
+    def new_marker(self) -> Event:
+        """A driver event with timing disabled (recorded once per transfer on the
+        engine's thread: the cheaper record)."""
+        return self._event(timing=False)
 
     def mark_current(self, event: Event) -> None:
         if self._raw_current is None:

@@ -138,6 +138,8 @@ typedef struct {
     int64_t inline_pairs; /* jobs of at most this many pairs: issued by the caller when idle */
     int64_t stamps[4];    /* the last job: submitted, picked up, issued (ns), 1 if inline */
     int stop;
+    uint64_t *seen;       /* tc_transfer's repeat bitmap (its caller's: one thread) */
+    int64_t seen_words;
 } tc_queue;
 
 #define TC_ERROR_INVALID_VALUE 1
@@ -180,20 +182,68 @@ static int batch(const tc_config *c, const uint64_t *dst, const uint64_t *src,
 /* ------------------------------------------------------------------ layout */
 
 typedef struct {
+    int64_t key, index;
+} keyed_t;
+
+/* Stable sort of a[0..n) by key (bottom-up merge sort through tmp[0..n)): a few
+ * thousand inline comparisons for a few hundred ids, no comparator calls. */
+static void sort_keyed(keyed_t *a, keyed_t *tmp, int64_t n) {
+    int64_t i = 1;
+    while (i < n && a[i - 1].key <= a[i].key)
+        i++;
+    if (i >= n)
+        return; /* already ascending */
+    keyed_t *src = a, *dst = tmp;
+    for (int64_t width = 1; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            int64_t mid = lo + width < n ? lo + width : n;
+            int64_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t x = lo, y = mid, o = lo;
+            while (x < mid && y < hi)
+                dst[o++] = src[y].key < src[x].key ? src[y++] : src[x++];
+            while (x < mid)
+                dst[o++] = src[x++];
+            while (y < hi)
+                dst[o++] = src[y++];
+        }
+        keyed_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a)
+        memcpy(a, src, (size_t)n * sizeof *a);
+}
+
+
+typedef struct {
     int64_t cpu_row;    /* sort key */
     int64_t lo, hi;     /* the row's pairs: indices lo..hi-1 of its work */
     int64_t tpl;        /* run template */
     int32_t work;       /* index into the job's works */
 } row_t;
 
-static int row_before(const void *x, const void *y) {
-    const row_t *a = x, *b = y;
-    if (a->cpu_row != b->cpu_row)
-        return a->cpu_row < b->cpu_row ? -1 : 1;
-    return a->lo < b->lo ? -1 : (a->lo > b->lo); /* ties keep their order: a stable sort */
+/* rows[0..n) by CPU row, ties in their order (a stable sort: rows come in pair order).
+ * Returns 0, or an error when out of memory. */
+static int sort_rows(row_t *rows, int64_t n) {
+    keyed_t *keys = malloc(2 * (size_t)n * sizeof *keys);
+    row_t *copy = malloc((size_t)n * sizeof *copy);
+    if (!keys || !copy) {
+        free(keys), free(copy);
+        return TC_ERROR_OUT_OF_MEMORY;
+    }
+    for (int64_t r = 0; r < n; r++)
+        keys[r] = (keyed_t){rows[r].cpu_row, r};
+    sort_keyed(keys, keys + n, n);
+    memcpy(copy, rows, (size_t)n * sizeof *copy);
+    for (int64_t r = 0; r < n; r++)
+        rows[r] = copy[keys[r].index];
+    free(keys);
+    free(copy);
+    return 0;
 }
 
-/* Rows of work w at rows[0..], ascending CPU row (stable): returns how many. ``whole``:
+/* Rows of work w at rows[0..], ascending CPU row (stable): returns how many (-1: out of
+ * memory). ``whole``:
  * every row takes its group's whole-image template (loads with whole_rows). */
 static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index, int whole,
                          row_t *rows) {
@@ -223,10 +273,8 @@ static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index
         }
     }
     for (int64_t r = 1; r < num_rows; r++)
-        if (rows[r].cpu_row < rows[r - 1].cpu_row) {
-            qsort(rows, (size_t)num_rows, sizeof *rows, row_before);
-            break;
-        }
+        if (rows[r].cpu_row < rows[r - 1].cpu_row)
+            return sort_rows(rows, num_rows) ? -1 : num_rows;
     return num_rows;
 }
 
@@ -281,8 +329,14 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, dma_t *x, int64_t **
         return TC_ERROR_OUT_OF_MEMORY;
     }
     at = 0;
-    for (int32_t i = 0; i < j->num_works; i++)
-        at += work_rows(geo, &works[i], i, geo->whole_rows && !j->store, rows + at);
+    for (int32_t i = 0; i < j->num_works; i++) {
+        int64_t made = work_rows(geo, &works[i], i, geo->whole_rows && !j->store, rows + at);
+        if (made < 0) {
+            free(rows), free(pf), free(df), free(works);
+            return TC_ERROR_OUT_OF_MEMORY;
+        }
+        at += made;
+    }
     int64_t k = -1, offset = 0, p = 0, d = 0;
     int err = 0;
     for (int64_t r = 0; r < total && !err; r++) {
@@ -355,41 +409,10 @@ enum {
     TC_SPEC_NO_MEMORY,
 };
 
-typedef struct {
-    int64_t key, index;
-} keyed_t;
-
-/* Stable sort of a[0..n) by key (bottom-up merge sort through tmp[0..n)): a few
- * thousand inline comparisons for a few hundred ids, no comparator calls. */
-static void sort_keyed(keyed_t *a, keyed_t *tmp, int64_t n) {
-    int64_t i = 1;
-    while (i < n && a[i - 1].key <= a[i].key)
-        i++;
-    if (i >= n)
-        return; /* already ascending */
-    keyed_t *src = a, *dst = tmp;
-    for (int64_t width = 1; width < n; width *= 2) {
-        for (int64_t lo = 0; lo < n; lo += 2 * width) {
-            int64_t mid = lo + width < n ? lo + width : n;
-            int64_t hi = lo + 2 * width < n ? lo + 2 * width : n;
-            int64_t x = lo, y = mid, o = lo;
-            while (x < mid && y < hi)
-                dst[o++] = src[y].key < src[x].key ? src[y++] : src[x++];
-            while (x < mid)
-                dst[o++] = src[x++];
-            while (y < hi)
-                dst[o++] = src[y++];
-        }
-        keyed_t *t = src;
-        src = dst;
-        dst = t;
-    }
-    if (src != a)
-        memcpy(a, src, (size_t)n * sizeof *a);
-}
-
-/* Sorts keys[0..n) (tmp: scratch of n) and says whether two are equal. */
-static int has_repeat(keyed_t *keys, keyed_t *tmp, int64_t n) {
+/* Whether two of ids[0..n) are equal, by sorting them into keys (tmp: scratch of n). */
+static int has_repeat_of(keyed_t *keys, keyed_t *tmp, const int64_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        keys[i] = (keyed_t){ids[i], i};
     sort_keyed(keys, tmp, n);
     for (int64_t i = 1; i < n; i++)
         if (keys[i].key == keys[i - 1].key)
@@ -397,14 +420,32 @@ static int has_repeat(keyed_t *keys, keyed_t *tmp, int64_t n) {
     return 0;
 }
 
-/* Validate one transfer as the planner does and write its works into out: first
- * (3, num_gpu) (GPU ids, CPU rows, sub-pages; with factor 1 the pairs in ascending CPU
- * row, stable), then (G, 2) (group, count of each non-empty group, in group order).
- * groups is (2, num_groups): group_sizes, then block_indices. Returns the number of
- * works, or minus a TC_SPEC_* code (out is then meaningless). */
-int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
-                const int64_t *groups, const int64_t *gpu_ids, int64_t num_gpu,
-                const int64_t *cpu_ids, int64_t num_cpu, int64_t *out) {
+/* Sets bit id of seen for each of ids[0..n) and says whether one was set already; then
+ * clears what it set (seen is all zeros again). The repeat check without a sort. */
+static int bits_repeat(uint64_t *seen, const int64_t *ids, int64_t n) {
+    int repeat = 0;
+    int64_t i = 0;
+    for (; i < n; i++) {
+        uint64_t bit = (uint64_t)1 << (ids[i] & 63);
+        uint64_t *word = &seen[ids[i] >> 6];
+        if (*word & bit) {
+            repeat = 1;
+            break;
+        }
+        *word |= bit;
+    }
+    for (int64_t k = 0; k < i; k++)
+        seen[ids[k] >> 6] &= ~((uint64_t)1 << (ids[k] & 63));
+    return repeat;
+}
+
+/* tc_validate's rules (below); with seen (a zeroed bitmap of at least every group's
+ * largest bound, in bits) repeats are found without sorting, and factor-1 pairs stay in
+ * the given order (the loop's layout sorts rows itself): the caller's thread pays no
+ * sort. */
+static int validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
+                    const int64_t *groups, const int64_t *gpu_ids, int64_t num_gpu,
+                    const int64_t *cpu_ids, int64_t num_cpu, int64_t *out, uint64_t *seen) {
     int64_t f = geo->factor, sum = 0, need = 0;
     const int64_t *group_sizes = groups, *block_indices = groups + num_groups;
     int64_t *meta = out + 3 * num_gpu;
@@ -419,10 +460,13 @@ int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
         return -TC_SPEC_GPU_COUNT;
     if (need != num_cpu)
         return -TC_SPEC_CPU_COUNT;
-    keyed_t *keys = malloc(2 * (size_t)(num_gpu ? num_gpu : 1) * sizeof *keys);
-    if (!keys)
-        return -TC_SPEC_NO_MEMORY;
-    keyed_t *tmp = keys + (num_gpu ? num_gpu : 1);
+    keyed_t *keys = NULL, *tmp = NULL;
+    if (!seen) {
+        keys = malloc(2 * (size_t)(num_gpu ? num_gpu : 1) * sizeof *keys);
+        if (!keys)
+            return -TC_SPEC_NO_MEMORY;
+        tmp = keys + (num_gpu ? num_gpu : 1);
+    }
     int64_t gat = 0, cat = 0, works = 0;
     int rc = 0;
     for (int32_t g = 0; g < num_groups && !rc; g++) {
@@ -440,7 +484,15 @@ int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
         if (rc)
             break;
         int64_t *o_gpu = out + gat, *o_row = out + num_gpu + gat, *o_sub = out + 2 * num_gpu + gat;
-        if (f == 1) { /* pairs in ascending CPU row, stable */
+        if (seen) { /* any order; repeats of the destination side from the bitmap */
+            for (int64_t i = 0; i < n; i++) {
+                o_gpu[i] = gids[i];
+                o_row[i] = cids[(skip + i) / f];
+                o_sub[i] = (skip + i) % f;
+            }
+            if (bits_repeat(seen, store ? cids : gids, store ? count : n))
+                rc = TC_SPEC_REPEATED;
+        } else if (f == 1) { /* pairs in ascending CPU row, stable */
             int ascending = 1;
             for (int64_t i = 1; i < n && ascending; i++)
                 ascending = cids[i] > cids[i - 1];
@@ -453,22 +505,20 @@ int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
                 o_row[i] = keys[i].key;
                 o_sub[i] = 0;
             }
+            if (store) { /* the destination: the CPU rows, just sorted */
+                for (int64_t i = 1; i < n && !rc; i++)
+                    if (o_row[i] == o_row[i - 1])
+                        rc = TC_SPEC_REPEATED;
+            } else if (has_repeat_of(keys, tmp, gids, n)) {
+                rc = TC_SPEC_REPEATED;
+            }
         } else {
             for (int64_t i = 0; i < n; i++) {
                 o_gpu[i] = gids[i];
                 o_row[i] = cids[(skip + i) / f];
                 o_sub[i] = (skip + i) % f;
             }
-        }
-        if (f == 1 && store) { /* the destination: the CPU rows, just sorted */
-            for (int64_t i = 1; i < n && !rc; i++)
-                if (o_row[i] == o_row[i - 1])
-                    rc = TC_SPEC_REPEATED;
-        } else {
-            int64_t m = store ? count : n; /* the destination side's ids */
-            for (int64_t i = 0; i < m; i++)
-                keys[i] = (keyed_t){store ? cids[i] : gids[i], i};
-            if (has_repeat(keys, tmp, m))
+            if (has_repeat_of(keys, tmp, store ? cids : gids, store ? count : n))
                 rc = TC_SPEC_REPEATED;
         }
         meta[2 * works] = g;
@@ -479,6 +529,18 @@ int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
     }
     free(keys);
     return rc ? -rc : (int)works;
+}
+
+/* Validate one transfer as the planner does and write its works into out: first
+ * (3, num_gpu) (GPU ids, CPU rows, sub-pages; with factor 1 the pairs in ascending CPU
+ * row, stable), then (G, 2) (group, count of each non-empty group, in group order).
+ * groups is (2, num_groups): group_sizes, then block_indices. Returns the number of
+ * works, or minus a TC_SPEC_* code (out is then meaningless). */
+int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
+                const int64_t *groups, const int64_t *gpu_ids, int64_t num_gpu,
+                const int64_t *cpu_ids, int64_t num_cpu, int64_t *out) {
+    return validate(geo, store, num_groups, groups, gpu_ids, num_gpu, cpu_ids, num_cpu, out,
+                    NULL);
 }
 
 /* ------------------------------------------------------------------ issue */
@@ -725,6 +787,7 @@ void tc_close(tc_queue *q) {
     pthread_cond_destroy(&q->issued_cv);
     pthread_mutex_destroy(&q->mu);
     free(q->dma.host);
+    free(q->seen);
     free(q);
 }
 
@@ -751,11 +814,12 @@ typedef struct {
 /* What tc_transfer did: code 0 (queued), a TC_SPEC_* refusal (nothing queued), TC_FENCED
  * or TC_MARK_FAILED (only the job's ordering events queued; cu: the CUresult of the
  * mark); the bytes the transfer moves (0 when refused by the spec); its sequence number
- * (0: nothing queued). */
+ * (0: nothing queued); when each step ended (for probes: four vDSO clock reads a call). */
 typedef struct {
     int32_t code, cu;
     int64_t num_bytes;
     uint64_t seq;
+    int64_t spans_ns[4]; /* since the call began: validated, fenced, marked, queued */
 } tc_outcome;
 
 /* SlotFence.refusal's rule: a fenced spec (region_id != 0) must name the region mapped,
@@ -784,6 +848,25 @@ static int fence_refuses(const tc_caller *c, int store, const int64_t *slots, in
     return 0;
 }
 
+/* q->seen grown to a bit for every id below the largest bound of geo (zeroed). */
+static int repeat_bitmap(tc_queue *q, const tc_bounds *geo) {
+    int64_t top = 1;
+    for (int32_t g = 0; g < geo->num_groups; g++) {
+        top = geo->num_slots[g] > top ? geo->num_slots[g] : top;
+        top = geo->num_gpu_blocks[g] > top ? geo->num_gpu_blocks[g] : top;
+    }
+    int64_t words = (top + 63) / 64;
+    if (words <= q->seen_words)
+        return 0;
+    uint64_t *seen = calloc((size_t)words, sizeof *seen);
+    if (!seen)
+        return TC_ERROR_OUT_OF_MEMORY;
+    free(q->seen);
+    q->seen = seen;
+    q->seen_words = words;
+    return 0;
+}
+
 /* The loop's context made current on the calling thread when none is (what torch's
  * set_device does for a fresh thread): the mark and an inline issue act on it. */
 static int caller_context(const tc_config *c) {
@@ -797,8 +880,9 @@ static int caller_context(const tc_config *c) {
 }
 
 /* A transfer from the engine's thread in one call, what the handler otherwise does in
- * four steps of Python: validate its ids (tc_validate, into a buffer the job owns and
- * its issuer frees), check the slot fence, record the compute stream's mark (job->after,
+ * four steps of Python: validate its ids (tc_validate's rules, repeats found with the
+ * queue's bitmap instead of a sort, into a buffer the job owns and its issuer frees: the
+ * loop's layout orders the rows), check the slot fence, record the compute stream's mark (job->after,
  * on compute) and queue the job (tc_submit: inline when small and the loop is idle).
  * job gives the transfer's stream, events, pair table, status cell and direction; its
  * validated, num_works, num_pairs and owns are this call's. groups is (2, num_groups):
@@ -810,9 +894,8 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
                 int32_t num_groups, const int64_t *groups, const int64_t *gpu_ids,
                 int64_t num_gpu, const int64_t *cpu_ids, int64_t num_cpu,
                 const uint64_t *slot_gens, uint64_t region_id, tc_outcome *out) {
-    out->code = out->cu = 0;
-    out->num_bytes = 0;
-    out->seq = 0;
+    int64_t began = now_ns();
+    memset(out, 0, sizeof *out);
     if (num_groups < 0 || num_gpu < 0 || num_cpu < 0) {
         out->code = TC_SPEC_GROUPS;
         return 0;
@@ -823,8 +906,9 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
         out->code = TC_SPEC_NO_MEMORY;
         return 0;
     }
-    int works = tc_validate(c->bounds, job->store, num_groups, groups, gpu_ids, num_gpu,
-                            cpu_ids, num_cpu, buf);
+    int works = repeat_bitmap(q, c->bounds) ? -TC_SPEC_NO_MEMORY
+        : validate(c->bounds, job->store, num_groups, groups, gpu_ids, num_gpu, cpu_ids,
+                   num_cpu, buf, q->seen);
     if (works < 0) {
         free(buf);
         out->code = -works;
@@ -832,8 +916,11 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
     }
     for (int32_t g = 0; g < num_groups; g++)
         out->num_bytes += groups[g] * c->pair_bytes[g];
+    out->spans_ns[0] = now_ns() - began;
     tc_job j = *job;
-    if (fence_refuses(c, j.store, cpu_ids, num_cpu, slot_gens, region_id)) {
+    int fenced = fence_refuses(c, j.store, cpu_ids, num_cpu, slot_gens, region_id);
+    out->spans_ns[1] = now_ns() - began;
+    if (fenced) {
         out->code = TC_FENCED;
     } else if (j.after) {
         int rc = caller_context(&q->cfg);
@@ -844,6 +931,7 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
             out->cu = rc;
         }
     }
+    out->spans_ns[2] = now_ns() - began;
     j.owns = 1;
     j.validated = buf;
     if (out->code) { /* the ordering only: nothing of the compute stream to wait for */
@@ -855,6 +943,7 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
         j.num_pairs = num_gpu;
     }
     out->seq = tc_submit(q, &j);
+    out->spans_ns[3] = now_ns() - began;
     if (!out->seq) {
         free(buf);
         return -1;
@@ -910,7 +999,7 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_caller, region_id),
     TC_STRUCT(tc_outcome),
     TC_FIELD(tc_outcome, code), TC_FIELD(tc_outcome, cu), TC_FIELD(tc_outcome, num_bytes),
-    TC_FIELD(tc_outcome, seq),
+    TC_FIELD(tc_outcome, seq), TC_FIELD(tc_outcome, spans_ns),
 };
 
 int tc_layout(int32_t i, const char **strct, const char **field, int64_t *offset,

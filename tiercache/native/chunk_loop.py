@@ -235,8 +235,14 @@ class ChunkLoop:
         ``table_event``). Called from one thread, like ``submit``."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
-        if len(group_sizes) != checks.validator.num_groups or len(block_indices) != len(group_sizes):
+        num_groups = checks.num_groups
+        if len(group_sizes) != num_groups or len(block_indices) != num_groups:
             return Outcome(1, 0, 0, None)  # SPEC_ERRORS[1]: not one entry per group
+        groups = checks.groups
+        if num_groups == 1:
+            groups[0], groups[1] = group_sizes[0], block_indices[0]
+        else:
+            groups[:] = (*group_sizes, *block_indices)
         if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
         if slots.dtype != np.int64 or not slots.flags.c_contiguous:
@@ -259,7 +265,7 @@ class ChunkLoop:
             pending.popleft()
         out = self._outcome
         if self._transfer(self._queue, checks.ref, self._job_ref, compute or None,
-                          len(group_sizes), checks.groups_type(*group_sizes, *block_indices),
+                          num_groups, groups,
                           address_of(gpu_ids), gpu_ids.size, address_of(slots), slots.size,
                           gens or None, region_id, self._outcome_ref):
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
@@ -268,6 +274,11 @@ class ChunkLoop:
         if status.value == STATUS_PENDING:
             pending.append((status, None))
         return Outcome(out.code, out.cu, out.num_bytes, Ticket(self, out.seq, status, None))
+
+    def transfer_spans(self) -> tuple[int, int, int, int]:
+        """Of the last ``transfer``, ns from its start until validated, fenced, marked and
+        queued (the last includes an inline issue): where the native call's time went."""
+        return tuple(self._outcome.spans_ns)  # type: ignore[return-value]
 
     def set_inline(self, max_pairs: int) -> None:
         """Jobs of at most ``max_pairs`` pairs that find the loop idle (nothing queued,

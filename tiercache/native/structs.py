@@ -97,7 +97,7 @@ class OutcomeStruct(ctypes.Structure):
 
     _fields_ = [
         ("code", ctypes.c_int32), ("cu", ctypes.c_int32), ("num_bytes", ctypes.c_int64),
-        ("seq", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64), ("spans_ns", ctypes.c_int64 * 4),
     ]
 
 

@@ -21,6 +21,7 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -86,16 +87,16 @@ class TransferChecks:
             c.region_id = fence.region_id
         self._struct = c
         self.ref = ctypes.byref(c)
-        self.groups_type = validator.groups_type
+        self.num_groups = validator.num_groups
+        self.groups = validator.groups_type()  # a call's group_sizes, then block_indices
 
 
-@dataclass(frozen=True, eq=False)
-class Outcome:
+class Outcome(NamedTuple):
     """What one ``ChunkLoop.transfer`` did: its ``TransferCode`` (or a validation
     refusal's code), the CUresult of a failed mark, the bytes the transfer moves, and the
-    ticket of what was queued (None: nothing was)."""
+    ticket of what was queued (None: nothing was). A tuple: one is made per transfer."""
 
     code: int
     cu: int
     num_bytes: int
-    ticket: object | None
+    ticket: Any

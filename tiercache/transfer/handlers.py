@@ -52,11 +52,11 @@ from tiercache.backends.base import CopyBackend, Ordering, Plan, Submission, Tic
 from tiercache.device.events import Event, Stream
 from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
-from tiercache.native.transfer_call import TransferCode
+from tiercache.native.transfer_call import Outcome, TransferCode
 from tiercache.planning.planner import PlanBuffers, TransferPlanner
 from tiercache.planning.plans import PlanForm
 from tiercache.region.stats import RankStats
-from tiercache.specs import Direction, TransferSpec
+from tiercache.specs import CPULoadStoreSpec, Direction, TransferSpec
 from tiercache.transfer.fence import SlotFence
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class TransferResult:
                                f"transfer_time={self.transfer_time}): both must be >= 0")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Transfer:
     job_id: int
     num_bytes: int
@@ -93,13 +93,9 @@ class _Transfer:
     compute_mark: Event  # the compute stream's work at submit time, which the transfer waits for
     buffers: PlanBuffers | None  # a page plan's arrays: reused once the transfer finished
     submitted: bool  # the backend accepted the copies
-    submission: Submission | None = field(default=None, repr=False)  # held until finished
+    keep: tuple[object, ...] = field(default=(), repr=False)  # what the device reads: held
+    ticket: Ticket | None = None  # the backend thread's, while one issues this transfer
     failed_on_device: bool = False
-
-    @property
-    def ticket(self) -> Ticket | None:
-        """The backend thread's ticket, when one still issues this transfer (else None)."""
-        return None if self.submission is None else self.submission.ticket
 
 
 class SingleDirectionOffloadingHandler:
@@ -117,7 +113,7 @@ class SingleDirectionOffloadingHandler:
         self._transfers: deque[_Transfer] = deque()
         self._by_job: dict[int, _Transfer] = {}
         self._stream_pool: list[Stream] = []
-        self._event_pool: list[Event] = []
+        self._event_pool: list[tuple[Event, Event, Event]] = []  # start, end, compute mark
         self._buffer_pool: list[PlanBuffers] = []
         self._closed = False
         self._native = backend.native_transfers(planner, None if fence is None else fence.table)
@@ -149,18 +145,21 @@ class SingleDirectionOffloadingHandler:
                 log.error("%s job %d refused, nothing copied: %s", self.direction.label, job_id,
                           refusal)
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
-        events = self._event_pool
-        if len(events) >= 3:
-            start, end, mark = events.pop(), events.pop(), events.pop()
-        else:
-            start, end, mark = (self._streams.new_timing_event() for _ in range(3))
+        start, end, mark = self._events()
         submitted, token = self._enqueue(job_id, plan, stream, start, end, mark,
                                          refused=refusal is not None)
         transfer_ = _Transfer(job_id, plan.num_bytes, stream, start, end, mark, buffers,
-                              submitted, token)
+                              submitted, *((token.keep, token.ticket) if token else ()))
         self._transfers.append(transfer_)
         self._by_job[job_id] = transfer_
         return submitted
+
+    def _events(self) -> tuple[Event, Event, Event]:
+        """A transfer's start and end (timing) events and its compute mark (a marker)."""
+        if self._event_pool:
+            return self._event_pool.pop()
+        new = self._streams
+        return new.new_timing_event(), new.new_timing_event(), new.new_marker()
 
     def _transfer_native(self, job_id: int, transfer: TransferSpec) -> bool:
         """``transfer_async`` in one native call (``CopyBackend.native_transfers``): the
@@ -169,39 +168,40 @@ class SingleDirectionOffloadingHandler:
         direction = self.direction
         gpu, cpu = self.planner.specs(direction, transfer)
         stream = self._stream_pool.pop() if self._stream_pool else self._streams.new_stream()
-        events = self._event_pool
-        if len(events) >= 3:
-            start, end, mark = events.pop(), events.pop(), events.pop()
-        else:
-            start, end, mark = (self._streams.new_timing_event() for _ in range(3))
+        start, end, mark = self._events()
         previous = self._transfers[-1].end_event if self._transfers else None
         try:
             outcome = self._native.transfer(direction, gpu, cpu, stream, mark, previous, start,
                                             end)
         except _DEVICE_ERRORS as e:  # the backend took nothing: failed, in order
+            num_bytes = self.planner.bytes_of(gpu)
             log.error("%s job %d: the %s backend could not submit %d bytes: %s",
-                      direction.label, job_id, self.backend.kind.label,
-                      self.planner.bytes_of(gpu), e)
-            outcome = None
-        if outcome is not None and outcome.ticket is None:  # refused by the validation
-            self._stream_pool.append(stream)
-            events += (start, end, mark)
-            self.planner.refuse(direction, transfer, outcome.code)
-        submitted = outcome is not None and outcome.code == TransferCode.QUEUED
-        if outcome is not None and outcome.code == TransferCode.FENCED:
-            refusal = self._fence.refusal(direction, cpu) if self._fence is not None else None
-            log.error("%s job %d refused, nothing copied: %s", direction.label, job_id,
-                      refusal or "the fence refused its slots (since given back again)")
-        elif outcome is not None and outcome.code == TransferCode.MARK_FAILED:
-            log.error("%s job %d: the compute stream's mark could not be recorded (CUresult "
-                      "%d); nothing copied", direction.label, job_id, outcome.cu)
-        num_bytes = self.planner.bytes_of(gpu) if outcome is None else outcome.num_bytes
-        submission = None if outcome is None else Submission((), outcome.ticket)
-        transfer_ = _Transfer(job_id, num_bytes, stream, start, end, mark, None, submitted,
-                              submission)
+                      direction.label, job_id, self.backend.kind.label, num_bytes, e)
+            transfer_ = _Transfer(job_id, num_bytes, stream, start, end, mark, None, False)
+        else:
+            code = outcome.code
+            if code:  # not queued (TransferCode: QUEUED is 0)
+                if outcome.ticket is None:  # refused by the validation: nothing enqueued
+                    self._stream_pool.append(stream)
+                    self._event_pool.append((start, end, mark))
+                    self.planner.refuse(direction, transfer, code)
+                self._log_not_copied(job_id, cpu, outcome)
+            transfer_ = _Transfer(job_id, outcome.num_bytes, stream, start, end, mark, None,
+                                  not code, (), outcome.ticket)
         self._transfers.append(transfer_)
         self._by_job[job_id] = transfer_
-        return submitted
+        return transfer_.submitted
+
+    def _log_not_copied(self, job_id: int, cpu: CPULoadStoreSpec, outcome: Outcome) -> None:
+        """Why a transfer the native entry queued only its ordering for copied nothing."""
+        label = self.direction.label
+        if outcome.code == TransferCode.FENCED:
+            refusal = self._fence.refusal(self.direction, cpu) if self._fence is not None else None
+            log.error("%s job %d refused, nothing copied: %s", label, job_id,
+                      refusal or "the fence refused its slots (since given back again)")
+        else:
+            log.error("%s job %d: the compute stream's mark could not be recorded (CUresult "
+                      "%d); nothing copied", label, job_id, outcome.cu)
 
     def _enqueue(self, job_id: int, plan: Plan, stream: Stream, start: Event, end: Event,
                  mark: Event, refused: bool = False) -> tuple[bool, Submission | None]:
@@ -271,7 +271,7 @@ class SingleDirectionOffloadingHandler:
                 success = False
         del self._by_job[transfer.job_id]
         self._stream_pool.append(transfer.stream)
-        self._event_pool += (transfer.start_event, transfer.end_event, transfer.compute_mark)
+        self._event_pool.append((transfer.start_event, transfer.end_event, transfer.compute_mark))
         if transfer.buffers is not None:
             self._buffer_pool.append(transfer.buffers)
         if self._stats is not None:
