@@ -36,3 +36,16 @@ def test_a_drifted_mirror_is_reported(tmp_path):
     assert any(line.startswith("tc_job.store:") for line in lines)
     assert any(line.startswith("tc_job.num_works:") for line in lines)
     assert not any(line.startswith("tc_config") for line in lines)
+
+
+def test_numpys_array_head_reads_as_the_c_reads_it_and_a_wrong_reading_is_reported():
+    """``tc_transfer`` reads id arrays through numpy's object layout (tc_ndarray); the
+    check behind it passes for this numpy and names what a mis-declared head gets wrong
+    (here: a pointer too many before the data, as a free-threaded CPython would have)."""
+    assert structs.ndarray_mismatches() == []
+
+    class Shifted(ctypes.Structure):
+        _fields_ = [("pad", ctypes.c_void_p)] + structs.NdarrayHead._fields_
+
+    lines = structs.ndarray_mismatches(Shifted)
+    assert len(lines) == 2 and all("numpy says" in line for line in lines)

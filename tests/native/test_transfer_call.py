@@ -258,3 +258,35 @@ def test_an_empty_transfer_marks_and_orders_and_a_closed_loop_refuses():
 def test_a_fence_table_must_have_the_ledgers_fields():
     with pytest.raises(BackendError, match="gen"):
         FenceTable(REGION, np.zeros(4, dtype=[("gen", "<u4"), ("state", "<u4")]))
+
+
+def test_id_arrays_of_other_types_or_strides_are_converted_first():
+    """The call reads the id arrays in place (flat int64 / uint64); any other array is
+    converted before the call, and moves the same bytes."""
+    prepared = _case_of_two_slots()
+    case = prepared.case
+    gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
+    plan, gpu_expected, cpu_expected = expected_after(case, prepared.planner, gpu_data,
+                                                      cpu_data, GPU_BASE, CPU_BASE)
+    ledger = _ledger(case, np.random.default_rng(5))
+    fenced = _fenced(case.cpu_spec, ledger)
+    spread = lambda a, t: np.repeat(a.astype(t), 2)[::2]  # noqa: E731  strided copies
+    assert not spread(case.gpu_spec.block_ids, np.int32).flags.c_contiguous
+    checks = TransferChecks(prepared.planner.validator(), prepared.planner.pair_bytes,
+                            FenceTable(REGION, ledger))
+    table = np.full((4, len(case.gpu_spec)), -1, dtype=np.int64)
+    fake, loop = prepared.rig()
+    try:
+        gpu = case.gpu_spec
+        outcome = loop.transfer(checks, case.direction, spread(gpu.block_ids, np.int32),
+                                gpu.group_sizes, gpu.block_indices,
+                                spread(fenced.block_ids, np.uint32),
+                                spread(fenced.slot_gens, np.int64), REGION, stream=STREAM,
+                                compute=COMPUTE, mark=AFTER, prev_end=PREV, start_event=START,
+                                end_event=END, table_event=TABLE, table=table.ctypes.data)
+        assert outcome.code == TransferCode.QUEUED
+        outcome.ticket.wait()
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    assert_same(case, plan, prepared.layout, gpu_data, cpu_data, gpu_expected, cpu_expected)

@@ -806,6 +806,29 @@ typedef struct {
     uint64_t region_id;
 } tc_caller;
 
+/* A numpy array as C reads it: the head of numpy's PyArrayObject_fields
+ * (ndarraytypes.h), which every extension compiled against any numpy relies on
+ * (PyArray_DATA, PyArray_NDIM, PyArray_DIMS and PyArray_FLAGS are inline field reads).
+ * The caller passes an array by its object's address (CPython's id()), which spares it
+ * reading three addresses through the array interface (1-2 us each); Python checks this
+ * layout against numpy once (tiercache.native.structs.ndarray_mismatches). */
+typedef struct {
+    intptr_t ob_refcnt;
+    void *ob_type;
+    char *data;
+    int32_t nd;
+    const intptr_t *dimensions, *strides;
+    void *base, *descr;
+    int32_t flags;
+} tc_ndarray;
+
+#define TC_NPY_C_CONTIGUOUS 0x0001
+#define TC_NOT_FLAT 8 /* a tc_transfer array that is not 1-d and C-contiguous */
+
+static int flat(const tc_ndarray *a) {
+    return a->nd == 1 && (a->flags & TC_NPY_C_CONTIGUOUS);
+}
+
 #define TC_LEDGER_WRITING 1u /* LedgerState: a store's slots are still reserved for it */
 #define TC_LEDGER_READY 2u   /* a load's slots still hold its block */
 #define TC_FENCED 100        /* tc_transfer's codes past the TC_SPEC_* ones */
@@ -886,17 +909,25 @@ static int caller_context(const tc_config *c) {
  * on compute) and queue the job (tc_submit: inline when small and the loop is idle).
  * job gives the transfer's stream, events, pair table, status cell and direction; its
  * validated, num_works, num_pairs and owns are this call's. groups is (2, num_groups):
- * group_sizes, then block_indices; slot_gens (NULL: unfenced) and region_id are the CPU
- * spec's. A spec refusal queues nothing; a fenced-off transfer, or one whose mark
+ * group_sizes, then block_indices; gpu and cpu are the specs' block ids (int64), gens
+ * (NULL: unfenced; uint64, one per slot) and region_id the CPU spec's fence. Arrays that
+ * are not 1-d and C-contiguous are refused (TC_NOT_FLAT, nothing queued). A spec refusal queues nothing; a fenced-off transfer, or one whose mark
  * failed, queues its ordering events only (later transfers wait on its end). Returns 0,
  * or -1 when the queue refused the job (closing or no memory; nothing is queued). */
 int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *compute,
-                int32_t num_groups, const int64_t *groups, const int64_t *gpu_ids,
-                int64_t num_gpu, const int64_t *cpu_ids, int64_t num_cpu,
-                const uint64_t *slot_gens, uint64_t region_id, tc_outcome *out) {
+                int32_t num_groups, const int64_t *groups, const tc_ndarray *gpu,
+                const tc_ndarray *cpu, const tc_ndarray *gens, uint64_t region_id,
+                tc_outcome *out) {
     int64_t began = now_ns();
     memset(out, 0, sizeof *out);
-    if (num_groups < 0 || num_gpu < 0 || num_cpu < 0) {
+    if (!flat(gpu) || !flat(cpu) || (gens && !flat(gens))) {
+        out->code = TC_NOT_FLAT;
+        return 0;
+    }
+    const int64_t *gpu_ids = (const int64_t *)gpu->data, *cpu_ids = (const int64_t *)cpu->data;
+    int64_t num_gpu = gpu->dimensions[0], num_cpu = cpu->dimensions[0];
+    const uint64_t *slot_gens = gens ? (const uint64_t *)gens->data : NULL;
+    if (num_groups < 0) {
         out->code = TC_SPEC_GROUPS;
         return 0;
     }
@@ -918,7 +949,8 @@ int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *comput
         out->num_bytes += groups[g] * c->pair_bytes[g];
     out->spans_ns[0] = now_ns() - began;
     tc_job j = *job;
-    int fenced = fence_refuses(c, j.store, cpu_ids, num_cpu, slot_gens, region_id);
+    int fenced = (gens && gens->dimensions[0] != num_cpu)
+                 || fence_refuses(c, j.store, cpu_ids, num_cpu, slot_gens, region_id);
     out->spans_ns[1] = now_ns() - began;
     if (fenced) {
         out->code = TC_FENCED;
@@ -997,6 +1029,10 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_caller, ledger_slots), TC_FIELD(tc_caller, record_bytes),
     TC_FIELD(tc_caller, gen_offset), TC_FIELD(tc_caller, state_offset),
     TC_FIELD(tc_caller, region_id),
+    TC_STRUCT(tc_ndarray),
+    TC_FIELD(tc_ndarray, ob_refcnt), TC_FIELD(tc_ndarray, ob_type), TC_FIELD(tc_ndarray, data),
+    TC_FIELD(tc_ndarray, nd), TC_FIELD(tc_ndarray, dimensions), TC_FIELD(tc_ndarray, strides),
+    TC_FIELD(tc_ndarray, base), TC_FIELD(tc_ndarray, descr), TC_FIELD(tc_ndarray, flags),
     TC_STRUCT(tc_outcome),
     TC_FIELD(tc_outcome, code), TC_FIELD(tc_outcome, cu), TC_FIELD(tc_outcome, num_bytes),
     TC_FIELD(tc_outcome, seq), TC_FIELD(tc_outcome, spans_ns),

@@ -25,13 +25,14 @@ from tiercache.native.library import library
 from tiercache.native.structs import (
     ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, OutcomeStruct, address_of,
 )
-from tiercache.native.transfer_call import Outcome, TransferChecks
+from tiercache.native.transfer_call import Outcome, TransferChecks, TransferCode
 from tiercache.specs import Direction
 
 MAX_PARAMS = 16
 KERNEL_ARGS = 9  # pairs, pair_stride, first, count, slot_base, tensors, tensor_stride,
 #                  groups, num_groups: the first parameters of the pack kernel
 STATUS_PENDING = -1
+_I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,15 +244,14 @@ class ChunkLoop:
             groups[0], groups[1] = group_sizes[0], block_indices[0]
         else:
             groups[:] = (*group_sizes, *block_indices)
-        if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
-            gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
-        if slots.dtype != np.int64 or not slots.flags.c_contiguous:
-            slots = np.ascontiguousarray(slots, dtype=np.int64)
-        gens = 0
-        if slot_gens is not None:
-            if slot_gens.dtype != np.uint64 or not slot_gens.flags.c_contiguous:
-                slot_gens = np.ascontiguousarray(slot_gens, dtype=np.uint64)
-            gens = address_of(slot_gens)
+        # the arrays go by their objects' addresses (tc_ndarray): flat, of the C's types
+        if gpu_ids.dtype is not _I64 or not gpu_ids.flags.c_contiguous:
+            gpu_ids = np.ascontiguousarray(gpu_ids, dtype=_I64).reshape(-1)
+        if slots.dtype is not _I64 or not slots.flags.c_contiguous:
+            slots = np.ascontiguousarray(slots, dtype=_I64).reshape(-1)
+        if slot_gens is not None and (slot_gens.dtype is not _U64
+                                      or not slot_gens.flags.c_contiguous):
+            slot_gens = np.ascontiguousarray(slot_gens, dtype=_U64).reshape(-1)
         status = ctypes.c_int32(STATUS_PENDING)
         j = self._job
         j.stream, j.after, j.prev_end = stream, mark or None, prev_end or None
@@ -265,11 +265,14 @@ class ChunkLoop:
             pending.popleft()
         out = self._outcome
         if self._transfer(self._queue, checks.ref, self._job_ref, compute or None,
-                          num_groups, groups,
-                          address_of(gpu_ids), gpu_ids.size, address_of(slots), slots.size,
-                          gens or None, region_id, self._outcome_ref):
+                          num_groups, groups, id(gpu_ids), id(slots),
+                          None if slot_gens is None else id(slot_gens), region_id,
+                          self._outcome_ref):
             raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
         if not out.seq:  # refused by the validation: nothing queued
+            if out.code == TransferCode.NOT_FLAT:
+                raise BackendError("tc_transfer refused an id array that is not 1-d and "
+                                   "C-contiguous (converted above: a bug)")
             return Outcome(out.code, 0, 0, None)
         if status.value == STATUS_PENDING:
             pending.append((status, None))

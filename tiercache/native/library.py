@@ -47,9 +47,9 @@ def _bind(path: str) -> Library:
     keep.tc_validate.restype = ctypes.c_int
     keep.tc_submit.argtypes = [_vp, ctypes.POINTER(JobStruct)]
     keep.tc_submit.restype = ctypes.c_uint64
+    # the three arrays by their objects' addresses (tc_ndarray)
     keep.tc_transfer.argtypes = [_vp, ctypes.POINTER(CallerStruct), ctypes.POINTER(JobStruct),
-                                 _vp, ctypes.c_int32, _vp, _vp, ctypes.c_int64, _vp,
-                                 ctypes.c_int64, _vp, ctypes.c_uint64,
+                                 _vp, ctypes.c_int32, _vp, _vp, _vp, _vp, ctypes.c_uint64,
                                  ctypes.POINTER(OutcomeStruct)]
     keep.tc_transfer.restype = ctypes.c_int
     keep.tc_set_inline.argtypes = [_vp, ctypes.c_int64]

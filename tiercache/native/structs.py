@@ -101,10 +101,45 @@ class OutcomeStruct(ctypes.Structure):
     ]
 
 
+class NdarrayHead(ctypes.Structure):
+    """``tc_ndarray``: the head of numpy's ``PyArrayObject_fields`` as the C reads an array
+    passed by its object's address (``ndarray_mismatches`` checks it against numpy)."""
+
+    _fields_ = [
+        ("ob_refcnt", ctypes.c_ssize_t), ("ob_type", _vp), ("data", _vp),
+        ("nd", ctypes.c_int32), ("dimensions", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)), ("base", _vp), ("descr", _vp),
+        ("flags", ctypes.c_int32),
+    ]
+
+
+C_CONTIGUOUS_FLAG = 0x0001  # NPY_ARRAY_C_CONTIGUOUS
+
+
+def ndarray_mismatches(head_type: type[ctypes.Structure] = NdarrayHead) -> list[str]:
+    """Where numpy's arrays, read as ``head_type`` at their object's address, disagree
+    with what numpy says of them (none: []): type, data address, dimension count, length
+    and the C-contiguous flag, of a contiguous array and of a strided view."""
+    import numpy as np
+
+    base = np.arange(8, dtype=np.int64)
+    lines = []
+    for name, a in (("contiguous", base), ("strided", base[::2])):
+        head = head_type.from_address(id(a))
+        seen = (head.ob_type, head.data, head.nd, head.dimensions[0],
+                bool(head.flags & C_CONTIGUOUS_FLAG))
+        want = (id(type(a)), address_of(a), a.ndim, a.shape[0], bool(a.flags.c_contiguous))
+        if seen != want:
+            lines.append(f"a {name} numpy array read as tc_ndarray: (type, data, nd, length, "
+                         f"C-contiguous) {seen}, numpy says {want}")
+    return lines
+
+
 # C name -> mirror: every struct the Python side passes to the library
 MIRRORS: dict[str, type[ctypes.Structure]] = {
     "tc_bounds": BoundsStruct, "tc_geometry": GeometryStruct, "tc_config": ConfigStruct,
     "tc_job": JobStruct, "tc_caller": CallerStruct, "tc_outcome": OutcomeStruct,
+    "tc_ndarray": NdarrayHead,
 }
 
 Layout = dict[tuple[str, str], tuple[int, int]]  # (struct, field or "") -> (offset, size)

@@ -18,6 +18,7 @@ group's bytes per pair, and the fence's ledger (``FenceTable``). Torch-free.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -26,10 +27,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tiercache.errors import BackendError
-from tiercache.native.structs import CallerStruct, address_of
-from tiercache.native.validator import NativeValidator
+from tiercache.native.structs import CallerStruct, address_of, ndarray_mismatches
+from tiercache.native.validator import SPEC_ERRORS, NativeValidator
 
-LEDGER_FIELDS = ("gen", "state")  # u64, u32: what the fence reads of a ledger record
+
+
+@functools.cache
+def _ndarray_mismatches() -> tuple[str, ...]:
+    """numpy's array head as the C reads it, checked once per process."""
+    return tuple(ndarray_mismatches())
 
 
 class TransferCode(IntEnum):
@@ -38,12 +44,13 @@ class TransferCode(IntEnum):
     with its ordering events only (no copy)."""
 
     QUEUED = 0
+    NOT_FLAT = 8  # an id array not 1-d and C-contiguous (the caller's bug: nothing queued)
     FENCED = 100  # the fence refused the slots (or the region)
     MARK_FAILED = 101  # the compute stream's mark could not be recorded (``cu`` says why)
 
     @staticmethod
     def is_spec_refusal(code: int) -> bool:
-        return 0 < code < TransferCode.FENCED
+        return code in SPEC_ERRORS
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,10 @@ class TransferChecks:
 
     def __init__(self, validator: NativeValidator, pair_bytes: Sequence[int],
                  fence: FenceTable | None = None):
+        mismatches = _ndarray_mismatches()
+        if mismatches:
+            raise BackendError("the native transfer call cannot read this numpy's arrays: "
+                               + "; ".join(mismatches))
         if len(pair_bytes) != validator.num_groups:
             raise BackendError(f"{len(pair_bytes)} pair sizes for {validator.num_groups} "
                                "KV-cache groups: one per group")
