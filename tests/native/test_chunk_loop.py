@@ -324,3 +324,34 @@ def test_builds_once_per_source_version(tmp_path):
     assert native_build.build(directory=tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_job_without_a_table_lays_out_into_one_of_the_loops_own(inline):
+    """``submit`` with no table (what staged's block plans do): the loop takes one of its
+    own, the launches read it, its event is recorded after them, and the bytes land."""
+    prepared = multi_chunk_store()
+    case = prepared.case
+    gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
+    plan, gpu_expected, cpu_expected = expected_after(case, prepared.planner, gpu_data,
+                                                      cpu_data, GPU_BASE, CPU_BASE)
+    fake, loop = prepared.rig()
+    try:
+        if inline:
+            loop.set_inline(1 << 40)
+        validated = prepared.planner.block_plan(case.direction, case.spec)
+        ticket = loop.submit(stream=STREAM, after=AFTER, prev_end=PREV, start_event=START,
+                             end_event=END, direction=case.direction, validated=validated.buffer,
+                             num_pairs=validated.num_pairs, num_works=validated.num_works,
+                             keep=validated)
+        ticket.wait()
+        assert ticket.status == 0 and loop.stamps()[3] == inline
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    assert len(fake.allocated) == 1 and fake.tables
+    assert_same(case, plan, prepared.layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
+    calls = [t for t in fake.trace if t[0] != "ctx"]
+    if row_order_is_unique(case, prepared.plan):
+        assert all(np.array_equal(t, prepared.layout.pairs) for t in fake.tables)
+        assert calls == contract(prepared.layout, case.store, 0)

@@ -18,16 +18,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_reference import CPU_BASE, GPU_BASE, HypDraw, RngDraw, assert_same, draw_case, expected_after
+from block_reference import (
+    CPU_BASE, GPU_BASE, Case, HypDraw, Memory, RngDraw, assert_same, draw_case, expected_after,
+)
 from loop_fakes import (
-    AFTER, COMPUTE, END, LOOP_CTX, PREV, START, STREAM, TABLE, contract, prepare,
+    AFTER, COMPUTE, END, LOOP_CTX, PREV, START, STREAM, contract, multi_chunk_store, prepare,
     row_order_is_unique, spoil,
 )
 from tiercache.errors import BackendError, SpecError
 from tiercache.native.transfer_call import FenceTable, TransferChecks, TransferCode
 from tiercache.native.validator import SPEC_ERRORS
 from tiercache.region.ledger import RECORD, LedgerState
-from tiercache.specs import CPULoadStoreSpec
+from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 REGION = 0x5EED_0000_0001
 ORDERING_ONLY = [("wait", "S", "prev"), ("record", "start", "S"), ("record", "end", "S")]
@@ -46,19 +48,14 @@ def _fenced(spec: CPULoadStoreSpec, ledger: np.ndarray, region_id: int = REGION
     return CPULoadStoreSpec(spec.block_ids, ledger["gen"][spec.block_ids], region_id)
 
 
-def _transfer(loop, prepared, cpu: CPULoadStoreSpec, fence: FenceTable | None, gpu=None,
-              table: np.ndarray | None = None):
+def _transfer(loop, prepared, cpu: CPULoadStoreSpec, fence: FenceTable | None, gpu=None):
     case = prepared.case
     gpu = case.gpu_spec if gpu is None else gpu
     checks = TransferChecks(prepared.planner.validator(), prepared.planner.pair_bytes, fence)
-    if table is None:
-        table = np.full((4, max(gpu.block_ids.size, 1)), -1, dtype=np.int64)
-    outcome = loop.transfer(checks, case.direction, gpu.block_ids, gpu.group_sizes,
-                            gpu.block_indices, cpu.block_ids, cpu.slot_gens, cpu.region_id,
-                            stream=STREAM, compute=COMPUTE, mark=AFTER, prev_end=PREV,
-                            start_event=START, end_event=END, table_event=TABLE,
-                            table=table.ctypes.data)
-    return outcome, table
+    return loop.transfer(checks, case.direction, gpu.block_ids, gpu.group_sizes,
+                         gpu.block_indices, cpu.block_ids, cpu.slot_gens, cpu.region_id,
+                         stream=STREAM, compute=COMPUTE, mark=AFTER, prev_end=PREV,
+                         start_event=START, end_event=END)
 
 
 @settings(max_examples=120, deadline=None)
@@ -77,7 +74,7 @@ def test_a_transfer_moves_the_plans_bytes_after_the_mark_in_the_pipeline_order(
     try:
         if inline:
             loop.set_inline(1 << 40)
-        outcome, table = _transfer(loop, prepared, cpu, fence)
+        outcome = _transfer(loop, prepared, cpu, fence)
         assert outcome.code == TransferCode.QUEUED and outcome.cu == 0
         assert outcome.num_bytes == prepared.plan.num_bytes
         assert outcome.ticket.issued() or not inline
@@ -92,7 +89,7 @@ def test_a_transfer_moves_the_plans_bytes_after_the_mark_in_the_pipeline_order(
     calls = [t for t in fake.trace if t[0] != "ctx"]
     assert calls[0] == ("record", "after", "C")  # the mark, on the compute stream, first
     if row_order_is_unique(case, prepared.plan):
-        np.testing.assert_array_equal(table[:, :prepared.plan.num_pairs], prepared.layout.pairs)
+        assert all(np.array_equal(t, prepared.layout.pairs) for t in fake.tables)
         assert calls[1:] == contract(prepared.layout, case.store, 0)
 
 
@@ -110,7 +107,7 @@ def test_what_the_planner_refuses_is_refused_and_nothing_is_queued(data):
         refused = True
     fake, loop = prepared.rig()
     try:
-        outcome, _ = _transfer(loop, prepared, cpu, None, gpu=gpu)
+        outcome = _transfer(loop, prepared, cpu, None, gpu=gpu)
         if outcome.ticket is not None:
             outcome.ticket.wait()
     finally:
@@ -156,7 +153,7 @@ def test_a_fenced_off_transfer_copies_nothing_and_keeps_its_place(spoilt):
             ledger["gen"][slot] += 1  # handed out again since the spec was made
         elif spoilt == "state":
             ledger["state"][slot] = LedgerState.FREE
-        outcome, _ = _transfer(loop, prepared, bad, FenceTable(REGION, ledger))
+        outcome = _transfer(loop, prepared, bad, FenceTable(REGION, ledger))
         assert outcome.code == TransferCode.FENCED and outcome.ticket is not None
         outcome.ticket.wait()
         assert outcome.ticket.status == 0
@@ -167,7 +164,7 @@ def test_a_fenced_off_transfer_copies_nothing_and_keeps_its_place(spoilt):
         if spoilt != "region":  # the ledger as the spec saw it again: the same spec runs
             ledger["gen"][slot] = good.slot_gens[-1]
             ledger["state"][slot] = LedgerState.WRITING if case.store else LedgerState.READY
-        again, _ = _transfer(loop, prepared, good, FenceTable(REGION, ledger))
+        again = _transfer(loop, prepared, good, FenceTable(REGION, ledger))
         again.ticket.wait()
         assert again.code == TransferCode.QUEUED and again.ticket.status == 0
     finally:
@@ -185,10 +182,10 @@ def test_an_unfenced_spec_is_the_callers_and_a_fence_without_generations_checks_
     fence = FenceTable(REGION, ledger)
     fake, loop = prepared.rig()
     try:
-        unfenced, _ = _transfer(loop, prepared, case.cpu_spec, fence)
-        region_only, _ = _transfer(loop, prepared, CPULoadStoreSpec(case.cpu_spec.block_ids,
+        unfenced = _transfer(loop, prepared, case.cpu_spec, fence)
+        region_only = _transfer(loop, prepared, CPULoadStoreSpec(case.cpu_spec.block_ids,
                                                                     None, REGION), fence)
-        other, _ = _transfer(loop, prepared, CPULoadStoreSpec(case.cpu_spec.block_ids,
+        other = _transfer(loop, prepared, CPULoadStoreSpec(case.cpu_spec.block_ids,
                                                               None, REGION + 1), fence)
         loop.wait()
     finally:
@@ -201,12 +198,12 @@ def test_a_failed_mark_copies_nothing_says_why_and_the_next_transfer_runs():
     fake, loop = prepared.rig()
     fake.fail_record[AFTER] = 700
     try:
-        failed, _ = _transfer(loop, prepared, prepared.case.cpu_spec, None)
+        failed = _transfer(loop, prepared, prepared.case.cpu_spec, None)
         assert (failed.code, failed.cu) == (TransferCode.MARK_FAILED, 700)
         failed.ticket.wait()
         marks = len(fake.trace)
         del fake.fail_record[AFTER]
-        later, _ = _transfer(loop, prepared, prepared.case.cpu_spec, None)
+        later = _transfer(loop, prepared, prepared.case.cpu_spec, None)
         later.ticket.wait()
         assert later.code == TransferCode.QUEUED and later.ticket.seq == failed.ticket.seq + 1
     finally:
@@ -224,27 +221,27 @@ def test_a_caller_without_a_context_gets_the_loops_before_the_mark():
     me = threading.get_ident()
     try:
         loop.wait()
-        _transfer(loop, prepared, prepared.case.cpu_spec, None)[0].ticket.wait()
+        _transfer(loop, prepared, prepared.case.cpu_spec, None).ticket.wait()
         assert [c for c in fake.ctx_calls if c[0] == me] == []
         fake.current = 0
-        outcome, _ = _transfer(loop, prepared, prepared.case.cpu_spec, None)
+        outcome = _transfer(loop, prepared, prepared.case.cpu_spec, None)
         outcome.ticket.wait()
         assert outcome.code == TransferCode.QUEUED
+        assert [c for c in fake.ctx_calls if c[0] == me] == [(me, LOOP_CTX)]
     finally:
         loop.close()
-    assert [c for c in fake.ctx_calls if c[0] == me] == [(me, LOOP_CTX)]
+    # closing frees the loop's tables: it needs the context too
+    assert [c for c in fake.ctx_calls if c[0] == me] == [(me, LOOP_CTX)] * 2
 
 
 def test_an_empty_transfer_marks_and_orders_and_a_closed_loop_refuses():
     prepared = _case_of_two_slots()
     case = prepared.case
-    from tiercache.specs import GPULoadStoreSpec
-
     empty_gpu = GPULoadStoreSpec([], [0] * len(case.gpu_spec.group_sizes),
                                  [0] * len(case.gpu_spec.group_sizes))
     fake, loop = prepared.rig()
     try:
-        outcome, _ = _transfer(loop, prepared, CPULoadStoreSpec([]), None, gpu=empty_gpu)
+        outcome = _transfer(loop, prepared, CPULoadStoreSpec([]), None, gpu=empty_gpu)
         outcome.ticket.wait()
         assert outcome.code == TransferCode.QUEUED and outcome.num_bytes == 0
     finally:
@@ -274,7 +271,6 @@ def test_id_arrays_of_other_types_or_strides_are_converted_first():
     assert not spread(case.gpu_spec.block_ids, np.int32).flags.c_contiguous
     checks = TransferChecks(prepared.planner.validator(), prepared.planner.pair_bytes,
                             FenceTable(REGION, ledger))
-    table = np.full((4, len(case.gpu_spec)), -1, dtype=np.int64)
     fake, loop = prepared.rig()
     try:
         gpu = case.gpu_spec
@@ -283,10 +279,70 @@ def test_id_arrays_of_other_types_or_strides_are_converted_first():
                                 spread(fenced.block_ids, np.uint32),
                                 spread(fenced.slot_gens, np.int64), REGION, stream=STREAM,
                                 compute=COMPUTE, mark=AFTER, prev_end=PREV, start_event=START,
-                                end_event=END, table_event=TABLE, table=table.ctypes.data)
+                                end_event=END)
         assert outcome.code == TransferCode.QUEUED
         outcome.ticket.wait()
     finally:
         loop.close()
     assert not fake.errors, fake.errors
     assert_same(case, plan, prepared.layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
+
+
+def test_the_loops_own_pair_tables_are_reused_only_once_the_device_passed_them():
+    """A table goes back to use once its job was issued and the event recorded after the
+    job's last launch completed: back-to-back transfers share one table while the device
+    keeps up; a table whose event the device has not passed is never written again (a new
+    one is made); closing frees every table and its event."""
+    prepared = multi_chunk_store()
+    fake, loop = prepared.rig()
+    try:
+        for _ in range(3):
+            _transfer(loop, prepared, prepared.case.cpu_spec, None).ticket.wait()
+        assert len(fake.allocated) == 1 and len(fake.table_events) == 1
+        fake.busy.add(fake.table_events[0])  # the device still reads table 0
+        _transfer(loop, prepared, prepared.case.cpu_spec, None).ticket.wait()
+        assert len(fake.allocated) == 2
+        fake.busy.clear()
+        _transfer(loop, prepared, prepared.case.cpu_spec, None).ticket.wait()
+        assert len(fake.allocated) == 2  # both idle again: no third
+        tables = list(fake.pinned)
+        assert all(n >= 32 * prepared.plan.num_pairs for n in fake.allocated)
+    finally:
+        loop.close()
+    assert not fake.errors, fake.errors
+    assert sorted(fake.freed) == sorted(tables) and fake.pinned == {}
+    assert sorted(fake.destroyed) == sorted(fake.table_events)
+    # every launch read a table of the loop's, each recorded after its job's launches
+    records = [t for t in fake.trace if t[:2] == ("record", "table")]
+    assert len(records) == 5
+
+
+def test_a_job_larger_than_every_table_gets_a_larger_one():
+    """600 pairs (the smallest table holds 512) after a small job: a second, larger
+    table, and the bytes of both transfers land as the per-page plans say."""
+    blocks, pages = 640, [256, 256]
+    rng = np.random.default_rng(9)
+    for n, expect in ((5, [2048 * 8]), (600, [2048 * 8, 600 * 32])):
+        case = Case(factor=1, pages=pages, gpu_offset=[0, blocks * 256], gpu_stride=[256, 256],
+                    num_gpu_blocks=blocks, cpu_offset=[0, 256], cpu_stride=512,
+                    num_cpu_blocks=blocks, groups=[[0, 1]],
+                    gpu_spec=GPULoadStoreSpec(rng.permutation(blocks)[:n].tolist()),
+                    cpu_spec=CPULoadStoreSpec(rng.permutation(blocks)[:n].tolist()),
+                    store=bool(n % 2), chunk_rows=64)
+        prepared = prepare(case)
+        gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
+        plan, gpu_expected, cpu_expected = expected_after(case, prepared.planner, gpu_data,
+                                                          cpu_data, GPU_BASE, CPU_BASE)
+        if n == 5:
+            fake, loop = prepared.rig()
+        else:  # the same loop's pool: a new rig over this case's memories, same tables
+            fake.case, fake.layout = case, prepared.layout
+            fake.memories = (Memory(gpu_data, GPU_BASE), Memory(cpu_data, CPU_BASE), fake.ring)
+            fake.gpu_pages, fake.cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
+        outcome = _transfer(loop, prepared, case.cpu_spec, None)
+        outcome.ticket.wait()
+        assert outcome.code == TransferCode.QUEUED and outcome.ticket.status == 0
+        assert fake.allocated == expect
+        assert_same(case, plan, prepared.layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
+    loop.close()
+    assert not fake.errors, fake.errors

@@ -20,7 +20,7 @@ from block_reference import (
     CPU_BASE, GPU_BASE, Case, Memory, aligned, draw_case, fill, page_places,
 )
 from tiercache.backends.staged.block_layout import BlockStaging
-from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, LoopKernel
+from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, LoopKernel, TableDriver
 from tiercache.planning.planner import TransferPlanner
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
@@ -44,6 +44,12 @@ _BATCH = {ABI_13_0: ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctype
                                      ctypes.c_void_p, ctypes.c_void_p)}
 _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _CTX_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+_HOST_ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                               ctypes.c_uint)
+_EVENT_CREATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+_ONE_HANDLE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)  # free, destroy, query
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
+TABLE_EVENTS = 0x800  # the loop's own tables' events: 0x800, 0x801, ... (named "table")
 LOOP_CTX = 0xC7  # the context the loop makes current on its thread
 
 # handles: small distinct integers (the stand-ins only compare them)
@@ -74,6 +80,12 @@ class FakeGpu:
         self.errors: list[BaseException] = []
         self.fail_batch = fail_batch
         self.fail_record: dict[int, int] = {}  # event -> the CUresult its records return
+        self.pinned: dict[int, np.ndarray] = {}  # the loop's own tables: address -> memory
+        self.allocated: list[int] = []  # (sizes in bytes) every table the loop made
+        self.freed: list[int] = []  # addresses given back
+        self.table_events: list[int] = []  # created, in order
+        self.destroyed: list[int] = []
+        self.busy: set[int] = set()  # table events the device has not passed yet
         self.ctx_calls: list[tuple[int, int]] = []  # (thread, context) of cuCtxSetCurrent
         self.threads: set[int] = set()  # who made the calls (context calls aside)
         self.current = LOOP_CTX  # what cuCtxGetCurrent answers (on any thread)
@@ -88,10 +100,16 @@ class FakeGpu:
         self.c_batch = _BATCH[abi](self._guard(self.batch))
         self.c_ctx = _CTX(self._guard(self.ctx_set, False))
         self.c_ctx_get = _CTX_GET(self._guard(self.ctx_get, False))
+        self.c_tables = (_HOST_ALLOC(self._guard(self.host_alloc, False)),
+                         _ONE_HANDLE(self._guard(self.host_free, False)),
+                         _EVENT_CREATE(self._guard(self.event_create, False)),
+                         _ONE_HANDLE(self._guard(self.event_destroy, False)),
+                         _ONE_HANDLE(self._guard(self.event_query, False)))
         address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         self.driver = LoopDriver(address(self.c_launch), address(self.c_record),
                                  address(self.c_wait), address(self.c_batch),
-                                 address(self.c_ctx), abi, LOOP_CTX, address(self.c_ctx_get))
+                                 address(self.c_ctx), abi, LOOP_CTX, address(self.c_ctx_get),
+                                 TableDriver(*map(address, self.c_tables)))
 
     def _guard(self, fn, track: bool = True):
         def call(*args):
@@ -110,6 +128,35 @@ class FakeGpu:
                 return m.at(address, n)
         raise AssertionError(f"{address:#x} is in no memory")
 
+    def name(self, handle: int) -> str:
+        return "table" if handle in self.table_events else NAMES[handle]
+
+    def host_alloc(self, out, num_bytes, flags):
+        assert flags == 0 and num_bytes % 8 == 0
+        memory = aligned(num_bytes, 0xEE)
+        out[0] = memory.ctypes.data
+        self.pinned[out[0]] = memory
+        self.allocated.append(num_bytes)
+        return 0
+
+    def host_free(self, address):
+        del self.pinned[address]
+        self.freed.append(address)
+        return 0
+
+    def event_create(self, out, flags):
+        assert flags == 2  # CU_EVENT_DISABLE_TIMING: a marker
+        out[0] = TABLE_EVENTS + len(self.table_events)
+        self.table_events.append(out[0])
+        return 0
+
+    def event_destroy(self, event):
+        self.destroyed.append(event)
+        return 0
+
+    def event_query(self, event):
+        return NOT_READY if event in self.busy else 0
+
     def ctx_set(self, ctx):
         self.ctx_calls.append((threading.get_ident(), ctx))
         self.trace.append(("ctx", ctx))
@@ -124,12 +171,12 @@ class FakeGpu:
             gate, self.gate = self.gate, None
             self.at_gate.set()
             assert gate.wait(30), "the test never opened the gate"
-        self.trace.append(("record", NAMES[event], NAMES[stream]))
+        self.trace.append(("record", self.name(event), self.name(stream)))
         return self.fail_record.get(event, 0)
 
     def wait(self, stream, event, flags):
         assert flags == 0
-        self.trace.append(("wait", NAMES[stream], NAMES[event]))
+        self.trace.append(("wait", self.name(stream), self.name(event)))
         if event in FREE:  # a chunk claims slot s: whatever it held is gone
             s = self.claimed = FREE.index(event)
             self.ring.data[s * self.slot_bytes:(s + 1) * self.slot_bytes] = SLOT_POISON
@@ -141,7 +188,7 @@ class FakeGpu:
         tail = [ctypes.c_uint64.from_address(params[i]).value for i in range(9, 9 + EXTRA_PARAMS)]
         assert tail == [0] * EXTRA_PARAMS and values[5:] == [0xAA, 4, 0xBB, 1]
         assert extra is None and (gy, gz, bx, by, bz) == (7, 1, 128, 1, 1)
-        assert shared == (16 if function == PACK else 8) and NAMES[stream] == "S"
+        assert shared == (16 if function == PACK else 8) and self.name(stream) == "S"
         table = np.ctypeslib.as_array((ctypes.c_int64 * (4 * num_pairs)).from_address(pairs))
         table = table.reshape(4, -1).copy()
         self.tables.append(table)
@@ -169,7 +216,7 @@ class FakeGpu:
         order = ctypes.c_int.from_address(attrs).value
         assert num_attrs == 1 and ctypes.c_size_t.from_address(attr_idx).value == 0
         assert order == (1 if self.case.store else 3)
-        self.trace.append(("batch", count, NAMES[stream]))
+        self.trace.append(("batch", count, self.name(stream)))
         if self.fail_batch and sum(1 for t in self.trace if t[0] == "batch") == self.fail_batch:
             return 700
         slot = RING_BASE + self.claimed * self.slot_bytes

@@ -46,6 +46,13 @@ typedef int (*batch_12_fn)(const uint64_t *dsts, const uint64_t *srcs, const uin
                            size_t *fail_idx, void *stream);
 typedef int (*ctx_fn)(void *ctx);
 typedef int (*ctx_get_fn)(void **ctx);
+typedef int (*host_alloc_fn)(void **pointer, size_t bytes, unsigned flags);
+typedef int (*host_free_fn)(void *pointer);
+typedef int (*event_create_fn)(void **event, unsigned flags);
+typedef int (*event_fn)(void *event);
+
+#define TC_EVENT_DISABLE_TIMING 2u
+#define TC_TABLE_MIN_WORDS 2048 /* 16 KiB: 512 pairs */
 
 #define TC_MAX_SLOTS 64
 #define TC_MAX_PARAMS 16
@@ -82,6 +89,9 @@ typedef struct {
 typedef struct {
     void *launch, *record, *wait, *batch, *ctx_set; /* driver entry points */
     void *ctx_get; /* cuCtxGetCurrent: the caller may issue a job itself only in ctx */
+    /* cuMemHostAlloc, cuMemFreeHost, cuEventCreate, cuEventDestroy, cuEventQuery: the
+     * queue's own pair tables (NULL: every job brings its table) */
+    void *host_alloc, *host_free, *event_create, *event_destroy, *event_query;
     int32_t batch_abi;                              /* 12080 (with failIdx) or 13000 */
     int32_t num_slots;
     void *ctx;        /* made current on the loop's thread (NULL: leave as is) */
@@ -126,6 +136,18 @@ typedef struct {
     int64_t cap;
 } dma_t;
 
+/* A pair table of the queue's own: pinned host memory the kernels read through UVA,
+ * reused once the job that last used it was issued and its event (recorded after that
+ * job's last launch) completed. */
+typedef struct {
+    int64_t *pairs;
+    int64_t words; /* int64 entries: room for words / 4 pairs */
+    void *event;
+    uint64_t seq; /* the job that last used it; 0: none; TC_TABLE_TAKEN: being given one */
+} tc_table;
+
+#define TC_TABLE_TAKEN UINT64_MAX
+
 typedef struct {
     tc_config cfg;
     dma_t dma; /* the issuer's: the loop's thread, or an inline caller (file comment) */
@@ -140,6 +162,9 @@ typedef struct {
     int stop;
     uint64_t *seen;       /* tc_transfer's repeat bitmap (its caller's: one thread) */
     int64_t seen_words;
+    pthread_mutex_t tables_mu; /* the submitters' (the loop's thread only records events) */
+    tc_table **tables;
+    int64_t num_tables;
 } tc_queue;
 
 #define TC_ERROR_INVALID_VALUE 1
@@ -664,7 +689,7 @@ static void *loop(void *arg) {
         q->head = n->next;
         if (!q->head)
             q->tail = NULL;
-        q->issued++;
+        __atomic_store_n(&q->issued, q->issued + 1, __ATOMIC_RELEASE); /* take_table reads it */
         pthread_cond_broadcast(&q->issued_cv);
         free(n);
     }
@@ -683,6 +708,7 @@ tc_queue *tc_open(const tc_config *cfg) {
     q->cfg = *cfg;
     q->inline_pairs = -1;
     pthread_mutex_init(&q->mu, NULL);
+    pthread_mutex_init(&q->tables_mu, NULL);
     pthread_cond_init(&q->work, NULL);
     pthread_cond_init(&q->issued_cv, NULL);
     if (pthread_create(&q->thread, NULL, loop, q) != 0) {
@@ -690,6 +716,18 @@ tc_queue *tc_open(const tc_config *cfg) {
         return NULL;
     }
     return q;
+}
+
+/* The loop's context made current on the calling thread when none is (what torch's
+ * set_device does for a fresh thread): the mark and an inline issue act on it. */
+static int caller_context(const tc_config *c) {
+    if (!c->ctx_get || !c->ctx)
+        return 0;
+    void *current = NULL;
+    int rc = ((ctx_get_fn)c->ctx_get)(&current);
+    if (rc || current)
+        return rc;
+    return ((ctx_fn)c->ctx_set)(c->ctx);
 }
 
 /* Whether the calling thread may issue a job itself: the loop's context is current. */
@@ -709,7 +747,7 @@ static int caller_in_context(const tc_config *c) {
  * thread's wake-up nor a second core's cold caches. Either way jobs are issued one at a
  * time, in submission order (file comment). The caller keeps the GIL through
  * the inline issue (a few enqueue-only driver calls, as torch's own launches do). */
-uint64_t tc_submit(tc_queue *q, const tc_job *job) {
+static uint64_t submit_job(tc_queue *q, const tc_job *job) {
     int64_t submitted = now_ns();
     __atomic_store_n(job->status, -1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&q->mu);
@@ -726,7 +764,7 @@ uint64_t tc_submit(tc_queue *q, const tc_job *job) {
         __atomic_store_n(job->status, rc, __ATOMIC_RELEASE);
         q->stamps[0] = submitted, q->stamps[1] = picked, q->stamps[2] = now_ns();
         q->stamps[3] = 1;
-        q->issued++;
+        __atomic_store_n(&q->issued, q->issued + 1, __ATOMIC_RELEASE); /* take_table reads it */
         pthread_cond_broadcast(&q->issued_cv);
         pthread_mutex_unlock(&q->mu);
         return seq;
@@ -747,6 +785,70 @@ uint64_t tc_submit(tc_queue *q, const tc_job *job) {
     uint64_t seq = ++q->submitted;
     pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
+    return seq;
+}
+
+/* A table of the queue's for num_pairs pairs, marked taken (the caller gives it its job's
+ * seq, or 0, with give_table); NULL when none can be made (no allocator, no memory, or
+ * a driver error). Made current: the loop's context, for the driver calls. */
+static tc_table *take_table(tc_queue *q, int64_t num_pairs) {
+    const tc_config *c = &q->cfg;
+    int64_t words = 4 * num_pairs;
+    tc_table *t = NULL;
+    if (!c->host_alloc)
+        return NULL;
+    pthread_mutex_lock(&q->tables_mu);
+    uint64_t issued = __atomic_load_n(&q->issued, __ATOMIC_ACQUIRE);
+    for (int64_t i = 0; i < q->num_tables && !t; i++) {
+        tc_table *u = q->tables[i];
+        if (u->words >= words && u->seq <= issued && ((event_fn)c->event_query)(u->event) == 0)
+            t = u;
+    }
+    if (!t) {
+        tc_table **grown = realloc(q->tables, (size_t)(q->num_tables + 1) * sizeof *grown);
+        t = calloc(1, sizeof *t);
+        int64_t size = words > TC_TABLE_MIN_WORDS ? words : TC_TABLE_MIN_WORDS;
+        void *pairs = NULL, *event = NULL;
+        int ok = grown && t && !caller_context(c)
+                 && ((host_alloc_fn)c->host_alloc)(&pairs, (size_t)size * 8, 0) == 0;
+        if (ok && ((event_create_fn)c->event_create)(&event, TC_EVENT_DISABLE_TIMING) != 0) {
+            ((host_free_fn)c->host_free)(pairs);
+            ok = 0;
+        }
+        if (grown)
+            q->tables = grown;
+        if (!ok) {
+            free(t);
+            pthread_mutex_unlock(&q->tables_mu);
+            return NULL;
+        }
+        *t = (tc_table){pairs, size, event, 0};
+        q->tables[q->num_tables++] = t;
+    }
+    t->seq = TC_TABLE_TAKEN;
+    pthread_mutex_unlock(&q->tables_mu);
+    return t;
+}
+
+static void give_table(tc_queue *q, tc_table *t, uint64_t seq) {
+    pthread_mutex_lock(&q->tables_mu);
+    t->seq = seq;
+    pthread_mutex_unlock(&q->tables_mu);
+}
+
+/* submit_job, with one of the queue's own tables for a job that brings none (pairs
+ * NULL) and lays pairs out; 0 when refused (closing, no memory, or no table). */
+uint64_t tc_submit(tc_queue *q, const tc_job *job) {
+    if (job->pairs || job->num_works <= 0)
+        return submit_job(q, job);
+    tc_table *t = take_table(q, job->num_pairs);
+    if (!t)
+        return 0;
+    tc_job j = *job;
+    j.pairs = t->pairs;
+    j.table_ev = t->event;
+    uint64_t seq = submit_job(q, &j);
+    give_table(q, t, seq);
     return seq;
 }
 
@@ -786,6 +888,14 @@ void tc_close(tc_queue *q) {
     pthread_cond_destroy(&q->work);
     pthread_cond_destroy(&q->issued_cv);
     pthread_mutex_destroy(&q->mu);
+    if (q->num_tables && !caller_context(&q->cfg)) /* the driver calls need the context */
+        for (int64_t i = 0; i < q->num_tables; i++) {
+            ((event_fn)q->cfg.event_destroy)(q->tables[i]->event);
+            ((host_free_fn)q->cfg.host_free)(q->tables[i]->pairs);
+            free(q->tables[i]);
+        }
+    free(q->tables);
+    pthread_mutex_destroy(&q->tables_mu);
     free(q->dma.host);
     free(q->seen);
     free(q);
@@ -890,17 +1000,6 @@ static int repeat_bitmap(tc_queue *q, const tc_bounds *geo) {
     return 0;
 }
 
-/* The loop's context made current on the calling thread when none is (what torch's
- * set_device does for a fresh thread): the mark and an inline issue act on it. */
-static int caller_context(const tc_config *c) {
-    if (!c->ctx_get || !c->ctx)
-        return 0;
-    void *current = NULL;
-    int rc = ((ctx_get_fn)c->ctx_get)(&current);
-    if (rc || current)
-        return rc;
-    return ((ctx_fn)c->ctx_set)(c->ctx);
-}
 
 /* A transfer from the engine's thread in one call, what the handler otherwise does in
  * four steps of Python: validate its ids (tc_validate's rules, repeats found with the
@@ -1010,6 +1109,9 @@ static const tc_field tc_fields[] = {
     TC_STRUCT(tc_config),
     TC_FIELD(tc_config, launch), TC_FIELD(tc_config, record), TC_FIELD(tc_config, wait),
     TC_FIELD(tc_config, batch), TC_FIELD(tc_config, ctx_set), TC_FIELD(tc_config, ctx_get),
+    TC_FIELD(tc_config, host_alloc), TC_FIELD(tc_config, host_free),
+    TC_FIELD(tc_config, event_create), TC_FIELD(tc_config, event_destroy),
+    TC_FIELD(tc_config, event_query),
     TC_FIELD(tc_config, batch_abi),
     TC_FIELD(tc_config, num_slots), TC_FIELD(tc_config, ctx), TC_FIELD(tc_config, dma_stream),
     TC_FIELD(tc_config, ring_base), TC_FIELD(tc_config, slot_bytes),

@@ -113,12 +113,28 @@ class LoopKernel:
 
 
 @dataclass(frozen=True)
+class TableDriver:
+    """Entry points for the loop's own pair tables (``cuMemHostAlloc``, ``cuMemFreeHost``,
+    ``cuEventCreate``, ``cuEventDestroy``, ``cuEventQuery``): pinned host memory the
+    kernels read through UVA, each table with an event recorded after its job's last
+    launch and reused once that event completed."""
+
+    host_alloc: int
+    host_free: int
+    event_create: int
+    event_destroy: int
+    event_query: int
+
+
+@dataclass(frozen=True)
 class LoopDriver:
     """Driver entry points as C function addresses (``cuLaunchKernel``, ``cuEventRecord``,
     ``cuStreamWaitEvent``, ``cuMemcpyBatchAsync`` of ``batch_abi``, ``cuCtxSetCurrent``)
     and the context to make current on the loop's thread (0: none); ``ctx_get``
     (``cuCtxGetCurrent``; 0: none) lets a caller issue a small job itself, only while
-    that context is current on its thread (``ChunkLoop.set_inline``)."""
+    that context is current on its thread (``ChunkLoop.set_inline``); ``tables`` (None:
+    every job brings its table) lets jobs take pair tables of the loop's own (``transfer``
+    needs them)."""
 
     launch: int
     record: int
@@ -128,6 +144,7 @@ class LoopDriver:
     batch_abi: int
     ctx: int
     ctx_get: int = 0
+    tables: TableDriver | None = None
 
 
 class ChunkLoop:
@@ -149,6 +166,11 @@ class ChunkLoop:
         c.batch, c.ctx_set, c.batch_abi, c.ctx = driver.batch, driver.ctx_set, \
             driver.batch_abi, driver.ctx or None
         c.ctx_get = driver.ctx_get or None
+        if driver.tables is not None:
+            t = driver.tables
+            c.host_alloc, c.host_free = t.host_alloc, t.host_free
+            c.event_create, c.event_destroy, c.event_query = \
+                t.event_create, t.event_destroy, t.event_query
         c.num_slots, c.dma_stream = n, dma_stream
         c.ring_base, c.slot_bytes = ring_base, slot_bytes
         for i in range(n):
@@ -166,6 +188,7 @@ class ChunkLoop:
             raise BackendError(f"a geometry of factor {geometry.factor} and row pitches "
                                f"{geometry.pitch.tolist()} for chunks of {geometry.chunk_bytes} "
                                "bytes: a row must fit a chunk")
+        self._own_tables = driver.tables is not None
         self.geometry = geometry
         self._geometry = geometry.struct()
         c.geometry = ctypes.pointer(self._geometry)
@@ -191,9 +214,11 @@ class ChunkLoop:
         buffer (C-contiguous int64: (3, ``num_pairs``) GPU ids, region slots, sub-pages of
         the non-empty groups, then (``num_works``, 2) group and pair count of each), laid
         out by the loop into the pair table at address ``table`` ((4, P) int64: the memory
-        the kernels read) and DMAs of the loop's own. No works: only the ordering events
-        (wait for ``after``, then ``prev_end``; record ``start_event``, ``end_event``).
-        Called from one thread (the job struct is reused: ``tc_submit`` copies it)."""
+        the kernels read, until ``table_event``; 0: one of the loop's own tables, with
+        ``LoopDriver.tables``) and DMAs of the loop's own. No works: only the ordering
+        events (wait for ``after``, then ``prev_end``; record ``start_event``,
+        ``end_event``). Called from one thread (the job struct is reused: ``tc_submit``
+        copies it)."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
         status = ctypes.c_int32(STATUS_PENDING)
@@ -215,7 +240,8 @@ class ChunkLoop:
             pending.popleft()  # issued: the loop no longer reads its arrays or status cell
         seq = self._submit(self._queue, self._job_ref)
         if not seq:
-            raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
+            raise BackendError("the staged chunk loop refused a job (closing, or no memory "
+                               "for it or its pair table)")
         if status.value == STATUS_PENDING:  # issued inline: nothing left for the loop to read
             pending.append((status, held))  # whatever the caller drops, the loop's memory lives
         return Ticket(self, seq, status, held)
@@ -224,18 +250,20 @@ class ChunkLoop:
                  group_sizes: tuple[int, ...], block_indices: tuple[int, ...],
                  slots: np.ndarray, slot_gens: np.ndarray | None, region_id: int, *,
                  stream: int, compute: int, mark: int, prev_end: int = 0,
-                 start_event: int = 0, end_event: int = 0, table_event: int = 0,
-                 table: int = 0) -> Outcome:
+                 start_event: int = 0, end_event: int = 0) -> Outcome:
         """A whole transfer in one native call (``tc_transfer``,
         ``tiercache.native.transfer_call``): the ids of a GPU spec (``gpu_ids``,
         ``group_sizes``, ``block_indices``) and a CPU spec (``slots``, ``slot_gens``,
         ``region_id``) validated against ``checks``, the slots fenced, ``mark`` recorded on
         the ``compute`` stream, and the job queued on ``stream`` after ``mark`` and
         ``prev_end``, between ``start_event`` and ``end_event``, its pairs laid out into
-        ``table`` (room for (4, len(gpu_ids)) int64, read by the kernels until
-        ``table_event``). Called from one thread, like ``submit``."""
+        one of the loop's own tables (``LoopDriver.tables``). Called from one thread, like
+        ``submit``."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
+        if not self._own_tables:
+            raise BackendError("ChunkLoop.transfer needs a loop with tables of its own "
+                               "(LoopDriver.tables)")
         num_groups = checks.num_groups
         if len(group_sizes) != num_groups or len(block_indices) != num_groups:
             return Outcome(1, 0, 0, None)  # SPEC_ERRORS[1]: not one entry per group
@@ -255,11 +283,10 @@ class ChunkLoop:
         status = ctypes.c_int32(STATUS_PENDING)
         j = self._job
         j.stream, j.after, j.prev_end = stream, mark or None, prev_end or None
-        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
-            table_event or None
+        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, None
         j.store = direction is Direction.GPU_TO_CPU
         j.status = ctypes.addressof(status)
-        j.pairs = table or None
+        j.pairs = None  # one of the loop's own tables
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:
             pending.popleft()
@@ -268,7 +295,8 @@ class ChunkLoop:
                           num_groups, groups, id(gpu_ids), id(slots),
                           None if slot_gens is None else id(slot_gens), region_id,
                           self._outcome_ref):
-            raise BackendError("the staged chunk loop refused a job (closing, or out of memory)")
+            raise BackendError("the staged chunk loop refused a job (closing, or no memory "
+                               "for it or its pair table)")
         if not out.seq:  # refused by the validation: nothing queued
             if out.code == TransferCode.NOT_FLAT:
                 raise BackendError("tc_transfer refused an id array that is not 1-d and "

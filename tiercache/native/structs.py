@@ -50,7 +50,8 @@ class ConfigStruct(ctypes.Structure):
 
     _fields_ = [
         ("launch", _vp), ("record", _vp), ("wait", _vp), ("batch", _vp), ("ctx_set", _vp),
-        ("ctx_get", _vp),
+        ("ctx_get", _vp), ("host_alloc", _vp), ("host_free", _vp), ("event_create", _vp),
+        ("event_destroy", _vp), ("event_query", _vp),
         ("batch_abi", ctypes.c_int32), ("num_slots", ctypes.c_int32),
         ("ctx", _vp), ("dma_stream", _vp),
         ("ring_base", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),

@@ -75,7 +75,7 @@ from tiercache.device.driver import (
 )
 from tiercache.device.events import DriverEvent, Event, Stream
 from tiercache.errors import BackendError
-from tiercache.native.chunk_loop import ChunkLoop, LoopDriver
+from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
 from tiercache.native.transfer_call import FenceTable, Outcome, TransferChecks
 from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
@@ -173,10 +173,13 @@ class StagedBackend(StreamBackend):
             raise BackendError(f"CUDA driver {drv.driver_version} has no cuMemcpyBatchAsync "
                                "(needs R570 / CUDA 12.8 or newer)")
         entry = drv.entry_point
+        tables = TableDriver(entry("cuMemHostAlloc"), entry("cuMemFreeHost"),
+                             entry("cuEventCreate"), entry("cuEventDestroy_v2"),
+                             entry("cuEventQuery"))
         loop_driver = LoopDriver(entry("cuLaunchKernel"), entry("cuEventRecord"),
                                  entry("cuStreamWaitEvent"), drv.batch_address,
                                  entry("cuCtxSetCurrent"), int(drv.batch_abi),
-                                 drv.current_context(), entry("cuCtxGetCurrent"))
+                                 drv.current_context(), entry("cuCtxGetCurrent"), tables)
         geometry = staging.loop_geometry()
         loop = ChunkLoop(loop_driver, loop_kernel, geometry, dma_stream=self._dma,
                          ring_base=self._ring_base, slot_bytes=self.slot_bytes,
@@ -195,7 +198,7 @@ class StagedBackend(StreamBackend):
         if self._loop is None or not planner.native_validation \
                 or self._blocks[0].groups is not planner.groups:
             return None
-        return StagedTransfers(self._loop, self._blocks[2], self._ce.device,
+        return StagedTransfers(self._loop, self._ce.device,
                                TransferChecks(planner.validator(), planner.pair_bytes, fence))
 
     @property
@@ -219,7 +222,7 @@ class StagedBackend(StreamBackend):
         return super().submit(plan, ordering)
 
     def _queue(self, plan: BlockPlan | None, ordering: Ordering) -> Submission:
-        staging, _, tables = self._blocks
+        staging = self._blocks[0]
         handle = self.driver.enter(ordering.stream, self._ce.device)
         if len(ordering.after) > 2:
             raise BackendError(f"{len(ordering.after)} events to wait for: the chunk loop "
@@ -236,13 +239,10 @@ class StagedBackend(StreamBackend):
             submit(stream=handle, after=after, prev_end=prev_end, start_event=start,
                    end_event=end)  # the end event is still recorded, in order
             raise
-        address, token = tables.reserve(plan.num_pairs)
         ticket = submit(stream=handle, after=after, prev_end=prev_end, start_event=start,
-                        end_event=end, table_event=tables.table_event(token),
-                        direction=plan.direction, validated=plan.buffer,
-                        num_pairs=plan.num_pairs, num_works=plan.num_works, table=address,
-                        keep=plan)
-        tables.release_after(token, ticket)
+                        end_event=end, direction=plan.direction, validated=plan.buffer,
+                        num_pairs=plan.num_pairs, num_works=plan.num_works,
+                        keep=plan)  # a pair table of the loop's own
         return Submission((plan,), ticket)
 
     def copy(self, plan: Plan, stream: Stream) -> tuple[object, ...]:
@@ -386,33 +386,23 @@ class StagedBackend(StreamBackend):
 
 
 class StagedTransfers:
-    """``NativeTransfers`` of a staged backend: a pair-table buffer reserved, then one
-    ``ChunkLoop.transfer``; the compute stream is the calling thread's current stream of
+    """``NativeTransfers`` of a staged backend: one ``ChunkLoop.transfer`` (its pair table
+    one of the loop's own); the compute stream is the calling thread's current stream of
     the backend's device (what ``CudaStreams.mark_current`` records on)."""
 
-    def __init__(self, loop: ChunkLoop, tables: PairTables, device: int,
-                 checks: TransferChecks):
-        self._loop, self._tables, self._device, self._checks = loop, tables, device, checks
+    def __init__(self, loop: ChunkLoop, device: int, checks: TransferChecks):
+        self._transfer, self._device, self._checks = loop.transfer, device, checks
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds have it
         self._current = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
                  stream: Stream, mark: Event, previous: Event | None, start: Event,
                  end: Event) -> Outcome:
-        tables = self._tables
-        address, token = tables.reserve(gpu.block_ids.size)
-        try:
-            outcome = self._loop.transfer(
-                self._checks, direction, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
-                cpu.block_ids, cpu.slot_gens, cpu.region_id, stream=stream_handle(stream),
-                compute=self._current(self._device), mark=_handle(mark),
-                prev_end=_handle(previous), start_event=_handle(start), end_event=_handle(end),
-                table_event=tables.table_event(token), table=address)
-        except BaseException:
-            tables.release_after(token, None)  # nothing was enqueued that reads it
-            raise
-        tables.release_after(token, outcome.ticket)
-        return outcome
+        return self._transfer(
+            self._checks, direction, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
+            cpu.block_ids, cpu.slot_gens, cpu.region_id, stream=stream_handle(stream),
+            compute=self._current(self._device), mark=_handle(mark),
+            prev_end=_handle(previous), start_event=_handle(start), end_event=_handle(end))
 
 
 def create(context: BackendContext) -> StagedBackend:

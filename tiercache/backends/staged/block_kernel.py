@@ -187,7 +187,9 @@ def ptx_param_bytes(ptx: str, name: str) -> list[int]:
 
 
 class PairTables:
-    """Per-transfer pair tables in pinned host memory, read by the kernels through UVA.
+    """Per-transfer pair tables in pinned host memory, read by the kernels through UVA, for
+    block plans issued from Python (the chunk loop keeps tables of its own, the same way:
+    ``tiercache.native.chunk_loop.TableDriver``).
 
     Why host memory: copying each transfer's table to the device costs a torch copy and an
     event of host time per transfer (docs/benchmarks.md, "Host path"); the kernels read
@@ -201,46 +203,26 @@ class PairTables:
     def __init__(self, device: torch.device | str, driver: CudaDriver | None = None):
         self.device = torch.device(device)
         self.driver = driver or CudaDriver()
-        # idle buffers, oldest released first: (address, int64 capacity, pinned tensor,
-        # event, ticket); the address and capacity kept beside the tensor so that a
-        # reservation makes no torch call
-        self._idle: list[tuple[int, int, torch.Tensor, int, Any]] = []
+        self._idle: list[tuple[torch.Tensor, int]] = []  # (pinned buffer, event)
         self._events: list[int] = []
 
     def upload(self, pairs: np.ndarray, stream: Any) -> tuple[int, Any]:
         """(address of the (4, P) int64 table the kernels read, token for ``release``)."""
-        address, entry = self.reserve(pairs.shape[1])
-        entry[2].numpy()[:pairs.size] = pairs.reshape(-1)
-        return address, entry
-
-    def reserve(self, num_pairs: int) -> tuple[int, Any]:
-        """A buffer for a (4, ``num_pairs``) table that the caller (or the chunk loop)
-        writes: (its address, token for ``release`` / ``release_after``)."""
-        n = 4 * num_pairs
-        idle, done = self._idle, self.driver.event_done
-        for i, entry in enumerate(idle):
-            ticket = entry[4]
-            if entry[1] >= n and (ticket is None or ticket.issued()) and done(entry[3]):
-                del idle[i]
-                return entry[0], entry
-        host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-        entry = (host.data_ptr(), host.numel(), host, self.driver.event_create(), None)
-        self._events.append(entry[3])
-        return entry[0], entry
+        n = pairs.size
+        for i, (host, event) in enumerate(self._idle):
+            if host.numel() >= n and self.driver.event_done(event):
+                entry = self._idle.pop(i)
+                break
+        else:
+            entry = (torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True),
+                     self.driver.event_create())
+            self._events.append(entry[1])
+        entry[0].numpy()[:n] = pairs.reshape(-1)
+        return entry[0].data_ptr(), entry
 
     def release(self, token: Any, stream: Any) -> None:
-        self.driver.event_record(token[3], int(stream.cuda_stream))
+        self.driver.event_record(token[1], int(stream.cuda_stream))
         self._idle.append(token)
-
-    @staticmethod
-    def table_event(token: Any) -> int:
-        """The event the chunk loop records after the table's last launch."""
-        return token[3]
-
-    def release_after(self, token: Any, ticket: Any) -> None:
-        """``release`` for a table the chunk loop reads: reusable once ``ticket`` is issued
-        and the loop's record of ``table_event(token)`` completed."""
-        self._idle.append(token[:4] + (ticket,))
 
     def close(self) -> None:
         """Call once nothing in flight reads a table (the backend's close)."""
