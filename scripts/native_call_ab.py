@@ -38,7 +38,6 @@ C_STEPS = ("c:validate", "c:fence", "c:mark", "c:queue")
 SPANS = [
     ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_transfer_native"),
     ("tiercache.backends.staged.backend", "StagedTransfers", "transfer"),
-    ("tiercache.backends.staged.block_kernel", "PairTables", "reserve"),
     ("tiercache.native.chunk_loop", "ChunkLoop", "transfer"),
 ]
 
@@ -122,7 +121,7 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
                     t0 = time.perf_counter_ns()
                     handlers.transfer_async(next(jobs), spec)
                     spans.current["call"] = time.perf_counter_ns() - t0
-                    c_spans = natives[d]._loop.transfer_spans()  # the C's own steps
+                    c_spans = natives[d]._transfer.__self__.transfer_spans()  # the C's steps
                     for k, name in enumerate(C_STEPS):
                         spans.current[name] = c_spans[k] - (c_spans[k - 1] if k else 0)
                     if i >= WARM:
