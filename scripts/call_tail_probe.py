@@ -30,7 +30,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from engine_call_profile import Spans  # noqa: E402  (scripts/ is on sys.path when run)
+from engine_call_profile import PerCallSpans  # noqa: E402  (scripts/ is on sys.path when run)
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
@@ -41,7 +41,9 @@ from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
 WARM = 10
-SPANS = [
+SPANS = [  # the native whole-transfer path (staged), then the plan + submit path's steps
+    ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_transfer_native"),
+    ("tiercache.backends.staged.backend", "StagedTransfers", "transfer"),
     ("tiercache.planning.planner", "TransferPlanner", "plan_as"),
     ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_enqueue"),
     ("tiercache.device.streams", "CudaStreams", "mark_current"),
@@ -55,19 +57,7 @@ SPANS = [
 ]
 
 
-class Recorder(Spans):
-    """Per-call span times (ns) by wrapping ``SPANS``; ``current`` collects the open call's."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, int] | None = None
-        super().__init__(SPANS)
-
-    def add(self, name: str, ns: int) -> None:
-        if self.current is not None:
-            self.current[name] = self.current.get(name, 0) + ns
-
-
-def run(rig: GpuRig, kib: int, steps: int, busy_mode: bool, rec: Recorder) -> dict:
+def run(rig: GpuRig, kib: int, steps: int, busy_mode: bool, rec: PerCallSpans) -> dict:
     w = Workload.for_page(kib * KIB)
     plans = rig.plans(w)
     built = rig.backends(BenchBackend.parse("auto"), w, plans.planner)
@@ -174,7 +164,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     rig = GpuRig(0, TRANSFER_BYTES)
-    rec = Recorder()
+    rec = PerCallSpans(SPANS)
     out = []
     for kib in args.page_kib:
         for busy_mode in (True, False, True):

@@ -180,5 +180,19 @@ class Spans:
             print(f"RESULT   {name:44s} {ns / reps / 1e3:8.1f} us  ({self.calls[name] / reps:.1f} calls)")
 
 
+
+class PerCallSpans(Spans):
+    """``Spans`` kept per call: ``current`` collects the open call's times (ns) by name;
+    None: nothing is kept."""
+
+    def __init__(self, targets: list[tuple[str, str, str]] | None = None) -> None:
+        self.current: dict[str, int] | None = None
+        super().__init__(targets)
+
+    def add(self, name: str, ns: int) -> None:
+        if self.current is not None:
+            self.current[name] = self.current.get(name, 0) + ns
+
+
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from engine_call_profile import Spans  # noqa: E402  (scripts/ is on sys.path when run)
+from engine_call_profile import PerCallSpans  # noqa: E402  (scripts/ is on sys.path when run)
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
@@ -40,16 +40,6 @@ SPANS = [
     ("tiercache.backends.staged.backend", "StagedTransfers", "transfer"),
     ("tiercache.native.chunk_loop", "ChunkLoop", "transfer"),
 ]
-
-
-class PerCall(Spans):
-    def __init__(self) -> None:
-        self.current: dict[str, int] | None = None
-        super().__init__(SPANS)
-
-    def add(self, name: str, ns: int) -> None:
-        if self.current is not None:
-            self.current[name] = self.current.get(name, 0) + ns
 
 
 def pct(values, q) -> float:
@@ -111,7 +101,7 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
                 one[mode].append(wall * 1e9)
                 one_calls[mode] += took
         use("native")
-        spans = PerCall()
+        spans = PerCallSpans(SPANS)
         parts: list[dict[str, int]] = []
         try:
             for i in range(WARM + steps):
