@@ -21,7 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_reference import CPU_BASE, GPU_BASE, Case, HypDraw, assert_same, draw_case, expected_after
+from block_reference import (
+    CPU_BASE, GPU_BASE, Case, HypDraw, assert_same, draw_case, expected_after,
+)
 from loop_fakes import (
     ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_SLOTS, PACK, PREV,
     RING_BASE, READY, START, STREAM, UNPACK, contract, multi_chunk_store, prepare,

@@ -57,8 +57,9 @@ STREAM, DMA, PACK, UNPACK, COMPUTE = 0x100, 0x200, 0x300, 0x301, 0x400
 START, END, PREV, TABLE, BEGIN, DONE, AFTER = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16
 FREE = [0x40 + s for s in range(NUM_SLOTS)]
 READY = [0x60 + s for s in range(NUM_SLOTS)]
-NAMES = {STREAM: "S", DMA: "D", COMPUTE: "C", START: "start", END: "end", PREV: "prev", TABLE: "table",
-         BEGIN: "begin", DONE: "done", AFTER: "after", **{e: f"free{s}" for s, e in enumerate(FREE)},
+NAMES = {STREAM: "S", DMA: "D", COMPUTE: "C", START: "start", END: "end", PREV: "prev",
+         TABLE: "table", BEGIN: "begin", DONE: "done", AFTER: "after",
+         **{e: f"free{s}" for s, e in enumerate(FREE)},
          **{e: f"ready{s}" for s, e in enumerate(READY)}}
 
 

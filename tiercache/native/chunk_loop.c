@@ -1004,15 +1004,18 @@ static int repeat_bitmap(tc_queue *q, const tc_bounds *geo) {
 /* A transfer from the engine's thread in one call, what the handler otherwise does in
  * four steps of Python: validate its ids (tc_validate's rules, repeats found with the
  * queue's bitmap instead of a sort, into a buffer the job owns and its issuer frees: the
- * loop's layout orders the rows), check the slot fence, record the compute stream's mark (job->after,
- * on compute) and queue the job (tc_submit: inline when small and the loop is idle).
- * job gives the transfer's stream, events, pair table, status cell and direction; its
- * validated, num_works, num_pairs and owns are this call's. groups is (2, num_groups):
- * group_sizes, then block_indices; gpu and cpu are the specs' block ids (int64), gens
- * (NULL: unfenced; uint64, one per slot) and region_id the CPU spec's fence. Arrays that
- * are not 1-d and C-contiguous are refused (TC_NOT_FLAT, nothing queued). A spec refusal queues nothing; a fenced-off transfer, or one whose mark
- * failed, queues its ordering events only (later transfers wait on its end). Returns 0,
- * or -1 when the queue refused the job (closing or no memory; nothing is queued). */
+ * loop's layout orders the rows), check the slot fence, record the compute stream's
+ * mark (job->after, on compute) and queue the job with one of the queue's pair tables
+ * (tc_submit: inline when small and the loop is idle). job gives the transfer's stream,
+ * events, status cell and direction; its validated, num_works, num_pairs, owns, pairs
+ * and table_ev are this call's. groups is (2, num_groups): group_sizes, then
+ * block_indices; gpu and cpu are the specs' block ids (int64), gens (NULL: unfenced;
+ * uint64, one per slot) and region_id the CPU spec's fence. Arrays that are not 1-d and
+ * C-contiguous are refused (TC_NOT_FLAT, nothing queued), and so is a spec the
+ * validation refuses; a fenced-off transfer, or one whose mark failed, queues its
+ * ordering events only (later transfers wait on its end). Returns 0, or -1 when the
+ * queue refused the job (closing, or no memory for it or its table; nothing is queued).
+ * Growing the table pool (a cuMemHostAlloc, rare) is the one slow step it may take. */
 int tc_transfer(tc_queue *q, const tc_caller *c, const tc_job *job, void *compute,
                 int32_t num_groups, const int64_t *groups, const tc_ndarray *gpu,
                 const tc_ndarray *cpu, const tc_ndarray *gens, uint64_t region_id,

@@ -3,7 +3,8 @@
 Two bindings of the one library: ``tc_validate``, ``tc_submit``, ``tc_transfer``,
 ``tc_set_inline``, ``tc_stamps`` and ``tc_layout`` return in microseconds and keep the GIL
 (``PyDLL``; ``tc_submit`` and ``tc_transfer`` may issue a small job's driver calls
-themselves, and ``tc_transfer`` records the compute stream's mark); ``tc_open``, ``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
+themselves, and ``tc_transfer`` records the compute stream's mark); ``tc_open``,
+``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
 Why: a released GIL is taken back only when the process's other Python threads let go,
 up to the switch interval (5 ms) later in a busy process (``tiercache.device.driver``).
 """

@@ -32,10 +32,10 @@ mark and the previous transfer's end to wait for, its own start and end events) 
 ``CopyBackend.native_transfers``) takes all of that in one native call instead, under
 the same rules (a refusal there is re-checked by the planner, so the ``SpecError`` says
 why; a fenced transfer is logged with the fence's reason): in an engine step the Python
-between four native calls cost more than the calls. A backend that issues on a thread of its own (``staged``'s chunk loop) returns
-a ticket: the transfer's events mean something only once it says issued, which
-``get_finished`` and ``wait`` check first, and a failure on that thread is
-``success=False`` like a device failure.
+between four native calls cost more than the calls. A backend that issues on a thread of
+its own (``staged``'s chunk loop) returns a ticket: the transfer's events mean something
+only once it says issued, which ``get_finished`` and ``wait`` check first, and a failure
+on that thread is ``success=False`` like a device failure.
 
 ``CpuGpuOffloadingHandlers.transfer_async`` is the generic entry: it decides the
 direction once (``Direction.of``) and hands the transfer to that direction's handler.
