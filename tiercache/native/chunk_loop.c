@@ -1,16 +1,19 @@
 /* The staged chunk loop on a thread of its own: the host side of a staged transfer.
  *
- * The engine's thread validates a transfer (tc_validate: its block ids, for the planner)
- * and hands it here in one call (tc_submit): per KV-cache group the GPU ids, region slots
- * and sub-pages. This thread lays it out (backends/staged/block_layout.py is the
- * specification: rows in ascending host address within a group, chunks of rows at their
- * pitch, the pair table the kernels read, each row's template runs as DMAs, neighbours
- * merged) and enqueues it on the GPU: per chunk one pack/unpack launch, one
- * cuMemcpyBatchAsync and four event calls (backends/staged/backend.py has the order). It
- * never takes the GIL and never waits for the device: it only enqueues, so the engine's
- * thread is held for none of this. The exception is a small job (at most inline_pairs
- * pairs, tc_set_inline) that finds the loop idle: the caller issues it itself inside
- * tc_submit, which then costs it the job's few driver calls instead of a thread wake-up.
+ * The engine's thread hands a transfer here in one call: tc_transfer takes a spec's ids
+ * as they are, validates them (the planner's rules), checks the worker's slot fence,
+ * marks the compute stream and queues the job with a pair table of the queue's own (or
+ * a planner that validated already, tc_validate, queues its block plan with tc_submit):
+ * per KV-cache group the GPU ids, region slots and sub-pages. This thread lays it out
+ * (backends/staged/block_layout.py is the specification: rows in ascending host address
+ * within a group, chunks of rows at their pitch, the pair table the kernels read, each
+ * row's template runs as DMAs, neighbours merged) and enqueues it on the GPU: per chunk
+ * one pack/unpack launch, one cuMemcpyBatchAsync and four event calls
+ * (backends/staged/backend.py has the order). It never takes the GIL and never waits
+ * for the device: it only enqueues, so the engine's thread is held for none of this.
+ * The exception is a small job (at most inline_pairs pairs, tc_set_inline) that finds
+ * the loop idle: the caller issues it itself, which then costs it the job's few driver
+ * calls instead of a thread wake-up.
  *
  * Jobs are issued strictly in submission order, one at a time (a FIFO). What keeps the
  * two issuers apart: the loop's thread leaves a job at the queue's head until it has
@@ -18,9 +21,9 @@
  * the lock and only while the head is empty; so the ring cursor and the DMA scratch have
  * one user at a time. Each job also carries the handler's ordering events (wait for the
  * previous transfer, record the start, record the end), so that everything a transfer
- * puts on its stream is put there by its issuer, in order. A job's status cell is written last (0 or the first failing
- * CUresult) and the issued count is then bumped: the caller must not trust the job's
- * events before it sees the job issued.
+ * puts on its stream is put there by its issuer, in order. A job's status cell is
+ * written last (0 or the first failing CUresult) and the issued count is then bumped:
+ * the caller must not trust the job's events before it sees the job issued.
  *
  * Driver entry points arrive as function pointers (resolved by tiercache's driver
  * binding), so the loop links against nothing and can be driven by any table of
@@ -239,7 +242,6 @@ static void sort_keyed(keyed_t *a, keyed_t *tmp, int64_t n) {
         memcpy(a, src, (size_t)n * sizeof *a);
 }
 
-
 typedef struct {
     int64_t cpu_row;    /* sort key */
     int64_t lo, hi;     /* the row's pairs: indices lo..hi-1 of its work */
@@ -268,8 +270,8 @@ static int sort_rows(row_t *rows, int64_t n) {
 }
 
 /* Rows of work w at rows[0..], ascending CPU row (stable): returns how many (-1: out of
- * memory). ``whole``:
- * every row takes its group's whole-image template (loads with whole_rows). */
+ * memory). ``whole``: every row takes its group's whole-image template (loads with
+ * whole_rows). */
 static int64_t work_rows(const tc_geometry *geo, const tc_work *w, int32_t index, int whole,
                          row_t *rows) {
     int64_t f = geo->factor, g = w->group, n = w->count, num_rows;
