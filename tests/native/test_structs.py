@@ -42,7 +42,7 @@ def test_numpys_array_head_reads_as_the_c_reads_it_and_a_wrong_reading_is_report
     """``tc_transfer`` reads id arrays through numpy's object layout (tc_ndarray); the
     check behind it passes for this numpy and names what a mis-declared head gets wrong
     (here: a pointer too many before the data, as a free-threaded CPython would have)."""
-    assert structs.ndarray_mismatches() == []
+    assert structs.ndarray_mismatches() == ()
 
     class Shifted(ctypes.Structure):
         _fields_ = [("pad", ctypes.c_void_p)] + structs.NdarrayHead._fields_

@@ -9,10 +9,19 @@ look-alikes for the ``cpu`` backend. The handler code is the same for both.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from tiercache.device.driver import CudaDriver
 from tiercache.device.events import DriverEvent, Event, Stream
+
+
+def current_stream_handle(torch: Any) -> Callable[[int], int]:
+    """``handle(device_index)``: the calling thread's current stream of that device as a raw
+    ``CUstream``, without building a torch Stream object (a transfer marks the compute
+    stream every time); CUDA builds of torch have the getter, others go through a Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 class StreamPlatform(ABC):
@@ -63,9 +72,7 @@ class CudaStreams(StreamPlatform):
             else int(self.device.index)
         self._driver = CudaDriver()
         self._events: list[DriverEvent] = []
-        # the current stream's raw handle without building a torch Stream object (the
-        # handler marks the compute stream on every transfer); CUDA builds of torch have it
-        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._current_handle = current_stream_handle(torch)
 
     def new_stream(self) -> Stream:
         return self._torch.cuda.Stream(device=self.device)
@@ -86,10 +93,7 @@ class CudaStreams(StreamPlatform):
         return self._event(timing=False)
 
     def mark_current(self, event: Event) -> None:
-        if self._raw_current is None:
-            super().mark_current(event)
-            return
-        self._driver.event_record(event.handle, self._raw_current(self._index))
+        self._driver.event_record(event.handle, self._current_handle(self._index))
 
     def close(self) -> None:
         for event in self._events:

@@ -32,6 +32,7 @@ MAX_PARAMS = 16
 KERNEL_ARGS = 9  # pairs, pair_stride, first, count, slot_base, tensors, tensor_stride,
 #                  groups, num_groups: the first parameters of the pack kernel
 STATUS_PENDING = -1
+_REFUSED = "the staged chunk loop refused a job (closing, or no memory for it or its pair table)"
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 
 
@@ -221,13 +222,9 @@ class ChunkLoop:
         copies it)."""
         if self._queue is None:
             raise BackendError("the staged chunk loop is closed")
-        status = ctypes.c_int32(STATUS_PENDING)
+        status = self._new_job(stream, after, prev_end, start_event, end_event, direction)
         j = self._job
-        j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
-        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, \
-            table_event or None
-        j.store = direction is Direction.GPU_TO_CPU
-        j.status = ctypes.addressof(status)
+        j.table_ev = table_event or None
         if num_works:
             j.num_works, j.num_pairs = num_works, num_pairs
             j.validated, j.pairs = address_of(validated), table
@@ -235,15 +232,29 @@ class ChunkLoop:
         else:
             j.num_works = j.num_pairs = 0
             held = (keep,)
+        seq = self._submit(self._queue, self._job_ref)
+        if not seq:
+            raise BackendError(_REFUSED)
+        return self._ticket(seq, status, held)
+
+    def _new_job(self, stream: int, after: int, prev_end: int, start_event: int,
+                 end_event: int, direction: Direction | None) -> ctypes.c_int32:
+        """The reused job struct's stream, ordering events and direction set for a new job;
+        its fresh status cell. Drops the pending jobs the loop has issued since."""
+        status = ctypes.c_int32(STATUS_PENDING)
+        j = self._job
+        j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
+        j.start_ev, j.end_ev = start_event or None, end_event or None
+        j.store = direction is Direction.GPU_TO_CPU
+        j.status = ctypes.addressof(status)
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:
             pending.popleft()  # issued: the loop no longer reads its arrays or status cell
-        seq = self._submit(self._queue, self._job_ref)
-        if not seq:
-            raise BackendError("the staged chunk loop refused a job (closing, or no memory "
-                               "for it or its pair table)")
-        if status.value == STATUS_PENDING:  # issued inline: nothing left for the loop to read
-            pending.append((status, held))  # whatever the caller drops, the loop's memory lives
+        return status
+
+    def _ticket(self, seq: int, status: ctypes.c_int32, held: object) -> Ticket:
+        if status.value == STATUS_PENDING:  # not issued inline: the loop will read these
+            self._pending.append((status, held))  # whatever the caller drops, they live
         return Ticket(self, seq, status, held)
 
     def transfer(self, checks: TransferChecks, direction: Direction, gpu_ids: np.ndarray,
@@ -268,10 +279,7 @@ class ChunkLoop:
         if len(group_sizes) != num_groups or len(block_indices) != num_groups:
             return Outcome(1, 0, 0, None)  # SPEC_ERRORS[1]: not one entry per group
         groups = checks.groups
-        if num_groups == 1:
-            groups[0], groups[1] = group_sizes[0], block_indices[0]
-        else:
-            groups[:] = (*group_sizes, *block_indices)
+        groups[:] = (*group_sizes, *block_indices)
         # the arrays go by their objects' addresses (tc_ndarray): flat, of the C's types
         if gpu_ids.dtype is not _I64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=_I64).reshape(-1)
@@ -280,31 +288,21 @@ class ChunkLoop:
         if slot_gens is not None and (slot_gens.dtype is not _U64
                                       or not slot_gens.flags.c_contiguous):
             slot_gens = np.ascontiguousarray(slot_gens, dtype=_U64).reshape(-1)
-        status = ctypes.c_int32(STATUS_PENDING)
+        status = self._new_job(stream, mark, prev_end, start_event, end_event, direction)
         j = self._job
-        j.stream, j.after, j.prev_end = stream, mark or None, prev_end or None
-        j.start_ev, j.end_ev, j.table_ev = start_event or None, end_event or None, None
-        j.store = direction is Direction.GPU_TO_CPU
-        j.status = ctypes.addressof(status)
-        j.pairs = None  # one of the loop's own tables
-        pending = self._pending
-        while pending and pending[0][0].value != STATUS_PENDING:
-            pending.popleft()
+        j.table_ev = j.pairs = None  # one of the loop's own tables
         out = self._outcome
         if self._transfer(self._queue, checks.ref, self._job_ref, compute or None,
                           num_groups, groups, id(gpu_ids), id(slots),
                           None if slot_gens is None else id(slot_gens), region_id,
                           self._outcome_ref):
-            raise BackendError("the staged chunk loop refused a job (closing, or no memory "
-                               "for it or its pair table)")
+            raise BackendError(_REFUSED)
         if not out.seq:  # refused by the validation: nothing queued
             if out.code == TransferCode.NOT_FLAT:
                 raise BackendError("tc_transfer refused an id array that is not 1-d and "
                                    "C-contiguous (converted above: a bug)")
             return Outcome(out.code, 0, 0, None)
-        if status.value == STATUS_PENDING:
-            pending.append((status, None))
-        return Outcome(out.code, out.cu, out.num_bytes, Ticket(self, out.seq, status, None))
+        return Outcome(out.code, out.cu, out.num_bytes, self._ticket(out.seq, status, None))
 
     def transfer_spans(self) -> tuple[int, int, int, int]:
         """Of the last ``transfer``, ns from its start until validated, fenced, marked and

@@ -9,6 +9,7 @@ library is built with the system compiler). Field names are the C names.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -117,10 +118,12 @@ class NdarrayHead(ctypes.Structure):
 C_CONTIGUOUS_FLAG = 0x0001  # NPY_ARRAY_C_CONTIGUOUS
 
 
-def ndarray_mismatches(head_type: type[ctypes.Structure] = NdarrayHead) -> list[str]:
+@functools.cache
+def ndarray_mismatches(head_type: type[ctypes.Structure] = NdarrayHead) -> tuple[str, ...]:
     """Where numpy's arrays, read as ``head_type`` at their object's address, disagree
-    with what numpy says of them (none: []): type, data address, dimension count, length
-    and the C-contiguous flag, of a contiguous array and of a strided view."""
+    with what numpy says of them (none: ()): type, data address, dimension count, length
+    and the C-contiguous flag, of a contiguous array and of a strided view. Checked once
+    per process and head type."""
     import numpy as np
 
     base = np.arange(8, dtype=np.int64)
@@ -133,7 +136,7 @@ def ndarray_mismatches(head_type: type[ctypes.Structure] = NdarrayHead) -> list[
         if seen != want:
             lines.append(f"a {name} numpy array read as tc_ndarray: (type, data, nd, length, "
                          f"C-contiguous) {seen}, numpy says {want}")
-    return lines
+    return tuple(lines)
 
 
 # C name -> mirror: every struct the Python side passes to the library

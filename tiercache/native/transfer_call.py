@@ -18,7 +18,6 @@ group's bytes per pair, and the fence's ledger (``FenceTable``). Torch-free.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -28,14 +27,7 @@ import numpy as np
 
 from tiercache.errors import BackendError
 from tiercache.native.structs import CallerStruct, address_of, ndarray_mismatches
-from tiercache.native.validator import SPEC_ERRORS, NativeValidator
-
-
-
-@functools.cache
-def _ndarray_mismatches() -> tuple[str, ...]:
-    """numpy's array head as the C reads it, checked once per process."""
-    return tuple(ndarray_mismatches())
+from tiercache.native.validator import NativeValidator
 
 
 class TransferCode(IntEnum):
@@ -47,10 +39,6 @@ class TransferCode(IntEnum):
     NOT_FLAT = 8  # an id array not 1-d and C-contiguous (the caller's bug: nothing queued)
     FENCED = 100  # the fence refused the slots (or the region)
     MARK_FAILED = 101  # the compute stream's mark could not be recorded (``cu`` says why)
-
-    @staticmethod
-    def is_spec_refusal(code: int) -> bool:
-        return code in SPEC_ERRORS
 
 
 @dataclass(frozen=True)
@@ -78,16 +66,15 @@ class TransferChecks:
 
     def __init__(self, validator: NativeValidator, pair_bytes: Sequence[int],
                  fence: FenceTable | None = None):
-        mismatches = _ndarray_mismatches()
+        mismatches = ndarray_mismatches()  # numpy's array head as the C reads it
         if mismatches:
             raise BackendError("the native transfer call cannot read this numpy's arrays: "
                                + "; ".join(mismatches))
         if len(pair_bytes) != validator.num_groups:
             raise BackendError(f"{len(pair_bytes)} pair sizes for {validator.num_groups} "
                                "KV-cache groups: one per group")
-        self.validator = validator
         self._pair_bytes = np.ascontiguousarray(pair_bytes, dtype=np.int64)
-        self.fence = fence
+        self._points_into = (validator, fence)  # the struct reads their memory
         c = CallerStruct()
         c.bounds, c.pair_bytes = validator.bounds_address, address_of(self._pair_bytes)
         if fence is not None:

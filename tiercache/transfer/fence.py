@@ -17,8 +17,9 @@ The check runs on the caller's thread when the transfer is submitted (numpy over
 spec's slots: microseconds; a backend that issues whole transfers natively checks the
 same rule in C over ``table``, ``tiercache.native.transfer_call``). The copy itself runs
 later, on the device, milliseconds at most; what could change a slot in that window is a
-session declared dead, and that takes ``index.session_timeout_s`` of silence. A refusal is a failed transfer
-(``TransferResult(success=False)``), never an exception in the engine's step.
+session declared dead, and that takes ``index.session_timeout_s`` of silence. A refusal is
+a failed transfer (``TransferResult(success=False)``), never an exception in the engine's
+step.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ from tiercache.device.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, stream_handle,
 )
 from tiercache.device.events import DriverEvent, Event, Stream
+from tiercache.device.streams import current_stream_handle
 from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
 from tiercache.native.transfer_call import FenceTable, Outcome, TransferChecks
@@ -392,8 +393,7 @@ class StagedTransfers:
 
     def __init__(self, loop: ChunkLoop, device: int, checks: TransferChecks):
         self._transfer, self._device, self._checks = loop.transfer, device, checks
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds have it
-        self._current = raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+        self._current = current_stream_handle(torch)
 
     def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
                  stream: Stream, mark: Event, previous: Event | None, start: Event,
