@@ -49,6 +49,7 @@ for step in $STEPS; do
     one-block) timeout 250 python3 scripts/one_block_probe.py --json "$OUT/one_block.json" 2>&1 | grep -v '^\[' | tee "$OUT/one_block.txt" ;;
     matmul-sweep) timeout 400 python3 scripts/matmul_sweep.py ${SWEEP_ARGS:-} --json "$OUT/matmul_sweep.json" 2>&1 | grep -v '^\[' | tee "$OUT/matmul_sweep.txt" ;;
     tail) timeout 300 python3 scripts/call_tail_probe.py --json "$OUT/call_tail.json" 2>&1 | grep -v '^\[' | tee "$OUT/call_tail.txt" ;;
+    zero-copy) timeout 400 python3 scripts/zero_copy_probe.py ${ZERO_ARGS:-} --json "$OUT/zero_copy.json" 2>&1 | grep -v '^\[' | tee "$OUT/zero_copy.txt" ;;
     pattern-here) for r in 1 2; do timeout 150 python3 scripts/engine_pattern.py 2>&1 | grep -v '^\[' | tee -a "$OUT/pattern_here.txt"; done ;;
     baseline) (cd "${BASELINE_DIR:-.baseline}" && PYTHONPATH=. timeout 200 python3 -m tiercache.tools.bench $BASELINE_ARGS --json "$OUT/baseline.json" 2>"$OUT/baseline_progress.log" | tee "$OUT/baseline.txt") ;;
   esac

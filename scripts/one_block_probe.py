@@ -90,7 +90,7 @@ def probe(rig: GpuRig, kib: int, steps: int) -> dict:
         parts["gpu"].append(gpu)
         if loop is None:
             return False
-        submitted, picked, issued, was_inline = loop.stamps()
+        submitted, picked, issued, was_inline, _ = loop.stamps()
         parts["before"].append(submitted - t0)
         parts["wake"].append(picked - submitted)
         parts["issue"].append(issued - picked)

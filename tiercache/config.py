@@ -24,6 +24,8 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "
 INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
 MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
+DEFAULT_ZERO_COPY_BYTES = 4 << 20  # docs/benchmarks.md, "Zero-copy small transfers"
+MAX_ZERO_COPY_BYTES = 64 << 20  # beyond this the ring's pipeline is always the faster path
 
 
 def check_name(name: object, key: str = "instance.name") -> str:
@@ -246,6 +248,9 @@ class Config:
     kv: KVGeometry = field(default_factory=lambda: KVGeometry(page_bytes=(32 << 10,) * 8))
     region: RegionConfig = field(default_factory=RegionConfig)
     backend: BackendKind = BackendKind.AUTO
+    # staged moves a transfer of at most this many bytes zero-copy: one kernel between the
+    # GPU pages and the pinned host rows, no DMA, no ring (0: never; only when pinned)
+    zero_copy_bytes: int = DEFAULT_ZERO_COPY_BYTES
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path; made absolute here
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
@@ -275,6 +280,9 @@ class Config:
             object.__setattr__(self, "control_socket", os.path.abspath(self.control_socket))
         if not 1 <= self.world_size <= 64:
             raise ConfigError(f"instance.world_size = {self.world_size}: allowed 1..64")
+        if not 0 <= self.zero_copy_bytes <= MAX_ZERO_COPY_BYTES:
+            raise ConfigError(f"transfer.zero_copy_bytes = {self.zero_copy_bytes}: allowed 0 "
+                              f"(never) .. {MAX_ZERO_COPY_BYTES >> 20} MiB")
         if self.index_policy not in INDEX_POLICIES:
             raise ConfigError(f"index.policy = {self.index_policy!r}: allowed "
                               f"{', '.join(map(repr, INDEX_POLICIES))}")
@@ -337,7 +345,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
         "num_layers": int, "kv_tensors_per_layer": int, "num_kv_heads": int, "head_dim": int,
         "dtype": str, "block_tokens": int, "block_size_factor": int,
     },
-    "transfer": {"backend": str},
+    "transfer": {"backend": str, "zero_copy_bytes": (int, str)},
     "exporter": {"address": str, "port": int, "enabled": bool},
     "control": {"socket": str, "max_connections": int, "max_connections_per_peer": int,
                 "hello_timeout_s": (int, float), "idle_timeout_s": (int, float),
@@ -525,6 +533,9 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
         kwargs["cluster"] = _cluster_from(raw["cluster"])
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
+    if "zero_copy_bytes" in raw.get("transfer", {}):
+        kwargs["zero_copy_bytes"] = parse_size(raw["transfer"]["zero_copy_bytes"],
+                                               "transfer.zero_copy_bytes")
     if "kv" in raw:
         kwargs["kv"] = _kv_from(raw["kv"])
     return Config(**kwargs)
@@ -574,7 +585,8 @@ def config_to_toml(config: Config) -> str:
                    "attachments_per_rank": reg.attachments_per_rank},
         "kv": {"page_bytes": list(kv.page_bytes), "block_size_factor": kv.block_size_factor,
                "block_tokens": kv.block_tokens},
-        "transfer": {"backend": config.backend.label},
+        "transfer": {"backend": config.backend.label,
+                     "zero_copy_bytes": config.zero_copy_bytes},
         "exporter": {"address": exp.address, "port": exp.port, "enabled": exp.enabled},
         "control": {"socket": config.control_socket,
                     "max_connections": config.control_max_connections,

@@ -81,6 +81,9 @@ PLANNED = {
     # as many pack programs as tensor columns: one program per column strides over every
     # pair of a chunk (by default the block kernel launches one per (pair, tensor))
     "staged-blocks-strided": lambda planner: _staged(planner=planner, pack_programs=4),
+    # every transfer of these tests zero-copy: the kernel moves pages to / from the host rows
+    "staged-blocks-zero-copy": lambda planner: _staged(planner=planner,
+                                                       zero_copy_bytes=64 << 20),
 }
 
 
@@ -90,6 +93,7 @@ def _build(name: str, direction: Direction, planner=None):
         assert backend.plan_form is PlanForm.BLOCKS  # the block layout accepted the geometry
         if name == "staged-blocks-strided":  # one program per column: every launch strides
             assert backend._blocks[1].max_pair_programs == 1
+        assert (backend.zero_copy_pairs > 0) == (name == "staged-blocks-zero-copy")
         return backend
     return BUILDERS[name]()
 
@@ -354,7 +358,8 @@ def _page_pairs(layout, gpu_ids, cpu_ids, tensors: int, page: int, factor: int):
 
 @pytest.mark.parametrize("name", ["ce", "ce_loop", "kernel", "staged", "staged-small",
                                   "staged-blocks", "staged-blocks-small",
-                                  "staged-blocks-python", "staged-blocks-strided"])
+                                  "staged-blocks-python", "staged-blocks-strided",
+                                  "staged-blocks-zero-copy"])
 @pytest.mark.parametrize("factor", [1, 2])  # 1: the planner emits host order (page by page)
 def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     """Through the real handlers: a load submitted after queued compute writes to its
@@ -402,7 +407,8 @@ def test_handlers_order_transfers_after_queued_compute(name, factor, buffers):
     handlers.shutdown()
 
 
-@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-python"])
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-python",
+                                  "staged-blocks-zero-copy"])
 def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     """block_size_factor 2, a load starting at the second sub-page of its first CPU block
     (vLLM's block_indices): the pages land byte-exact and no other GPU byte changes."""
@@ -437,7 +443,8 @@ def test_block_level_mid_block_load_writes_only_its_pages(name, buffers):
     handlers.shutdown()
 
 
-@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-strided"])
+@pytest.mark.parametrize("name", ["staged-blocks", "staged-blocks-small", "staged-blocks-strided",
+                                  "staged-blocks-zero-copy"])
 def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buffers):
     """Transfers submitted without waiting (the native loop issues them while the caller
     submits more): stores of random blocks, then loads of them into other GPU blocks,
@@ -475,6 +482,8 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
     assert [r.job_id for r in results if r.transfer_type is Direction.GPU_TO_CPU] == jobs[:8]
     assert [r.job_id for r in results if r.transfer_type is Direction.CPU_TO_GPU] == jobs[8:]
     assert all(r.success and r.transfer_time > 0 for r in results)
+    for h in (handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler):  # how they moved
+        assert h.backend.chunk_loop.stamps().zero_copy == (name == "staged-blocks-zero-copy")
     want, got = written.cpu().numpy(), gpu.cpu().numpy()
     for src, dst in loads:
         for t in range(tensors):

@@ -26,8 +26,8 @@ from block_reference import (
 )
 from loop_fakes import (
     ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_SLOTS, PACK, PREV,
-    RING_BASE, READY, START, STREAM, UNPACK, contract, multi_chunk_store, prepare,
-    row_order_is_unique, spoil,
+    RING_BASE, READY, SLOT_POISON, START, STREAM, UNPACK, contract, multi_chunk_store, prepare,
+    row_order_is_unique, spoil, zero_copy_contract, zero_copy_pairs,
 )
 from tiercache.errors import BackendError, SpecError
 from tiercache.native import build as native_build
@@ -90,7 +90,30 @@ def test_whole_row_loads_merge_rows_when_the_groups_pitches_differ(rows, dmas):
     assert layout.dma_slot.tolist() == [0] * len(dmas)  # each from its chunk's slot start
 
 
-def _check(case, abi, inline: bool = False):
+@settings(max_examples=100, deadline=None)
+@given(st.data(), st.booleans())
+def test_zero_copy_jobs_move_the_plans_bytes_in_one_launch_over_the_host_rows(data, inline):
+    """A job within the zero-copy bound: one launch of the kernel over all its pairs, each
+    row offset the host address of its row image, and nothing through the ring (no DMA,
+    no slot claimed); the same bytes as the per-page plan."""
+    _check(draw_case(HypDraw(data)), ABI_13_0, inline, zero_copy=True)
+
+
+@pytest.mark.parametrize("bound, expect", [(-1, False), (0, False), (1, False), (2, True),
+                                           (1 << 40, True)])
+def test_zero_copy_takes_jobs_of_at_most_its_bound_in_pairs(bound, expect):
+    """A two-pair load: zero-copy exactly when the bound is two pairs or more; the bytes
+    are the plan's either way."""
+    case = Case(factor=1, pages=[512] * 3, gpu_offset=[0, 4096, 8192], gpu_stride=[512] * 3,
+                num_gpu_blocks=8, cpu_offset=[0, 512, 1024], cpu_stride=1536,
+                num_cpu_blocks=8, groups=[[0, 1, 2]], gpu_spec=GPULoadStoreSpec([5, 2]),
+                cpu_spec=CPULoadStoreSpec([7, 1]), store=False, chunk_rows=4)
+    _check(case, ABI_13_0, zero_copy=expect, bound=bound)
+
+
+def _check(case, abi, inline: bool = False, zero_copy: bool = False, bound: int | None = None):
+    """Run ``case`` through the loop (``zero_copy``: expect it to move zero-copy, with
+    the bound ``bound``, default every job)."""
     prepared = prepare(case)
     reference, layout = prepared.plan, prepared.layout
     gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
@@ -100,11 +123,14 @@ def _check(case, abi, inline: bool = False):
     try:
         if inline:
             loop.set_inline(1 << 40)
+        if zero_copy or bound is not None:
+            loop.set_zero_copy(1 << 40 if bound is None else bound)
         ticket, table, validated = prepared.submit(loop)
         assert ticket.issued() or not inline  # issued inside submit
         ticket.wait()
         assert ticket.issued() and ticket.status == 0
-        assert loop.stamps()[3] == inline
+        assert loop.stamps().inline == inline
+        assert loop.stamps().zero_copy == (zero_copy and validated.num_pairs > 0)
     finally:
         loop.close()
     np.testing.assert_array_equal(validated.pairs, reference.pairs)  # C = numpy validation
@@ -118,7 +144,12 @@ def _check(case, abi, inline: bool = False):
     if not inline:
         assert fake.trace[0] == ("ctx", LOOP_CTX)  # before any job
     calls = [t for t in fake.trace if t[0] != "ctx"]
-    if row_order_is_unique(case, reference):  # the numpy layout, exactly
+    if zero_copy and validated.num_pairs:  # straight to / from the host rows
+        assert calls == zero_copy_contract(validated.num_pairs, case.store)
+        assert sorted(map(tuple, table.T.tolist())) == zero_copy_pairs(prepared.staging,
+                                                                      validated)
+        assert fake.dmas == [] and (fake.ring.data == SLOT_POISON).all()  # no slot touched
+    elif row_order_is_unique(case, reference):  # the numpy layout, exactly
         np.testing.assert_array_equal(table, layout.pairs)
         assert fake.dmas == list(zip(layout.dma_host.tolist(), layout.dma_slot.tolist(),
                                      layout.dma_bytes.tolist()))
@@ -197,9 +228,9 @@ def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
         gate.set()
         loop.wait()
         assert (first.status, second.status) == (0, 0)
-        assert loop.stamps()[3] is False  # the second too was issued by the loop's thread
+        assert loop.stamps().inline is False  # the second too was issued by the loop's thread
         third, _, _ = prepared.submit(loop)  # the loop idle again: inline
-        assert third.issued() and third.status == 0 and loop.stamps()[3] is True
+        assert third.issued() and third.status == 0 and loop.stamps().inline is True
     finally:
         gate.set()
         loop.close()
@@ -219,10 +250,10 @@ def test_only_a_job_within_the_inline_bound_is_issued_by_the_caller():
         loop.set_inline(pairs - 1)
         over, _, _ = prepared.submit(loop)
         over.wait()
-        assert over.status == 0 and loop.stamps()[3] is False
+        assert over.status == 0 and loop.stamps().inline is False
         loop.set_inline(pairs)
         within, _, _ = prepared.submit(loop)
-        assert within.issued() and within.status == 0 and loop.stamps()[3] is True
+        assert within.issued() and within.status == 0 and loop.stamps().inline is True
     finally:
         loop.close()
     assert not fake.errors, fake.errors
@@ -251,7 +282,7 @@ def test_a_caller_without_the_loops_context_never_issues_inline():
         loop.set_inline(1 << 40)
         ticket, _, _ = prepared.submit(loop)
         ticket.wait()
-        assert ticket.status == 0 and loop.stamps()[3] is False
+        assert ticket.status == 0 and loop.stamps().inline is False
     finally:
         loop.close()
     assert threading.get_ident() not in fake.threads
@@ -347,7 +378,7 @@ def test_a_job_without_a_table_lays_out_into_one_of_the_loops_own(inline):
                              num_pairs=validated.num_pairs, num_works=validated.num_works,
                              keep=validated)
         ticket.wait()
-        assert ticket.status == 0 and loop.stamps()[3] == inline
+        assert ticket.status == 0 and loop.stamps().inline == inline
     finally:
         loop.close()
     assert not fake.errors, fake.errors

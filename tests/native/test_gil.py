@@ -18,7 +18,8 @@ import pytest
 
 from tiercache.native.library import Library, library
 
-KEEP = {"tc_validate", "tc_submit", "tc_transfer", "tc_set_inline", "tc_stamps", "tc_layout"}
+KEEP = {"tc_validate", "tc_submit", "tc_transfer", "tc_set_inline", "tc_set_zero_copy", "tc_stamps",
+        "tc_layout"}
 RELEASE = {"tc_open", "tc_wait", "tc_close"}
 
 

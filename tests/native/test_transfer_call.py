@@ -23,7 +23,7 @@ from block_reference import (
 )
 from loop_fakes import (
     AFTER, COMPUTE, END, LOOP_CTX, PREV, START, STREAM, contract, multi_chunk_store, prepare,
-    row_order_is_unique, spoil,
+    row_order_is_unique, spoil, zero_copy_contract,
 )
 from tiercache.errors import BackendError, SpecError
 from tiercache.native.transfer_call import FenceTable, TransferChecks, TransferCode
@@ -59,9 +59,11 @@ def _transfer(loop, prepared, cpu: CPULoadStoreSpec, fence: FenceTable | None, g
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.data(), st.booleans(), st.sampled_from(["none", "unfenced", "fenced"]))
+@given(st.data(), st.booleans(), st.sampled_from(["none", "unfenced", "fenced"]),
+       st.booleans())
 def test_a_transfer_moves_the_plans_bytes_after_the_mark_in_the_pipeline_order(
-        data, inline, fencing):
+        data, inline, fencing, zero_copy):
+    """Through the ring, or (``zero_copy``) in one launch over the host rows."""
     case = draw_case(HypDraw(data))
     prepared = prepare(case)
     gpu_data, cpu_data = prepared.gpu_data, prepared.cpu_data
@@ -74,12 +76,16 @@ def test_a_transfer_moves_the_plans_bytes_after_the_mark_in_the_pipeline_order(
     try:
         if inline:
             loop.set_inline(1 << 40)
+        if zero_copy:
+            loop.set_zero_copy(1 << 40)
         outcome = _transfer(loop, prepared, cpu, fence)
         assert outcome.code == TransferCode.QUEUED and outcome.cu == 0
         assert outcome.num_bytes == prepared.plan.num_bytes
         assert outcome.ticket.issued() or not inline
         outcome.ticket.wait()
-        assert outcome.ticket.status == 0 and loop.stamps()[3] == inline
+        assert outcome.ticket.status == 0 and loop.stamps().inline == inline
+        zero_copy = zero_copy and prepared.plan.num_pairs > 0
+        assert loop.stamps().zero_copy == zero_copy
     finally:
         loop.close()
     assert not fake.errors, fake.errors
@@ -88,7 +94,10 @@ def test_a_transfer_moves_the_plans_bytes_after_the_mark_in_the_pipeline_order(
     assert_same(case, plan, prepared.layout, gpu_data, cpu_data, gpu_expected, cpu_expected)
     calls = [t for t in fake.trace if t[0] != "ctx"]
     assert calls[0] == ("record", "after", "C")  # the mark, on the compute stream, first
-    if row_order_is_unique(case, prepared.plan):
+    if zero_copy:
+        assert calls[1:] == zero_copy_contract(prepared.plan.num_pairs, case.store)
+        assert fake.dmas == []
+    elif row_order_is_unique(case, prepared.plan):
         assert all(np.array_equal(t, prepared.layout.pairs) for t in fake.tables)
         assert calls[1:] == contract(prepared.layout, case.store, 0)
 

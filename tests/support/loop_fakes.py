@@ -3,8 +3,8 @@ that do what the GPU would, on numpy memory, and the numpy specification of what
 must issue (``contract``).
 
 A launch runs the numpy model of the pack / unpack kernel over the pair table, range and
-slot base it was given, a batch copies its descriptors, and event records / waits are
-logged. A slot is poisoned when a chunk claims it (its ``free`` wait), so a DMA or an
+slot base it was given (slot base 0: a zero-copy launch, whose row offsets are host
+addresses), a batch copies its descriptors, and event records / waits are logged. A slot is poisoned when a chunk claims it (its ``free`` wait), so a DMA or an
 unpack that read bytes the chunk did not write would show.
 """
 
@@ -196,13 +196,15 @@ class FakeGpu:
         assert gx == min(count, 5)  # max_grid_x bounds the first dimension
         store = function == PACK
         assert store == self.case.store
-        assert slot_base == RING_BASE + self.claimed * self.slot_bytes, "not the claimed slot"
+        zero_copy = slot_base == 0  # the pages move straight to / from the host rows
+        assert zero_copy or slot_base == RING_BASE + self.claimed * self.slot_bytes, \
+            "not the claimed slot"
 
         self.trace.append(("launch", "pack" if store else "unpack", first, count))
         places = page_places(self.case, self.gpu_pages, self.cpu_pages,
                              table[:, first:first + count])
         for address, offset, n in places:
-            slot = self.ring.at(slot_base + offset, n)
+            slot = self.memory(offset, n) if zero_copy else self.ring.at(slot_base + offset, n)
             page = self.memory(address, n)
             if store:
                 slot[:] = page
@@ -270,6 +272,28 @@ def contract(layout, store: bool, cursor: int) -> list[tuple]:
     if layout.num_chunks:
         out += [("record", "table", "S"), ("record", "done", "D"), ("wait", "S", "done")]
     return out + [("record", "end", "S")]
+
+
+def zero_copy_contract(num_pairs: int, store: bool) -> list[tuple]:
+    """A zero-copy job's calls: one launch over every pair on the transfer's stream, no
+    slot, no DMA."""
+    return [("wait", "S", "after"), ("wait", "S", "prev"), ("record", "start", "S"),
+            ("launch", "pack" if store else "unpack", 0, num_pairs), ("record", "table", "S"),
+            ("record", "end", "S")]
+
+
+def zero_copy_pairs(staging, validated) -> list[tuple[int, int, int, int]]:
+    """The pairs a zero-copy table must hold, sorted: (GPU id, the host address of the
+    pair's row image, sub-page, group) for each pair of the validated plan."""
+    geometry = staging.loop_geometry()
+    out = []
+    for w in validated.group_pairs():
+        g = int(w.group)
+        for gpu, row, sub in zip(w.gpu_ids.tolist(), np.asarray(w.slots).tolist(),
+                                 w.sub_pages.tolist()):
+            out.append((gpu, int(geometry.row_origin[g]) + row * int(geometry.cpu_stride[g]),
+                        sub, g))
+    return sorted(out)
 
 
 def submit_plan(loop: ChunkLoop, planner: TransferPlanner, case):

@@ -45,7 +45,8 @@ class BackendContext:
     slice is page-locked and registered with the driver; ``streams`` is the platform the
     handler uses (for calibration runs at attach); ``planner`` is the rank's (its
     geometry: a backend that takes block plans builds its tables from it, and never
-    plans with it).
+    plans with it); ``zero_copy_bytes`` bounds the transfers ``staged`` moves zero-copy
+    (the config's ``transfer.zero_copy_bytes``; honoured only where ``host_registered``).
     """
 
     direction: Direction
@@ -55,6 +56,7 @@ class BackendContext:
     host_registered: bool
     streams: StreamPlatform
     planner: TransferPlanner | None = None
+    zero_copy_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:

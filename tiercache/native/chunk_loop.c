@@ -13,7 +13,11 @@
  * for the device: it only enqueues, so the engine's thread is held for none of this.
  * The exception is a small job (at most inline_pairs pairs, tc_set_inline) that finds
  * the loop idle: the caller issues it itself, which then costs it the job's few driver
- * calls instead of a thread wake-up.
+ * calls instead of a thread wake-up. A job of at most zero_copy_pairs pairs
+ * (tc_set_zero_copy) skips the ring: one launch of the same kernel moves its pages
+ * straight between the GPU and the host rows (pinned, mapped: the kernel reaches them
+ * through UVA), with no DMA and no hop between streams, the shortest path for a block
+ * or two, at the cost of holding the launch's programs for the PCIe time.
  *
  * Jobs are issued strictly in submission order, one at a time (a FIFO). What keeps the
  * two issuers apart: the loop's thread leaves a job at the queue's head until it has
@@ -161,7 +165,9 @@ typedef struct {
     uint64_t submitted, issued;
     int64_t cursor; /* the ring slot the next chunk takes (the issuer's, as dma) */
     int64_t inline_pairs; /* jobs of at most this many pairs: issued by the caller when idle */
-    int64_t stamps[4];    /* the last job: submitted, picked up, issued (ns), 1 if inline */
+    int64_t zero_copy_pairs; /* jobs of at most this many pairs: zero-copy (no ring, no DMA) */
+    int64_t stamps[5];    /* the last job: submitted, picked up, issued (ns), 1 if inline,
+                             1 if zero-copy */
     int stop;
     uint64_t *seen;       /* tc_transfer's repeat bitmap (its caller's: one thread) */
     int64_t seen_words;
@@ -320,9 +326,12 @@ static int dma_reserve(dma_t *x, int64_t n) {
 }
 
 /* Lay the job out: pairs into j->pairs, DMAs into *x, chunk boundaries into
- * *pair_first / *dma_first (malloc'd, num_chunks + 1 each). Returns 0 or an error. */
-static int lay_out(const tc_geometry *geo, const tc_job *j, dma_t *x, int64_t **pair_first,
-                   int64_t **dma_first, int64_t *num_chunks) {
+ * *pair_first / *dma_first (malloc'd, num_chunks + 1 each). Returns 0 or an error.
+ * zero_copy: one chunk and no DMAs; each pair's row offset is its row image's host
+ * address (the kernel, given slot base 0, then moves pages between the GPU and the
+ * host rows themselves: a row's slot image has the host image's offsets). */
+static int lay_out(const tc_geometry *geo, const tc_job *j, int zero_copy, dma_t *x,
+                   int64_t **pair_first, int64_t **dma_first, int64_t *num_chunks) {
     int64_t f = geo->factor, total = 0, P = j->num_pairs, at = 0;
     const int64_t *work_meta = j->validated + 3 * P;
     *pair_first = *dma_first = NULL;
@@ -370,13 +379,15 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, dma_t *x, int64_t **
         const row_t *row = &rows[r];
         const tc_work *w = &works[row->work];
         int64_t g = w->group, pitch = geo->pitch[g];
-        if (k < 0 || (offset > 0 && (uint64_t)(offset + pitch) > geo->chunk_bytes)) {
+        if (k < 0
+            || (!zero_copy && offset > 0 && (uint64_t)(offset + pitch) > geo->chunk_bytes)) {
             k++;
             pf[k] = p;
             df[k] = d;
             offset = 0;
         }
-        int64_t slot = offset, host = row->cpu_row * geo->cpu_stride[g] + geo->row_origin[g];
+        int64_t host = row->cpu_row * geo->cpu_stride[g] + geo->row_origin[g];
+        int64_t slot = zero_copy ? host : offset;
         offset += pitch;
         for (int64_t q = row->lo; q < row->hi; q++, p++) {
             if (p >= P) {
@@ -388,7 +399,8 @@ static int lay_out(const tc_geometry *geo, const tc_job *j, dma_t *x, int64_t **
             j->pairs[2 * P + p] = w->sub_pages[q];
             j->pairs[3 * P + p] = g;
         }
-        int64_t first = geo->tpl_first[row->tpl], runs = geo->tpl_count[row->tpl];
+        int64_t first = geo->tpl_first[row->tpl];
+        int64_t runs = zero_copy ? 0 : geo->tpl_count[row->tpl];
         for (int64_t u = first; u < first + runs && !err; u++) {
             uint64_t h = (uint64_t)(host + geo->run_offset[u]);
             uint64_t s = (uint64_t)(slot + geo->run_offset[u]), n = (uint64_t)geo->run_bytes[u];
@@ -572,10 +584,11 @@ int tc_validate(const tc_bounds *geo, int32_t store, int32_t num_groups,
 
 /* ------------------------------------------------------------------ issue */
 
-/* One job; returns 0 or the first failing CUresult. After a failure the remaining chunks
- * are skipped, but the joins and the job's end event are still recorded (later transfers,
- * the pair table's reuse and the handler's completion order on them). */
-static int run_job(tc_queue *q, const tc_job *j) {
+/* One job; returns 0 or the first failing CUresult, and sets *zero_copy_out to whether it
+ * moved zero-copy. After a failure the remaining chunks are skipped, but the joins and the
+ * job's end event are still recorded (later transfers, the pair table's reuse and the
+ * handler's completion order on them). */
+static int run_job(tc_queue *q, const tc_job *j, int *zero_copy_out) {
     const tc_config *c = &q->cfg;
     record_fn record = (record_fn)c->record;
     wait_fn wait = (wait_fn)c->wait;
@@ -599,8 +612,17 @@ static int run_job(tc_queue *q, const tc_job *j) {
         CALL(wait(S, j->prev_end, 0));
     if (j->start_ev)
         CALL(record(j->start_ev, S));
+    int zero_copy = j->num_works > 0
+                    && j->num_pairs <= __atomic_load_n(&q->zero_copy_pairs, __ATOMIC_RELAXED);
+    *zero_copy_out = zero_copy;
     if (j->num_works > 0 && !err)
-        err = lay_out(c->geometry, j, &q->dma, &pair_first, &dma_first, &num_chunks);
+        err = lay_out(c->geometry, j, zero_copy, &q->dma, &pair_first, &dma_first, &num_chunks);
+    if (zero_copy && num_chunks > 0 && !err) { /* no ring: the kernel reaches the host rows */
+        CALL(launch(c, j, 0, j->num_pairs, 0));
+        if (j->table_ev)
+            ALWAYS(record(j->table_ev, S));
+        num_chunks = 0;
+    }
     /* One chunk has nothing to overlap: all of it on the transfer's stream, no hops to
      * the DMA stream and back (the slot's free event still orders it with the ring). */
     int hop = num_chunks > 1;
@@ -680,13 +702,15 @@ static void *loop(void *arg) {
         node *n = q->head;
         pthread_mutex_unlock(&q->mu);
         int64_t picked = now_ns();
-        int rc = ctx_rc ? ctx_rc : run_job(q, &n->job);
+        int zero_copy = 0;
+        int rc = ctx_rc ? ctx_rc : run_job(q, &n->job, &zero_copy);
         if (n->job.owns)
             free((void *)n->job.validated);
         int64_t issued = now_ns();
         pthread_mutex_lock(&q->mu);
         q->stamps[0] = n->submitted_ns, q->stamps[1] = picked, q->stamps[2] = issued;
         q->stamps[3] = 0; /* before the status: a caller that sees it issued reads these */
+        q->stamps[4] = zero_copy;
         __atomic_store_n(n->job.status, rc, __ATOMIC_RELEASE);
         q->head = n->next;
         if (!q->head)
@@ -709,6 +733,7 @@ tc_queue *tc_open(const tc_config *cfg) {
         return NULL;
     q->cfg = *cfg;
     q->inline_pairs = -1;
+    q->zero_copy_pairs = -1;
     pthread_mutex_init(&q->mu, NULL);
     pthread_mutex_init(&q->tables_mu, NULL);
     pthread_cond_init(&q->work, NULL);
@@ -760,12 +785,13 @@ static uint64_t submit_job(tc_queue *q, const tc_job *job) {
     if (!q->head && job->num_pairs <= q->inline_pairs && caller_in_context(&q->cfg)) {
         uint64_t seq = ++q->submitted;
         int64_t picked = now_ns();
-        int rc = run_job(q, job);
+        int zero_copy = 0;
+        int rc = run_job(q, job, &zero_copy);
         if (job->owns)
             free((void *)job->validated);
         __atomic_store_n(job->status, rc, __ATOMIC_RELEASE);
         q->stamps[0] = submitted, q->stamps[1] = picked, q->stamps[2] = now_ns();
-        q->stamps[3] = 1;
+        q->stamps[3] = 1, q->stamps[4] = zero_copy;
         __atomic_store_n(&q->issued, q->issued + 1, __ATOMIC_RELEASE); /* take_table reads it */
         pthread_cond_broadcast(&q->issued_cv);
         pthread_mutex_unlock(&q->mu);
@@ -862,8 +888,15 @@ void tc_set_inline(tc_queue *q, int64_t pairs) {
     pthread_mutex_unlock(&q->mu);
 }
 
-/* The last issued job's times (CLOCK_MONOTONIC ns: submitted, picked up, issued) and
- * whether the caller issued it (1) or the loop's thread (0); zeros before any job. */
+/* Jobs of at most this many pairs move zero-copy (file comment); 0 or negative: none.
+ * Only for host rows that are pinned and mapped: the kernel dereferences them. */
+void tc_set_zero_copy(tc_queue *q, int64_t pairs) {
+    __atomic_store_n(&q->zero_copy_pairs, pairs, __ATOMIC_RELAXED);
+}
+
+/* The last issued job's times (CLOCK_MONOTONIC ns: submitted, picked up, issued),
+ * whether the caller issued it (1) or the loop's thread (0), and whether it moved
+ * zero-copy (1); zeros before any job. */
 void tc_stamps(tc_queue *q, int64_t *out) {
     pthread_mutex_lock(&q->mu);
     memcpy(out, q->stamps, sizeof q->stamps);

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -94,6 +95,16 @@ class Ticket:
     def status(self) -> int:
         """The job's CUresult once issued (STATUS_PENDING before)."""
         return self._status.value
+
+
+class Stamps(NamedTuple):
+    """The last issued job's clock (ns, ``time.monotonic_ns``) and how it was issued."""
+
+    submitted: int
+    picked: int
+    issued: int
+    inline: bool  # by the caller, inside its submit (else by the loop's thread)
+    zero_copy: bool  # no ring: the kernel moved its pages to or from the host rows
 
 
 @dataclass(frozen=True)
@@ -317,13 +328,23 @@ class ChunkLoop:
         if self._queue is not None:
             self._lib.tc_set_inline(self._queue, max_pairs)
 
-    def stamps(self) -> tuple[int, int, int, bool]:
+    def set_zero_copy(self, max_pairs: int) -> None:
+        """Jobs of at most ``max_pairs`` pairs skip the ring: one launch of the pack /
+        unpack kernel moves their pages straight between the GPU and the host rows, which
+        the kernel reaches through UVA (no DMA, no hop between streams); 0: none. Only
+        for host rows that are page-locked and mapped for the loop's device: the kernel
+        dereferences them, and an unmapped address loses the CUDA context."""
+        if self._queue is not None:
+            self._lib.tc_set_zero_copy(self._queue, max_pairs)
+
+    def stamps(self) -> Stamps:
         """The last issued job: when it was submitted, picked up and issued
-        (``time.monotonic_ns`` clock), and whether the caller issued it."""
-        out = (ctypes.c_int64 * 4)()
+        (``time.monotonic_ns`` clock), whether the caller issued it and whether it moved
+        zero-copy."""
+        out = (ctypes.c_int64 * 5)()
         if self._queue is not None:
             self._lib.tc_stamps(self._queue, out)
-        return out[0], out[1], out[2], bool(out[3])
+        return Stamps(out[0], out[1], out[2], bool(out[3]), bool(out[4]))
 
     def wait(self, seq: int = 0) -> None:
         """Block (GIL released) until job ``seq`` (0: every job so far) was issued."""

@@ -1,7 +1,7 @@
 """The compiled ``chunk_loop.c``, bound once per process with its argument types.
 
 Two bindings of the one library: ``tc_validate``, ``tc_submit``, ``tc_transfer``,
-``tc_set_inline``, ``tc_stamps`` and ``tc_layout`` return in microseconds and keep the GIL
+``tc_set_inline``, ``tc_set_zero_copy``, ``tc_stamps`` and ``tc_layout`` return in microseconds and keep the GIL
 (``PyDLL``; ``tc_submit`` and ``tc_transfer`` may issue a small job's driver calls
 themselves, and ``tc_transfer`` records the compute stream's mark); ``tc_open``,
 ``tc_wait`` and ``tc_close`` wait for the loop's thread and release it (``CDLL``).
@@ -33,6 +33,7 @@ class Library:
     tc_submit: ctypes._CFuncPtr
     tc_transfer: ctypes._CFuncPtr
     tc_set_inline: ctypes._CFuncPtr
+    tc_set_zero_copy: ctypes._CFuncPtr
     tc_stamps: ctypes._CFuncPtr
     tc_layout: ctypes._CFuncPtr
     tc_open: ctypes._CFuncPtr
@@ -55,6 +56,8 @@ def _bind(path: str) -> Library:
     keep.tc_transfer.restype = ctypes.c_int
     keep.tc_set_inline.argtypes = [_vp, ctypes.c_int64]
     keep.tc_set_inline.restype = None
+    keep.tc_set_zero_copy.argtypes = [_vp, ctypes.c_int64]
+    keep.tc_set_zero_copy.restype = None
     keep.tc_stamps.argtypes = [_vp, ctypes.POINTER(ctypes.c_int64)]
     keep.tc_stamps.restype = None
     keep.tc_layout.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_char_p)] * 2 \
@@ -68,7 +71,8 @@ def _bind(path: str) -> Library:
     wait.tc_close.restype = None
     return Library(tc_validate=keep.tc_validate, tc_submit=keep.tc_submit,
                    tc_transfer=keep.tc_transfer,
-                   tc_set_inline=keep.tc_set_inline, tc_stamps=keep.tc_stamps,
+                   tc_set_inline=keep.tc_set_inline,
+                   tc_set_zero_copy=keep.tc_set_zero_copy, tc_stamps=keep.tc_stamps,
                    tc_layout=keep.tc_layout, tc_open=wait.tc_open, tc_wait=wait.tc_wait,
                    tc_close=wait.tc_close)
 

@@ -216,6 +216,8 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     before it is pinned.
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
+    zero_copy = (config_or_name.zero_copy_bytes if isinstance(config_or_name, Config)
+                 else Config.zero_copy_bytes)
     if prefault_threads is None:
         prefault_threads = (config_or_name.region.prefault_threads
                             if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
@@ -249,7 +251,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         streams = create_stream_platform(kind, torch_device)
         undo.callback(streams.close)
         backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams,
-                             planner)
+                             planner, zero_copy)
         for direction, chosen in backends.items():
             stats.set_backend(direction, chosen.kind)
         fence = SlotFence(region.region_id, IndexLedger(region.ledger_array()).table)
@@ -285,13 +287,14 @@ def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
 
 def _backends(kind: BackendKind, gpu_pages: tuple[PageArray, ...],
               cpu_pages: tuple[PageArray, ...], device: torch.device, pin_state: PinState,
-              streams: StreamPlatform, planner: TransferPlanner
+              streams: StreamPlatform, planner: TransferPlanner, zero_copy_bytes: int
               ) -> dict[Direction, CopyBackend]:
     built: dict[Direction, CopyBackend] = {}
     try:
         for direction in Direction:
             context = BackendContext(direction, gpu_pages, cpu_pages, device,
-                                     pin_state is PinState.PINNED, streams, planner)
+                                     pin_state is PinState.PINNED, streams, planner,
+                                     zero_copy_bytes)
             built[direction] = create_backend(kind, context)
     except BaseException:
         for made in built.values():

@@ -110,9 +110,11 @@ class StagedBackend(StreamBackend):
                  pack_programs: int | None = None, driver: CudaDriver | None = None,
                  load_order: SrcAccessOrder = SrcAccessOrder.ANY,
                  planner: TransferPlanner | None = None, load_whole_rows: bool = True,
-                 native: bool = True):
+                 native: bool = True, zero_copy_bytes: int = 0):
         if num_slots < 2:
             raise BackendError(f"num_slots = {num_slots}: staged needs >= 2 to overlap")
+        if zero_copy_bytes < 0:
+            raise BackendError(f"zero_copy_bytes = {zero_copy_bytes}: must be >= 0 (0: off)")
         if not 0 < direct_bytes <= chunk_bytes:
             raise BackendError(f"direct_bytes = {direct_bytes}: must be in 1..chunk_bytes "
                                f"({chunk_bytes})")
@@ -145,6 +147,10 @@ class StagedBackend(StreamBackend):
         self._blocks = None if planner is None else self._block_path(planner, load_whole_rows,
                                                                        pack_programs)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
+        self.zero_copy_pairs = 0
+        if self._loop is not None and zero_copy_bytes:
+            self.zero_copy_pairs = zero_copy_bytes // max(planner.pair_bytes)
+            self._loop.set_zero_copy(self.zero_copy_pairs)
         self.plan_form = PlanForm.PAGES if self._blocks is None else PlanForm.BLOCKS
 
     def _block_path(self, planner: TransferPlanner, load_whole_rows: bool,
@@ -406,4 +412,11 @@ class StagedTransfers:
 
 
 def create(context: BackendContext) -> StagedBackend:
-    return StagedBackend(device_index(context.device), planner=context.planner)
+    return StagedBackend(device_index(context.device), planner=context.planner,
+                         zero_copy_bytes=zero_copy_bytes(context))
+
+
+def zero_copy_bytes(context: BackendContext) -> int:
+    """The zero-copy bound for ``context``: only host memory registered with the driver
+    is mapped for the kernel (an unmapped address would lose the CUDA context)."""
+    return context.zero_copy_bytes if context.host_registered else 0

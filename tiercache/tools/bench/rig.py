@@ -14,6 +14,7 @@ import numpy as np
 from tiercache.backends import create_backend
 from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
 from tiercache.backends.kind import BackendKind
+from tiercache.config import Config
 from tiercache.errors import BackendError, ConfigError
 from tiercache.pages import PageArray
 from tiercache.planning.planner import TransferPlanner
@@ -166,15 +167,17 @@ class GpuRig:
                         (GPULoadStoreSpec(gpu_blocks[:1]), CPULoadStoreSpec(rows[:1])),
                         (CPULoadStoreSpec(rows[b:b + 1]), GPULoadStoreSpec(gpu_blocks[b:b + 1])))
 
-    def backends(self, backend: BenchBackend, w: Workload, planner: TransferPlanner
-                 ) -> dict[Direction, CopyBackend]:
+    def backends(self, backend: BenchBackend, w: Workload, planner: TransferPlanner,
+                 zero_copy_bytes: int = Config.zero_copy_bytes) -> dict[Direction, CopyBackend]:
         """Both directions of ``backend`` over the workload's pages (pinned host rows),
-        given the planner as a worker gives it (block-level backends use it)."""
+        given the planner and the zero-copy bound as a worker gives them (block-level
+        backends use the planner; the bound defaults to the config's)."""
         from tiercache.device.streams import CudaStreams
 
         gpu, cpu = planner.gpu_pages, planner.cpu_pages
         return {d: backend.create(BackendContext(d, gpu, cpu, self.device, True,
-                                                 CudaStreams(self.device), planner))
+                                                 CudaStreams(self.device), planner,
+                                                 zero_copy_bytes))
                 for d in Direction}
 
     # ------------------------------------------------------------ timing
