@@ -10,9 +10,9 @@ hits both:
   handlers, N = 1, 2, 4, ... (where the ring becomes the faster path);
 * ``spin``: a one-block load from the call to ``get_finished`` returning it, polled
   keeping the GIL, after 1 ms of the step's own Python (the issue's one-block figure);
-* ``matmul``: a bf16 matmul on its own stream, solo and with one-block loads issued
-  beside it every ~0.3 ms in either mode (what the zero-copy kernel's programs take from
-  the model).
+* ``matmul``: a bf16 matmul on its own stream, solo and with loads of the largest
+  zero-copy size (``--matmul-bytes``) issued beside it every ~0.3 ms in either mode (what
+  the zero-copy kernel's programs take from the model).
 
 The one-way ceiling (one large pinned copy) is measured in the same run.
 Usage: ``python scripts/zero_copy_probe.py [--page-kib 16 32 64] [--reps 40] [--json F]``.
@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from tiercache.config import Config
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.tools.bench.engine import STEP_PYTHON_S, python_for
@@ -45,15 +46,15 @@ class Rig:
         self.plans = rig.plans(self.w)
         self.built = rig.backends(BenchBackend.parse("staged"), self.w, self.plans.planner,
                                   zero_copy_bytes=0)
-        self.loops = [b.chunk_loop for b in self.built.values()]
-        assert all(self.loops), "staged without its native loop"
+        self.loops = {d: b.chunk_loop for d, b in self.built.items()}
+        assert all(self.loops.values()), "staged without its native loop"
         self.handlers = CpuGpuOffloadingHandlers.build(self.plans.planner, self.built,
                                                        CudaStreams(rig.device))
         self.jobs = iter(range(1, 1 << 30))
         self.pair_bytes = max(self.plans.planner.pair_bytes)
 
     def mode(self, name: str) -> None:
-        for loop in self.loops:
+        for loop in self.loops.values():
             loop.set_zero_copy(ALL if name == "zero" else 0)
 
     def spec(self, direction: Direction, n: int):
@@ -75,7 +76,7 @@ class Rig:
                 time.sleep(0)
         wall = time.monotonic_ns() - t0
         assert result.success
-        zero = any(loop.stamps().zero_copy for loop in self.loops)
+        zero = self.loops[Direction.of(spec)].stamps().zero_copy
         return wall, int(result.transfer_time * 1e9), zero
 
     def close(self) -> None:
@@ -120,7 +121,7 @@ def one_block_spin(r: Rig, steps: int) -> dict:
     return out
 
 
-def matmul_cost(rig: GpuRig, r: Rig, rounds: int) -> dict:
+def matmul_cost(rig: GpuRig, r: Rig, rounds: int, blocks: int) -> dict:
     torch = rig.torch
     n = 8192
     a = torch.randn(n, n, device=rig.device, dtype=torch.bfloat16)
@@ -128,7 +129,7 @@ def matmul_cost(rig: GpuRig, r: Rig, rounds: int) -> dict:
     c = torch.empty_like(a)
     stream = torch.cuda.Stream(device=rig.device)
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    spec = r.plans.one_load_spec
+    spec = r.spec(Direction.CPU_TO_GPU, blocks)
 
     def once(mode: str | None) -> tuple[float, int]:
         with torch.cuda.stream(stream):
@@ -156,7 +157,7 @@ def matmul_cost(rig: GpuRig, r: Rig, rounds: int) -> dict:
             if m != "solo":
                 loads[m].append(k)
     solo = float(np.median(got["solo"]))
-    return {"solo_ms": solo,
+    return {"solo_ms": solo, "blocks": blocks,
             **{f"{m}_of_solo": [round(solo / x, 4) for x in got[m]] for m in ("ring", "zero")},
             **{f"{m}_loads": loads[m] for m in loads}}
 
@@ -168,6 +169,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--matmul-bytes", type=int, default=Config.zero_copy_bytes,
+                   help="the loads beside the matmul: as many blocks as fit (default: the "
+                        "config's zero-copy bound, the largest zero-copy transfer)")
     p.add_argument("--json")
     args = p.parse_args()
     rig = GpuRig(0, TRANSFER_BYTES)
@@ -180,7 +184,7 @@ def main() -> None:
         try:
             rows = gpu_times(r, args.blocks, args.reps)
             spin = one_block_spin(r, args.steps)
-            mm = matmul_cost(rig, r, args.rounds) if kib == args.page_kib[0] else None
+            mm = matmul_cost(rig, r, args.rounds, max(1, args.matmul_bytes // r.pair_bytes))
         finally:
             r.close()
         wire = r.pair_bytes / (ceiling["cpu_to_gpu"] * 1e9) * 1e6
@@ -198,7 +202,8 @@ def main() -> None:
         print("  one-block load spin, p50/p99 us: ring {ring_p50_us:.0f}/{ring_p99_us:.0f}  "
               "zero {zero_p50_us:.0f}/{zero_p99_us:.0f}".format(**spin), flush=True)
         if mm:
-            print(f"  matmul solo {mm['solo_ms']:.1f} ms; of solo with one-block loads beside: "
+            print(f"  matmul solo {mm['solo_ms']:.1f} ms; of solo with {mm['blocks']}-block "
+                  "loads beside: "
                   f"ring {mm['ring_of_solo']} ({mm['ring_loads']} loads), zero "
                   f"{mm['zero_of_solo']} ({mm['zero_loads']} loads)", flush=True)
     if args.json:
