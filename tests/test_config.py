@@ -72,6 +72,9 @@ def test_parse_size_rejects(bad):
      r"kv.kv_tensors_per_layer = 1 belongs to the model shape"),
     ({"exporter": {"port": 70000}}, r"exporter.port = 70000: allowed 0..65535"),
     ({"index": {"policy": "fifo"}}, r"index.policy = 'fifo': allowed 'lru', 'arc'"),
+    ({"transfer": {"zero_copy_bytes": "65MiB"}},
+     r"transfer.zero_copy_bytes = 68157440: allowed 0 \(never\) .. 64 MiB"),
+    ({"transfer": {"zero_copy_bytes": -1}}, r"transfer.zero_copy_bytes"),
 ])
 def test_bad_config_names_key_value_and_what_is_allowed(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -109,7 +112,7 @@ def test_defaults_live_in_the_dataclasses_only():
 
 
 def test_toml_round_trip_preserves_every_field(make_config):
-    cfg = make_config(world_size=3)
+    cfg = make_config(world_size=3, zero_copy_bytes=2 << 20)
     assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg
     assert config_from_dict(tomllib.loads(config_to_toml(Config()))) == Config()
 
@@ -219,3 +222,8 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
         body = {key: value for key, value in body.items() if value is not None}
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_dict({"cluster": body})
+
+
+def test_zero_copy_is_off_by_default_and_takes_a_size():
+    assert Config().zero_copy_bytes == 0
+    assert config_from_dict({"transfer": {"zero_copy_bytes": "2MiB"}}).zero_copy_bytes == 2 << 20

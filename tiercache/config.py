@@ -24,8 +24,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "
 INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
 MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
-DEFAULT_ZERO_COPY_BYTES = 4 << 20  # docs/benchmarks.md, "Zero-copy small transfers"
-MAX_ZERO_COPY_BYTES = 64 << 20  # beyond this the ring's pipeline is always the faster path
+MAX_ZERO_COPY_BYTES = 64 << 20  # from 16 blocks of 2 MiB on the ring is as fast (or faster)
 
 
 def check_name(name: object, key: str = "instance.name") -> str:
@@ -249,8 +248,10 @@ class Config:
     region: RegionConfig = field(default_factory=RegionConfig)
     backend: BackendKind = BackendKind.AUTO
     # staged moves a transfer of at most this many bytes zero-copy: one kernel between the
-    # GPU pages and the pinned host rows, no DMA, no ring (0: never; only when pinned)
-    zero_copy_bytes: int = DEFAULT_ZERO_COPY_BYTES
+    # GPU pages and the pinned host rows, no DMA, no ring (only when pinned). 0 (never) by
+    # default: it saves 1-10 us of GPU time per block but holds SMs for the PCIe time, and a
+    # matmul beside it lost up to 15 % (docs/benchmarks.md, "Zero-copy small transfers")
+    zero_copy_bytes: int = 0
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path; made absolute here
     index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)

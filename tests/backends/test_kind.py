@@ -88,3 +88,21 @@ def test_ce_loop_fallback_shows_in_metrics_and_status(make_config):
         assert "cpu_to_gpu 0 B in 0 ok/0 failed (ce)" in rank0
     finally:
         region.close()
+
+
+def test_zero_copy_is_given_to_a_backend_only_over_registered_host_rows():
+    """The kernel of a zero-copy transfer dereferences the host rows: over a slice that is
+    not page-locked and mapped it would fault (losing the CUDA context), so the bound a
+    backend gets is 0 there, whatever the config says."""
+    from dataclasses import replace
+
+    from tiercache.backends.base import BackendContext
+    from tiercache.pages import PageArray
+    from tiercache.specs import Direction
+
+    pages = (PageArray(1 << 20, 4, 4096, 4096),)
+    pinned = BackendContext(Direction.CPU_TO_GPU, pages, pages, "cuda:0", True, None,
+                            zero_copy_bytes=2 << 20)
+    assert pinned.zero_copy_limit == 2 << 20
+    assert replace(pinned, host_registered=False).zero_copy_limit == 0
+    assert replace(pinned, zero_copy_bytes=0).zero_copy_limit == 0

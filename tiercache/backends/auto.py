@@ -49,7 +49,7 @@ from tiercache.backends.base import (
 )
 from tiercache.backends.ce import CeBackend
 from tiercache.backends.kind import BackendKind
-from tiercache.backends.staged.backend import StagedBackend, zero_copy_bytes
+from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError
 from tiercache.native.transfer_call import FenceTable
@@ -235,7 +235,7 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     if chosen.kind is BackendKind.STAGED:
         chosen.close()  # calibrated on the scratch's planner; the rank's own has its layout
         chosen = StagedBackend(device, driver=driver, planner=context.planner,
-                               zero_copy_bytes=zero_copy_bytes(context))
+                               zero_copy_bytes=context.zero_copy_limit)
     elapsed_ms = (time.perf_counter() - started) * 1e3
     summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "
                         f"(host {m.host_share:.0%})"

@@ -63,6 +63,13 @@ class BackendContext:
             raise BackendError(f"BackendContext: {len(self.gpu_pages)} GPU and "
                                f"{len(self.cpu_pages)} CPU page arrays; need as many, >= 1")
 
+    @property
+    def zero_copy_limit(self) -> int:
+        """The zero-copy bound a backend may use: ``zero_copy_bytes`` where the host rows
+        are registered, else 0 (the kernel would dereference unmapped host addresses, and
+        the CUDA context would be lost)."""
+        return self.zero_copy_bytes if self.host_registered else 0
+
 
 @dataclass(frozen=True)
 class Ordering:

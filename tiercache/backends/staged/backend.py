@@ -46,6 +46,17 @@ overlap and runs on ``stream`` alone (no hops to the DMA stream). Page plans, an
 plans with ``native=False``, are issued from Python on the calling thread, after the
 loop has issued what it holds (the ring's events are shared).
 
+Zero-copy (``zero_copy_bytes``, the config's ``transfer.zero_copy_bytes``; 0, off, by
+default): a block plan of at most that many bytes skips the ring. The loop lays its pairs
+out with each row offset set to the row image's host address and launches the same
+kernel once with slot base 0, so the kernel moves the pages straight between the GPU and
+the pinned host rows (registered memory is mapped at the same address, UVA): no DMA, no
+slot, no hop between streams. It saves the DMA's and the unpack's hand-off, 1-10 us of
+GPU time per block on an H200, but the kernel's programs hold SMs for the PCIe time, and
+a matmul beside such loads lost up to 15 % in some rounds (docs/benchmarks.md,
+"Zero-copy small transfers"). Only over registered host rows
+(``BackendContext.zero_copy_limit``).
+
 Chunks are large (``DEFAULT_CHUNK_BYTES``) so launches stay few. The ring is
 ``DEFAULT_NUM_SLOTS`` deep because several ranks share the host: with two slots a rank's
 pack -> DMA pipeline stalled whenever its DMAs slowed under another rank's traffic; four
@@ -413,10 +424,4 @@ class StagedTransfers:
 
 def create(context: BackendContext) -> StagedBackend:
     return StagedBackend(device_index(context.device), planner=context.planner,
-                         zero_copy_bytes=zero_copy_bytes(context))
-
-
-def zero_copy_bytes(context: BackendContext) -> int:
-    """The zero-copy bound for ``context``: only host memory registered with the driver
-    is mapped for the kernel (an unmapped address would lose the CUDA context)."""
-    return context.zero_copy_bytes if context.host_registered else 0
+                         zero_copy_bytes=context.zero_copy_limit)
