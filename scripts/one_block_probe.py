@@ -36,8 +36,8 @@ from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
 from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for, python_work
-from tiercache.tools.bench.rig import BenchBackend, GpuRig
-from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
+from tiercache.tools.bench.rig import BenchBackend, GpuRig, probe_rig
+from tiercache.tools.bench.workloads import KIB, Workload
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
 
 WARM = 10
@@ -170,10 +170,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--json")
     args = p.parse_args()
-    rig = GpuRig(0, TRANSFER_BYTES)
-    ceiling = rig.ceiling(5)
-    print("ceiling " + " ".join(f"{k} {v:.1f}" for k, v in ceiling.items()) + " GB/s",
-          flush=True)
+    rig, ceiling = probe_rig()
     rows = []
     for kib in args.page_kib:
         row = probe(rig, kib, args.steps)

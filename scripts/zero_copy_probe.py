@@ -26,12 +26,11 @@ import time
 
 import numpy as np
 
-from tiercache.config import Config
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.tools.bench.engine import STEP_PYTHON_S, python_for
-from tiercache.tools.bench.rig import BenchBackend, GpuRig
-from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
+from tiercache.tools.bench.rig import BenchBackend, GpuRig, probe_rig
+from tiercache.tools.bench.workloads import KIB, Workload
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
 
 MODES = ("ring", "zero")
@@ -169,15 +168,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--matmul-bytes", type=int, default=Config.zero_copy_bytes,
-                   help="the loads beside the matmul: as many blocks as fit (default: the "
-                        "config's zero-copy bound, the largest zero-copy transfer)")
+    p.add_argument("--matmul-bytes", type=int, default=4 << 20,
+                   help="the loads beside the matmul: as many blocks as fit (at least one)")
     p.add_argument("--json")
     args = p.parse_args()
-    rig = GpuRig(0, TRANSFER_BYTES)
-    ceiling = rig.ceiling(5)
-    print("ceiling " + " ".join(f"{k} {v:.1f}" for k, v in ceiling.items()) + " GB/s",
-          flush=True)
+    rig, ceiling = probe_rig()
     out = {"ceiling": ceiling, "pages": []}
     for kib in args.page_kib:
         r = Rig(rig, kib)

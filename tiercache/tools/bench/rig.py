@@ -238,3 +238,15 @@ class GpuRig:
                                       stat=min)
         self.ceiling_gbps = {"gpu_to_cpu": d2h / 1e9, "cpu_to_gpu": h2d / 1e9, "both": both / 1e9}
         return self.ceiling_gbps
+
+
+def probe_rig(reps: int = 5) -> tuple[GpuRig, dict[str, float]]:
+    """A rig on GPU 0 of ``TRANSFER_BYTES`` transfers, its ceiling measured (best of
+    ``2 * reps``) and printed: how the probes in ``scripts/`` start."""
+    from tiercache.tools.bench.workloads import TRANSFER_BYTES
+
+    rig = GpuRig(0, TRANSFER_BYTES)
+    ceiling = rig.ceiling(reps)
+    print("ceiling " + " ".join(f"{k} {v:.1f}" for k, v in ceiling.items()) + " GB/s",
+          flush=True)
+    return rig, ceiling
