@@ -26,7 +26,7 @@ from engine_call_profile import PerCallSpans  # noqa: E402  (scripts/ is on sys.
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
-from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for
+from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for, run_step
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
@@ -59,23 +59,11 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
         for d in Direction:
             handlers.handler(d)._native = natives[d] if mode == "native" else None
 
-    def step(specs, spin=False) -> tuple[float, list[int]]:
+    def step(specs, spin=False) -> tuple[float, list[float]]:
+        """The step's Python, then ``specs`` (wall seconds, each call's ns)."""
         python_for(STEP_PYTHON_S)
-        t0 = time.perf_counter()
-        pending, took = set(), []
-        for spec in specs:
-            job = next(jobs)
-            c0 = time.perf_counter_ns()
-            handlers.transfer_async(job, spec)
-            took.append(time.perf_counter_ns() - c0)
-            pending.add(job)
-        while pending:
-            for r in handlers.get_finished():
-                assert r.success, r
-                pending.discard(r.job_id)
-            if not spin:
-                time.sleep(0)
-        return time.perf_counter() - t0, took
+        wall, took, _ = run_step(handlers, jobs, specs, spin)
+        return wall, [t * 1e9 for t in took]
 
     calls = {(m, d): [] for m in MODES for d in Direction}
     walls = {m: [] for m in MODES}

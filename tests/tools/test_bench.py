@@ -86,3 +86,44 @@ def test_table_names_what_ran_where_it_is_not_the_kind_asked_for():
                **rates)
     names = [line.split()[1] for line in format_report(report).splitlines()[4:]]
     assert names == ["auto=staged/staged", "ce=ce_loop/ce_loop", "ce-stream"]
+
+
+def test_run_step_submits_back_to_back_and_returns_when_every_transfer_reported():
+    """The engine pattern's step through real handlers (cpu backend, host streams): a
+    store and a load submitted back to back, both moved when it returns, one host time
+    per call, and ``watch`` counted per call it changed across."""
+    import itertools
+
+    import torch
+
+    from tiercache.backends.cpu import CpuCopyBackend
+    from tiercache.device.host_streams import HostStreams
+    from tiercache.pages import PageArray
+    from tiercache.planning.planner import TransferPlanner
+    from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+    from tiercache.tools.bench.engine import run_step
+    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+
+    page, blocks = 4096, 8
+    gpu = torch.arange(blocks * page, dtype=torch.int32).to(torch.uint8)
+    host = torch.zeros(blocks * page, dtype=torch.uint8)
+    planner = TransferPlanner([PageArray(gpu.data_ptr(), blocks, page, page)],
+                              [PageArray(host.data_ptr(), blocks, page, page)], 1)
+    handlers = CpuGpuOffloadingHandlers.build(planner, {d: CpuCopyBackend() for d in Direction},
+                                              HostStreams())
+    try:
+        ticks = itertools.count()
+        specs = [(GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([5, 6])),
+                 (CPULoadStoreSpec([3]), GPULoadStoreSpec([7]))]
+        wall, took, changed = run_step(handlers, iter(range(1, 100)), specs,
+                                       watch=lambda: next(ticks))
+        assert len(took) == 2 and 0 < sum(took) <= wall and changed == 2
+        assert handlers.gpu_to_cpu_handler.num_in_flight == 0
+        assert handlers.cpu_to_gpu_handler.num_in_flight == 0
+        assert torch.equal(host[5 * page:7 * page], gpu[page:3 * page])
+        assert torch.equal(gpu[7 * page:8 * page], host[3 * page:4 * page])
+        _, _, unchanged = run_step(handlers, iter(range(100, 200)), specs[:1], spin=True,
+                                   watch=lambda: 0)
+        assert unchanged == 0
+    finally:
+        handlers.shutdown()

@@ -621,13 +621,12 @@ static int run_job(tc_queue *q, const tc_job *j, int *zero_copy_out) {
         CALL(launch(c, j, 0, j->num_pairs, 0));
         if (j->table_ev)
             ALWAYS(record(j->table_ev, S));
-        num_chunks = 0;
     }
     /* One chunk has nothing to overlap: all of it on the transfer's stream, no hops to
      * the DMA stream and back (the slot's free event still orders it with the ring). */
     int hop = num_chunks > 1;
     void *X = hop ? D : S; /* where the DMAs go */
-    if (num_chunks > 0 && !err) {
+    if (!zero_copy && num_chunks > 0 && !err) {
         if (hop) {
             CALL(record(c->begin_ev, S));
             CALL(wait(D, c->begin_ev, 0));

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,33 @@ def python_for(seconds: float) -> None:
         python_work(50)
 
 
+def run_step(handlers: Any, jobs: Iterator[int], specs: list, spin: bool = False,
+             watch: Callable[[], int] | None = None) -> tuple[float, list[float], int]:
+    """Submit ``specs`` back to back through ``handlers`` (job ids from ``jobs``) and poll
+    ``get_finished`` until every one reported: (wall seconds from the first call, each
+    call's host seconds, how many calls ``watch()`` changed across). ``spin``: poll
+    keeping the GIL (the result is seen when it is there); else let it go between polls,
+    as a step waiting on its GPU does. A failed transfer raises ``AssertionError``."""
+    t0 = time.perf_counter()
+    pending, took, changed = set(), [], 0
+    for spec in specs:
+        job = next(jobs)
+        before = watch() if watch is not None else 0
+        c0 = time.perf_counter()
+        handlers.transfer_async(job, spec)
+        took.append(time.perf_counter() - c0)
+        changed += watch is not None and watch() != before
+        pending.add(job)
+    while pending:
+        for result in handlers.get_finished():
+            if not result.success:
+                raise AssertionError(f"transfer {result.job_id} failed")
+            pending.discard(result.job_id)
+        if not spin:
+            time.sleep(0)
+    return time.perf_counter() - t0, took, changed
+
+
 def _pcts(values: list[float], scale: float = 1e6) -> tuple[float, float]:
     a = np.asarray(values) * scale
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
@@ -129,29 +157,13 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
     interrupted = [0, 0]  # calls during which the other thread ran, calls
 
     def step(specs: list, spin: bool = False) -> tuple[float, list[float]]:
-        """One step: (wall seconds from the first call until all reported, each call's
-        host seconds). ``spin``: poll keeping the GIL (the result is seen when it is
-        there, whatever the other thread does)."""
+        """One step: the step's Python, then ``run_step`` (counting the calls during which
+        the other thread ran)."""
         python_for(STEP_PYTHON_S)
-        t0 = time.perf_counter()
-        pending, took = set(), []
-        for spec in specs:
-            job = next(jobs)
-            rounds = busy.rounds
-            c0 = time.perf_counter()
-            handlers.transfer_async(job, spec)
-            took.append(time.perf_counter() - c0)
-            interrupted[0] += busy.rounds != rounds
-            interrupted[1] += 1
-            pending.add(job)
-        while pending:
-            for result in handlers.get_finished():
-                if not result.success:
-                    raise AssertionError(f"engine-pattern transfer {result.job_id} failed")
-                pending.discard(result.job_id)
-            if not spin:
-                time.sleep(0)  # the GIL let go, as a step waiting on its GPU does
-        return time.perf_counter() - t0, took
+        wall, took, changed = run_step(handlers, jobs, specs, spin, lambda: busy.rounds)
+        interrupted[0] += changed
+        interrupted[1] += len(specs)
+        return wall, took
 
     out: dict[str, Any] = {"pattern_native_store": native[0], "pattern_native_load": native[1]}
     pauses = _GcPauses()

@@ -14,7 +14,7 @@ from tiercache.backends.base import CopyBackend, Plan
 from tiercache.planning.planner import PlanBuffers
 from tiercache.planning.plans import PlanForm
 from tiercache.specs import Direction
-from tiercache.tools.bench.engine import engine_pattern
+from tiercache.tools.bench.engine import engine_pattern, run_step
 from tiercache.tools.bench.report import Progress, Report, fmt_rate
 from tiercache.tools.bench.rig import BenchBackend, GpuRig, RigPlans, submit_now
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
@@ -98,19 +98,8 @@ def engine_view(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBackend
     def run(specs) -> tuple[float, list[float]]:
         """Submit ``specs`` back to back; (wall seconds until all reported, call seconds)."""
         rig.torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        calls, pending = [], set()
-        for spec in specs:
-            job = next(jobs)
-            c0 = time.perf_counter()
-            handlers.transfer_async(job, spec)
-            calls.append(time.perf_counter() - c0)
-            pending.add(job)
-        while pending:
-            for result in handlers.get_finished():
-                assert result.success, f"engine-view transfer {result.job_id} failed"
-                pending.discard(result.job_id)
-        return time.perf_counter() - t0, calls
+        wall, calls, _ = run_step(handlers, jobs, specs, spin=True)
+        return wall, calls
 
     def median(specs, pick) -> float:
         run(specs)  # warm-up
