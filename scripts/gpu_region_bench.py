@@ -14,6 +14,7 @@ import time
 import torch
 
 from tiercache.config import Config, KVGeometry, PinningPolicy, RegionConfig
+from tiercache.device.pinning import HostPinner
 from tiercache.region.shared import SharedOffloadRegion
 
 
@@ -45,7 +46,7 @@ def worker(name: str, rank: int, threads: int, q) -> None:
     torch.cuda.init(); torch.empty(1, device="cuda")  # context creation outside the pin timing
     t_prefault = region.prefault_slice(threads)  # what tiercache.attach does before pinning
     t1 = time.perf_counter()
-    region.pin(PinningPolicy.REQUIRED)
+    region.pin(PinningPolicy.REQUIRED, HostPinner())
     t_pin = time.perf_counter() - t1
     rows = torch.from_numpy(region.rank_array(rank).reshape(-1)[: 1 << 30])
     rates = copy_gbps(rows, torch.empty(rows.numel(), dtype=torch.uint8, device="cuda"), 3)

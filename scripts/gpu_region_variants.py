@@ -10,7 +10,7 @@ import time
 
 from tiercache.region.hostmem import fallocate, prefault
 from tiercache.region.layout import RegionLayout
-from tiercache.region.pinning import HostPinner
+from tiercache.device.pinning import HostPinner
 
 import numpy as np
 import ctypes

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from prometheus_server import JOB, PrometheusServer  # noqa: E402  (the tests' helper)
 
-from tiercache.backends.kind import BackendKind  # noqa: E402
+from tiercache.backend_kind import BackendKind  # noqa: E402
 from tiercache.config import (  # noqa: E402
     Config, ExporterConfig, KVGeometry, RegionConfig,
 )

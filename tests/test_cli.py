@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tiercache.config import config_to_toml
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.errors import CoordinatorGoneError
 from tiercache.region.stale import list_regions
 from tiercache.service.process import CoordinatorProcess

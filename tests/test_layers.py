@@ -1,7 +1,10 @@
-"""The import order the tree promises (docs/architecture.md): the coordinator side and
-the index never import torch, no module imports a layer above its own (type-only imports
-included: nothing is exempt), the module graph has no cycle, and page-locking the region
-loads neither the copy backends nor the native build step."""
+"""The house the tree promises (docs/architecture.md): a foundation both wings stand on,
+a worker wing (runs in the engine's GPU processes) and a coordinator wing (runs in
+``tiercache serve``, no torch) that never import each other, engine adapters above both,
+and the tools and the CLI on top. Inside a group, no module imports a layer above its own
+(type-only imports included: nothing is exempt); the module graph has no cycle;
+page-locking the region loads neither a copy backend nor native code; the coordinator
+side never imports torch; no module is longer than ``MAX_LINES``."""
 
 from __future__ import annotations
 
@@ -11,14 +14,32 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tiercache"
-# lower index = lower layer; a module may import its own layer or lower ones
-LAYERS = ["errors", "specs", "pages", "sizes", "device", "native", "planning", "backends",
-          "config", "region", "index", "tiers", "transfer", "metrics", "service", "vllm",
-          "tools", "cli"]
+# Each group lists its layers from the bottom up: a module may import its own layer, a
+# lower one of its group, and any layer of a group below its own (``BELOW``).
+GROUPS = {
+    "foundation": ["errors", "specs", "pages", "sizes", "loglimit", "backend_kind", "config",
+                   "region"],
+    "worker": ["device", "native", "planning", "backends", "transfer"],
+    "coordinator": ["index", "tiers", "control", "metrics", "service"],
+    "adapters": ["vllm", "sglang"],
+    "top": ["tools", "cli", "__main__"],
+}
+BELOW = {
+    "foundation": set(),
+    "worker": {"foundation"},
+    "coordinator": {"foundation"},
+    "adapters": {"foundation", "worker", "coordinator"},
+    "top": {"foundation", "worker", "coordinator", "adapters"},
+}
+# Pairs that never meet, in either direction: the wings, and one engine's adapter and another's.
+NEVER = [("worker", "coordinator"), ("vllm", "sglang")]
+LAYERS = [layer for layers in GROUPS.values() for layer in layers]
+GROUP_OF = {layer: group for group, layers in GROUPS.items() for layer in layers}
+MAX_LINES = 450
 
 
 def test_the_coordinator_side_never_imports_torch():
-    code = ("import sys, tiercache.service.coordinator, tiercache.index.client, "
+    code = ("import sys, tiercache.service.coordinator, tiercache.control.client, "
             "tiercache.metrics.collector, tiercache.cli; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -26,7 +47,7 @@ def test_the_coordinator_side_never_imports_torch():
 
 
 def test_page_locking_the_region_loads_no_copy_backend_and_no_native_code():
-    code = ("import sys, tiercache.region.pinning, tiercache.region.shared; "
+    code = ("import sys, tiercache.device.pinning, tiercache.region.shared; "
             "print(sorted(m for m in sys.modules if m.startswith('tiercache.native') "
             "or m.startswith('tiercache.backends.') and m.count('.') == 2 "
             "and m.rsplit('.', 1)[1] not in ('kind', 'base')))")
@@ -72,18 +93,53 @@ def _layer(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 
-def test_no_module_imports_a_higher_layer():
+def _allowed(own: str, other: str) -> bool:
+    own_group, other_group = GROUP_OF[own], GROUP_OF[other]
+    if own_group == other_group:
+        layers = GROUPS[own_group]
+        if own_group == "adapters":
+            return own == other  # one engine's adapter never imports another's
+        return layers.index(other) <= layers.index(own)
+    return other_group in BELOW[own_group]
+
+
+def test_no_module_imports_a_higher_layer_or_the_other_wing():
     modules = _modules()
-    upward = []
+    wrong = []
     for module, path in modules.items():
         own = _layer(module)
         if own is None:
             continue
         for other_module in _imports(path, modules):
             other = _layer(other_module)
-            if other is not None and LAYERS.index(other) > LAYERS.index(own):
-                upward.append(f"{module} imports {other_module}")
-    assert not upward, upward
+            if other is not None and not _allowed(own, other):
+                wrong.append(f"{module} ({GROUP_OF[own]}) imports {other_module} "
+                             f"({GROUP_OF[other]})")
+    assert not wrong, wrong
+
+
+def test_the_never_pairs_are_never_allowed():
+    """The rule above forbids each never pair both ways (a change to GROUPS or BELOW that
+    let one wing see the other fails here, not silently)."""
+    for a, b in NEVER:
+        a_layers = GROUPS.get(a, [a])
+        b_layers = GROUPS.get(b, [b])
+        for x in a_layers:
+            for y in b_layers:
+                assert not _allowed(x, y) and not _allowed(y, x), (x, y)
+
+
+def test_every_top_level_module_has_a_place():
+    unplaced = sorted({m.split(".")[1] for m in _modules() if m.count(".") >= 1}
+                      - set(LAYERS) - {"__init__"})
+    assert not unplaced, f"modules outside the house: {unplaced}; add them to GROUPS"
+
+
+def test_no_module_is_longer_than_one_reading():
+    long = sorted((len(p.read_text().splitlines()), str(p.relative_to(PACKAGE)))
+                  for p in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c")]
+                  if len(p.read_text().splitlines()) > MAX_LINES)
+    assert not long, f"over {MAX_LINES} lines: {long}"
 
 
 def test_the_module_graph_has_no_cycle():

@@ -22,7 +22,7 @@ _EXPORTS = {
     "OffloadingManager": "tiercache.index.manager",
     "PrepareStoreOutput": "tiercache.index.manager",
     "OffloadingEvent": "tiercache.index.manager",
-    "Client": "tiercache.index.client",
+    "Client": "tiercache.control.client",
     "attach": "tiercache.transfer.worker",
 }
 

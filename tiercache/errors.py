@@ -157,7 +157,7 @@ class SessionLimitError(ManagerError):
 
 
 class JobError(TiercacheError):
-    """The completion loop (``tiercache.index.jobs``) used against its contract."""
+    """The completion loop (``tiercache.control.jobs``) used against its contract."""
 
 
 class RanksDownError(JobError):

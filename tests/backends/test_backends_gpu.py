@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 from tiercache.backends.base import Ordering  # noqa: E402
-from tiercache.backends.kind import BackendKind  # noqa: E402
+from tiercache.backend_kind import BackendKind  # noqa: E402
 from tiercache.errors import BackendError  # noqa: E402
 from tiercache.planning.plans import CopyPlan, PlanForm  # noqa: E402
 from tiercache.specs import Direction  # noqa: E402

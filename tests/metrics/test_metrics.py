@@ -17,7 +17,7 @@ from tiercache.metrics.exposition import encode_text
 from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.hostmem import process_start_ns
 from tiercache.metrics.collector import METRIC_NAMES, TiercacheCollector
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction
 

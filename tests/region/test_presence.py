@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.region.presence import (
     PresenceMap, PresenceView, num_counters_for, presence_path,
 )

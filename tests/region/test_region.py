@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tiercache.config import PinningPolicy, RegionConfig
+from tiercache.device.pinning import HostPinner
 from tiercache.errors import (
     InsufficientMemoryError, LayoutMismatchError, PinError, RankError, RegionExistsError,
     RegionError, RegionNotFoundError, RegionNotReadyError, RegionTrustError, StatsStuckError,
@@ -273,9 +274,9 @@ def test_pinning_without_cuda_follows_the_policy(region, instance_name):
     worker = SharedOffloadRegion.attach(instance_name, 1)
     try:
         with pytest.raises(PinError, match="no CUDA device|cuda-bindings"):
-            worker.pin(PinningPolicy.REQUIRED)
+            worker.pin(PinningPolicy.REQUIRED, HostPinner())
         assert worker.stats(1).snapshot().pin_state is PinState.FAILED
-        assert worker.pin(PinningPolicy.ALLOW_UNPINNED) is PinState.UNPINNED
+        assert worker.pin(PinningPolicy.ALLOW_UNPINNED, HostPinner()) is PinState.UNPINNED
         assert worker.stats(1).snapshot().pin_state is PinState.UNPINNED
         assert not worker.pinned
     finally:

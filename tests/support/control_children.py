@@ -10,7 +10,7 @@ import resource
 import signal
 import threading
 
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 
 WAIT_S = 300.0  # a child waits this long at most for its SIGKILL
 
@@ -54,7 +54,7 @@ def hold_partial_requests_and_stop(path: str, num: int, partial_bytes: int, read
     import time
 
     from control_support import is_open, raw_connection, request_header, unread_bytes
-    from tiercache.index.protocol import MAX_REQUEST_BYTES, Verb
+    from tiercache.control.protocol import MAX_REQUEST_BYTES, Verb
 
     held = [raw_connection(path) for _ in range(num)]
     for sock in held:
@@ -102,7 +102,7 @@ def ping_and_report(path: str, answers) -> None:
 def serve_with_fd_limit(path: str, spare_fds: int, ready, log_path: str, options) -> None:
     """Child: a control server whose process may open only ``spare_fds`` more files once it
     serves (its log goes to ``log_path``), until SIGTERM."""
-    from tiercache.index.control import ControlServer
+    from tiercache.control.server import ControlServer
     from tiercache.index.manager import OffloadingManager
 
     logging.basicConfig(filename=log_path, level=logging.INFO,

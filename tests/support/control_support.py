@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 import index_scenarios as sc
-from tiercache.index.control import ControlOptions, serve_forever
-from tiercache.index.payloads import decode_hello, encode_hello_request
-from tiercache.index.protocol import (
+from tiercache.control.server import ControlOptions, serve_forever
+from tiercache.control.payloads import decode_hello, encode_hello_request
+from tiercache.control.protocol import (
     HEADER_BYTES, MAGIC, PROTOCOL_VERSION, FrameHeader, PayloadReader, PayloadWriter, Status,
     Verb, frame,
 )
@@ -147,7 +147,7 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = STAR
 def drained_stats(config):
     """The index's stats of ``config``'s coordinator once nothing is WRITING or LOADING,
     else None (a ``wait_for`` condition: a dead client's session ends after its grace)."""
-    from tiercache.index.client import Client
+    from tiercache.control.client import Client
 
     with Client(config) as client:
         stats = client.stats()

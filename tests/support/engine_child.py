@@ -35,7 +35,7 @@ class _Engine:
         import torch
 
         from tiercache.config import PinningPolicy, config_from_dict
-        from tiercache.index.client import Client
+        from tiercache.control.client import Client
         from tiercache.transfer.worker import attach
 
         self.config = config_from_dict(tomllib.loads(config_toml))

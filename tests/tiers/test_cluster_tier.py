@@ -23,7 +23,7 @@ from control_support import wait_for
 from e2e_support import metrics_url, sample, scrape
 from mooncake_master import MooncakeMaster
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.index.results import BlockSource, LeaseResult
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig, config_to_toml
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 

@@ -16,7 +16,7 @@ from index_scenarios import k, store
 from test_disk_tier import HOST_BLOCKS, KEYS, ROW, load_every_key, \
     store_paced, tier
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.index.manager import PROMOTION_WAIT_S
 from tiercache.index.results import LeaseResult
 from tiercache.service.process import CoordinatorProcess

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.errors import ConfigError
 from tiercache.tools.bench.cli import build_parser
 from tiercache.tools.bench.report import Report, format_report

@@ -18,7 +18,7 @@ import torch
 
 from tiercache.backends.base import StreamBackend, Submission
 from tiercache.backends.cpu import CpuCopyBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.device.host_streams import HostStreams
 from tiercache.planning.plans import CopyPlan
 from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError

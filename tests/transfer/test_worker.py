@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
 from tiercache.errors import (
     ArgumentError, BackendError, ConfigError, LayoutMismatchError, RankError, RegionNotFoundError, SpecError,

@@ -150,7 +150,7 @@ def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_co
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     from tiercache.config import DiskConfig
-    from tiercache.index.client import Client
+    from tiercache.control.client import Client
 
     (tmp_path / "disk").mkdir()
     small = start_coordinator(num_chunks=8, disk=DiskConfig(

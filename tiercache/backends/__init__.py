@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Submission
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError
 

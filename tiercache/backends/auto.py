@@ -48,7 +48,7 @@ from tiercache.backends.base import (
     BackendContext, CopyBackend, NativeTransfers, Ordering, Plan, Submission,
 )
 from tiercache.backends.ce import CeBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError

@@ -27,7 +27,7 @@ import logging
 import numpy as np
 
 from tiercache.backends.base import BackendContext, CopyBackend, StreamBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.device.driver import (
     CUDA_SUCCESS, CudaDriver, DescriptorArrays, MemcpyAttributes, SrcAccessOrder, device_index,
 )

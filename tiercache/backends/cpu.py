@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from tiercache.backends.base import BackendContext, StreamBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.device.host_streams import HostStream
 from tiercache.errors import BackendError
 from tiercache.planning.plans import CopyPlan

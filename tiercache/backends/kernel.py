@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.backends.base import BackendContext, StreamBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.device.driver import device_index, stream_handle
 from tiercache.device.events import Stream

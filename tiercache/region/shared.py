@@ -38,7 +38,7 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -52,7 +52,6 @@ from tiercache.region.hostmem import (
     check_space, fallocate, prefault, process_alive, process_start_ns,
 )
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
-from tiercache.region.pinning import HostPinner
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
     read_header, still_named, take_owner_lock, truncation, unlink_if_same,
@@ -68,6 +67,19 @@ _POLL_S = 0.005
 # How long ``create`` keeps trying the owner lock of a region whose recorded coordinator is
 # dead: a probe of `status`/`clean` holds it for microseconds, `clean` for milliseconds.
 CLAIM_RETRY_S = 2.0
+
+
+class HostRegistrar(Protocol):
+    """What page-locks host ranges for one GPU in this process (the worker's
+    ``tiercache.device.pinning.HostPinner``): ``pin`` registers every (address, length)
+    chunk, all or nothing, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
+
+    @property
+    def pinned_bytes(self) -> int: ...
+
+    def pin(self, chunks: list[tuple[int, int]]) -> float: ...
+
+    def unpin(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,7 @@ class SharedOffloadRegion:
         self._region_id = 0  # read once the header is written (create) or checked (attach)
         self._stats: dict[tuple[int, int], RankStats] = {}
         self._slot_lock: SlotLock | None = None  # the attachment slot of a worker's mapping
-        self._pinner: HostPinner | None = None
+        self._pinner: HostRegistrar | None = None
         self.setup_times = SetupTimes()
 
     # ------------------------------------------------------------------ create
@@ -327,8 +339,10 @@ class SharedOffloadRegion:
         return seconds
 
     # ------------------------------------------------------------------ pinning
-    def pin(self, policy: PinningPolicy, device: int = 0) -> PinState:
-        """Pin this worker's slice for ``device``; the outcome goes to the rank's stats block.
+    def pin(self, policy: PinningPolicy, pinner: HostRegistrar) -> PinState:
+        """Page-lock this worker's slice with ``pinner`` (the worker's: registration is per
+        process and per device, ``tiercache.device.pinning.HostPinner``); the outcome goes
+        to the rank's stats block.
 
         Under ``REQUIRED`` a failure raises (state FAILED is exported first); under
         ``ALLOW_UNPINNED`` it is logged loudly and the state UNPINNED is exported.
@@ -337,7 +351,6 @@ class SharedOffloadRegion:
             raise PinError("pin() needs a region attached with a rank")
         stats = self.stats(self.rank)
         chunks = [(self.base_address + off, n) for off, n in self.layout.pin_chunks(self.rank)]
-        pinner = HostPinner(device)
         try:
             seconds = pinner.pin(chunks)
         except PinError as e:

@@ -41,7 +41,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.specs import Direction
 from tiercache.errors import StatsStuckError
 

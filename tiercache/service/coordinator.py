@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def control_options(config: Config):
-    """The control server's options from the config (``tiercache.index.control``)."""
-    from tiercache.index.control import ControlOptions
+    """The control server's options from the config (``tiercache.control.server``)."""
+    from tiercache.control.server import ControlOptions
 
     trusted = config.control_trusted_uid
     return ControlOptions(session_grace_s=config.index_session_grace_s,
@@ -68,7 +68,7 @@ class Coordinator:
         self._closed = False
 
     def start(self) -> None:
-        from tiercache.index.control import ControlServer
+        from tiercache.control.server import ControlServer
         from tiercache.metrics.collector import TiercacheCollector, start_exporter
 
         cfg = self.config

@@ -78,7 +78,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from tiercache.errors import ManagerError
-from tiercache.index.loglimit import LogLimiter
+from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
 from tiercache.index.results import BlockSource, TierStats
 from tiercache.tiers.cluster_object import BlockFormat

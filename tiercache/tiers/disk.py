@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
-from tiercache.index.loglimit import LogLimiter
+from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
 from tiercache.index.results import BlockSource, TierStats
 from tiercache.tiers.disk_file import DiskSlotFile

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiercache.index.client import Client
-from tiercache.index.control import serve_forever
+from tiercache.control.client import Client
+from tiercache.control.server import serve_forever
 from tiercache.index.manager import OffloadingManager
 
 SPAWN = mp.get_context("spawn")

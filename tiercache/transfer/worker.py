@@ -40,6 +40,7 @@ from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
+from tiercache.device.pinning import HostPinner
 from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
@@ -282,7 +283,7 @@ def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
         region.stats(rank).set_pin(PinState.UNPINNED)
         return PinState.UNPINNED
     index = torch.cuda.current_device() if device.index is None else device.index
-    return region.pin(policy, index)
+    return region.pin(policy, HostPinner(index))
 
 
 def _backends(kind: BackendKind, gpu_pages: tuple[PageArray, ...],

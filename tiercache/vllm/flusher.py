@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tiercache.errors import CoordinatorGoneError, SessionLostError
-from tiercache.index.protocol import MAX_KEYS_PER_CALL
+from tiercache.control.protocol import MAX_KEYS_PER_CALL
 from tiercache.vllm.batch import Batch, FencedSlot, LeaseAnswer, Probe, fenced_slots
 from tiercache.vllm.leases import LeaseBook
 

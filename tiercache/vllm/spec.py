@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.config import Config, load_config
 from tiercache.errors import ConfigError
-from tiercache.index.client import Client
+from tiercache.control.client import Client
 from tiercache.region.layout import RegionLayout
 from tiercache.region.presence import PresenceView
 from tiercache.region.shared import SharedOffloadRegion

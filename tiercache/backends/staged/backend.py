@@ -76,7 +76,7 @@ from tiercache.backends.base import (
     BackendContext, Ordering, Plan, StreamBackend, Submission,
 )
 from tiercache.backends.ce import CeBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.backends.staged.block_kernel import BlockKernel, PairTables
 from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockLayout, BlockStaging
 from tiercache.backends.staged.page_layout import RUN_ALIGN, Scratch, StagingLayout, plan_staging

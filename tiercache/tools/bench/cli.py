@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tiercache.backends import HOST_KINDS
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.errors import ConfigError
 from tiercache.tools.bench.report import format_report
 from tiercache.tools.bench.rig import BenchBackend

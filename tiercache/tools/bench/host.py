@@ -9,7 +9,7 @@ import numpy as np
 
 from tiercache.backends.base import Ordering
 from tiercache.backends.cpu import CpuCopyBackend
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.device.host_streams import HostStreams
 from tiercache.planning.plans import CopyPlan
 from tiercache.specs import Direction

@@ -13,7 +13,7 @@ import numpy as np
 
 from tiercache.backends import create_backend
 from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.config import Config
 from tiercache.errors import BackendError, ConfigError
 from tiercache.pages import PageArray

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.config import Config, load_config
 from tiercache.errors import (
     ConfigError, CoordinatorGoneError, LayoutMismatchError, RanksDownError, ServiceError,

@@ -30,7 +30,7 @@ from enum import IntEnum
 import numpy as np
 
 from tiercache.errors import ProtocolError
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction
 

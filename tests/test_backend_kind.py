@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tiercache.backends import BACKEND_FACTORIES, resolve_kind
-from tiercache.backends.kind import BackendKind
+from tiercache.backend_kind import BackendKind
 from tiercache.config import config_from_dict, config_to_toml, load_config
 from tiercache.errors import BackendError, ConfigError
 from tiercache.metrics.collector import TiercacheCollector

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig  # noqa: E402
 from tiercache.errors import PinError  # noqa: E402
-from tiercache.region.pinning import HostPinner  # noqa: E402
+from tiercache.device.pinning import HostPinner  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
 from tiercache.region.stats import PinState  # noqa: E402
 
@@ -26,7 +26,7 @@ def _pin_and_copy(name: str, rank: int, result) -> None:
     region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
     try:  # as attach() does: the attachment is live while this process is
         region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
-        state = region.pin(PinningPolicy.REQUIRED)
+        state = region.pin(PinningPolicy.REQUIRED, HostPinner())
         rows = region.rank_array(rank)
         host = torch.from_numpy(rows)
         gpu = torch.randint(0, 255, host.shape, dtype=torch.uint8, device="cuda")
@@ -69,7 +69,7 @@ def _pin_and_hold(name: str, rank: int, result, release) -> None:
     region = SharedOffloadRegion.attach(name, rank, timeout_s=10)
     try:  # as attach() does: the attachment is live while this process is
         region.stats(rank).mark_attached(os.getpid(), process_start_ns(os.getpid()))
-        state = region.pin(PinningPolicy.REQUIRED)
+        state = region.pin(PinningPolicy.REQUIRED, HostPinner())
         result.put((region.slot, state.value, region.stats(rank).snapshot().pinned_bytes))
         release.wait(120)
     finally:

@@ -29,7 +29,7 @@ Finding and trusting the coordinator: built from a ``Config`` without
 matter) and falls back to the config's default path. Before talking it checks the
 socket's directory and owner and, once connected, the server's uid (``SO_PEERCRED``):
 a coordinator of another user is refused with ``ControlSocketError``
-(``tiercache.index.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
+(``tiercache.control.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
 connect: a burst of clients) is retried until ``timeout_s``, not taken for a dead
 coordinator.
 """
@@ -49,13 +49,13 @@ from tiercache.config import Config
 from tiercache.errors import (
     ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
 )
-from tiercache.index.sockets import check_directory, check_peer, check_socket_file, trusted_uids
-from tiercache.index.payloads import (
+from tiercache.control.sockets import check_directory, check_peer, check_socket_file, trusted_uids
+from tiercache.control.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
     decode_tier_stats,
     decode_store_output, encode_hello_request, encode_lease_batch_request, encode_store_request,
 )
-from tiercache.index.protocol import (
+from tiercache.control.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader,
     PayloadWriter, Status, Verb, frame,
 )

@@ -30,7 +30,7 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from tiercache.index.sessions import Session
+from tiercache.control.sessions import Session
 
 
 class Connection:

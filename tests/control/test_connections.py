@@ -1,4 +1,4 @@
-"""The control server's connection bounds (``tiercache.index.connections``) against real
+"""The control server's connection bounds (``tiercache.control.connections``) against real
 processes and sockets: HELLO and idle deadlines, room made at the cap, the per-process cap,
 and the hog that gives way over the partial-request budget. Every case is one the outside
 tester found: a frozen process on every slot locked everyone out, and a few partial
@@ -24,11 +24,11 @@ from control_support import (
 )
 from index_scenarios import k, store
 from tiercache.errors import ControlSocketError
-from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.control.client import Client
+from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.payloads import decode_error
-from tiercache.index.protocol import (
+from tiercache.control.payloads import decode_error
+from tiercache.control.protocol import (
     MAX_KEY_BYTES, MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Status,
     Verb, frame,
 )
@@ -250,7 +250,7 @@ def test_each_kind_of_close_is_logged_once_per_interval(socket_path, caplog):
     server.start()
     silent = []
     try:
-        with caplog.at_level(logging.WARNING, logger="tiercache.index.control"):
+        with caplog.at_level(logging.WARNING, logger="tiercache.control.server"):
             for _ in range(10):  # each newcomer at the cap closes the oldest without HELLO
                 silent.append(raw_connection(socket_path, hello=False))
             for sock in silent:

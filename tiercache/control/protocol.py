@@ -3,7 +3,7 @@
 Each call is one request frame answered by one response frame with the same verb
 and request id. Payloads are built from a few little-endian primitives (see
 ``FrameHeader`` for the header and ``Verb`` for each payload; each verb's payload
-codec is in ``tiercache.index.payloads``); nothing is pickled.
+codec is in ``tiercache.control.payloads``); nothing is pickled.
 """
 
 from __future__ import annotations

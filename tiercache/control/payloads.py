@@ -1,4 +1,4 @@
-"""Each verb's payload (see ``Verb`` in ``tiercache.index.protocol`` for the table), built
+"""Each verb's payload (see ``Verb`` in ``tiercache.control.protocol`` for the table), built
 from the protocol's primitives: what the client and the control server encode and decode."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import astuple, fields
 from typing import NamedTuple
 
 from tiercache import errors
-from tiercache.index.protocol import (
+from tiercache.control.protocol import (
     ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
 )
 from tiercache.index.results import (

@@ -6,7 +6,7 @@ more threads would add GIL hand-offs, not parallelism. A connection that sends a
 frame the protocol cannot trust (bad magic or version, oversized, malformed
 payload) is closed; the loop and every other connection carry on.
 
-Every connection is a client session (``tiercache.index.sessions``): its first frame
+Every connection is a client session (``tiercache.control.sessions``): its first frame
 must be HELLO, and what it reserves or pins is given back when it is gone for longer
 than the grace period.
 
@@ -41,7 +41,7 @@ coordinator or starve its other clients:
   ``accept_backoff_s`` (the connections already open are served meanwhile); pending
   connections wait in the kernel's backlog (``listen_backlog``) and are accepted later.
 
-Peers: a connection from a uid that is not trusted (``tiercache.index.sockets``) is answered
+Peers: a connection from a uid that is not trusted (``tiercache.control.sockets``) is answered
 with an error and closed.
 """
 
@@ -60,17 +60,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
-from tiercache.index.connections import Connection, ConnectionTable
-from tiercache.index.handlers import HANDLERS
-from tiercache.index.loglimit import LogLimiter
+from tiercache.control.connections import Connection, ConnectionTable
+from tiercache.control.verbs import HANDLERS
+from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
-from tiercache.index.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
-from tiercache.index.payloads import decode_hello_request, encode_error, encode_hello
-from tiercache.index.protocol import (
+from tiercache.control.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
+from tiercache.control.payloads import decode_hello_request, encode_error, encode_hello
+from tiercache.control.protocol import (
     HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
     Verb, frame,
 )
-from tiercache.index.sessions import Session, SessionTable
+from tiercache.control.sessions import Session, SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord
 
 log = logging.getLogger(__name__)

@@ -21,11 +21,11 @@ from tiercache.config import RegionConfig
 from tiercache.errors import (
     ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
 )
-from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.control.client import Client
+from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.payloads import decode_error
-from tiercache.index.protocol import (
+from tiercache.control.payloads import decode_error
+from tiercache.control.protocol import (
     HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, PayloadReader,
     Status, Verb, frame,
 )

@@ -14,10 +14,10 @@ from control_support import SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
 from index_scenarios import k, store
 from tiercache.config import RegionConfig
 from tiercache.errors import CoordinatorGoneError, SessionLostError
-from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.control.client import Client
+from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import LeaseResult, OffloadingManager
-from tiercache.index.sessions import SessionTable
+from tiercache.control.sessions import SessionTable
 
 LONG_GRACE = ControlOptions(session_grace_s=600)  # never runs out within a test
 SHORT_GRACE = ControlOptions(session_grace_s=0.2)

@@ -20,12 +20,12 @@ import pytest
 from control_support import START_TIMEOUT_S
 from tiercache.config import Config
 from tiercache.errors import ControlSocketError
-from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.control.client import Client
+from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.sockets import prepare_directory, trusted_uids
-from tiercache.index.payloads import decode_error, encode_hello_request
-from tiercache.index.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
+from tiercache.control.sockets import prepare_directory, trusted_uids
+from tiercache.control.payloads import decode_error, encode_hello_request
+from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 needs_root = pytest.mark.skipif(

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from tiercache import errors
 from tiercache.index.manager import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
-from tiercache.index.payloads import (
+from tiercache.control.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_hello_request,
     decode_lease_batch_request, decode_leases, decode_stats, decode_store_output,
     decode_store_request, encode_error, encode_events, encode_hello, encode_hello_request,
     encode_lease_batch_request, encode_leases, encode_stats, encode_store_output,
     encode_store_request,
 )
-from tiercache.index.protocol import (
+from tiercache.control.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
     MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader,
     PayloadReader, PayloadWriter, Status, Verb, frame,
@@ -222,7 +222,7 @@ def test_the_largest_request_fits_the_request_bound():
 
 
 def test_tier_stats_round_trip_with_seconds_and_flags():
-    from tiercache.index.payloads import decode_tier_stats, encode_tier_stats
+    from tiercache.control.payloads import decode_tier_stats, encode_tier_stats
     from tiercache.index.results import TierStats
 
     stats = TierStats(capacity_blocks=9, used_blocks=4, read_seconds=1.5, write_seconds=0.25,

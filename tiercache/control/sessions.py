@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 from tiercache.errors import ControlSocketError
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.payloads import Hello
-from tiercache.index.protocol import TOKEN_BYTES
+from tiercache.control.payloads import Hello
+from tiercache.control.protocol import TOKEN_BYTES
 from tiercache.index.results import SessionRelease
 from tiercache.region.hostmem import process_alive, process_start_ns
 from tiercache.region.sessions import SessionLedger, SessionRecord, SessionTableFullError

@@ -1,6 +1,6 @@
 """What the control server does for each verb: decode the request, call the index for the
 connection's session (``owner``), encode the answer. HELLO is the server's own (it opens
-the session these handlers act for); see ``tiercache.index.control``."""
+the session these handlers act for); see ``tiercache.control.server``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.payloads import (
+from tiercache.control.payloads import (
     decode_lease_batch_request, decode_store_request, encode_events, encode_leases, encode_stats,
     encode_store_output, encode_tier_stats,
 )
-from tiercache.index.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
+from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
 Handler = Callable[[OffloadingManager, PayloadReader, int], bytes]
 _EMPTY = b""

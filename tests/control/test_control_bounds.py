@@ -24,10 +24,10 @@ from control_support import (
 from index_scenarios import k, store
 from tiercache.config import config_from_dict
 from tiercache.errors import ConfigError, ControlSocketError
-from tiercache.index.client import Client
-from tiercache.index.control import ControlOptions, ControlServer
+from tiercache.control.client import Client
+from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, MAGIC, Verb
+from tiercache.control.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, MAGIC, Verb
 
 MiB = 1 << 20
 
@@ -99,7 +99,7 @@ def test_bad_frame_warnings_are_rate_limited(socket_path, caplog):
     server = ControlServer(OffloadingManager(4), socket_path, ControlOptions(log_interval_s=600))
     server.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="tiercache.index.control"):
+        with caplog.at_level(logging.WARNING, logger="tiercache.control.server"):
             for _ in range(100):
                 sock = raw_connection(socket_path)
                 sock.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
@@ -176,7 +176,7 @@ def test_a_full_backlog_is_waited_out_not_taken_for_a_dead_coordinator(servers, 
     os.kill(server.proc.pid, signal.SIGSTOP)
     burst: list[socket.socket] = []
     seen = _Seen("listen backlog full")
-    client_log = logging.getLogger("tiercache.index.client")
+    client_log = logging.getLogger("tiercache.control.client")
     client_log.addHandler(seen)
     old_level = client_log.level
     client_log.setLevel(logging.DEBUG)
