@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tiercache.errors import ConfigError
 from tiercache.config import (
-    BackendKind, Config, ConfigError, PinningPolicy, config_from_dict, config_keys,
+    BackendKind, Config, PinningPolicy, config_from_dict, config_keys,
     config_to_toml, load_config,
 )
 from tiercache.sizes import format_bytes, parse_size
