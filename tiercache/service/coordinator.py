@@ -29,6 +29,7 @@ from typing import Callable
 from tiercache.config import Config
 from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
+from tiercache.service.notify import notify
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class Coordinator:
             self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
                  f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
+        notify("READY=1", f"STATUS=serving {self.region.path}")
 
     def _restore_sessions(self):
         """The region's session table, and the sessions of a previous coordinator whose
@@ -290,6 +292,7 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        notify("STOPPING=1")
         errors: dict[str, BaseException] = {}
         attached = self.region.live_attachments() if self.region and self.control else 0
         keep = attached > 0
