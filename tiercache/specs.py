@@ -23,8 +23,11 @@ from tiercache.errors import SpecError
 
 
 class Medium(Enum):
+    """Where a block lives; the values are vLLM's KV-event medium names."""
+
     CPU = "CPU"
     GPU = "GPU"
+    STORAGE = "STORAGE"  # a tier below host memory on this node (the disk tier)
 
 
 def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:

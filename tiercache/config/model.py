@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from tiercache.backend_kind import BackendKind
+from tiercache.config.events import EventsConfig
 from tiercache.config.sections import (
     INDEX_POLICIES, MAX_ZERO_COPY_BYTES, ExporterConfig, KVGeometry, RegionConfig, check_name,
 )
@@ -43,6 +44,7 @@ class Config:
     control_trusted_uid: int = -1  # a uid trusted on the control socket besides our own; -1: none
     disk: DiskConfig | None = None  # the disk tier; None: host memory only
     cluster: ClusterConfig | None = None  # the cluster tier; None: this node's tiers only
+    events: EventsConfig | None = None  # the node's KV event stream; None: off
 
     def __post_init__(self) -> None:
         check_name(self.name)

@@ -4,6 +4,7 @@ and what is allowed), and ``Config`` written back as TOML."""
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from enum import Enum
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.backend_kind import BackendKind
+from tiercache.config.events import EventsConfig, HashFormat
 from tiercache.config.model import Config
 from tiercache.config.sections import (
     DTYPE_BYTES, ExporterConfig, KVGeometry, PinningPolicy, RegionConfig,
@@ -47,6 +49,9 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "exists_wait_s": (int, float),
                 "retry_s": (int, float), "census_period_s": (int, float),
                 "start_timeout_s": (int, float), "stop_timeout_s": (int, float)},
+    "events": {"endpoint": str, "replay_endpoint": str, "topic": str, "hash_format": str,
+               "replay_batches": int, "hwm": int, "queue_keys": int,
+               "batch_interval_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -121,6 +126,18 @@ def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
         "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
         "census_period_s": "census_period_s",
         "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}))
+
+
+def _events_from(raw: dict[str, Any]) -> EventsConfig:
+    if "endpoint" not in raw:
+        raise ConfigError("events.endpoint is missing: the event stream needs the ZMQ PUB "
+                          "address it binds, e.g. \"tcp://127.0.0.1:5557\"")
+    fields = _present(raw, {"endpoint": "endpoint", "replay_endpoint": "replay_endpoint",
+                            "topic": "topic", "replay_batches": "replay_batches", "hwm": "hwm",
+                            "queue_keys": "queue_keys", "batch_interval_s": "batch_interval_s"})
+    if "hash_format" in raw:
+        fields["hash_format"] = _enum(HashFormat, raw["hash_format"], "events.hash_format")
+    return EventsConfig(**fields)
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -217,6 +234,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
         kwargs["disk"] = _disk_from(raw["disk"], base_dir)
     if "cluster" in raw:
         kwargs["cluster"] = _cluster_from(raw["cluster"])
+    if "events" in raw:
+        kwargs["events"] = _events_from(raw["events"])
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "zero_copy_bytes" in raw.get("transfer", {}):
@@ -259,7 +278,8 @@ def config_to_toml(config: Config) -> str:
             return "true" if v else "false"
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
-        return str(v) if isinstance(v, (int, float)) else '"' + str(v).replace('"', '\\"') + '"'
+        # a JSON string is a TOML basic string (the same escapes: quotes, backslashes, \uXXXX)
+        return str(v) if isinstance(v, (int, float)) else json.dumps(str(v))
 
     reg, kv, exp = config.region, config.kv, config.exporter
     size = {"num_blocks": reg.num_blocks} if reg.num_blocks is not None else {
@@ -306,6 +326,12 @@ def config_to_toml(config: Config) -> str:
             "exists_ttl_s": c.exists_ttl_s,
             "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
             "census_period_s": c.census_period_s, "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
+    if config.events is not None:
+        e = config.events
+        tables["events"] = {
+            "endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint, "topic": e.topic,
+            "hash_format": e.hash_format.value, "replay_batches": e.replay_batches,
+            "hwm": e.hwm, "queue_keys": e.queue_keys, "batch_interval_s": e.batch_interval_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

@@ -1,0 +1,82 @@
+"""The ``[events]`` section: the node's KV event stream for routers (``tiercache.events``).
+
+Off unless the section is present. The coordinator *binds* ``endpoint`` (a ZMQ PUB socket:
+subscribers connect) and, if given, ``replay_endpoint`` (a ZMQ ROUTER answering vLLM's
+replay requests). Both are TCP: ``tcp://ADDRESS:PORT`` with an IPv4 address, ``[IPv6]``
+or ``*`` (all interfaces), port 0 picking a free one (the bound endpoint is logged).
+Anyone who reaches the port reads the node's block hashes and model names: bind loopback
+or a network only routers reach (docs/events.md, "Trust").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from enum import Enum
+
+from tiercache.errors import ConfigError
+
+MAX_TOPIC_BYTES = 256
+
+
+class HashFormat(Enum):
+    """How block hashes go on the wire (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``):
+    ``int``, the hash's last 8 bytes big-endian (vLLM's default), or the hash ``bytes``."""
+
+    INT = "int"
+    BYTES = "bytes"
+
+
+def check_tcp_endpoint(endpoint: str, key: str) -> str:
+    """``endpoint`` if it is ``tcp://ADDRESS:PORT`` (address an IP literal or ``*``, port
+    0..65535), else a ``ConfigError`` naming ``key``."""
+    allowed = ("allowed tcp://ADDRESS:PORT with ADDRESS an IPv4 address, [IPv6] or * (all "
+               "interfaces) and PORT 0..65535 (0: any free port)")
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        raise ConfigError(f"{key} = {endpoint!r}: {allowed}")
+    host, _, port = endpoint[6:].rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key} = {endpoint!r}: port {port!r}; {allowed}")
+    if host != "*":
+        literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            address = ipaddress.ip_address(literal)
+        except ValueError:
+            raise ConfigError(f"{key} = {endpoint!r}: address {host!r}; {allowed}") from None
+        if address.version == 6 and literal == host:
+            raise ConfigError(f"{key} = {endpoint!r}: write an IPv6 address in brackets; "
+                              f"{allowed}")
+    return endpoint
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """``[events]`` (see the module docstring and the README's config reference)."""
+
+    endpoint: str
+    replay_endpoint: str = ""  # "": no replay socket
+    topic: str = ""  # prefix of every batch's topic (docs/events.md, "Topics")
+    hash_format: HashFormat = HashFormat.INT
+    replay_batches: int = 10_000  # batches kept for replay (and at most REPLAY_BUFFER_BYTES)
+    hwm: int = 1000  # batches queued per subscriber before ZMQ drops for that subscriber
+    queue_keys: int = 1 << 20  # keys waiting to be published; past it: drop, count, resync
+    batch_interval_s: float = 0.1  # how long changes wait to be batched (at most 1 s)
+
+    def __post_init__(self) -> None:
+        check_tcp_endpoint(self.endpoint, "events.endpoint")
+        if self.replay_endpoint:
+            check_tcp_endpoint(self.replay_endpoint, "events.replay_endpoint")
+            if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":0"):
+                raise ConfigError(f"events.replay_endpoint = {self.replay_endpoint!r}: the "
+                                  "same as events.endpoint; give each its own port")
+        if len(self.topic.encode()) > MAX_TOPIC_BYTES:
+            raise ConfigError(f"events.topic = {self.topic[:32]!r}...: "
+                              f"{len(self.topic.encode())} bytes; at most {MAX_TOPIC_BYTES}")
+        for key, value, low, high in (("replay_batches", self.replay_batches, 1, 1_000_000),
+                                      ("hwm", self.hwm, 1, 1_000_000),
+                                      ("queue_keys", self.queue_keys, 1024, 1 << 26)):
+            if isinstance(value, bool) or not low <= value <= high:
+                raise ConfigError(f"events.{key} = {value!r}: allowed {low} .. {high}")
+        if not 0 < self.batch_interval_s <= 1:
+            raise ConfigError(f"events.batch_interval_s = {self.batch_interval_s!r}: allowed "
+                              "above 0 up to 1 (seconds: events leave within a second)")

@@ -1,0 +1,307 @@
+"""``EventPublisher``: the thread that turns the sink's changes into vLLM's KV event batches
+on a ZMQ PUB socket, and answers replay requests on a ROUTER socket.
+
+Every ``batch_interval_s`` it ``take``s what changed (``tiercache.events.sink``), turns each
+key into its engine's hash (``tiercache.events.namespaces``), and publishes per namespace
+batches of at most ``MAX_EVENTS_PER_BATCH`` events (``tiercache.events.wire`` has the
+frames), each numbered in one sequence for the whole stream and kept for replay
+(``tiercache.events.replay``). A resync publishes ``AllBlocksCleared`` on the bare topic
+first. A stop publishes what is left, then ``AllBlocksCleared`` (the node's cache is no
+longer served), and closes both sockets.
+
+Never in the index's way: the hook only touches the sink; this thread owns both sockets
+and everything it sends. ZMQ's PUB drops a batch for a subscriber whose queue holds
+``hwm`` batches (it sees a gap in the sequence numbers and may ask for a replay); a
+ROUTER answer to a subscriber that does not read is dropped likewise. Incoming messages
+are bounded (``MAX_INBOUND_BYTES``: a peer sending more is disconnected by ZMQ), and at
+most ``MAX_REPLAYS_PER_ROUND`` requests are answered between two batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tiercache.config.events import EventsConfig
+from tiercache.errors import ServiceError
+from tiercache.events import wire
+from tiercache.events.namespaces import NAMESPACE_BYTES, KeyHasher, NamespaceInfo
+from tiercache.events.replay import ReplayBuffer, parse_request
+from tiercache.events.sink import NodeEventSink, Taken
+from tiercache.loglimit import LogLimiter
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS_PER_BATCH = 1024  # and hashes per BlockRemoved: a batch stays ~64 KiB or less
+MAX_REPLAYS_PER_ROUND = 16
+MAX_INBOUND_BYTES = 1024  # subscriptions (PUB) and replay requests (ROUTER) are tiny
+START_TIMEOUT_S = 10.0
+
+
+@dataclass
+class PublisherStats:
+    batches: int = 0
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)  # (type, medium)
+    replay_requests: int = 0
+    bad_replay_requests: int = 0
+    replayed_batches: int = 0
+    resyncs: int = 0
+    undescribed_keys: int = 0  # keys of namespaces no engine described: not published
+    unreadable_keys: int = 0  # keys not of their namespace's engine's shape
+    send_errors: int = 0
+    next_seq: int = 0
+
+
+class _Namespace:
+    """A namespace's publishing state within one round: its topic, hasher and events."""
+
+    __slots__ = ("topic", "hasher", "events")
+
+    def __init__(self, info: NamespaceInfo, config: EventsConfig):
+        self.topic = info.topic(config.topic)
+        self.hasher: KeyHasher = info.hasher(config.hash_format)
+        self.events: list[Any] = []
+
+
+class EventPublisher:
+    """See the module docstring. ``start()`` binds (``ServiceError`` naming the endpoint if
+    it cannot), ``close()`` stops; ``endpoint``/``replay_endpoint`` are the bound ones."""
+
+    def __init__(self, config: EventsConfig, sink: NodeEventSink):
+        self.config = config
+        self._sink = sink
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = PublisherStats()
+        self._stats_lock = threading.Lock()
+        self._buffer = ReplayBuffer(config.replay_batches)
+        self._warn = LogLimiter(log, 10.0)
+        self._encoder = wire.BatchEncoder()
+        self._namespaces: dict[bytes, _Namespace] = {}
+        self.endpoint = ""
+        self.replay_endpoint = ""
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        if self._thread is not None:
+            raise ServiceError("the event publisher was already started")
+        self._thread = threading.Thread(target=self._run, name="tiercache-events", daemon=True)
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            self._stop.set()
+            raise ServiceError(f"the event publisher did not bind {self.config.endpoint} "
+                               f"within {START_TIMEOUT_S} s")
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Publish what is left and ``AllBlocksCleared``, close the sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def stats(self) -> PublisherStats:
+        with self._stats_lock:
+            s = self._stats
+            return PublisherStats(**{**vars(s), "events": Counter(s.events)})
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        context = zmq.Context()
+        pub = router = None
+        try:
+            try:
+                pub, router = self._bind(context)
+            except BaseException as e:
+                self._failure = e
+                return
+            finally:
+                self._started.set()
+            self._serve(pub, router)
+        finally:
+            for sock in (pub, router):
+                if sock is not None:
+                    sock.close(linger=0)
+            context.term()
+
+    def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket | None]:
+        cfg = self.config
+        pub = context.socket(zmq.PUB)
+        sockets = [pub]
+        try:
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+            pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
+            self.endpoint = _bind(pub, cfg.endpoint, "events.endpoint")
+            router = None
+            if cfg.replay_endpoint:
+                router = context.socket(zmq.ROUTER)
+                sockets.append(router)
+                router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.SNDHWM, 2 * (cfg.replay_batches + 1))
+                router.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
+                self.replay_endpoint = _bind(router, cfg.replay_endpoint,
+                                             "events.replay_endpoint")
+            return pub, router
+        except BaseException:
+            for sock in sockets:
+                sock.close(linger=0)
+            raise
+
+    def _serve(self, pub: zmq.Socket, router: zmq.Socket | None) -> None:
+        interval = self.config.batch_interval_s
+        poller = zmq.Poller()
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
+        next_flush = time.monotonic() + interval
+        while not self._stop.is_set():
+            wait_s = max(0.0, next_flush - time.monotonic())
+            if router is not None:
+                if poller.poll(wait_s * 1000):
+                    self._answer_replays(router)
+            else:
+                self._stop.wait(wait_s)
+            if time.monotonic() >= next_flush:
+                self._flush(pub)
+                next_flush = time.monotonic() + interval
+        self._flush(pub)
+        self._send(pub, self.config.topic.encode(), [wire.AllBlocksCleared()])
+
+    # ------------------------------------------------------------------ publishing
+    def _flush(self, pub: zmq.Socket) -> None:
+        taken = self._sink.take()
+        for digest in set(self._namespaces) - set(taken.namespaces):
+            del self._namespaces[digest]  # forgotten by the sink
+        if taken.resync:
+            with self._stats_lock:
+                self._stats.resyncs += 1
+            self._send(pub, self.config.topic.encode(), [wire.AllBlocksCleared()])
+        rounds = self._events_of(taken)
+        for ns in rounds:
+            for i in range(0, len(ns.events), MAX_EVENTS_PER_BATCH):
+                self._send(pub, ns.topic, ns.events[i:i + MAX_EVENTS_PER_BATCH])
+            ns.events = []
+
+    def _events_of(self, taken: Taken) -> list[_Namespace]:
+        """Per namespace, its events of this round: the announcements, then the changes."""
+        cache = self._namespaces
+        for digest, info in taken.namespaces.items():
+            if digest not in cache:
+                cache[digest] = _Namespace(info, self.config)
+        touched: dict[bytes, _Namespace] = {}
+        undescribed = unreadable = 0
+        for medium, info, keys in taken.announce:
+            ns = touched.setdefault(info.digest, cache[info.digest])
+            unreadable += self._stored(ns, keys, medium.value)
+        for change in taken.changes:
+            medium = change.medium.value
+            by_prefix: dict[bytes, list[bytes]] = {}
+            for key in change.keys:
+                by_prefix.setdefault(key[:NAMESPACE_BYTES], []).append(key)
+            for prefix, keys in by_prefix.items():
+                ns = cache.get(prefix)
+                if ns is None:
+                    undescribed += len(keys)
+                    continue
+                touched[prefix] = ns
+                unreadable += (self._removed(ns, keys, medium) if change.removed
+                               else self._stored(ns, keys, medium))
+        if undescribed or unreadable:
+            with self._stats_lock:
+                self._stats.undescribed_keys += undescribed
+                self._stats.unreadable_keys += unreadable
+        return list(touched.values())
+
+    @staticmethod
+    def _stored(ns: _Namespace, keys: list[bytes], medium: str) -> int:
+        hasher, events, bad = ns.hasher, ns.events, 0
+        for key in keys:
+            hashed = hasher(key)
+            if hashed is None:
+                bad += 1
+            else:
+                events.append(wire.stored(hashed[0], medium, hashed[1]))
+        return bad
+
+    @staticmethod
+    def _removed(ns: _Namespace, keys: list[bytes], medium: str) -> int:
+        groups: dict[int, list[int | bytes]] = {}
+        bad = 0
+        for key in keys:
+            hashed = ns.hasher(key)
+            if hashed is None:
+                bad += 1
+            else:
+                groups.setdefault(hashed[1], []).append(hashed[0])
+        for group, hashes in groups.items():
+            for i in range(0, len(hashes), MAX_EVENTS_PER_BATCH):
+                ns.events.append(wire.removed(hashes[i:i + MAX_EVENTS_PER_BATCH], medium, group))
+        return bad
+
+    def _send(self, pub: zmq.Socket, topic: bytes, events: list[Any]) -> None:
+        payload = self._encoder.encode(events)
+        with self._stats_lock:
+            seq = self._stats.next_seq
+            self._stats.next_seq += 1
+            self._stats.batches += 1
+            for event in events:
+                self._stats.events[type(event).__name__, getattr(event, "medium", "") or ""] += 1
+        self._buffer.append(seq, topic, payload)
+        try:
+            pub.send_multipart([topic, wire.seq_bytes(seq), payload], flags=zmq.NOBLOCK,
+                               copy=False)
+        except zmq.ZMQError as e:  # PUB drops for slow subscribers; this is something else
+            with self._stats_lock:
+                self._stats.send_errors += 1
+            self._warn.warn("send", "event publisher: sending batch %d failed: %s", seq, e)
+
+    # ------------------------------------------------------------------ replay
+    def _answer_replays(self, router: zmq.Socket) -> None:
+        for _ in range(MAX_REPLAYS_PER_ROUND):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request = parse_request(frames)
+            with self._stats_lock:
+                if request is None:
+                    self._stats.bad_replay_requests += 1
+                else:
+                    self._stats.replay_requests += 1
+            if request is None:
+                self._warn.warn("replay", "event publisher: ignored a replay request of %d "
+                                "frame(s); expected [identity, '', 8-byte sequence]",
+                                len(frames))
+                continue
+            identity, start = request
+            sent = 0
+            try:
+                for batch in self._buffer.since(start):
+                    router.send_multipart([identity, b"", batch.topic, wire.seq_bytes(batch.seq),
+                                           batch.payload], flags=zmq.NOBLOCK, copy=False)
+                    sent += 1
+                router.send_multipart([identity, b"", b"", wire.END_SEQ, b""], flags=zmq.NOBLOCK)
+            except zmq.Again:  # a requester that does not read: the rest is dropped
+                pass
+            with self._stats_lock:
+                self._stats.replayed_batches += sent
+
+
+def _bind(sock: zmq.Socket, endpoint: str, key: str) -> str:
+    """Bind ``endpoint``; the endpoint bound (a port 0 resolved)."""
+    if "://[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise ServiceError(f"{key} = {endpoint!r}: cannot bind: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
