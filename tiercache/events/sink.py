@@ -6,7 +6,9 @@ locks, from the control server's thread and tier threads. So each call is thread
 O(len(keys)), takes one short lock, never blocks on anything else and does no I/O:
 
 * it keeps a **mirror** of the keys each medium holds, by namespace prefix (so a namespace
-  described later, or a resynchronisation, can announce exactly what is held);
+  described later, or a resynchronisation, can announce exactly what is held), and only
+  what changes the mirror is a change: a key stored twice is announced once, a key removed
+  that was not held is not announced (consumers that count announcements stay right);
 * it appends the change to a **bounded queue** (``queue_keys`` keys). When a change would
   pass the bound, the queue is dropped (its keys counted in ``dropped_keys``) and the stream
   is marked for a **resync**: the publisher's next batch is ``AllBlocksCleared`` and then
@@ -98,13 +100,17 @@ class NodeEventSink:
             return
         with self._lock:
             held = self._state.held.setdefault(medium, {})
+            new = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
                 bucket = held.get(prefix)
                 if bucket is None:
                     held[prefix] = bucket = set()
-                bucket.add(key)
-            self._enqueue(Change(False, medium, tuple(keys)))
+                if key not in bucket:
+                    bucket.add(key)
+                    new.append(key)
+            if new:
+                self._enqueue(Change(False, medium, tuple(new)))
 
     def removed(self, keys: Sequence[bytes], medium: Medium) -> None:
         """``keys`` are gone from ``medium``."""
@@ -112,14 +118,17 @@ class NodeEventSink:
             return
         with self._lock:
             held = self._state.held.get(medium, {})
+            gone = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
                 bucket = held.get(prefix)
-                if bucket is not None:
-                    bucket.discard(key)
+                if bucket is not None and key in bucket:
+                    bucket.remove(key)
+                    gone.append(key)
                     if not bucket:
                         del held[prefix]
-            self._enqueue(Change(True, medium, tuple(keys)))
+            if gone:
+                self._enqueue(Change(True, medium, tuple(gone)))
 
     def cleared(self, medium: Medium) -> None:
         """``medium`` was emptied (a reset)."""

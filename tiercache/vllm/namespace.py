@@ -58,10 +58,16 @@ class Namespace:
     key_format: int = KEY_FORMAT_VERSION
 
     @property
+    def description(self) -> str:
+        """The canonical text the digest is the SHA-256 of: what the engine tells the
+        coordinator (DESCRIBE) so its event stream can publish this namespace's blocks
+        with vLLM's hashes (``tiercache.events.namespaces``)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
     def digest(self) -> bytes:
         """``NAMESPACE_BYTES`` bytes prefixed to every key of this namespace."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).digest()[:NAMESPACE_BYTES]
+        return hashlib.sha256(self.description.encode()).digest()[:NAMESPACE_BYTES]
 
     def next_epoch(self) -> Namespace:
         return replace(self, epoch=self.epoch + 1)
