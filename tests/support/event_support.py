@@ -7,6 +7,7 @@ import json
 import os
 import select
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,13 @@ WAIT_S = float(os.environ.get("TIERCACHE_TEST_WAIT_S", "120"))  # a bound on a w
 def vllm_python() -> str:
     """The interpreter of the vLLM 0.33 venv (``make venv-vllm``; or
     ``TIERCACHE_VLLM_PYTHON``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return sys.executable  # the tests run in the vLLM venv already
+    except PackageNotFoundError:
+        pass
     path = os.environ.get("TIERCACHE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
     if not os.path.exists(path):
         pytest.skip(f"no vLLM venv at {path} (make venv-vllm, or set TIERCACHE_VLLM_PYTHON)")
@@ -155,3 +163,24 @@ class VllmSubscriber:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a stream that must keep its port across a
+    restart; the kernel may hand it out again meanwhile: rare, and the start then fails
+    loudly)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stream_endpoints(coordinator) -> tuple[str, str]:
+    """The (events, replay) endpoints a running ``tiercache serve`` says it bound."""
+    import re
+
+    found = re.search(r"events: publishing on (\S+?)(?:, replay on (\S+?))?;",
+                      coordinator.output())
+    assert found, coordinator.output()
+    return found.group(1), found.group(2) or "-"

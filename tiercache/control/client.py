@@ -48,7 +48,9 @@ from collections.abc import Sequence
 from tiercache.config import Config
 from tiercache.errors import (
     ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
+    StateError,
 )
+from tiercache.control.namespaces import Described, decode_described, encode_describe_request
 from tiercache.control.sockets import check_directory, check_peer, check_socket_file, trusted_uids
 from tiercache.control.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_leases, decode_stats,
@@ -119,6 +121,8 @@ class Client:
         self._heartbeat = heartbeat
         self._beat_stop: threading.Event | None = None
         self._beat_thread: threading.Thread | None = None
+        self._description: bytes | None = None  # DESCRIBE's request, sent on every connect
+        self.described: Described | None = None  # its last answer
 
     @staticmethod
     def _check_path_length(path: str) -> None:
@@ -231,6 +235,14 @@ class Client:
             events.extend(batch)
             if sum(len(e.keys) for e in batch) < MAX_KEYS_PER_CALL:
                 return events
+
+    def describe(self, family: int, text: str) -> Described:
+        """Tell the coordinator what this client's key namespace is (DESCRIBE,
+        ``tiercache.control.namespaces``), now and again on every reconnect (a restarted
+        coordinator learns it back). The answer says whether the node's event stream runs."""
+        self._description = encode_describe_request(family, text)
+        self.described = decode_described(self._call(Verb.DESCRIBE, self._description))
+        return self.described
 
     def reset(self) -> None:
         self._call(Verb.RESET, b"").done()
@@ -399,6 +411,13 @@ class Client:
             self._lost = True
         self._had_session = True
         self._start_heartbeat(self._hello.timeout_s / 4)
+        if self._description is not None:
+            try:
+                self.described = decode_described(self._exchange(Verb.DESCRIBE,
+                                                                 self._description))
+            except (ConfigError, StateError) as e:  # calls go on; its blocks go unpublished
+                log.warning("tiercache: the coordinator on %s did not take this client's "
+                            "namespace description: %s", self._path, e)
 
     def _connect_socket(self) -> socket.socket:
         """A connected socket; a full backlog (EAGAIN) is retried until ``timeout_s``."""

@@ -27,8 +27,8 @@ MAGIC = b"TCKV"
 # answers the keys that found no room; 5: TIER_STATS, lease answers name promoted blocks;
 # 6: lease answers name each promoted block's tier, TIER_STATS carries queued blocks;
 # 7: TIER_STATS carries the tier's calls in flight; 8: STATS carries quarantined blocks,
-# TIER_STATS whether the tier promotes
-PROTOCOL_VERSION = 8
+# TIER_STATS whether the tier promotes; 9: DESCRIBE
+PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
 MAX_KEY_BYTES = 256
@@ -79,6 +79,8 @@ class Verb(IntEnum):
         14 TIER_STATS       (empty)                 u32 n, n x (str tier, u64 per TierStats
                                                     field in field order: seconds in
                                                     microseconds, flags 0/1)
+        15 DESCRIBE         u8 engine family, raw   raw digest (8 bytes), u8 node events
+                            description (<= 64 KiB) on (tiercache.control.namespaces)
 
     The first request on a connection must be HELLO: it opens a session (or resumes the
     one its token names) and every later call acts for that session. An ERROR response
@@ -101,6 +103,7 @@ class Verb(IntEnum):
     LEASE_BATCH = 12
     RELEASE = 13
     TIER_STATS = 14
+    DESCRIBE = 15
 
 
 class Status(IntEnum):

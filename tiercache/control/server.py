@@ -70,6 +70,7 @@ from tiercache.control.protocol import (
     HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
     Verb, frame,
 )
+from tiercache.control.namespaces import Describer, describe
 from tiercache.control.sessions import Session, SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord
 
@@ -137,13 +138,15 @@ class ControlOptions:
 
 
 class ControlServer:
-    """Serves ``manager`` on the Unix socket ``socket_path`` (mode 0600) until ``close()``."""
+    """Serves ``manager`` on the Unix socket ``socket_path`` (mode 0600) until ``close()``;
+    DESCRIBE goes to ``events`` (``tiercache.control.namespaces``)."""
 
     def __init__(self, manager: OffloadingManager, socket_path: str | os.PathLike[str],
                  options: ControlOptions | None = None, *,
                  session_store: SessionLedger | None = None,
-                 restored: Iterable[SessionRecord] = ()):
+                 restored: Iterable[SessionRecord] = (), events: Describer | None = None):
         self._manager = manager
+        self._events = events  # the node's event stream, for DESCRIBE
         self._path = os.fspath(socket_path)
         self.options = options or ControlOptions()
         self._trusted = trusted_uids(self.options.trusted_uid)
@@ -543,7 +546,11 @@ class ControlServer:
                                     "must be HELLO (open or resume a session)")
             else:
                 conn.session.last_seen = time.monotonic()
-                body = HANDLERS[verb](self._manager, PayloadReader(payload), conn.session.owner)
+                if verb is Verb.DESCRIBE:
+                    body = describe(self._events, PayloadReader(payload))
+                else:
+                    body = HANDLERS[verb](self._manager, PayloadReader(payload),
+                                          conn.session.owner)
         except ProtocolError as e:
             self._warn.warn("malformed", "control connection of %s sent a malformed %s, closing "
                             "it: %s", conn.peer, verb.name, e)

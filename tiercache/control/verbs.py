@@ -94,4 +94,5 @@ HANDLERS: dict[Verb, Handler] = {
     Verb.RELEASE: _release,
     Verb.TIER_STATS: _no_args(lambda m: encode_tier_stats(m.tier_stats())),
 }
-assert set(HANDLERS) | {Verb.HELLO} == set(Verb), "every verb but HELLO needs a handler"
+# HELLO and DESCRIBE are the server's own (the session; the event stream's namespaces)
+assert set(HANDLERS) | {Verb.HELLO, Verb.DESCRIBE} == set(Verb), "every verb needs a handler"

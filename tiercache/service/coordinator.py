@@ -29,7 +29,9 @@ from typing import Callable
 from tiercache.config import Config
 from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
+from tiercache.service.event_hooks import fan_out
 from tiercache.service.notify import notify
+from tiercache.specs import Medium
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class Coordinator:
         self.exporter = None
         self.disk = None
         self.presence = None
+        self.events = None  # the node's event stream (NodeEventStream) and its feed
+        self.event_feed = None
         self.cluster = None  # (ClusterTier, MooncakePool)
         # what stop left blocked in Mooncake (the cluster tier's pool calls, the client's
         # close): daemon threads; the region stays mapped under them, and `serve` ends the
@@ -86,10 +90,12 @@ class Coordinator:
                 self.cluster = self._start_cluster()
             self.manager.set_lower_tiers([tier for tier in (
                 self.disk, self.cluster and self.cluster[0]) if tier is not None])
+            if cfg.events is not None:
+                self._start_events()
             self.presence = self._start_presence()
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
-                                    session_store=store, restored=restored)
+                                    session_store=store, restored=restored, events=self.events)
             control.start()  # cleans up after itself when it fails
             self.control = control
             self.region.header.set_socket_path(socket_path)  # found whatever a client's env
@@ -98,6 +104,10 @@ class Coordinator:
                 collector = TiercacheCollector(
                     self.region, manager_stats=self.control.stats,
                     tier_stats=self.manager.tier_stats if tiers else None)
+                if self.events is not None:
+                    from tiercache.metrics.events import EventsCollector, collectors
+
+                    collector = collectors(collector, EventsCollector(self.events.stats))
                 self.exporter = start_exporter(cfg.exporter, collector)
         except BaseException:
             self.close()
@@ -147,7 +157,8 @@ class Coordinator:
         cfg = self.config
         num_blocks = self.region.layout.num_blocks
         manager = OffloadingManager(
-            num_blocks, policy=cfg.index_policy, enable_events=cfg.index_events,
+            num_blocks, policy=cfg.index_policy,
+            enable_events=cfg.index_events or cfg.events is not None,  # the event feed's source
             ledger=IndexLedger(self.region.ledger_array()), region_id=self.region.region_id,
             surviving_owners=surviving_owners,
             max_session_blocks=max(1, int(num_blocks * cfg.index_max_session_share)))
@@ -199,19 +210,47 @@ class Coordinator:
 
         num_keys = self.manager.num_blocks + (self.disk.capacity_blocks if self.disk else 0)
         presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
+        events = self.event_feed.disk_listener if self.event_feed is not None else None
         if self.cluster is not None:  # the pool's keys are not counted here: no zero is sure
             presence.set_exact(False)  # for good: nothing reads the counts, none are kept
             self.say("key presence map: not exact (a cluster tier's keys are not counted on "
                      "this node): every new request is looked up in the coordinator, one step")
+            if self.disk is not None and events is not None:
+                self.disk.set_key_listener(events)
             return presence
         try:
             self.manager.set_key_listener(presence.update)
             if self.disk is not None:
-                self.disk.set_key_listener(presence.update)
+                self.disk.set_key_listener(fan_out(presence.update, events))
         except BaseException:
             presence.close()
             raise
         return presence
+
+    def _start_events(self) -> None:
+        """The node's event stream (``[events]``, ``tiercache.events``): bound and
+        publishing, fed from the index (and from the disk tier's listener, which
+        ``_start_presence`` installs), before any engine can change anything."""
+        from tiercache.events import NodeEventStream
+        from tiercache.service.event_hooks import IndexEventFeed
+
+        stream = NodeEventStream(self.config.events)
+        stream.start()  # a ServiceError naming the endpoint if it cannot bind
+        self.events = stream
+        self.event_feed = IndexEventFeed(stream, self.manager)
+        self.event_feed.start()
+        publisher = stream.publisher
+        self.say(f"events: publishing on {publisher.endpoint}"
+                 + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint
+                    else "") + f"; {len(self.events.sink.held_keys(Medium.CPU))} block(s) "
+                 "in host memory announced as engines describe their namespaces")
+
+    def _stop_events(self) -> None:
+        if self.disk is not None:
+            self.disk.set_key_listener(None)  # the presence map's goes too: it stops next
+        if self.event_feed is not None:
+            self.event_feed.close()
+        self.events.close()
 
     def _stop_presence(self) -> None:
         self.manager.set_key_listener(None)
@@ -297,6 +336,7 @@ class Coordinator:
         attached = self.region.live_attachments() if self.region and self.control else 0
         keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
+                            ("events", self.events and self._stop_events),
                             ("presence", self.presence and self._stop_presence),
                             ("tiers", (self.disk or self.cluster) and self._stop_tiers),
                             ("control", self.control and (

@@ -30,9 +30,14 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
   request.
 * ``complete_store`` ignores keys this engine is not writing (vLLM repeats and goes
   stale) and is batched per step; stored blocks become visible at the next flush.
-* Events (when vLLM's KV events are on) are this engine's view: blocks it stored, and
-  blocks its own stores evicted from this namespace. Evictions caused by other engines are
-  not seen here (a router may then send a request that misses; never a wrong hit).
+* Events (when vLLM's KV events are on): when the coordinator publishes the node's event
+  stream (``[events]``, docs/events.md) this engine publishes none of its CPU tier (the
+  node's stream has every engine's blocks, every eviction, the disk tier); without one
+  they are this engine's view: blocks it stored, and blocks its own stores evicted from
+  this namespace (evictions caused by other engines are not seen here: a router may then
+  send a request that misses; never a wrong hit). Each namespace is described to the
+  coordinator (``describe``: at start, after a reset, and by the client on every
+  reconnect).
 * ``reset_cache`` moves the engine to a fresh namespace epoch (it never loads a block
   computed before the reset, and other engines keep theirs); pins and writes in flight
   are fenced until ``on_reset_flushed``.
@@ -46,7 +51,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +154,7 @@ class TierCacheManager(OffloadingManager):
 
     def __init__(self, *, namespace: Namespace, bulk: IndexSession, writer: IndexSession,
                  info: TierCacheInfo, enable_events: bool = False,
+                 describe: Callable[[Namespace], bool] | None = None,
                  reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0,
                  presence: PresenceView | None = None,
                  lookup_wait_s: float = LOOKUP_WAIT_S):
@@ -174,6 +180,7 @@ class TierCacheManager(OffloadingManager):
                                 on_flush=self._flush_seconds.append,
                                 on_evicted=self._evicted)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._describe = describe
         self._probed_keys = 0
         self._cold_misses_reported = 0
         self._loaded_chunks = 0
@@ -299,6 +306,11 @@ class TierCacheManager(OffloadingManager):
     def reset_cache(self) -> None:
         self._namespace = self._namespace.next_epoch()
         self._book.reset(self._namespace.digest)
+        if self._describe is not None:
+            try:
+                self._describe(self._namespace)
+            except CoordinatorGoneError:  # the client describes it when it reconnects
+                pass
         if self._presence is not None:
             self._presence.set_prefix(self._namespace.digest)
 

@@ -31,7 +31,7 @@ and the config lines that would fit (``tiercache config-for-vllm`` prints a whol
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.config import Config, load_config
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, StateError
+from tiercache.events.namespaces import EngineFamily
 from tiercache.control.client import Client
 from tiercache.region.layout import RegionLayout
 from tiercache.region.presence import PresenceView
@@ -128,6 +129,23 @@ def namespace_of(config: OffloadingConfig, salt: str = "") -> Namespace:
         salt=salt)
 
 
+def _describer(client: Client) -> Callable[[Namespace], bool]:
+    """Tells the coordinator what a namespace is (DESCRIBE; again on every reconnect), so
+    its event stream publishes the namespace's blocks with vLLM's hashes; answers whether
+    that stream runs (False too when the coordinator did not take the description: the
+    engine then publishes its own view, as without a stream)."""
+
+    def describe(namespace: Namespace) -> bool:
+        try:
+            return client.describe(EngineFamily.VLLM, namespace.description).node_events
+        except (ConfigError, StateError) as e:
+            log.warning("tiercache: the coordinator did not take namespace %s: %s",
+                        namespace.digest.hex(), e)
+            return False
+
+    return describe
+
+
 class TierCacheOffloadingSpec(OffloadingSpec):
     """See the module docstring."""
 
@@ -198,6 +216,13 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 writer.close()
                 raise
             info = TierCacheInfo(self.target.name, self.namespace.digest.hex(), layout.num_blocks)
+            describe = _describer(writer)
+            node_events = describe(self.namespace)
+            own_events = self.kv_events_config.enable_kv_cache_events and not node_events
+            if self.kv_events_config.enable_kv_cache_events and node_events:
+                log.info("tiercache: coordinator %s publishes the node's KV events (every "
+                         "engine's blocks, evictions and the disk tier): this engine's own "
+                         "CPU-tier events are off (docs/events.md)", self.target.name)
             # Reserving on probe assumes a probe is a prefix the request will store: true
             # of full attention; sliding-window groups probe from the end.
             full_attention = all(g.sliding_window_size_in_chunks is None
@@ -208,7 +233,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                             "(one step) until it is there", presence.problem)
             self._manager = TierCacheManager(
                 namespace=self.namespace, bulk=bulk, writer=writer, info=info,
-                enable_events=self.kv_events_config.enable_kv_cache_events,
+                enable_events=own_events, describe=describe,
                 reserve_on_probe=full_attention, presence=presence,
                 lookup_wait_s=self.lookup_wait_s)
             log.info("tiercache: engine %s uses coordinator %s, namespace %s",

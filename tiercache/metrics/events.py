@@ -1,0 +1,95 @@
+"""The event stream's metrics (``tiercache_events_*``), read from the stream at scrape time.
+
+``EventsCollector(stats)`` serves ``NodeEventStream.stats``; ``collectors(a, b)`` serves
+several collectors as one (the exporter takes one). Labels are bounded: ``type`` is one
+of vLLM's three event types, ``medium`` one of ``CPU``, ``STORAGE`` or ``""`` (a clear).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tiercache.events.stream import EventStats
+
+EVENT_METRIC_NAMES = (
+    "tiercache_events_published_total", "tiercache_events_batches_total",
+    "tiercache_events_replay_requests_total", "tiercache_events_bad_replay_requests_total",
+    "tiercache_events_replayed_batches_total", "tiercache_events_dropped_total",
+    "tiercache_events_resyncs_total", "tiercache_events_unpublished_keys_total",
+    "tiercache_events_queued_keys", "tiercache_events_namespaces",
+)
+
+
+class EventsCollector(Collector):
+    def __init__(self, stats: Callable[[], EventStats]):
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self._stats()))
+
+    @staticmethod
+    def _families(stats: EventStats | None) -> list[Metric]:
+        published = CounterMetricFamily(
+            "tiercache_events_published", "KV events the node's stream published, by vLLM "
+            "event type and medium (\"\" for AllBlocksCleared)", labels=("type", "medium"))
+        unpublished = CounterMetricFamily(
+            "tiercache_events_unpublished_keys", "Changed keys not published: their namespace "
+            "was never described by an engine (reason=undescribed), or the key is not of its "
+            "engine's shape (reason=unreadable)", labels=("reason",))
+        counters = {
+            "batches": ("Batches published (one sequence number each)", "batches"),
+            "replay_requests": ("Replay requests answered", "replay_requests"),
+            "bad_replay_requests": ("Messages on the replay socket that were not replay "
+                                    "requests (ignored)", "bad_replay_requests"),
+            "replayed_batches": ("Batches sent again in answer to replay requests",
+                                 "replayed_batches"),
+            "resyncs": ("Times the stream started over: AllBlocksCleared, then every block "
+                        "held (a start, a reset, an overflow of the queue)", "resyncs"),
+        }
+        families: list[Metric] = [published]
+        for name, (doc, _) in counters.items():
+            families.append(CounterMetricFamily(f"tiercache_events_{name}", doc))
+        dropped = CounterMetricFamily(
+            "tiercache_events_dropped", "Changed keys dropped by the stream's bounded queue "
+            "(events.queue_keys) before they were published; each overflow resyncs")
+        queued = GaugeMetricFamily("tiercache_events_queued_keys",
+                                   "Changed keys waiting to be published")
+        namespaces = GaugeMetricFamily("tiercache_events_namespaces",
+                                       "Namespaces engines described (published)")
+        families += [dropped, unpublished, queued, namespaces]
+        if stats is None:
+            return families
+        pub = stats.publisher
+        for (kind, medium), count in sorted(pub.events.items()):
+            published.add_metric([kind, medium], count)
+        for family, (_, field) in zip(families[1:], counters.values()):
+            family.add_metric([], getattr(pub, field))
+        dropped.add_metric([], stats.sink.dropped_keys)
+        unpublished.add_metric(["undescribed"], pub.undescribed_keys)
+        unpublished.add_metric(["unreadable"], pub.unreadable_keys)
+        queued.add_metric([], stats.sink.queued_keys)
+        namespaces.add_metric([], stats.sink.namespaces)
+        return families
+
+
+class _Collectors(Collector):
+    def __init__(self, parts: tuple[Collector, ...]):
+        self._parts = parts
+
+    def describe(self) -> Iterator[Metric]:
+        for part in self._parts:
+            yield from part.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        for part in self._parts:
+            yield from part.collect()
+
+
+def collectors(*parts: Collector) -> Collector:
+    return _Collectors(parts)
