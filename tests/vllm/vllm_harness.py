@@ -196,6 +196,7 @@ class Engine:
         worker_connector.register_kv_caches(caches)
         init_none_hash(sha256)
         engine = cls(scheduler, worker_connector, caches, model, check_content=check_content)
+        scheduler.kv_event_publisher.shutdown()  # vLLM's own binds tcp://*:5557: let it go
         scheduler.kv_event_publisher = engine.kv_events
         return engine
 
