@@ -66,7 +66,7 @@ class _Namespace:
     def __init__(self, info: NamespaceInfo, config: EventsConfig):
         self.topic = info.topic(config.topic)
         self.hasher: KeyHasher = info.hasher(config.hash_format)
-        self.events: list[Any] = []
+        self.events: list[Any] = []  # structs, and stored events already encoded (Raw)
 
 
 class EventPublisher:
@@ -86,6 +86,8 @@ class EventPublisher:
         self._warn = LogLimiter(log, 10.0)
         self._encoder = wire.BatchEncoder()
         self._namespaces: dict[bytes, _Namespace] = {}
+        self._stored_encoders: dict[str, wire.StoredEncoder] = {}
+        self._counts: Counter[tuple[str, str]] = Counter()  # this round's events, by kind
         self.endpoint = ""
         self.replay_endpoint = ""
 
@@ -174,7 +176,7 @@ class EventPublisher:
                 self._flush(pub)
                 next_flush = time.monotonic() + interval
         self._flush(pub)
-        self._send(pub, self.config.topic.encode(), [wire.AllBlocksCleared()])
+        self._clear(pub)
 
     # ------------------------------------------------------------------ publishing
     def _flush(self, pub: zmq.Socket) -> None:
@@ -184,8 +186,11 @@ class EventPublisher:
         if taken.resync:
             with self._stats_lock:
                 self._stats.resyncs += 1
-            self._send(pub, self.config.topic.encode(), [wire.AllBlocksCleared()])
+            self._clear(pub)
+        self._counts.clear()
         rounds = self._events_of(taken)
+        with self._stats_lock:  # counted before they go: a reader never sees more
+            self._stats.events.update(self._counts)
         for ns in rounds:
             for i in range(0, len(ns.events), MAX_EVENTS_PER_BATCH):
                 self._send(pub, ns.topic, ns.events[i:i + MAX_EVENTS_PER_BATCH])
@@ -221,19 +226,21 @@ class EventPublisher:
                 self._stats.unreadable_keys += unreadable
         return list(touched.values())
 
-    @staticmethod
-    def _stored(ns: _Namespace, keys: list[bytes], medium: str) -> int:
+    def _stored(self, ns: _Namespace, keys: list[bytes], medium: str) -> int:
+        encoder = self._stored_encoders.get(medium)
+        if encoder is None:
+            encoder = self._stored_encoders[medium] = wire.StoredEncoder(medium)
         hasher, events, bad = ns.hasher, ns.events, 0
         for key in keys:
             hashed = hasher(key)
             if hashed is None:
                 bad += 1
             else:
-                events.append(wire.stored(hashed[0], medium, hashed[1]))
+                events.append(encoder(*hashed))
+        self._counts["BlockStored", medium] += len(keys) - bad
         return bad
 
-    @staticmethod
-    def _removed(ns: _Namespace, keys: list[bytes], medium: str) -> int:
+    def _removed(self, ns: _Namespace, keys: list[bytes], medium: str) -> int:
         groups: dict[int, list[int | bytes]] = {}
         bad = 0
         for key in keys:
@@ -245,7 +252,13 @@ class EventPublisher:
         for group, hashes in groups.items():
             for i in range(0, len(hashes), MAX_EVENTS_PER_BATCH):
                 ns.events.append(wire.removed(hashes[i:i + MAX_EVENTS_PER_BATCH], medium, group))
+                self._counts["BlockRemoved", medium] += 1
         return bad
+
+    def _clear(self, pub: zmq.Socket) -> None:
+        with self._stats_lock:
+            self._stats.events["AllBlocksCleared", ""] += 1
+        self._send(pub, self.config.topic.encode(), [wire.AllBlocksCleared()])
 
     def _send(self, pub: zmq.Socket, topic: bytes, events: list[Any]) -> None:
         payload = self._encoder.encode(events)
@@ -253,8 +266,6 @@ class EventPublisher:
             seq = self._stats.next_seq
             self._stats.next_seq += 1
             self._stats.batches += 1
-            for event in events:
-                self._stats.events[type(event).__name__, getattr(event, "medium", "") or ""] += 1
         self._buffer.append(seq, topic, payload)
         try:
             pub.send_multipart([topic, wire.seq_bytes(seq), payload], flags=zmq.NOBLOCK,

@@ -92,6 +92,26 @@ def stored(hash_: ExternalHash, medium: str, group_idx: int) -> BlockStored:
                        group_idx=group_idx)
 
 
+class StoredEncoder:
+    """``stored(hash, medium, group)`` already encoded (a ``msgspec.Raw`` a batch embeds as
+    it is), byte for byte what msgspec encodes for the struct (tested), at a fraction of the
+    cost: the publisher makes one per key. The constant parts are cut from msgspec's own
+    encoding of a template (hash 0 and group 0 encode as one byte each, 0x00)."""
+
+    _HASHES_KEY = msgspec.msgpack.encode("block_hashes") + b"\x91"  # the key, a 1-array
+
+    def __init__(self, medium: str):
+        template = msgspec.msgpack.encode(stored(0, medium, 0))
+        cut = template.index(self._HASHES_KEY) + len(self._HASHES_KEY)
+        assert template[cut:cut + 1] == b"\x00" and template[-1:] == b"\x00"
+        self._head, self._middle = template[:cut], template[cut + 1:-1]
+        self._encode = msgspec.msgpack.encode
+
+    def __call__(self, hash_: ExternalHash, group_idx: int) -> msgspec.Raw:
+        encode = self._encode
+        return msgspec.Raw(self._head + encode(hash_) + self._middle + encode(group_idx))
+
+
 def removed(hashes: list[ExternalHash], medium: str, group_idx: int) -> BlockRemoved:
     return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx)
 
