@@ -25,6 +25,7 @@ from tiercache.errors import SpecError
 class Medium(Enum):
     CPU = "CPU"
     GPU = "GPU"
+    STORAGE = "STORAGE"  # a lower tier on a local disk (vLLM's medium for storage tiers)
 
 
 def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tiercache.config import Config, ConfigError, KVGeometry, RegionConfig
+from tiercache.config import Config, KVGeometry, RegionConfig
+from tiercache.errors import ConfigError
 from tiercache.region.layout import (
     HEADER_FIXED_BYTES, OS_PAGE, ROW_ALIGN, SLICE_ALIGN, RegionLayout,
 )
