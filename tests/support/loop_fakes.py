@@ -238,7 +238,7 @@ def make_loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging) -> ChunkLoo
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
     return ChunkLoop(fake.driver, kernel, staging.loop_geometry(), dma_stream=DMA,
                      ring_base=RING_BASE,
-                     slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
+                     ring_slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
                      begin_event=BEGIN, done_event=DONE, attrs=attrs)
 
 

@@ -44,8 +44,8 @@ CUDA_SUCCESS = 0
 _CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_FOUND = 500
 LEGACY_STREAM_HANDLES = (0, 1)  # NULL (legacy default) and cudaStreamLegacy
-_ABI_12_8 = 12080
-_ABI_13_0 = 13000
+ABI_12_8 = 12080  # cuMemcpyBatchAsync with failIdx (the native loop mirrors it: TC_ABI_12_8)
+ABI_13_0 = 13000  # without it (CUDA 13)
 _GET_PROC_DEFAULT = 0
 _SYMBOL_FOUND = 0
 _EVENT_DISABLE_TIMING = 0x2
@@ -111,7 +111,7 @@ class CudaDriver:
         self._batch_abi: int | None = None
         self._batch = None
         self._batch_address = 0
-        for abi, proto in ((_ABI_12_8, _BATCH_12_8), (_ABI_13_0, _BATCH_13_0)):
+        for abi, proto in ((ABI_12_8, _BATCH_12_8), (ABI_13_0, _BATCH_13_0)):
             address = self._proc_address(b"cuMemcpyBatchAsync", abi)
             if address:
                 self._batch, self._batch_abi = proto(address), abi
@@ -188,13 +188,13 @@ class CudaDriver:
                      attrs: MemcpyAttributes, stream_handle: int) -> BatchFailure | None:
         """One ``cuMemcpyBatchAsync`` over ``count`` descriptors; the three arguments are
         addresses of uint64 arrays. Returns None on success, else the failure."""
-        if self._batch_abi == _ABI_12_8:
+        if self._batch_abi == ABI_12_8:
             self._fail_index.value = 0
             rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
                              ctypes.byref(self._attr_index), 1, ctypes.byref(self._fail_index),
                              stream_handle)
             return None if rc == CUDA_SUCCESS else BatchFailure(rc, int(self._fail_index.value))
-        if self._batch_abi == _ABI_13_0:
+        if self._batch_abi == ABI_13_0:
             rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
                              ctypes.byref(self._attr_index), 1, stream_handle)
             return None if rc == CUDA_SUCCESS else BatchFailure(rc, None)

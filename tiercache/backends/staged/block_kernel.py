@@ -36,7 +36,8 @@ from triton.compiler import CompiledKernel
 
 from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockStaging
 from tiercache.device.driver import CudaDriver
-from tiercache.native.chunk_loop import KERNEL_ARGS, LoopKernel
+from tiercache.native.chunk_loop import LoopKernel
+from tiercache.native.codes import KERNEL_ARGS
 from tiercache.errors import BackendError
 
 # parameter bytes of _move_pages as the native loop passes them: addresses i64, the rest i32
