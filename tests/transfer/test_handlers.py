@@ -27,6 +27,7 @@ from tiercache.region.stats import STATS_BLOCK_BYTES, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import page_arrays_of, split_kv
+from tiercache.transfer.wiring import build_handlers
 from tiercache.planning.planner import TransferPlanner
 
 NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 24, 12
@@ -151,7 +152,7 @@ class Rig:
         self.stats_buffer = bytearray(STATS_BLOCK_BYTES)
         self.stats = RankStats(self.stats_buffer, 0, rank=0)
         backends = backends or {d: CpuCopyBackend() for d in Direction}
-        self.handlers = CpuGpuOffloadingHandlers.build(planner, backends, self.streams, self.stats)
+        self.handlers = build_handlers(planner, backends, self.streams, self.stats)
         self.gates: list[threading.Event] = []
 
     def run(self, job_id: int, spec) -> TransferResult:
