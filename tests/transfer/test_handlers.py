@@ -140,7 +140,7 @@ def assert_world(world: World, expected: list[torch.Tensor]) -> None:
 class Rig:
     """A world with both handlers over it (cpu backend, host streams, a stats block)."""
 
-    def __init__(self, world: World, groups=None, backends=None):
+    def __init__(self, world: World, groups=None, backends=None, streams=None):
         self.world = world
         gpu_tensors, cpu_views = world.views()
         layout = world.layout
@@ -148,7 +148,7 @@ class Rig:
         planner = TransferPlanner(page_arrays_of(gpu_tensors, layout.page_bytes),
                                   page_arrays_of(cpu_views, layout.page_bytes, layout.block_size_factor),
                                   layout.block_size_factor, self.groups)
-        self.streams = HostStreams()
+        self.streams = streams or HostStreams()
         self.stats_buffer = bytearray(STATS_BLOCK_BYTES)
         self.stats = RankStats(self.stats_buffer, 0, rank=0)
         backends = backends or {d: CpuCopyBackend() for d in Direction}
@@ -383,6 +383,42 @@ def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend, accepte
     snap = rig.stats.snapshot()
     assert (snap.directions[G2C].transfers_failed, snap.directions[G2C].bytes_total) == (1, 0)
     assert (snap.directions[C2G].transfers_ok, snap.directions[C2G].bytes_total) == (1, page_sum)
+
+
+class MarkFailingStreams(HostStreams):
+    """Host streams whose compute-stream mark fails while ``failing`` (as a CUDA error
+    recording it would)."""
+
+    failing = False
+
+    def mark_current(self, event) -> None:
+        if self.failing:
+            raise BackendError("mark refused on purpose")
+        super().mark_current(event)
+
+
+def test_a_failed_mark_copies_nothing_and_fails_in_its_place(rigs, caplog):
+    """The planned path's side of the contract (the native one: test_native_path.py)."""
+    world = make_world("separate", 1)
+    streams = MarkFailingStreams()
+    rig = rigs(world, streams=streams)
+    expected = world.clone()
+    first, second, third = ((GPULoadStoreSpec([g]), CPULoadStoreSpec([c]))
+                            for g, c in ((1, 2), (3, 4), (5, 6)))
+    for spec in (first, third):  # the second lands nowhere
+        apply_reference(world, expected, rig.groups, *spec, store=True)
+    assert rig.handlers.transfer_async(1, first)
+    streams.failing = True
+    with caplog.at_level("ERROR", logger="tiercache.transfer.planned_path"):
+        assert not rig.handlers.transfer_async(2, second)
+    streams.failing = False
+    assert rig.handlers.transfer_async(3, third)
+    rig.handlers.wait([1, 2, 3])
+    results = rig.handlers.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, False), (3, True)]
+    assert_world(world, expected)
+    assert any("gpu_to_cpu job 2: the cpu backend could not submit" in r.getMessage()
+               and "mark refused on purpose" in r.getMessage() for r in caplog.records)
 
 
 class HeldTicket:
