@@ -48,7 +48,8 @@ from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import IndexLedger
-from tiercache.region.shared import SharedOffloadRegion, named_region_info
+from tiercache.region.names import named_region_info
+from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState, RankStats
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.planner import TransferPlanner
