@@ -127,7 +127,6 @@ class Spans:
     TARGETS = [
         ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "transfer_async"),
         ("tiercache.planning.planner", "TransferPlanner", "block_plan"),
-        ("tiercache.planning.planner", "TransferPlanner", "expand"),
         ("tiercache.transfer.planned_path", "PlannedPath", "transfer"),
         ("torch.cuda", "Stream", "wait_stream"),
         ("tiercache.backends.staged.backend", "StagedBackend", "plan"),

@@ -203,7 +203,8 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     driver = CudaDriver()
     if not driver.has_batch:
         raise BackendError(f"auto: CUDA driver {driver.driver_version} has no "
-                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' explicitly")
+                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' "
+                           "explicitly")
     if not context.host_registered:
         return (AutoChoice(direction, BackendKind.CE, "host memory is not page-locked"),
                 CeBackend(device, driver))

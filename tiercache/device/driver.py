@@ -4,10 +4,10 @@ backends share on top of them (descriptor arrays, device and stream entry).
 One binding for the package: the copy backends, the native chunk loop (by address,
 ``entry_point``) and the region's page-locking all call libcuda through ctypes. This
 module imports nothing of tiercache but errors: registering host memory never loads
-the copy backends or the native build step. Why ctypes and the driver, not cuda-bindings: the copy path
-passes numpy arrays of 16 k pointers per call, and a ctypes call hands the driver the
-arrays' own memory (zero copy) where cuda-bindings
-converts Python lists; and ctypes needs no package beyond the driver itself. The
+the copy backends or the native build step. Why ctypes and the driver, not
+cuda-bindings: the copy path passes numpy arrays of 16 k pointers per call, and a ctypes
+call hands the driver the arrays' own memory (zero copy) where cuda-bindings converts
+Python lists; and ctypes needs no package beyond the driver itself. The
 driver API (not the runtime) also leaves the runtime's last-error state alone, so a
 failed call here never resurfaces as a bogus error in a later torch call.
 

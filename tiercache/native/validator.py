@@ -45,8 +45,8 @@ class NativeValidator:
                  block_indices: Sequence[int], slots: np.ndarray
                  ) -> tuple[np.ndarray, int] | int:
         """(the block-plan buffer, its number of works), or the refusal's code (a
-        ``TransferCode``, ``tiercache.native.codes.SPEC_ERRORS``). Ids are int64 (a spec's ``block_ids``); anything else is
-        converted first (the C reads them as such)."""
+        ``TransferCode``, ``tiercache.native.codes.SPEC_ERRORS``). Ids are int64 (a spec's
+        ``block_ids``); anything else is converted first (the C reads them as such)."""
         g = len(group_sizes)
         if g != self.num_groups:
             return TransferCode.SPEC_GROUPS

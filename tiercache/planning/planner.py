@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from tiercache.errors import ArgumentError, SpecError
+from tiercache.errors import SpecError
 from tiercache.pages import PageArray
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.page_groups import GroupPages, GroupWork
@@ -238,17 +238,6 @@ class TransferPlanner:
         (a pair that does not move in ``direction`` included) before anything is returned.
         With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
         return self._expand(direction, self.group_works(direction, transfer), merge, out)
-
-    def expand(self, plan: BlockPlan, merge: bool = True, out: PlanBuffers | None = None
-               ) -> CopyPlan:
-        """The page descriptors of a block plan of this planner."""
-        if plan.groups is not self._groups:
-            raise ArgumentError("a block plan of another planner: expand it with its own")
-        factor = self.block_size_factor
-        works = [GroupWork(self._groups[p.group], p.gpu_ids, p.slots,
-                           None if factor == 1 else p.sub_pages.view(_U64))
-                 for p in plan.group_pairs()]
-        return self._expand(plan.direction, works, merge, out)
 
     def _expand(self, direction: Direction, work: list[GroupWork], merge: bool,
                 out: PlanBuffers | None) -> CopyPlan:

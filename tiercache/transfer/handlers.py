@@ -237,7 +237,8 @@ class CpuGpuOffloadingHandlers:
     def __init__(self, gpu_to_cpu: SingleDirectionOffloadingHandler,
                  cpu_to_gpu: SingleDirectionOffloadingHandler,
                  streams: StreamPlatform | None = None):
-        for handler, want in ((gpu_to_cpu, Direction.GPU_TO_CPU), (cpu_to_gpu, Direction.CPU_TO_GPU)):
+        for handler, want in ((gpu_to_cpu, Direction.GPU_TO_CPU),
+                              (cpu_to_gpu, Direction.CPU_TO_GPU)):
             if handler.direction is not want:
                 raise HandlerError(f"expected a {want.label} handler, got "
                                    f"{handler.direction.label}")

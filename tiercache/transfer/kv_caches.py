@@ -60,8 +60,8 @@ def page_arrays_of(caches: GpuCaches, page_bytes: Sequence[int], pages_per_block
             except ArgumentError as e:
                 raise ArgumentError(f"gpu_caches[{t}]: {e}") from None
         else:
-            raise ArgumentError(
-                f"gpu_caches[{t}] is a {type(item).__name__}: expected a torch.Tensor or a PageArray")
+            raise ArgumentError(f"gpu_caches[{t}] is a {type(item).__name__}: expected a "
+                                "torch.Tensor or a PageArray")
     return tuple(arrays)
 
 

@@ -223,7 +223,8 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
                  else Config.zero_copy_bytes)
     if prefault_threads is None:
         prefault_threads = (config_or_name.region.prefault_threads
-                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
+                            if isinstance(config_or_name, Config)
+                            else RegionConfig.prefault_threads)
     with ExitStack() as undo:  # each step registers its undo; success keeps them all
         region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
                                             timeout_s=ready_timeout_s)

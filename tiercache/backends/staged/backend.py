@@ -27,8 +27,9 @@ a slot is reused only after its last user, whatever transfer that was. Descripto
 descriptors are never written (``staging``).
 
 Two layouts, one pipeline. Built with the rank's geometry (a worker's backends are:
-``BackendContext.geometry``), the backend takes block plans (``plan_form`` BLOCKS: GPU ids, region slots, sub-pages) and
-``block_layout`` lays them out as row images in O(blocks); ``block_kernel`` expands each
+``BackendContext.geometry``), the backend takes block plans (``plan_form`` BLOCKS: GPU
+ids, region slots, sub-pages) and ``block_layout`` lays them out as row images in
+O(blocks); ``block_kernel`` expands each
 (pair, tensor) to its page addresses on the device from tables uploaded once. Host work
 per transfer is then proportional to blocks, not pages (64 tensors x 256 blocks is 16 k
 pages but 256 pairs). Without a geometry (calibration, single-backend rigs), or for a

@@ -231,11 +231,6 @@ class BlockStaging:
     def num_groups(self) -> int:
         return int(self.group_first.size)
 
-    @property
-    def max_row_bytes(self) -> int:
-        """The largest staged row (a chunk holds at least one)."""
-        return int(self.pitch.max())
-
     def _build_templates(self) -> None:
         f, starts, counts, runs = self.factor, [], [], []
         for g in range(self.num_groups):
