@@ -109,7 +109,7 @@ class CudaDriver:
         self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.driver_version = version.value
         self._batch_abi: int | None = None
-        self._batch = None
+        self._batch: Any = None  # the found ABI's prototype over its address
         self._batch_address = 0
         for abi, proto in ((ABI_12_8, _BATCH_12_8), (ABI_13_0, _BATCH_13_0)):
             address = self._proc_address(b"cuMemcpyBatchAsync", abi)
@@ -221,7 +221,7 @@ class CudaDriver:
         self._check(self._lib.cuEventCreate(ctypes.byref(event),
                                             0 if timing else _EVENT_DISABLE_TIMING),
                     "cuEventCreate")
-        return int(event.value)
+        return int(event.value or 0)
 
     def event_synchronize(self, event: int) -> None:
         self._check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
@@ -257,7 +257,7 @@ class CudaDriver:
     def entry_point(self, name: str) -> int:
         """The address of the driver function ``name`` (e.g. ``cuLaunchKernel``), for
         native code that calls the driver without the GIL."""
-        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value)
+        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value or 0)
 
     def current_context(self) -> int:
         """The calling thread's current ``CUcontext``; ``BackendError`` when none is."""
@@ -313,5 +313,5 @@ class DescriptorArrays:
 
     @classmethod
     def of(cls, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> DescriptorArrays:
-        arrays = tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, sizes))
-        return cls(*arrays, *(a.ctypes.data for a in arrays))
+        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+        return cls(src, dst, sizes, src.ctypes.data, dst.ctypes.data, sizes.ctypes.data)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tiercache.device.driver import CudaDriver
-from tiercache.device.events import DriverEvent, Event, Stream
+from tiercache.device.events import DriverEvent, Event, Stream, event_handle
 
 
 def current_stream_handle(torch: Any) -> Callable[[int], int]:
@@ -100,7 +100,7 @@ class CudaStreams(StreamPlatform):
         return self._event(timing=False)
 
     def mark_current(self, event: Event) -> None:
-        self._driver.event_record(event.handle, self._current_handle(self._index))
+        self._driver.event_record(event_handle(event), self._current_handle(self._index))
 
     def current_stream_getter(self) -> Callable[[], int]:
         return functools.partial(self._current_handle, self._index)  # no Python frame a call

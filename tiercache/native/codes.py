@@ -96,7 +96,8 @@ class Outcome(NamedTuple):
 
 
 class _Reports(Protocol):
-    tc_constant: Callable[..., int]
+    @property
+    def tc_constant(self) -> Callable[..., int]: ...
 
 
 def c_constants(lib: _Reports) -> dict[str, int]:
@@ -105,7 +106,7 @@ def c_constants(lib: _Reports) -> dict[str, int]:
     out: dict[str, int] = {}
     i = 0
     while lib.tc_constant(i, ctypes.byref(name), ctypes.byref(value)):
-        out[name.value.decode()] = value.value  # type: ignore[union-attr]
+        out[(name.value or b"").decode()] = value.value
         i += 1
     return out
 

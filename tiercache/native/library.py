@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tiercache.errors import BackendError
 from tiercache.native.build import build
@@ -37,17 +39,17 @@ _library: Library | None = None
 class Library:
     """The library's functions, each bound as its GIL rule says (module docstring)."""
 
-    tc_validate: ctypes._CFuncPtr
-    tc_submit: ctypes._CFuncPtr
-    tc_transfer: ctypes._CFuncPtr
-    tc_set_inline: ctypes._CFuncPtr
-    tc_set_zero_copy: ctypes._CFuncPtr
-    tc_stamps: ctypes._CFuncPtr
-    tc_layout: ctypes._CFuncPtr
-    tc_constant: ctypes._CFuncPtr
-    tc_open: ctypes._CFuncPtr
-    tc_wait: ctypes._CFuncPtr
-    tc_close: ctypes._CFuncPtr
+    tc_validate: Callable[..., Any]
+    tc_submit: Callable[..., Any]
+    tc_transfer: Callable[..., Any]
+    tc_set_inline: Callable[..., Any]
+    tc_set_zero_copy: Callable[..., Any]
+    tc_stamps: Callable[..., Any]
+    tc_layout: Callable[..., Any]
+    tc_constant: Callable[..., Any]
+    tc_open: Callable[..., Any]
+    tc_wait: Callable[..., Any]
+    tc_close: Callable[..., Any]
 
 
 def _bind(path: str) -> Library:

@@ -152,14 +152,15 @@ def python_layout() -> Layout:
     out: Layout = {}
     for name, mirror in MIRRORS.items():
         out[(name, "")] = (0, ctypes.sizeof(mirror))
-        for field, _ in mirror._fields_:
+        for field, *_ in mirror._fields_:
             descriptor = getattr(mirror, field)
             out[(name, field)] = (descriptor.offset, descriptor.size)
     return out
 
 
 class _Reports(Protocol):
-    tc_layout: Callable[..., int]
+    @property
+    def tc_layout(self) -> Callable[..., int]: ...
 
 
 def c_layout(lib: _Reports) -> Layout:
@@ -170,7 +171,8 @@ def c_layout(lib: _Reports) -> Layout:
     i = 0
     while lib.tc_layout(i, ctypes.byref(strct), ctypes.byref(field), ctypes.byref(offset),
                         ctypes.byref(size)):
-        out[(strct.value.decode(), field.value.decode())] = (offset.value, size.value)
+        out[((strct.value or b"").decode(), (field.value or b"").decode())] = \
+            (offset.value, size.value)
         i += 1
     return out
 

@@ -40,7 +40,7 @@ class FenceTable:
     ledger: np.ndarray
 
     def __post_init__(self) -> None:
-        fields = self.ledger.dtype.fields or {}
+        fields = dict(self.ledger.dtype.fields or {})
         want = {"gen": np.dtype("<u8"), "state": np.dtype("<u4")}
         if any(name not in fields or fields[name][0] != dtype for name, dtype in want.items()) \
                 or self.ledger.ndim != 1 or not self.ledger.flags.c_contiguous:
@@ -67,7 +67,7 @@ class TransferChecks:
         c = CallerStruct()
         c.bounds, c.pair_bytes = validator.bounds_address, address_of(self._pair_bytes)
         if fence is not None:
-            fields = fence.ledger.dtype.fields
+            fields = dict(fence.ledger.dtype.fields or {})  # checked: gen and state are there
             c.ledger = address_of(fence.ledger)  # never NULL (numpy allocates >= 1 byte)
             c.ledger_slots, c.record_bytes = fence.ledger.size, fence.ledger.dtype.itemsize
             c.gen_offset, c.state_offset = fields["gen"][1], fields["state"][1]

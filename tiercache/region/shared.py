@@ -40,7 +40,7 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -63,6 +63,9 @@ from tiercache.region.shm import (
 )
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
+
+if TYPE_CHECKING:  # the coordinator maps the region without torch
+    import torch
 
 # named_region_info and recorded_socket_path lived here; their callers import them from
 # here still (tiercache.region.names is their home)
@@ -110,9 +113,10 @@ class SharedOffloadRegion:
         self.path, self.layout, self.rank, self.is_owner = entry.path, layout, rank, owner
         self._entry = entry
         self._fd = entry.fd
-        self._mmap = mmap.mmap(entry.fd, layout.total_bytes, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE)
-        self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        mapping = mmap.mmap(entry.fd, layout.total_bytes, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mmap: mmap.mmap | None = mapping  # None once unmapped
+        self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
@@ -299,7 +303,7 @@ class SharedOffloadRegion:
         used = self.layout.slice_used_bytes
         return self._bytes[off:off + used].reshape(self.layout.num_blocks, self.layout.row_stride)
 
-    def tensor_views(self, rank: int) -> list:
+    def tensor_views(self, rank: int) -> list[torch.Tensor]:
         """int8 torch views ``(num_blocks, cpu_page_bytes[t])`` with stride ``(row_stride, 1)``."""
         import torch
 
@@ -414,5 +418,5 @@ class SharedOffloadRegion:
     def __enter__(self) -> SharedOffloadRegion:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

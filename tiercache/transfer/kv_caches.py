@@ -29,7 +29,7 @@ GpuCaches = torch.Tensor | Sequence[torch.Tensor | PageArray]
 
 def split_kv(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``(2, num_blocks, ...)`` tensors (K and V in one allocation) -> ``[K0, V0, K1, V1, ...]``."""
-    halves = []
+    halves: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
         if t.dim() < 2 or t.shape[0] != 2:
             raise ArgumentError(

@@ -21,6 +21,7 @@ backend records the waits and the events, so it keeps its place); the contract i
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from tiercache.backends.base import CopyBackend, Ordering
 from tiercache.device.events import DEVICE_ERRORS, Event, Stream
@@ -85,7 +86,7 @@ class PlannedPath(TransferPath):
         return Outcome(code, 0, plan.num_bytes, token.ticket, (token, buffers))
 
     def release(self, held: object) -> None:
-        _, buffers = held  # type: ignore[misc]
+        _, buffers = cast("tuple[object, PlanBuffers | None]", held)
         if buffers is not None:
             self._buffers.append(buffers)
 
