@@ -229,6 +229,22 @@ def test_a_failed_mark_copies_nothing_says_why_and_the_next_transfer_runs(rigs, 
     assert [(r.job_id, r.success) for r in rig.handler.get_finished()] == [(3, True)]
 
 
+def test_a_transfer_the_loop_cannot_take_fails_in_its_place(rigs, caplog):
+    """The loop refuses a job (here it is closed; out of memory is the same answer): the
+    transfer copies nothing, says why, and its end still follows the previous one's, so
+    the order holds for the transfers after it."""
+    rig = rigs(_two_slot_case(True))
+    assert rig.handler.transfer_async(1, rig.spec())
+    rig.backend.loop.close()  # issues what it holds, then takes nothing more
+    with caplog.at_level(logging.ERROR, logger="tiercache.transfer.native_path"):
+        assert not rig.handler.transfer_async(2, rig.spec())
+    rig.handler.wait([1, 2])
+    assert [(r.job_id, r.success) for r in rig.handler.get_finished()] == [(1, True), (2, False)]
+    assert rig.calls()[-2:] == [("wait", "S2", "event2"), ("record", "event4", "S2")]
+    assert any("gpu_to_cpu job 2: the staged backend could not submit" in r.getMessage()
+               and "closed" in r.getMessage() for r in caplog.records)
+
+
 def test_a_transfer_is_reported_only_once_its_ticket_says_issued(rigs):
     """The loop's thread is held at the transfer's end record: whatever its events say,
     the handler neither reports it nor lets ``wait`` return until the loop issued it."""

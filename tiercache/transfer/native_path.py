@@ -55,6 +55,7 @@ class NativePath(TransferPath):
         self._fence = fence
         self._compute = compute
         self._call = loop.transfer
+        self._issue_all = loop.wait  # blocks until every job queued so far was issued
         self._checks = TransferChecks(planner.validator(), planner.pair_bytes,
                                       None if fence is None else fence.table)
 
@@ -74,6 +75,7 @@ class NativePath(TransferPath):
             what = f"{direction.label} job {job_id}"
             log.error("%s: the %s backend could not submit %d bytes: %s", what,
                       self.kind.label, num_bytes, e)
+            self._issue_all()  # the previous transfer's end recorded, so the wait means it
             order_only(stream, previous, end, what)
             return Outcome(TransferCode.SUBMIT_FAILED, 0, num_bytes, None)
         if outcome.code:
