@@ -527,3 +527,22 @@ def test_stats_account_every_transfer_exactly(rigs):
     assert snap.transfers_ok == 6 and snap.transfers_failed == 0
     assert sum(snap.duration_counts) == sum(snap.size_counts) == 6
     assert snap.busy_seconds_total == pytest.approx(sum(r.transfer_time for r in results), abs=1e-6)
+
+
+def test_the_handler_knows_only_the_transfer_contract():
+    """The handler orders, tracks and reports: what a transfer is (plan, fence, native
+    call, backend) is its path's, so it imports none of those."""
+    import ast
+    from pathlib import Path
+
+    import tiercache.transfer.handlers as handlers
+
+    tree = ast.parse(Path(handlers.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names}
+    forbidden = ("tiercache.planning", "tiercache.native", "tiercache.backends",
+                 "tiercache.transfer.fence", "tiercache.transfer.native_path",
+                 "tiercache.transfer.planned_path")
+    assert not [m for m in imported if m and m.startswith(forbidden)], imported
+    assert "tiercache.transfer.path" in imported
