@@ -25,7 +25,7 @@ from block_reference import (
     CPU_BASE, GPU_BASE, Case, HypDraw, assert_same, draw_case, expected_after,
 )
 from loop_fakes import (
-    ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_SLOTS, PACK, PREV,
+    ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_RING_SLOTS, PACK, PREV,
     RING_BASE, READY, SLOT_POISON, START, STREAM, UNPACK, contract, multi_chunk_store, prepare,
     row_order_is_unique, spoil, zero_copy_contract, zero_copy_pairs,
 )
@@ -172,7 +172,8 @@ def test_the_ring_cursor_carries_over_between_jobs():
     ends = [i for i, t in enumerate(fake.trace) if t == ("record", "end", "S")]
     starts = [1] + [e + 1 for e in ends[:-1]]
     for n, (lo, hi) in enumerate(zip(starts, ends)):
-        assert fake.trace[lo:hi + 1] == contract(layout, True, n * layout.num_chunks % NUM_SLOTS)
+        cursor = n * layout.num_chunks % NUM_RING_SLOTS
+        assert fake.trace[lo:hi + 1] == contract(layout, True, cursor)
 
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
@@ -196,7 +197,7 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
     assert fake.trace.count(("record", "end", "S")) == 2
     second = fake.trace[first_end + 1:]
     # the failed job still advanced the cursor past the chunks it planned
-    assert second == contract(layout, True, layout.num_chunks % NUM_SLOTS)
+    assert second == contract(layout, True, layout.num_chunks % NUM_RING_SLOTS)
 
 
 def test_an_empty_job_only_orders():
@@ -238,8 +239,8 @@ def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
     assert not fake.errors, fake.errors
     calls = [t for t in fake.trace if t[0] != "ctx"]
     n = layout.num_chunks
-    assert calls == (contract(layout, True, 0) + contract(layout, True, n % NUM_SLOTS)
-                     + contract(layout, True, 2 * n % NUM_SLOTS))  # in order, cursor shared
+    assert calls == (contract(layout, True, 0) + contract(layout, True, n % NUM_RING_SLOTS)
+                     + contract(layout, True, 2 * n % NUM_RING_SLOTS))  # in order, cursor shared
     assert len(fake.threads) == 2  # the loop's thread for two, the caller's for the third
 
 

@@ -3,9 +3,10 @@ handler needs to drive the native transfer path on the CPU.
 
 Streams and events are handles the stand-in names in its trace (``S1``, ``S2``, ...;
 ``event1``, ``event2``, ... for the handler's start and end events, two per transfer;
-``mark1``, ... for its compute marks). The stand-in does the copies while the loop issues them, so an
-event whose transfer was issued has passed: ``query`` is True and ``synchronize`` returns
-(the handler trusts a transfer's events only once its ticket says issued). Events are
+``mark1``, ... for its compute marks). The stand-in does the copies while the loop issues
+them, so an event whose transfer was issued has passed: ``query`` is True and
+``synchronize`` returns (the handler trusts a transfer's events only once its ticket says
+issued). Events are
 ``DriverEvent``\\ s with their handle, as ``CudaStreams`` gives, so the native path reads
 them the same way; no driver is behind them.
 """

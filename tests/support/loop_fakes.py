@@ -26,7 +26,7 @@ from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 RING_BASE = 0x30_0000_0000
 SLOT_POISON = 0xA5
-NUM_SLOTS = 3
+NUM_RING_SLOTS = 3
 EXTRA_PARAMS = 2  # Triton's scratch pointers: passed as zero
 ABI_12_8, ABI_13_0 = 12080, 13000
 
@@ -55,8 +55,8 @@ LOOP_CTX = 0xC7  # the context the loop makes current on its thread
 # handles: small distinct integers (the stand-ins only compare them)
 STREAM, DMA, PACK, UNPACK, COMPUTE = 0x100, 0x200, 0x300, 0x301, 0x400
 START, END, PREV, TABLE, BEGIN, DONE, AFTER = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16
-FREE = [0x40 + s for s in range(NUM_SLOTS)]
-READY = [0x60 + s for s in range(NUM_SLOTS)]
+FREE = [0x40 + s for s in range(NUM_RING_SLOTS)]
+READY = [0x60 + s for s in range(NUM_RING_SLOTS)]
 NAMES = {STREAM: "S", DMA: "D", COMPUTE: "C", START: "start", END: "end", PREV: "prev",
          TABLE: "table", BEGIN: "begin", DONE: "done", AFTER: "after",
          **{e: f"free{s}" for s, e in enumerate(FREE)},
@@ -74,7 +74,7 @@ class FakeGpu:
                  slot_bytes: int, abi: int = ABI_13_0, fail_batch: int = 0):
         self.case, self.layout = case, layout
         self.gpu_pages, self.cpu_pages = gpu_pages, cpu_pages
-        self.ring = Memory(aligned(NUM_SLOTS * slot_bytes, SLOT_POISON), RING_BASE)
+        self.ring = Memory(aligned(NUM_RING_SLOTS * slot_bytes, SLOT_POISON), RING_BASE)
         self.slot_bytes = slot_bytes
         self.memories = (gpu, cpu, self.ring)
         self.trace: list[tuple] = []
@@ -253,14 +253,14 @@ def contract(layout, store: bool, cursor: int) -> list[tuple]:
         n = int(layout.dma_first[1])
         launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
         dma = [("batch", n, "S")] if n else []
-        s = cursor % NUM_SLOTS
+        s = cursor % NUM_RING_SLOTS
         body = [*launch, *dma] if store else [*dma, *launch]
         return out + [("wait", "S", f"free{s}"), *body, ("record", f"free{s}", "S"),
                       ("record", "table", "S"), ("record", "end", "S")]
     if layout.num_chunks:
         out += [("record", "begin", "S"), ("wait", "D", "begin")]
     for k in range(layout.num_chunks):
-        s = (cursor + k) % NUM_SLOTS
+        s = (cursor + k) % NUM_RING_SLOTS
         first, count = layout.pair_range(k)
         n = int(layout.dma_first[k + 1] - layout.dma_first[k])
         launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
