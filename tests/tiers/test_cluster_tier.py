@@ -28,6 +28,7 @@ from tiercache.index.results import BlockSource, LeaseResult
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
+from tiercache.tiers.cluster_key import load_cluster_key
 from tiercache.tiers.cluster_object import BlockFormat
 from tiercache.tiers.disk_file import HEADER_BYTES as DISK_HEADER_BYTES
 from tiercache.tiers.mooncake_pool import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, MooncakePool
@@ -66,7 +67,8 @@ def start_node(make_config, instance_name, tmp_path, master):
             region=RegionConfig(capacity_bytes=None, num_blocks=num_blocks, prefault_threads=1),
             disk=disk_config,
             cluster=ClusterConfig(master=master.address, metadata_server=master.metadata_url,
-                                  local_hostname="127.0.0.1", segment_bytes=32 << 20,
+                                  local_hostname="127.0.0.1", key_file=master.key_file,
+                                  segment_bytes=32 << 20,
                                   exists_ttl_s=TTL_S, exists_wait_s=WAIT_S, retry_s=0.3,
                                   census_period_s=CENSUS_S, start_timeout_s=5))
         process = CoordinatorProcess(config, tmp_path / f"node-{node}-{len(started)}")
@@ -241,13 +243,14 @@ def test_a_damaged_object_in_the_pool_is_a_miss_never_a_load(start_node, master)
     import mmap
 
     b = start_node("b")
-    fmt = BlockFormat.of(RegionLayout.from_config(b.config))
+    fmt = BlockFormat.of(RegionLayout.from_config(b.config), load_cluster_key(master.key_file))
     other = BlockFormat(fmt.world_size, fmt.row_stride, (ROW // 2, ROW // 2),
-                        fmt.block_size_factor)
+                        fmt.block_size_factor, fmt.mac)
     flipped, renamed, foreign, short = (b"damaged-%d" % i for i in range(4))
     pool = MooncakePool(ClusterConfig(master=master.address,
                                       metadata_server=master.metadata_url,
-                                      local_hostname="127.0.0.1", segment_bytes=16 << 20))
+                                      local_hostname="127.0.0.1", key_file=master.key_file,
+                                      segment_bytes=16 << 20))
     pool.open()
     buf = mmap.mmap(-1, 1 << 20)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -311,12 +314,13 @@ def test_a_key_a_dead_writer_left_stuck_mid_put_misses_and_stalls_nothing(start_
 
 
 def test_an_unreachable_master_at_start_is_a_one_line_error(make_config, tmp_path):
-    from mooncake_master import free_port
+    from mooncake_master import free_port, make_key_file
     from tiercache.errors import ServiceError
 
     config = make_config(cluster=ClusterConfig(
         master=f"127.0.0.1:{free_port()}", metadata_server="http://127.0.0.1:1/metadata",
-        local_hostname="127.0.0.1", segment_bytes=16 << 20, start_timeout_s=0.5))
+        local_hostname="127.0.0.1", key_file=str(make_key_file(tmp_path / "key")),
+        segment_bytes=16 << 20, start_timeout_s=0.5))
     with pytest.raises(ServiceError) as failed:
         CoordinatorProcess(config, tmp_path / "node")
     assert "no mooncake_master answers there (waited 0.5 s, cluster.start_timeout_s)" \
@@ -440,7 +444,8 @@ def test_the_blocks_a_node_published_that_the_pool_still_holds(start_node, maste
     names = [fmt.name(key, rank) for key in KEYS[4:7] for rank in range(fmt.world_size)]
     pool = MooncakePool(ClusterConfig(master=master.address,
                                       metadata_server=master.metadata_url,
-                                      local_hostname="127.0.0.1", segment_bytes=16 << 20))
+                                      local_hostname="127.0.0.1", key_file=master.key_file,
+                                      segment_bytes=16 << 20))
     pool.open()
     codes = []
 

@@ -177,7 +177,8 @@ class Coordinator:
         try:
             tier = DiskTier(file, self.manager, rows, io_threads=disk.io_threads,
                             low_watermark=disk.low_watermark, down_s=disk.retry_s)
-            self.say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}")
+            self.say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}"
+                     + (f"; it starts empty: {file.fresh_reason}" if file.fresh_reason else ""))
             found = tier.rebuild()
         except BaseException:
             file.close()
@@ -218,21 +219,21 @@ class Coordinator:
         self.presence.close()
 
     def _start_cluster(self):
-        """The cluster tier: this node's segment mounted in the pool (waiting up to
-        ``cluster.start_timeout_s`` for the master), the region registered with the pool's
-        client for zero-copy transfers, the tier's threads started."""
+        """The cluster tier: the cluster's key read, this node's segment mounted in the pool
+        (waiting up to ``cluster.start_timeout_s`` for the master), the tier's threads
+        started. The region is never registered with the pool (peers could reach it): blocks
+        move through the tier's staging areas (``tiers.cluster_transfer``)."""
         from tiercache.tiers.cluster import ClusterTier
+        from tiercache.tiers.cluster_key import load_cluster_key
         from tiercache.tiers.cluster_object import BlockFormat
         from tiercache.tiers.mooncake_pool import MooncakePool
 
         cfg, layout, region = self.config.cluster, self.region.layout, self.region
-        block_format = BlockFormat.of(layout)
+        block_format = BlockFormat.of(layout, load_cluster_key(cfg.key_file))
         t0 = time.perf_counter()
         pool = MooncakePool(cfg)
         pool.open()
         try:
-            pool.register(region.base_address, layout.total_bytes)
-
             def rows(slot: int) -> list[tuple[int, memoryview]]:
                 views = [region.rank_array(rank)[slot] for rank in range(layout.world_size)]
                 return [(row.ctypes.data, memoryview(row)) for row in views]
