@@ -503,6 +503,7 @@ def test_a_read_from_a_frozen_node_holds_its_host_slots_out(start_node):
         more = client.prepare_store([b"one-too-many"])  # evicts one of b's: none is free
         assert more.evicted_keys and set(more.store_spec.block_ids.tolist()) <= own_slots
     assert "held out of use until the coordinator restarts" in b.output()
+    assert "their staging area (" in b.output()  # where the late writes land instead
     assert "promotions from the pool stop at 1" in b.output()  # 16 // 64 slots at most
     assert not cluster_stats(b).promoting
     url = metrics_url(b)

@@ -221,3 +221,54 @@ def test_a_key_file_of_another_user_is_refused(other, tmp_path):
     link.symlink_to(theirs)
     with pytest.raises(ConfigError, match=f"owned by {other.name}"):
         load_cluster_key(str(link))
+
+
+def failed_start(make_config, tmp_path, master, **cluster) -> str:
+    """The output of ``tiercache serve`` refusing to start with these ``[cluster]`` values
+    (the test master's addresses unless given)."""
+    from tiercache.service.process import CoordinatorProcess
+
+    fields = dict(master=master.address, metadata_server=master.metadata_url,
+                  local_hostname="127.0.0.1", key_file=master.key_file, start_timeout_s=1)
+    config = make_config(cluster=ClusterConfig(**{**fields, **cluster}))
+    with pytest.raises(ServiceError) as failed:
+        CoordinatorProcess(config, tmp_path / "node")
+    return str(failed.value)
+
+
+def mooncake_log_lines(output: str) -> list[str]:
+    """glog's lines (``E1127 23:33:37.451901 22357 file.cpp:292] ...``)."""
+    return [line for line in output.splitlines()
+            if len(line) > 5 and line[0] in "IWEF" and line[1:5].isdigit()]
+
+
+def test_an_unreachable_metadata_server_is_one_line_without_mooncakes_log(make_config,
+                                                                         tmp_path, master):
+    from mooncake_master import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/metadata"
+    out = failed_start(make_config, tmp_path, master, metadata_server=url)
+    assert f"cluster.metadata_server = {url!r}: no metadata server answers there (waited " \
+           "1 s, cluster.start_timeout_s)" in out
+    assert mooncake_log_lines(out) == []  # before: 321 lines of Mooncake's retries
+
+
+@pytest.mark.parametrize("cluster, line", [
+    ({"protocol": "rdma"}, "cluster.protocol = 'rdma', but this host has no RDMA device"),
+    ({"local_hostname": "no-such-host.invalid"},
+     "cluster.local_hostname = 'no-such-host.invalid': does not resolve to an address"),
+])
+def test_a_node_mooncake_would_start_and_never_transfer_with_is_refused(
+        make_config, tmp_path, master, cluster, line):
+    if cluster.get("protocol") == "rdma" and os.path.isdir("/sys/class/infiniband") \
+            and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this host has RDMA devices")
+    out = failed_start(make_config, tmp_path, master, **cluster)
+    assert line in out and "ready" not in out
+    assert mooncake_log_lines(out) == []
+
+
+def test_a_local_hostname_that_is_no_ipv4_address_is_refused_in_the_config():
+    with pytest.raises(ConfigError, match="cluster.local_hostname = '256.1.1.1': not an IPv4"):
+        ClusterConfig(master="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata",
+                      local_hostname="256.1.1.1", key_file="k")
