@@ -55,14 +55,11 @@ from dataclasses import dataclass
 
 from tiercache.errors import ConfigError
 from tiercache.region.layout import round_up
-from tiercache.tiers.block_header import (
-    ALL_RANKS, KEY_BYTES, BlockHeader, Container, checksum,
-)
+from tiercache.tiers.block_header import ALL_RANKS, BlockHeader, Container, checksum
 from tiercache.tiers.disk_claim import FILE_HEADER_BYTES, FileHeader, claim, new_instance
 
 HEADER_BYTES = 4096
 ALIGN = 4096
-__all__ = ["ALIGN", "HEADER_BYTES", "KEY_BYTES", "DiskSlotFile", "SlotHeader"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +168,7 @@ class DiskSlotFile:
     def write(self, slot: int, key: bytes, seq: int, rows: Sequence[memoryview]) -> None:
         """Write one block under ``key``: its header (this instance's) and rows. Raises
         ``OSError`` as the filesystem does (the caller counts it and drops the spill), and
-        ``TierError`` for a key longer than ``KEY_BYTES``."""
+        ``TierError`` for a key longer than ``block_header.KEY_BYTES``."""
         header = BlockHeader(Container.DISK_SLOT, self.layout_digest, self.instance, seq,
                              ALL_RANKS, self.world_size, self.world_size * self.row_stride,
                              checksum(rows), key)
