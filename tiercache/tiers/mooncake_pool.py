@@ -50,7 +50,8 @@ REPLICA_IS_NOT_READY = -703
 # A get's per-name answers given before any transfer was started (the master said the
 # object or its replica is not there): nothing can land later. Every other error may
 # come from a transfer Mooncake stopped waiting for (TRANSFER_FAIL after its timeout)
-# while it still runs, and the tier holds that block's host slot out of use.
+# while it still runs: it lands in the caller's staging area, which is then held out of
+# use (``cluster_transfer``), never in a host slot.
 STAGING_HELD = -10001  # tiercache's own: the caller's staging area is held, nothing moved
 NOTHING_MOVED = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, STAGING_HELD})
 RDMA_DEVICES_DIR = "/sys/class/infiniband"
@@ -61,7 +62,7 @@ def master_reachable(address: str, timeout_s: float, key: str = "cluster.master"
     """Whether ``host:port`` accepts a TCP connection within ``timeout_s``."""
     host, port = host_port(key, address, need_port=True)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
             return True
     except OSError:
         return False
@@ -71,9 +72,8 @@ def metadata_address(config: ClusterConfig) -> str:
     """``host:port`` of ``cluster.metadata_server`` (its scheme's port when none is given)."""
     scheme, rest = config.metadata_server.split("://", 1)
     hostport = rest.split("/", 1)[0]
-    if hostport.startswith("[") or ":" not in hostport:
-        return f"{hostport}:{443 if scheme == 'https' else 80}"
-    return hostport
+    has_port = "]:" in hostport if hostport.startswith("[") else ":" in hostport
+    return hostport if has_port else f"{hostport}:{443 if scheme == 'https' else 80}"
 
 
 def check_host(config: ClusterConfig) -> None:
