@@ -139,7 +139,8 @@ class TierStats:
     rebuilt_blocks: int = 0
     up: bool = True
     direct_io: bool = False
-    promoting: bool = True  # False: promotions stopped (cluster: too many slots held out)
+    promoting: bool = True  # False: promotions stopped (too many host slots held out)
+    held_buffers: int = 0  # transfer buffers held out: a read into them may still land
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def build_disk(config: Config, region, say: Callable[[str], None]):
         tier = DiskTier(file, rows, io_threads=disk.io_threads,
                         low_watermark=disk.low_watermark, down_s=disk.retry_s,
                         stop_timeout_s=DISK_STOP_S)
-        say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}")
+        say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}"
+            + (f"; it starts empty: {file.fresh_reason}" if file.fresh_reason else ""))
         found = tier.rebuild()
     except BaseException:
         file.close()
@@ -45,21 +46,21 @@ def build_disk(config: Config, region, say: Callable[[str], None]):
 
 
 def build_cluster(config: Config, region, say: Callable[[str], None]):
-    """The cluster tier: this node's segment mounted in the pool (waiting up to
-    ``cluster.start_timeout_s`` for the master), the region registered with the pool's
-    client for zero-copy transfers."""
+    """The cluster tier: the cluster's key read, this node's segment mounted in the pool
+    (waiting up to ``cluster.start_timeout_s`` for the master). The region is never
+    registered with the pool (peers could reach it): blocks move through the tier's
+    staging areas (``tiers.cluster_transfer``)."""
     from tiercache.tiers.cluster import ClusterTier
+    from tiercache.tiers.cluster_key import load_cluster_key
     from tiercache.tiers.cluster_object import BlockFormat
     from tiercache.tiers.mooncake_pool import MooncakePool
 
     cfg, layout = config.cluster, region.layout
-    block_format = BlockFormat.of(layout)
+    block_format = BlockFormat.of(layout, load_cluster_key(cfg.key_file))
     t0 = time.perf_counter()
     pool = MooncakePool(cfg)
     pool.open()
     try:
-        pool.register(region.base_address, layout.total_bytes)
-
         def rows(slot: int) -> list[tuple[int, memoryview]]:
             views = [region.rank_array(rank)[slot] for rank in range(layout.world_size)]
             return [(row.ctypes.data, memoryview(row)) for row in views]

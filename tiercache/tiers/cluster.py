@@ -42,10 +42,13 @@ the index's lock.
   ``NO``, jobs fail at once, one log line per interval; the probe brings it back. A get
   that fails for one object or an object that does not check is a miss for that block
   (counted), never a load.
-* **A read given up on may still land.** Mooncake answers a get ``TRANSFER_FAIL`` after
-  waiting 60 s on a peer's segment (a frozen node) without stopping the transfer. Every
-  failed read but those the master refused before any transfer (``NOTHING_MOVED``) is
-  reported ``may_land``: the chain holds its host slot out of use.
+* **A read given up on may still land — in staging, never a host slot.** Only the tier's
+  staging areas are registered with the pool (peers could reach the region otherwise):
+  a get lands in staging and is checked (header, CRC, the cluster's MAC) as it is copied
+  into the reserved host slot. Mooncake answers a get ``TRANSFER_FAIL`` after waiting 60 s
+  on a peer's segment (a frozen node) without stopping the transfer; the staging area it
+  may still land in is held out of use (``BlockTransfers.held_areas``), and the read is
+  reported failed: its host slot is freed at once.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from tiercache.loglimit import LogLimiter
 from tiercache.specs import Medium
 from tiercache.tiers.cluster_object import BlockFormat
 from tiercache.tiers.cluster_transfer import BlockTransfers, Rows
-from tiercache.tiers.mooncake_pool import NOTHING_MOVED, RPC_FAIL
+from tiercache.tiers.mooncake_pool import RPC_FAIL
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +231,8 @@ class ClusterTier(LowerTier):
     def snapshot(self) -> TierStats:
         with self._lock:
             return replace(self.stats, up=self._up, used_blocks=len(self._published),
-                           calls_in_flight=len(self._calls))
+                           calls_in_flight=len(self._calls),
+                           held_buffers=self._moves.held_areas)
 
     @contextmanager
     def _calling(self, what: str) -> Iterator[None]:
@@ -384,9 +388,6 @@ class ClusterTier(LowerTier):
             got = self._moves.get(area, wanted)
         good = set(got.done)
         errors = [c for c in got.codes if c < 0]
-        world = self._format.world_size
-        landing = [key for i, (key, _) in enumerate(wanted) if key not in good and any(
-            c < 0 and c not in NOTHING_MOVED for c in got.codes[i * world:(i + 1) * world])]
         with self._lock:
             self.stats.promotions += len(got.done)
             self.stats.read_bytes += len(got.done) * self._block_bytes
@@ -402,10 +403,10 @@ class ClusterTier(LowerTier):
                             "check (header or CRC); dropped, not served", got.mismatched)
         if errors:
             self._failed("get", errors)
-        held_out = set(landing)
-        return JobResult(job.job_id, done=tuple(got.done), may_land=tuple(landing),
-                         failed=tuple(k for k in job.keys if k not in good and k not in held_out),
-                         settled=not landing)
+        # a read that may still land lands in its staging area (held out by the transfers),
+        # never in the host slot: every key not done is simply failed
+        return JobResult(job.job_id, done=tuple(got.done),
+                         failed=tuple(k for k in job.keys if k not in good))
 
     # ------------------------------------------------------------------ state
     def _remember(self, keys: Collection[bytes], present: bool) -> None:

@@ -215,9 +215,13 @@ class DiskTier(LowerTier):
             if disk_slot is None:
                 return False
             self._busy.add(disk_slot)
-        ok = self._io("read", lambda: self._file.read(disk_slot, key, self._rows(host_slot)))
+        ok: bool | None = None
+        try:
+            ok = self._io("read", lambda: self._file.read(disk_slot, key, self._rows(host_slot)))
+        finally:  # whatever a read raised, its disk slot is not busy any more
+            with self._lock:
+                self._busy.discard(disk_slot)
         with self._lock:
-            self._busy.discard(disk_slot)
             if ok:
                 self.stats.promotions += 1
             elif ok is False and self._index.get(key) == disk_slot:
@@ -238,12 +242,18 @@ class DiskTier(LowerTier):
             if disk_slot is None:
                 self.stats.dropped_spills += 1
                 return False
-        ok = self._io("write", lambda: self._file.write(disk_slot, key, seq, self._rows(host_slot)))
+        ok: bool | None = None
+        try:
+            ok = self._io("write",
+                          lambda: self._file.write(disk_slot, key, seq, self._rows(host_slot)))
+        finally:  # whatever a write raised, its disk slot goes back
+            with self._lock:
+                self._busy.discard(disk_slot)
+                if not ok:
+                    self._free.append(disk_slot)
+                    self.stats.dropped_spills += 1
         with self._lock:
-            self._busy.discard(disk_slot)
             if not ok:
-                self._free.append(disk_slot)
-                self.stats.dropped_spills += 1
                 return False
             self._index[key] = disk_slot
             self._order[disk_slot] = key
