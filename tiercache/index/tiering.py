@@ -43,7 +43,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -66,6 +66,7 @@ TIER_OWNER = 0xFFFF  # the tier chain's own reservations and pins: no session, n
 PROMOTION_WAIT_S = 1.0  # a promotion's read pending longer: lookups miss it (overdue)
 QUARANTINE_SHARE = 64  # promotions stop while 1/64 of host memory's slots are held out
 POLL_S = 0.02  # the watermark is looked at this often
+MAX_READ_SHARE = 8  # a tier's jobs pin at most 1/8 of host memory at once (one job at least)
 
 
 class _Job:
@@ -78,18 +79,31 @@ class _Job:
 
 
 class _Feed:
-    """One tier's blocks waiting to go down (publishes) and in flight (both ways)."""
+    """One tier's blocks waiting to go down (publishes and admitted demotions, in order,
+    not pinned yet) and in flight (pinned, in its jobs)."""
 
     __slots__ = ("waiting", "in_flight", "dropped")
 
     def __init__(self) -> None:
-        self.waiting: deque[bytes] = deque()
+        self.waiting: OrderedDict[bytes, JobKind] = OrderedDict()
         self.in_flight: set[bytes] = set()  # keys of its demote and publish jobs
         self.dropped = 0
 
     @property
     def queued(self) -> int:
         return len(self.waiting) + len(self.in_flight)
+
+    def take(self, count: int) -> tuple[JobKind, list[bytes]]:
+        """The next up to ``count`` waiting keys of one kind, in order."""
+        kind = next(iter(self.waiting.values()))
+        batch = []
+        for key, of in self.waiting.items():
+            if of is not kind or len(batch) == count:
+                break
+            batch.append(key)
+        for key in batch:
+            del self.waiting[key]
+        return kind, batch
 
 
 class TierChain:
@@ -286,8 +300,9 @@ class TierChain:
             feed = self._feeds[tier]
             new = [k for k in keys if tier.holds(k, TIER_OWNER) is not Presence.YES]
             room = max(0, tier.policy.max_queued_blocks - feed.queued)
-            feed.waiting.extend(new[:room])
-            feed.dropped += max(0, len(new) - room)
+            fresh = [k for k in new if k not in feed.waiting and k not in feed.in_flight]
+            feed.waiting.update(dict.fromkeys(fresh[:room], JobKind.PUBLISH))
+            feed.dropped += max(0, len(fresh) - room)
             if new:
                 self._wake.set()
 
@@ -392,15 +407,18 @@ class TierChain:
                 self._promote(entry.tier, run)
 
     def _feed(self, tier: LowerTier) -> None:
-        """Under the lock: hand the tier what waits for it, and demotions below the
-        watermark, ``job_blocks`` at a time, while its queue has room."""
+        """Under the lock: admit demotions below the watermark, then hand the tier what
+        waits for it, ``job_blocks`` at a time, while it has fewer blocks in flight than it
+        works on at once (``max_in_flight_blocks``) and than ``1 / MAX_READ_SHARE`` of host
+        memory: blocks wait unpinned, so a small host tier keeps room to store."""
         policy, feed = tier.policy, self._feeds[tier]
         if policy.demote_below > 0:
             self._demote(tier, policy, feed)
-        while feed.waiting and len(feed.in_flight) < policy.max_queued_blocks:
-            batch = [feed.waiting.popleft()
-                     for _ in range(min(policy.job_blocks, len(feed.waiting)))]
-            self._pin_and_submit(tier, JobKind.PUBLISH, batch, feed)
+        limit = min(policy.max_in_flight_blocks,
+                    max(policy.job_blocks, self._table.capacity // MAX_READ_SHARE))
+        while feed.waiting and len(feed.in_flight) < limit:
+            kind, batch = feed.take(min(policy.job_blocks, limit - len(feed.in_flight)))
+            self._pin_and_submit(tier, kind, batch, feed)
 
     def _demote(self, tier: LowerTier, policy, feed: _Feed) -> None:
         table = self._table
@@ -411,17 +429,13 @@ class TierChain:
         want = min(policy.max_queued_blocks - feed.queued, low - free + policy.job_blocks)
         slots, ready = table.slots, SlotState.READY
         keys = table.policy.peek(want, lambda key: slots[key].state is ready
-                                 and key not in feed.in_flight
+                                 and key not in feed.in_flight and key not in feed.waiting
                                  and tier.holds(key, TIER_OWNER) is not Presence.YES)
-        admitted = []
         for key in keys:
-            if slots[key].hits > 0 or (feed.queued + len(admitted)) * 2 < policy.max_queued_blocks:
-                admitted.append(key)
+            if slots[key].hits > 0 or feed.queued * 2 < policy.max_queued_blocks:
+                feed.waiting[key] = JobKind.DEMOTE
             else:
                 feed.dropped += 1  # unproven, and the tier is busy: not worth it
-        for start in range(0, len(admitted), policy.job_blocks):
-            self._pin_and_submit(tier, JobKind.DEMOTE, admitted[start:start + policy.job_blocks],
-                                 feed)
 
     def _pin_and_submit(self, tier: LowerTier, kind: JobKind, keys: list[bytes],
                         feed: _Feed) -> None:
