@@ -152,8 +152,7 @@ class TierChain:
             (self._sink.removed if removed else self._sink.stored)(keys, Medium.CPU)
 
     def host_cleared(self) -> None:
-        """Host memory was reset (under the lock): the queued publishes go, in-flight jobs
-        finish on their doomed slots (``tiercache.index.table``)."""
+        """Host memory was reset (under the lock): what waits to go down goes too."""
         self._feeds.forget_waiting()
         if self._sink is not None:
             self._sink.cleared(Medium.CPU)
