@@ -72,8 +72,7 @@ class LeaseBook:
                  maybe_held: Callable[[bytes], bool] | None = None,
                  await_answers: Callable[[RequestLeases], bool] | None = None):
         self.answers = answers
-        # A request's first key: False means no tier holds it (the coordinator's key
-        # presence map), so the request is a cold miss, answered at once.
+        # a request's first key: False means no tier holds it (a cold miss, at once)
         self.maybe_held = maybe_held if maybe_held is not None else always
         # Until the request's probe in flight is answered (filed), or a bound: True if it was.
         self.await_answers = await_answers
