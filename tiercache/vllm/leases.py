@@ -24,8 +24,7 @@ Refs: a held key counts its local users (request leases, loads in flight); the
 coordinator may hold several pins for it, and ``release`` drops them all once the count
 reaches zero, so a release never takes a pin another user needs. A load takes no pin of
 its own: it reads the lease's fenced slot under the lease's pins.
-A request's leases end when its load is prepared (the load keeps a ref until
-``complete_load``) or it finishes.
+A request's leases end when its load is prepared or the request finishes.
 
 Reservations: the keys of a probe past its leased run are the chunks the request is about
 to compute and store, so the flusher reserves their slots in the same flush (one
