@@ -114,6 +114,25 @@ def test_coordinator_and_engines_share_uid_pid_namespace_shm_and_socket_director
     assert extra["tiercache_instance"] == raw["instance"]["name"]
 
 
+def test_the_cluster_key_is_installed_as_the_coordinator_trusts_it():
+    """A key file of the service uid, 0600 (``tiercache.tiers.cluster_key``), copied from
+    the Secret (whose files are root's) into the config directory the coordinator reads."""
+    raw = _raw_config()
+    pod = _pod("DaemonSet", "tiercache-coordinator")
+    uid = pod["spec"]["securityContext"]["runAsUser"]
+    key = PurePosixPath(raw["cluster"]["key_file"])
+    coordinator_mounts = _mounts(pod, _container(pod, "coordinator"))
+    assert "emptyDir" in coordinator_mounts[str(key.parent)]
+    prepare = next(c for c in pod["spec"]["initContainers"] if c["name"] == "prepare")
+    volumes = {m["mountPath"]: m["name"] for m in prepare["volumeMounts"]}
+    secret = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    script = prepare["command"][-1]
+    source = next(path for path, name in volumes.items() if name == secret["name"])
+    assert re.search(rf"cp {source}/\S+ {key}\b", script)
+    assert f"chown {uid}:{uid} {key}" in script and f"chmod 0600 {key}" in script
+    assert volumes[str(key.parent)] == "config"
+
+
 def test_the_disk_tier_lives_on_the_host_and_is_the_service_uids():
     raw = _raw_config()
     pod = _pod("DaemonSet", "tiercache-coordinator")
