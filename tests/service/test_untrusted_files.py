@@ -196,3 +196,72 @@ def test_a_truncated_stale_region_is_one_line_for_status_and_attach_and_serve_re
         assert f"is gone; {said})" in serve.output()
         assert os.stat(path).st_size == total_bytes
         SharedOffloadRegion.attach(cfg.name, 0).close()
+
+
+# ---------------------------------------------------------------------- the key presence map
+def _squat(kind: str, path: str, user, tmp_path) -> str:
+    """Another user's entry under the map's name; returns the words status/serve use."""
+    if kind == "fifo":
+        made = user.run(["mkfifo", "-m", "0644", path])
+        words = "a FIFO"
+    elif kind == "file":  # long enough, right mode: only its owner gives it away
+        made = user.run(["sh", "-c", f"umask 077; head -c 131136 /dev/zero > {path}"])
+        words = "a regular file"
+    else:  # a link to a map-shaped file of ours: following it would be the attack
+        target = tmp_path / "map-copy"
+        target.write_bytes(b"TCKEYS01" + b"\1\0\0\0\1\0\0\0" + (1 << 16).to_bytes(8, "little")
+                           + bytes(40) + bytes(1 << 16))
+        target.chmod(0o600)
+        made = user.run(["ln", "-s", str(target), path])
+        words = "a symlink"
+    assert made.returncode == 0, made.stderr
+    return f"{words} owned by {user.name} (uid {user.uid})"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "symlink"])
+def test_another_users_entry_under_the_maps_name_blocks_no_engine_serve_or_clean(
+        kind, make_config, tmp_path, other_user):
+    """While no map exists (after a clean stop), another user squats its name. A running
+    scheduler's refresh used to block forever in open() on a FIFO, a new engine at start,
+    serve and clean with it; now each answers at once, naming the squatter."""
+    from presence_reader import PresenceReader
+
+    from tiercache.region.presence import presence_path
+
+    cfg = make_config()
+    path = presence_path(cfg.name)
+    coordinator = CoordinatorProcess(cfg, tmp_path / "c")
+    running = PresenceReader(cfg.name)  # a scheduler reading the live map
+    try:
+        assert running.opened == "open True None"
+        assert coordinator.stop() == 0 and not os.path.lexists(path)
+        squatter = _squat(kind, path, other_user, tmp_path)
+
+        answer = running.ask("refresh")  # the scheduler's next step
+        assert answer.startswith(f"refresh False {path} is {squatter}"), answer
+        assert running.ask("maybe " + b"key".hex()) == "maybe True"  # asks the coordinator
+
+        starting = PresenceReader(cfg.name)  # a new engine
+        assert starting.opened.startswith(f"open False {path} is {squatter}"), starting.opened
+        assert starting.close() == 0
+
+        serve = tiercache("serve", "--config", _write_config(cfg, tmp_path))
+        assert serve.returncode == 1, serve.stdout
+        assert serve.stderr.startswith(f"tiercache: error: {path} is {squatter}"), serve.stderr
+        assert serve.stderr.count("\n") == 1, serve.stderr
+        assert not os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing half-made stays
+
+        status = tiercache("status", "--name", cfg.name)
+        assert status.returncode == 0, status.stderr
+        [line] = [s for s in status.stdout.splitlines() if path in s]
+        assert "NOT USABLE" in line and squatter in line, line
+
+        clean = tiercache("clean", "--name", cfg.name)
+        assert clean.returncode == 0, clean.stderr
+        assert f"left {path} alone: {squatter}" in clean.stdout, clean.stdout
+        assert os.path.lexists(path)  # not ours to judge
+    finally:
+        running.close()
+        coordinator.kill()
+        _remove_entry(path)
+        coordinator.cleanup()
