@@ -56,15 +56,16 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
+from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
+from tiercache.control.admission import Admission, refuse
 from tiercache.control.connections import Connection, ConnectionTable
+from tiercache.control.options import ControlOptions, RECV_BYTES
 from tiercache.control.verbs import HANDLERS
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
-from tiercache.control.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
+from tiercache.control.sockets import SocketFile, trusted_uids
 from tiercache.control.payloads import decode_hello_request, encode_error, encode_hello
 from tiercache.control.protocol import (
     HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
@@ -75,65 +76,8 @@ from tiercache.region.sessions import SessionLedger, SessionRecord
 
 log = logging.getLogger(__name__)
 
-RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 CLOSE_TIMEOUT_S = 10.0
-# After serving, keep polling this long before sleeping in epoll_wait: a sleeping core
-# takes ~50 µs to wake on the 2-core VM we measured (a 16-byte echo between two processes:
-# 108 µs p50 blocking, 13 µs with this poll). It costs CPU only while calls keep coming.
-POLL_BEFORE_SLEEP_S = 50e-6
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-# The smallest partial-request budget: one whole request and one read past it, so that a
-# connection sending one request always fits once the hogs are closed.
-MIN_BUFFERED_BYTES = HEADER_BYTES + MAX_REQUEST_BYTES + RECV_BYTES
-
-
-@dataclass(frozen=True)
-class ControlOptions:
-    """How the control server behaves toward its clients (see the module docstring)."""
-
-    session_grace_s: float = 5.0
-    session_timeout_s: float = 30.0  # a session silent this long while holding something ends
-    reservation_timeout_s: float = 600.0  # a reservation not completed this long is freed
-    tick_s: float = 1.0  # how often liveness, restored sessions and reservations are checked
-    max_connections: int = 256
-    max_buffered_bytes: int = 64 << 20
-    listen_backlog: int = 4096  # the kernel caps it at net.core.somaxconn
-    accept_backoff_s: float = 0.1
-    log_interval_s: float = 10.0
-    trusted_uid: int | None = None  # trusted besides our own uid
-    poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S
-    hello_timeout_s: float = 5.0
-    # Long enough that an idle engine's connection rarely goes (it would reconnect on its
-    # next call anyway); short enough that abandoned ones do not keep slots for long.
-    idle_timeout_s: float = 300.0
-    max_connections_per_peer: int = 64
-    max_detached_sessions_per_peer: int = 64
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("session_grace_s", 0 <= self.session_grace_s <= 3600, "0 .. 3600 s"),
-            ("session_timeout_s", 0 <= self.session_timeout_s <= 86400, "0 (off) .. 86400 s"),
-            ("reservation_timeout_s", 0 <= self.reservation_timeout_s <= 86400,
-             "0 (off) .. 86400 s"),
-            ("tick_s", 0 < self.tick_s <= 60, "0 .. 60 s (not 0)"),
-            ("max_connections", 1 <= self.max_connections <= 65536, "1 .. 65536"),
-            ("max_buffered_bytes", self.max_buffered_bytes >= MIN_BUFFERED_BYTES,
-             f">= {MIN_BUFFERED_BYTES} (one whole request and one read)"),
-            ("listen_backlog", 1 <= self.listen_backlog <= 65535, "1 .. 65535"),
-            ("accept_backoff_s", 0 < self.accept_backoff_s <= 10, "0 .. 10 s (not 0)"),
-            ("log_interval_s", 0 <= self.log_interval_s <= 3600, "0 .. 3600 s"),
-            ("trusted_uid", self.trusted_uid is None or self.trusted_uid >= 0, "None or >= 0"),
-            ("poll_before_sleep_s", 0 <= self.poll_before_sleep_s <= 0.01, "0 .. 0.01 s"),
-            ("hello_timeout_s", 0 < self.hello_timeout_s <= 3600, "0 .. 3600 s (not 0)"),
-            ("idle_timeout_s", 0 < self.idle_timeout_s <= 86400, "0 .. 86400 s (not 0)"),
-            ("max_connections_per_peer", 1 <= self.max_connections_per_peer <= 65536,
-             "1 .. 65536"),
-            ("max_detached_sessions_per_peer",
-             0 <= self.max_detached_sessions_per_peer <= 65536, "0 .. 65536"),
-        )
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
 
 
 class ControlServer:
@@ -161,6 +105,9 @@ class ControlServer:
         self._socket_file = SocketFile(self._path, self._trusted, self.options.listen_backlog)
         self._connections = ConnectionTable(self.options.hello_timeout_s,
                                             self.options.idle_timeout_s, self._holds)
+        self._admission = Admission(self.options, self._connections, self._trusted, self._warn,
+                                    lambda conn, why, tell: self._drop(self._selector, conn,
+                                                                       why, tell))
         self._buffered_bytes = 0  # partial requests held, all connections together
         self._accept_resume_at: float | None = None  # while the listener is paused
 
@@ -361,66 +308,9 @@ class ControlServer:
                 else:
                     self._warn.warn("accept_error", "control server accept failed: %s", e)
                 return
-            self._admit(selector, sock)
-
-    def _admit(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
-        now = time.monotonic()
-        try:
-            pid = peer_credentials(sock)[0]
-            check_peer(sock, self._trusted, "control client")
-        except (ControlSocketError, OSError) as e:
-            self._warn.warn("refused", "refusing a control connection: %s", e)
-            self._refuse(sock, e)
-            return
-        refusal = self._make_room(selector, pid, now)
-        if refusal is not None:
-            kind, error = refusal
-            self._warn.warn(kind, "refusing a control connection of pid %d: %s", pid, error)
-            self._refuse(sock, error)
-            return
-        sock.setblocking(False)
-        conn = Connection(sock, pid, now)
-        self._connections.add(conn)
-        selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _make_room(self, selector: selectors.BaseSelector, pid: int, now: float
-                   ) -> tuple[str, ControlSocketError] | None:
-        """Make room for one more connection of ``pid`` (closing the quietest connection that
-        holds nothing, at the cap), or say why not: (log kind, the error to answer)."""
-        opts = self.options
-        held = self._connections.num_of(pid)
-        if held >= opts.max_connections_per_peer:
-            return "refused_peer", ControlSocketError(
-                f"pid {pid} has {held} control connections open, the most one process may "
-                f"have (control.max_connections_per_peer = {opts.max_connections_per_peer}); "
-                "close one, or share connections between threads")
-        if len(self._connections) < opts.max_connections:
-            return None
-        victim = self._connections.quietest_idle(now, stall_s=opts.hello_timeout_s)
-        if victim is None:
-            return "refused", ControlSocketError(
-                f"the coordinator serves its maximum of {opts.max_connections} control "
-                "connections (control.max_connections), each holding reservations or pins "
-                "or in the middle of a request; retry later")
-        self._warn.warn("make_room", "at the maximum of %d control connections: closing the one "
-                        "of %s (%s, quiet for %.1f s) to serve a new one", opts.max_connections,
-                        victim.peer, "no HELLO yet" if victim.session is None else
-                        "holding nothing", now - victim.active_s)
-        why = ControlSocketError(f"closed without HELLO to serve another connection (at the "
-                                 f"maximum of {opts.max_connections}, control.max_connections)")
-        self._drop(selector, victim, "made room for a new connection",
-                   tell=why if victim.session is None else None)
-        return None
-
-    @staticmethod
-    def _refuse(sock: socket.socket, why: Exception) -> None:
-        """Answer no request (id 0) with the reason, best effort, and close."""
-        sock.setblocking(False)
-        try:
-            sock.send(frame(Verb.HELLO, 0, encode_error(why), Status.ERROR))
-        except OSError:
-            pass
-        sock.close()
+            conn = self._admission.admit(sock, time.monotonic())
+            if conn is not None:
+                selector.register(sock, selectors.EVENT_READ, conn)
 
     def _drop(self, selector: selectors.BaseSelector, conn: Connection, why: str,
               tell: Exception | None = None) -> None:
@@ -433,7 +323,7 @@ class ControlServer:
         conn.inbuf = bytearray()
         selector.unregister(conn.sock)
         if tell is not None:
-            self._refuse(conn.sock, tell)
+            refuse(conn.sock, tell)
         else:
             conn.sock.close()
         if conn.session is not None:
