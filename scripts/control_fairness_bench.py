@@ -5,8 +5,9 @@ A coordinator (``num_blocks`` slots of one 4 KiB page, ``--fill`` of them stored
 ``--hostile`` processes that each loop on one valid request shape as fast as the coordinator
 answers (``--depth`` requests written before their answers are read: a pipelining client),
 while this process, the victim, leases one stored key and releases it, again and again,
-for ``--seconds``. Reported: the victim's lease latency (p50, p99, max) and calls per
-second, and the hostile requests answered per second with how many were refused.
+for ``--seconds``. Reported: the latency of the victim's calls (leases and releases
+alike: p50, p99, max) and its calls per second, and the hostile requests answered per
+second with how many were refused.
 
 Shapes (the largest the protocol lets through, ``--lists`` to pick another size):
 
@@ -14,6 +15,9 @@ Shapes (the largest the protocol lets through, ``--lists`` to pick another size)
 * ``long_list``: LEASE_BATCH of one list of MAX_KEYS_PER_CALL stored keys (all hits,
   pinned), then RELEASE of them;
 * ``lookup``: LOOKUP of MAX_KEYS_PER_CALL stored keys;
+* ``small_frames``: LOOKUP of MAX_KEYS_PER_CALL copies of a stored one-byte key (16 KiB
+  frames, four to a read: what a pipelining client gets served back to back by a loop
+  that answers every request a read brought before it looks at anyone else);
 * ``store``: PREPARE_STORE of MAX_KEYS_PER_CALL new keys (evicting), then
   COMPLETE_STORE(failed) of them.
 
@@ -66,13 +70,16 @@ def requests_for(shape: str, lists: int) -> list[tuple[Verb, bytes]]:
         keys = [stored_key(i) for i in range(n)]
         return [(Verb.LEASE_BATCH, PayloadWriter().u32(1).keys(keys).build()),
                 (Verb.RELEASE, PayloadWriter().keys(keys).build())]
+    if shape == "small_frames":
+        return [(Verb.LOOKUP, PayloadWriter().keys([b"a"] * n).build())]
     if shape == "lookup":
         return [(Verb.LOOKUP, PayloadWriter().keys([stored_key(i) for i in range(n)]).build())]
     if shape == "store":
         keys = [b"hostile-%08d" % i for i in range(n)]
         return [(Verb.PREPARE_STORE, PayloadWriter().u32(0xFFFFFFFF).keys(keys).build()),
                 (Verb.COMPLETE_STORE, PayloadWriter().u8(0).keys(keys).build())]
-    raise ValueError(f"shape {shape!r}; allowed empty_lists, long_list, lookup, store")
+    raise ValueError(f"shape {shape!r}; allowed empty_lists, long_list, lookup, small_frames, "
+                     "store")
 
 
 class RawConnection:
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
                     index_max_session_share=1.0)
     with CoordinatorProcess(config, tmp.name) as coordinator:
         with Client(config) as setup:
+            setup.complete_store(list(setup.prepare_store([b"a"]).keys_to_store))
             for start in range(0, args.fill, MAX_KEYS_PER_CALL):
                 keys = [stored_key(i) for i in range(start, min(args.fill, start + MAX_KEYS_PER_CALL))]
                 setup.complete_store(list(setup.prepare_store(keys).keys_to_store))
@@ -162,8 +170,9 @@ def run(args: argparse.Namespace) -> dict:
             while time.perf_counter() < t_end:
                 t0 = time.perf_counter()
                 victim.lease(key)
-                latencies.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
                 victim.release(key)
+                latencies += [t1 - t0, time.perf_counter() - t1]
             elapsed = args.seconds
         stop.set()
         for p in procs:
@@ -173,9 +182,9 @@ def run(args: argparse.Namespace) -> dict:
     return {"shape": args.shape, "hostile": args.hostile, "depth": args.depth,
             "lists": args.lists if args.shape == "empty_lists" else None,
             "victim_calls": len(ms), "victim_calls_per_s": round(len(ms) / elapsed, 1),
-            "lease_p50_ms": round(float(np.percentile(ms, 50)), 3),
-            "lease_p99_ms": round(float(np.percentile(ms, 99)), 3),
-            "lease_max_ms": round(float(ms.max()), 3),
+            "call_p50_ms": round(float(np.percentile(ms, 50)), 3),
+            "call_p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "call_max_ms": round(float(ms.max()), 3),
             "hostile_answers_per_s": round(counts[0] / elapsed, 1),
             "hostile_refused": int(counts[1])}
 
@@ -183,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="empty_lists",
-                        choices=["empty_lists", "long_list", "lookup", "store"])
+                        choices=["empty_lists", "long_list", "lookup", "small_frames", "store"])
     parser.add_argument("--hostile", type=int, default=1)
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--lists", type=int, default=MAX_LISTS)

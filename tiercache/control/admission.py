@@ -11,7 +11,7 @@ decides which connection is quietest, the server closes it (``drop``).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from typing import Protocol
 
 from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions
@@ -21,7 +21,11 @@ from tiercache.control.sockets import check_peer, peer_credentials
 from tiercache.errors import ControlSocketError
 from tiercache.loglimit import LogLimiter
 
-Drop = Callable[[Connection, str, "Exception | None"], None]
+class Drop(Protocol):
+    """How the loop's helpers close a connection: ``why`` for the log, ``tell`` the error
+    to answer one without HELLO first."""
+
+    def __call__(self, conn: Connection, why: str, tell: Exception | None = None) -> None: ...
 
 
 def refuse(sock: socket.socket, why: Exception) -> None:

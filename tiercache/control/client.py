@@ -4,7 +4,9 @@ Each verb is one request and one answer on the client's ``Channel``
 (``tiercache.control.channel``: finding and trusting the coordinator, sessions and their
 resumption, the heartbeat, what a call does when the coordinator is gone). The client
 checks what it sends before it sends it (keys are bytes of at most ``MAX_KEY_BYTES``, at
-most ``MAX_KEYS_PER_CALL`` per call).
+most ``MAX_KEYS_PER_CALL`` per call) and sends a ``lease_batch`` of more lists or keys
+than one request may carry as several requests (``MAX_LISTS_PER_BATCH``), so an engine
+never meets the coordinator's per-request bounds.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import time
 from collections.abc import Sequence
 
 from tiercache.config import Config
-from tiercache.errors import ConfigError, ProtocolError
+from tiercache.errors import ConfigError, CoordinatorGoneError, ProtocolError, TiercacheError
 from tiercache.control.channel import Channel, check_path_length, resolve_socket_path
 from tiercache.control.sockets import trusted_uids
 from tiercache.control.payloads import (
     decode_events, decode_leases, decode_stats, decode_store_output, decode_tier_stats,
-    encode_hello_request, encode_lease_batch_request, encode_store_request,
+    encode_hello_request, encode_lease_batch_request, encode_store_request, lease_batch_groups,
 )
 from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadWriter, Verb
 from tiercache.index.results import (
@@ -123,15 +125,39 @@ class Client:
         self._channel.call(Verb.COMPLETE_STORE, payload).done()
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[LeaseResult]:
-        """One lease per list, in one call (each list atomically): its leading run of
-        readable keys is pinned for this session until ``release``, and its slots come
-        back as a fenced spec (``LeaseResult.spec``) to load from without ``prepare_load``."""
-        reader = self._channel.call(Verb.LEASE_BATCH, encode_lease_batch_request(key_lists))
-        results = decode_leases(reader)
-        if len(results) != len(key_lists):
-            raise ProtocolError(f"lease_batch: asked for {len(key_lists)} leases, got "
-                                f"{len(results)}")
+        """One lease per list, each atomic: its leading run of readable keys is pinned for
+        this session until ``release``, and its slots come back as a fenced spec
+        (``LeaseResult.spec``) to load from without ``prepare_load``. Sent in one request,
+        or in as many as the per-request bounds ask (``MAX_LISTS_PER_BATCH`` lists,
+        ``MAX_KEYS_PER_CALL`` keys). If a later one is refused, the leases the earlier
+        ones took are released before the error is raised; if the coordinator goes away
+        meanwhile, they go with the session (or stay with it, if it is resumed, until
+        released or the session ends)."""
+        results: list[LeaseResult] = []
+        for group in lease_batch_groups(key_lists):
+            try:
+                reader = self._channel.call(Verb.LEASE_BATCH, encode_lease_batch_request(group))
+                answers = decode_leases(reader)
+                if len(answers) != len(group):
+                    raise ProtocolError(f"lease_batch: asked for {len(group)} leases, got "
+                                        f"{len(answers)}")
+            except CoordinatorGoneError:
+                raise  # the connection is gone: a release now would reconnect first
+            except BaseException:
+                self._release_taken(key_lists, results)
+                raise
+            results += answers
         return results
+
+    def _release_taken(self, key_lists: Sequence[Sequence[bytes]],
+                       results: list[LeaseResult]) -> None:
+        """Drop the pins of the leases already answered (the caller never sees them)."""
+        held = [key for keys, r in zip(key_lists, results) for key in keys[:r.num_hit]]
+        for start in range(0, len(held), MAX_KEYS_PER_CALL):
+            try:
+                self.release(held[start:start + MAX_KEYS_PER_CALL])
+            except TiercacheError:
+                return  # best effort: the error being raised is the one to report
 
     def lease(self, keys: Sequence[bytes]) -> LeaseResult:
         """``lease_batch([keys])[0]``."""

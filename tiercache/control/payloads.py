@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 from tiercache import errors
 from tiercache.control.protocol import (
-    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
+    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, TOKEN_BYTES,
+    PayloadReader, PayloadWriter,
 )
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
@@ -193,20 +194,46 @@ def decode_hello(reader: PayloadReader) -> Hello:
 
 
 def encode_lease_batch_request(key_lists: Sequence[Sequence[bytes]]) -> bytes:
+    """One LEASE_BATCH request: at most ``MAX_LISTS_PER_BATCH`` lists and
+    ``MAX_KEYS_PER_CALL`` keys in all (``lease_batch_groups`` cuts a batch to fit)."""
     total = sum(map(len, key_lists))
-    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_KEYS_PER_CALL:
+    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_LISTS_PER_BATCH:
         raise errors.ProtocolError(f"{len(key_lists)} lists of {total} keys in one lease_batch; "
-                                   f"at most {MAX_KEYS_PER_CALL} keys (and lists) in all")
+                                   f"at most {MAX_KEYS_PER_CALL} keys and "
+                                   f"{MAX_LISTS_PER_BATCH} lists in all")
     writer = PayloadWriter().u32(len(key_lists))
     for keys in key_lists:
         writer.keys(keys)
     return writer.build()
 
 
+def lease_batch_groups(key_lists: Sequence[Sequence[bytes]]
+                       ) -> list[Sequence[Sequence[bytes]]]:
+    """Consecutive groups of ``key_lists`` that each fit one LEASE_BATCH request (each list
+    is leased on its own, so a batch may be sent as several requests); a single list of
+    more than ``MAX_KEYS_PER_CALL`` keys cannot be split and is refused."""
+    groups: list[Sequence[Sequence[bytes]]] = []
+    start = total = 0
+    for i, keys in enumerate(key_lists):
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"a lease of {len(keys)} keys; at most "
+                                       f"{MAX_KEYS_PER_CALL} keys per list")
+        if i > start and (i - start == MAX_LISTS_PER_BATCH
+                          or total + len(keys) > MAX_KEYS_PER_CALL):
+            groups.append(key_lists[start:i])
+            start, total = i, 0
+        total += len(keys)
+    if start < len(key_lists) or not groups:
+        groups.append(key_lists[start:])
+    return groups
+
+
 def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
     n = reader.u32()
-    if n > MAX_KEYS_PER_CALL:
-        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most {MAX_KEYS_PER_CALL}")
+    if n > MAX_LISTS_PER_BATCH:
+        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most "
+                                   f"{MAX_LISTS_PER_BATCH} (MAX_LISTS_PER_BATCH: send more as "
+                                   "several requests)")
     lists, total = [], 0
     for _ in range(n):
         keys = reader.keys()
