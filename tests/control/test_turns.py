@@ -12,14 +12,17 @@ import pytest
 
 from control_support import raw_connection, read_frame
 from tiercache.control.connections import Connection
-from tiercache.control.payloads import decode_error, decode_stats, encode_lease_batch_request
+from tiercache.control.payloads import (
+    decode_error, decode_stats, encode_lease_batch_request, encode_store_request, request_size,
+)
 from tiercache.control.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, FrameHeader, MAX_LISTS_PER_BATCH, PayloadReader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.control.turns import LIST_UNITS, Turns, request_units
 from tiercache.errors import ProtocolError
 
-HEAVY = 1 + MAX_KEYS_PER_CALL  # the units of a request of MAX_KEYS_PER_CALL keys
+HEAVY = request_units(MAX_KEYS_PER_CALL, 1)  # a lease of the most keys one request may carry
+SMALL = request_units(1, 1)
 
 
 @pytest.fixture
@@ -45,49 +48,73 @@ def serve(turns: Turns, units: dict[Connection, int], rounds: int,
     as it is answered (a stream), the others send one and stop."""
     order = []
     for _ in range(rounds):
-        conn = turns.next()
-        if conn is None:
+        turn = turns.next()
+        if turn is None:
             break
-        turns.served(conn, units[conn])
+        conn, _ = turn
         order.append(conn)
         if conn in again:
-            turns.wait(conn)
+            turns.wait(conn, units[conn])
     return order
 
 
 def test_a_small_call_waits_for_the_request_in_progress_not_for_a_heavy_stream(conns):
     heavy, small = conns(2)
     turns = Turns()
-    turns.wait(heavy)
-    first = turns.next()  # the heavy stream's request is in progress ...
-    turns.served(first, HEAVY)
-    turns.wait(heavy)  # ... its next one is already in ...
-    turns.wait(small)  # ... when the small call arrives
-    assert turns.next() is small, "the small call goes before the stream's next request"
-    turns.served(small, 2)
-    turns.wait(small)
-    assert turns.next() is small, "and so does its next one: it has used far less"
+    turns.wait(heavy, HEAVY)
+    assert turns.next() == (heavy, HEAVY)  # the stream's request is in progress ...
+    turns.wait(heavy, HEAVY)  # ... its next one is already in ...
+    turns.wait(small, SMALL)  # ... when the small call arrives
+    assert turns.next() == (small, SMALL), "the small call goes before the stream's next"
+    turns.wait(small, SMALL)
+    assert turns.next() == (small, SMALL), "and so does its next one: it has used far less"
+
+
+def test_behind_heavy_streams_in_lock_step_a_small_call_waits_for_one_request(conns):
+    """Four heavy streams whose requests all start at one virtual time: a small call that
+    arrives after the first of them is served next, not after the other three (as with
+    start tags, where it would be later than all of theirs)."""
+    *heavy, small = conns(5)
+    turns = Turns()
+    units = {conn: HEAVY for conn in heavy}
+    for conn in heavy:
+        turns.wait(conn, HEAVY)
+    for _ in range(3):  # rounds of all four, then a small call after each round's first
+        assert len(set(serve(turns, units, 1, again=set(heavy)))) == 1
+        turns.wait(small, SMALL)
+        assert turns.next() == (small, SMALL)
+        serve(turns, units, 3, again=set(heavy))
 
 
 def test_heavy_streams_share_the_loop_equally_and_small_calls_cut_in(conns):
     a, b, c, small = conns(4)
     turns = Turns()
-    units = {a: HEAVY, b: HEAVY, c: HEAVY, small: 3}
+    units = {a: HEAVY, b: HEAVY, c: HEAVY, small: SMALL}
     for conn in (a, b, c):
-        turns.wait(conn)
+        turns.wait(conn, HEAVY)
     order = serve(turns, units, 9, again={a, b, c})
     assert [order.count(x) for x in (a, b, c)] == [3, 3, 3]
-    turns.wait(small)
+    turns.wait(small, SMALL)
     assert serve(turns, units, 1, again={a, b, c}) == [small]
+
+
+def test_streams_share_by_work_not_by_requests(conns):
+    big, little = conns(2)
+    turns = Turns()
+    units = {big: 1000, little: 100}
+    turns.wait(big, 1000)
+    turns.wait(little, 100)
+    order = serve(turns, units, 110, again={big, little})
+    assert 95 <= order.count(little) <= 101 and 9 <= order.count(big) <= 11
 
 
 def test_a_connection_that_was_idle_earns_no_credit(conns):
     busy, idle = conns(2)
     turns = Turns()
     units = {busy: 100, idle: 100}
-    turns.wait(busy)
+    turns.wait(busy, 100)
     serve(turns, units, 50, again={busy})  # idle sends nothing meanwhile
-    turns.wait(idle)
+    turns.wait(idle, 100)
     order = serve(turns, units, 6, again={busy, idle})
     assert order.count(idle) <= order.count(busy) + 1, "no burst for the time it was idle"
 
@@ -95,22 +122,27 @@ def test_a_connection_that_was_idle_earns_no_credit(conns):
 def test_a_closed_connection_is_skipped_and_counted_out(conns):
     a, b = conns(2)
     turns = Turns()
-    turns.wait(a)
-    turns.wait(b)
+    turns.wait(a, SMALL)
+    turns.wait(b, SMALL)
     assert len(turns) == 2
     turns.forget(a)
-    assert len(turns) == 1 and turns.next() is b and turns.next() is None and not turns
+    assert len(turns) == 1 and turns.next() == (b, SMALL) and turns.next() is None
+    assert not turns
 
 
-def test_a_requests_units_are_its_keys_and_key_lists():
-    lookup = PayloadReader(PayloadWriter().keys([b"a", b"b", b"c"]).build())
-    lookup.keys()
-    assert request_units(lookup) == 1 + 3 + LIST_UNITS
-    batch = PayloadReader(encode_lease_batch_request([[b"a"], [], [b"b", b"c"]]))
-    for _ in range(batch.u32()):
-        batch.keys()
-    assert request_units(batch) == 1 + 3 + 3 * LIST_UNITS
-    assert request_units(PayloadReader(b"")) == 1
+def test_a_requests_size_is_read_from_its_list_heads():
+    keys = [b"a", b"bb", b"c"]  # variable width: the lengths are read to find the next list
+    assert request_size(Verb.LOOKUP, PayloadWriter().keys(keys).build()) == (3, 1)
+    assert request_size(Verb.PREPARE_STORE, encode_store_request(keys, 2)) == (3, 1)
+    complete = PayloadWriter().u8(1).keys(keys[:2]).build()
+    assert request_size(Verb.COMPLETE_STORE, complete) == (2, 1)
+    batch = encode_lease_batch_request([[b"a"], [], keys, [b"xyz"] * 5])
+    assert request_size(Verb.LEASE_BATCH, batch) == (9, 4)
+    assert request_size(Verb.PING, b"") == (0, 0)
+    assert request_size(Verb.LOOKUP, b"\x01") == (0, 0)  # malformed: its decode refuses it
+    forged = PayloadWriter().u32(1 << 30).build()  # claims more lists than it may carry
+    assert request_size(Verb.LEASE_BATCH, forged) == (0, MAX_LISTS_PER_BATCH + 1)
+    assert request_units(9, 4) == 1 + 9 + 4 * LIST_UNITS
 
 
 # ---------------------------------------------------------------------- the server
@@ -147,9 +179,9 @@ def test_a_pipelined_heavy_stream_delays_a_small_call_by_one_request(servers, so
                                                                     heavy_connections):
     """Heavy LOOKUPs pipelined on one or more connections, and a small call from another,
     all in the socket before the server reads (it is stopped): the server used to answer
-    every request a connection had sent before it looked at the next connection. Now the
-    small call is answered after at most one heavy request per heavy connection (those
-    that had arrived with it), not after their streams."""
+    every request a connection had sent before it looked at the next connection (3 and 9
+    heavy ones before the small call). Now it is answered after at most the one heavy
+    request in progress, however many connections stream."""
     server = servers(socket_path)
     heavy = [raw_connection(socket_path) for _ in range(heavy_connections)]
     victim = raw_connection(socket_path)
@@ -166,7 +198,7 @@ def test_a_pipelined_heavy_stream_delays_a_small_call_by_one_request(servers, so
     header, body = read_frame(victim)
     assert header.status is Status.OK
     seen = decode_stats(PayloadReader(body)).lookups
-    assert seen <= heavy_connections, f"{seen} heavy requests were served before the small call"
+    assert seen <= 1, f"{seen} heavy requests were served before the small call"
     for sock in heavy:  # and the stream is served whole after it
         answers = Answers(sock)
         for i in range(per_connection):

@@ -41,7 +41,7 @@ class Connection:
     """One client connection: its socket, buffers and session."""
 
     __slots__ = ("sock", "inbuf", "header", "need_bytes", "outbuf", "events", "session", "pid",
-                 "opened_s", "active_s", "start_tag", "finish_tag", "turn")
+                 "opened_s", "active_s", "finish_tag", "turn")
 
     def __init__(self, sock: socket.socket, pid: int, now: float):
         self.sock = sock
@@ -50,10 +50,9 @@ class Connection:
         self.need_bytes = HEADER_BYTES  # how long inbuf must get for its first request
         self.outbuf = bytearray()
         self.events = selectors.EVENT_READ  # what the selector watches for (0: nothing)
-        # Fair turns between connections (``tiercache.control.turns``): the start tag of
-        # the request waiting, the finish tag of the last one served, and the queue entry.
-        self.start_tag = 0
-        self.finish_tag = 0
+        # Fair turns between connections (``tiercache.control.turns``): the finish tag of
+        # its latest request, and its place in the queue while one waits.
+        self.finish_tag = 0.0
         self.turn: int | None = None
         self.session: Session | None = None  # set by HELLO
         self.pid = pid  # of the peer (SO_PEERCRED): per-peer bounds, logs

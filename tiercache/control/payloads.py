@@ -13,7 +13,7 @@ from typing import NamedTuple
 from tiercache import errors
 from tiercache.control.protocol import (
     ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, TOKEN_BYTES,
-    PayloadReader, PayloadWriter,
+    VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
 )
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
@@ -226,6 +226,44 @@ def lease_batch_groups(key_lists: Sequence[Sequence[bytes]]
     if start < len(key_lists) or not groups:
         groups.append(key_lists[start:])
     return groups
+
+
+# Where each verb's one key list starts in its request (after its fixed fields; ``Verb``).
+_KEYS_AT = {Verb.LOOKUP: 0, Verb.PREPARE_LOAD: 0, Verb.TOUCH: 0, Verb.COMPLETE_LOAD: 0,
+            Verb.RELEASE: 0, Verb.PREPARE_STORE: 4, Verb.COMPLETE_STORE: 1}
+_LIST_HEAD = struct.Struct("<IH")  # a key list's count and width (``PayloadWriter.keys``)
+
+
+def request_size(verb: Verb, payload: bytes | memoryview) -> tuple[int, int]:
+    """(keys, key lists) a request carries, read from its list heads without decoding a
+    key: what fair turns charge it before it is served (``tiercache.control.turns``).
+    Counts stop just past the bounds (a request past them is refused when decoded), and a
+    malformed payload counts what could be read."""
+    if verb is Verb.LEASE_BATCH:
+        return _batch_size(payload)
+    at = _KEYS_AT.get(verb)
+    if at is None or len(payload) < at + _LIST_HEAD.size:
+        return 0, 0
+    return min(_LIST_HEAD.unpack_from(payload, at)[0], MAX_KEYS_PER_CALL + 1), 1
+
+
+def _batch_size(payload: bytes | memoryview) -> tuple[int, int]:
+    if len(payload) < 4:
+        return 0, 0
+    num_lists = min(struct.unpack_from("<I", payload)[0], MAX_LISTS_PER_BATCH + 1)
+    pos, keys, lists = 4, 0, 0
+    while lists < num_lists and keys <= MAX_KEYS_PER_CALL and pos + 6 <= len(payload):
+        n, width = _LIST_HEAD.unpack_from(payload, pos)
+        pos += _LIST_HEAD.size
+        lists += 1
+        keys += n
+        if width != VARIABLE_WIDTH:
+            pos += n * width
+        elif n <= MAX_KEYS_PER_CALL and pos + 2 * n <= len(payload):
+            pos += 2 * n + sum(struct.unpack_from(f"<{n}H", payload, pos))
+        else:
+            break
+    return min(keys, MAX_KEYS_PER_CALL + 1), num_lists
 
 
 def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:

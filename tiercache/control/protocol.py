@@ -277,15 +277,11 @@ def _check_wire_keys(keys: Sequence[bytes]) -> None:
 
 
 class PayloadReader:
-    """Reads what ``PayloadWriter`` wrote; any shortfall or leftover is a ``ProtocolError``.
-    Counts the keys and key lists it read (``num_keys``, ``num_key_lists``): the work a
-    request asks of the index (``tiercache.control.turns``)."""
+    """Reads what ``PayloadWriter`` wrote; any shortfall or leftover is a ``ProtocolError``."""
 
     def __init__(self, data: bytes | memoryview):
         self._data = memoryview(data)
         self._pos = 0
-        self.num_keys = 0
-        self.num_key_lists = 0
 
     def _take(self, num_bytes: int) -> memoryview:
         end = self._pos + num_bytes
@@ -327,8 +323,6 @@ class PayloadReader:
         n, width = _KEYS_HEAD.unpack(self._take(_KEYS_HEAD.size))
         if n > MAX_KEYS_PER_CALL:
             raise errors.ProtocolError(f"{n} keys in one call; at most {MAX_KEYS_PER_CALL}")
-        self.num_keys += n
-        self.num_key_lists += 1
         if width != VARIABLE_WIDTH:
             if width > MAX_KEY_BYTES:
                 raise errors.ProtocolError(f"keys of {width} bytes; at most {MAX_KEY_BYTES}")

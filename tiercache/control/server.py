@@ -76,7 +76,9 @@ from tiercache.control.verbs import HANDLERS
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
 from tiercache.control.sockets import SocketFile, trusted_uids
-from tiercache.control.payloads import decode_hello_request, encode_error, encode_hello
+from tiercache.control.payloads import (
+    decode_hello_request, encode_error, encode_hello, request_size,
+)
 from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
 from tiercache.control.sessions import SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord
@@ -321,7 +323,12 @@ class ControlServer:
             self._watch(selector, conn, selectors.EVENT_READ)
             return
         self._watch(selector, conn, 0)
-        self._turns.wait(conn)
+        view = memoryview(conn.inbuf)
+        try:
+            keys, lists = request_size(header.verb, view[HEADER_BYTES:conn.need_bytes])
+        finally:
+            view.release()
+        self._turns.wait(conn, request_units(keys, lists))
 
     def _make_buffer_room(self, selector: selectors.BaseSelector, reader: Connection,
                           incoming: int) -> bool:
@@ -349,28 +356,22 @@ class ControlServer:
         units are spent (then the loop looks for new arrivals first)."""
         spent = 0
         while spent < WORK_PER_POLL:
-            conn = self._turns.next()
-            if conn is None:
+            turn = self._turns.next()
+            if turn is None:
                 return
-            spent += self._serve_request(selector, conn)
+            conn, units = turn
+            self._serve_request(selector, conn)
+            spent += units
 
-    def _serve_request(self, selector: selectors.BaseSelector, conn: Connection) -> int:
-        """Answer ``conn``'s first request; its work in units."""
+    def _serve_request(self, selector: selectors.BaseSelector, conn: Connection) -> None:
+        """Answer ``conn``'s first request."""
         header, payload = conn.take_request()
         self._buffered_bytes -= HEADER_BYTES + header.payload_bytes
-        reader = PayloadReader(payload)
-        response, trusted = self._dispatch(selector, conn, header, reader)
-        units = request_units(reader)
-        self._turns.served(conn, units)
-        if conn not in self._connections:  # a HELLO that resumed its session elsewhere...
-            return units
+        response, trusted = self._dispatch(selector, conn, header, PayloadReader(payload))
         conn.outbuf += response
+        self._flush(selector, conn)  # an untrusted stream: the error first, then the close
         if not trusted:
-            self._flush(selector, conn)  # the error first, then the close
             self._drop(conn, "malformed payload")
-        else:
-            self._flush(selector, conn)
-        return units
 
     def _dispatch(self, selector: selectors.BaseSelector, conn: Connection,
                   header: FrameHeader, reader: PayloadReader) -> tuple[bytes, bool]:
