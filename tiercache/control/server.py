@@ -36,10 +36,10 @@ coordinator or starve its other clients:
   keys, ``MAX_LISTS_PER_BATCH`` lists in a LEASE_BATCH; more is refused with an error
   naming the bound, and the connection closed), and connections take fair turns by work
   (``tiercache.control.turns``): one request per connection waits at a time, the loop
-  serves the waiting request with the smallest start tag and, after ``WORK_PER_POLL``
-  units, looks for new arrivals before it serves more. A client streaming heavy requests
-  (pipelined, or from many connections) delays another's small call by the request in
-  progress, not by its whole stream;
+  serves the waiting request with the smallest finish tag (its cost read from its frame)
+  and, after ``WORK_PER_POLL`` units, looks for new arrivals before it serves more. A
+  client streaming heavy requests (pipelined, or from many connections) delays another's
+  small call by the request in progress, not by its streams;
 * answers are not read past: while a connection's answers wait, it is not read from, nor
   is its next request served;
 * at most ``max_detached_sessions_per_peer`` closed sessions of one process are kept for
