@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> dict:
         with Client(config) as setup:
             setup.complete_store(list(setup.prepare_store([b"a"]).keys_to_store))
             for start in range(0, args.fill, MAX_KEYS_PER_CALL):
-                keys = [stored_key(i) for i in range(start, min(args.fill, start + MAX_KEYS_PER_CALL))]
+                end = min(args.fill, start + MAX_KEYS_PER_CALL)
+                keys = [stored_key(i) for i in range(start, end)]
                 setup.complete_store(list(setup.prepare_store(keys).keys_to_store))
         stop, counts = SPAWN.Event(), SPAWN.Array("q", 2)
         procs = [SPAWN.Process(target=hostile, args=(config.socket_path, args.shape,

@@ -20,8 +20,8 @@ from tiercache.control.payloads import (
 )
 from tiercache.control.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
-    MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader,
-    PayloadReader, PayloadWriter, Status, Verb, frame,
+    MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH,
+    FrameHeader, PayloadReader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 

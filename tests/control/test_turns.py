@@ -16,7 +16,8 @@ from tiercache.control.payloads import (
     decode_error, decode_stats, encode_lease_batch_request, encode_store_request, request_size,
 )
 from tiercache.control.protocol import (
-    HEADER_BYTES, MAX_KEYS_PER_CALL, FrameHeader, MAX_LISTS_PER_BATCH, PayloadReader, PayloadWriter, Status, Verb, frame,
+    HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, FrameHeader, PayloadReader,
+    PayloadWriter, Status, Verb, frame,
 )
 from tiercache.control.turns import LIST_UNITS, Turns, request_units
 from tiercache.errors import ProtocolError
