@@ -340,13 +340,12 @@ class ControlServer:
             hog = self._connections.hog(reader, incoming)
             if hog is None:
                 self._warn.warn("budget", "control connection of %s alone would take the "
-                                "partial requests held past %d bytes; closing it",
-                                reader.peer, limit)
+                                "requests held past %d bytes; closing it", reader.peer, limit)
                 self._drop(reader, "buffer budget")
                 return False
-            self._warn.warn("budget_hog", "partial requests would pass %d bytes (all "
+            self._warn.warn("budget_hog", "requests held would pass %d bytes (all "
                             "connections together): closing the control connection of %s, "
-                            "which holds %d bytes of one (its process holds the most)",
+                            "which holds %d bytes (its process holds the most)",
                             limit, hog.peer, len(hog.inbuf))
             self._drop(hog, "buffer budget: a hog")
         return True
@@ -369,7 +368,10 @@ class ControlServer:
         self._buffered_bytes -= HEADER_BYTES + header.payload_bytes
         response, trusted = self._dispatch(selector, conn, header, PayloadReader(payload))
         conn.outbuf += response
-        self._flush(selector, conn)  # an untrusted stream: the error first, then the close
+        if not trusted:  # nothing after it is read: the error is sent, then the close
+            self._buffered_bytes -= len(conn.inbuf)
+            conn.inbuf = bytearray()
+        self._flush(selector, conn)
         if not trusted:
             self._drop(conn, "malformed payload")
 

@@ -54,7 +54,6 @@ line, and nothing is counted in it after: engines read "maybe").
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
@@ -145,7 +144,7 @@ class PresenceMap:
             raise RegionError(f"cannot create the key presence map {self.path}: {e}") from e
         self._entry: OpenEntry | None = OpenEntry(self._shm_name, shm.fd, os.fstat(shm.fd))
         try:
-            fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours for life: the liveness
+            _lock_for_life(shm.fd, self.path)
             os.fchmod(shm.fd, REGION_MODE)
             os.posix_fallocate(shm.fd, 0, self._size)  # not sparse: a full tmpfs is an error now
             self._mmap = mmap.mmap(shm.fd, self._size)
@@ -229,6 +228,17 @@ class PresenceMap:
         self.set_exact(False)
         with self._lock:
             self._release()
+
+
+def _lock_for_life(fd: int, path: str) -> None:
+    """Take the map's owner lock (the coordinator's liveness signal), retrying while a probe
+    of `status` or `clean` holds it shared for its few microseconds."""
+    deadline = time.monotonic() + RETIRE_RETRY_S
+    while not take_owner_lock(fd):
+        if time.monotonic() >= deadline:
+            raise OSError(f"{path} stayed locked for {RETIRE_RETRY_S:.0f} s by another "
+                          "process of this user")
+        time.sleep(_POLL_S)
 
 
 def _retire(shm_name: str) -> None:
