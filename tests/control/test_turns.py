@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 
+import psutil
 import pytest
 
-from control_support import raw_connection, read_frame
+from control_support import raw_connection, read_frame, wait_for
 from tiercache.control.connections import Connection
 from tiercache.control.payloads import (
     decode_error, decode_stats, encode_lease_batch_request, encode_store_request, request_size,
@@ -188,7 +189,9 @@ def test_a_pipelined_heavy_stream_delays_a_small_call_by_one_request(servers, so
     victim = raw_connection(socket_path)
     per_connection = 8
     request = PayloadWriter().keys([b"k"] * MAX_KEYS_PER_CALL).build()  # 16 KiB, 16 Ki keys
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # delivered asynchronously: wait till it holds
+    stopped = psutil.Process(server.proc.pid)
+    wait_for(lambda: stopped.status() == psutil.STATUS_STOPPED, "the server stopped")
     try:
         for sock in heavy:
             sock.sendall(b"".join(frame(Verb.LOOKUP, 2 + i, request)

@@ -146,6 +146,8 @@ class Channel:
         """Whether the coordinator closed our idle connection (EOF, or a refusal frame
         waiting where no answer is due)."""
         sock = self._sock
+        if sock is None:
+            return True
         try:
             ready, _, _ = select.select([sock], [], [], 0)
             if not ready:
@@ -165,13 +167,14 @@ class Channel:
 
     def _stop_heartbeat(self) -> None:
         thread, self._beat_thread = self._beat_thread, None
-        if thread is not None:
+        if thread is not None and self._beat_stop is not None:
             self._beat_stop.set()
             if thread is not threading.current_thread():
                 thread.join()
 
     def _beat(self, interval_s: float) -> None:
         stop = self._beat_stop
+        assert stop is not None  # set before the thread starts
         while not stop.wait(interval_s):
             if time.monotonic() - self._last_call < interval_s:
                 continue  # calls prove it already

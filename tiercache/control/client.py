@@ -152,7 +152,8 @@ class Client:
     def _release_taken(self, key_lists: Sequence[Sequence[bytes]],
                        results: list[LeaseResult]) -> None:
         """Drop the pins of the leases already answered (the caller never sees them)."""
-        held = [key for keys, r in zip(key_lists, results) for key in keys[:r.num_hit]]
+        answered = zip(key_lists, results, strict=False)  # results: the first lists' only
+        held = [key for keys, r in answered for key in keys[:r.num_hit]]
         for start in range(0, len(held), MAX_KEYS_PER_CALL):
             try:
                 self.release(held[start:start + MAX_KEYS_PER_CALL])

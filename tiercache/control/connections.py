@@ -173,7 +173,8 @@ class ConnectionTable:
             if now < conn.opened_s + self.hello_timeout_s:
                 break
             late.append(conn)
-        idle, holding = [], []
+        idle: list[Connection] = []
+        holding: list[Connection] = []
         closing = set(late)
         for conn in self._by_activity:
             if now < conn.active_s + self.idle_timeout_s:

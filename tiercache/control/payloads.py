@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from collections.abc import Sequence
 from dataclasses import astuple, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tiercache import errors
 from tiercache.control.protocol import (
@@ -18,7 +18,6 @@ from tiercache.control.protocol import (
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
-from tiercache.specs import CPULoadStoreSpec
 
 _U32 = struct.Struct("<I")
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
@@ -114,7 +113,8 @@ def decode_tier_stats(reader: PayloadReader) -> dict[str, TierStats]:
     tiers = {}
     for _ in range(reader.u32()):
         name = reader.text()
-        values = dict(zip(_TIER_FIELDS, reader.u64s(len(_TIER_FIELDS))))
+        raw = reader.u64s(len(_TIER_FIELDS))
+        values: dict[str, Any] = dict(zip(_TIER_FIELDS, raw, strict=True))
         for f in fields(TierStats):
             if f.type in ("float", float):
                 values[f.name] /= 1e6

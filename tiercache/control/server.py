@@ -242,6 +242,7 @@ class ControlServer:
         now = time.monotonic()
         if self._accept_resume_at is not None and now >= self._accept_resume_at:
             self._accept_resume_at = None
+            assert self._listener is not None
             selector.register(self._listener, selectors.EVENT_READ, self._listener)
         self._upkeep.run(now)
 

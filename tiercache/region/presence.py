@@ -92,8 +92,8 @@ RETIRE_RETRY_S = 2.0
 _POLL_S = 0.005
 NOT_RUNNING = "no key presence map (the coordinator is not running)"
 CLOSED = "closed"
-_ROUTINE = (NOT_RUNNING, CLOSED)
-_IGNORED = "not a key presence map of this user: ignored, every key is asked of the coordinator"  # why a view has no map that is no news
+_ROUTINE = (NOT_RUNNING, CLOSED)  # why a view has no map that is no news
+_IGNORED = "not a key presence map of this user: ignored, every key is asked of the coordinator"
 
 
 def presence_shm_name(instance: str) -> str:
@@ -178,16 +178,16 @@ class PresenceMap:
         """Clear EXACT for a tier whose keys are not counted here (every key is "maybe")."""
         with self._lock:
             self._exact = exact
-            if self._intact():
+            if self._intact() and self._mmap is not None:
                 struct.pack_into("<I", self._mmap, FLAGS_OFFSET, FLAG_EXACT if exact else 0)
 
     def update(self, keys: Iterable[bytes], removed: bool) -> None:
         """Count ``keys`` in (one tier now holds each) or out (``removed``)."""
         mask, crc = self._mask, zlib.crc32
         with self._lock:
-            if not self._intact():
-                return
             counts = self._counts
+            if counts is None or not self._intact():
+                return
             if removed:
                 for key in keys:
                     i = crc(key) & mask
