@@ -13,18 +13,15 @@ than the grace period.
 Bounds (``ControlOptions``; the README lists them), so that no local user can grow the
 coordinator or starve its other clients:
 
-* a connection must complete HELLO within ``hello_timeout_s``, or it is closed;
-* a connection whose session holds no reservation and no pin (``manager.holds``) and that
-  sent nothing for ``idle_timeout_s`` is closed (its session detaches, as on any close: its
-  client reconnects on its next call and resumes it);
-* at most ``max_connections`` connections, and at most ``max_connections_per_peer`` of one
-  process (``SO_PEERCRED`` pid; one more is answered with an error naming the limit and
-  closed). At ``max_connections`` a newcomer is still served: the connection that has been
-  quiet longest among those holding nothing makes room (one without HELLO first). One
-  holding reservations or pins is never closed, nor one mid-request (part of a request
-  read, or answers waiting, and bytes received within ``hello_timeout_s``: once a frame is
-  started it should not stall longer than a HELLO may take); when every connection is such
-  a one, the newcomer is refused with an error naming the limit;
+* a connection must complete HELLO within ``hello_timeout_s``; one whose session holds no
+  reservation and no pin and that sent nothing for ``idle_timeout_s`` is closed (its
+  session detaches, as on any close, and its client resumes it on its next call); at most
+  ``max_detached_sessions_per_peer`` closed sessions of one process are kept
+  (``tiercache.control.upkeep`` runs these deadlines);
+* at most ``max_connections`` connections, and ``max_connections_per_peer`` of one
+  process; at the cap the connection quiet longest among those holding nothing and not
+  mid-request makes room, and only when there is none is the newcomer refused, with an
+  error naming the limit (``tiercache.control.admission``);
 * a request frame is at most ``MAX_REQUEST_BYTES``, and requests held (partial, or whole
   and waiting their turn) across all connections at most ``max_buffered_bytes``. A read
   that would pass it closes the hogs, never the reader: the process holding the most
@@ -42,8 +39,6 @@ coordinator or starve its other clients:
   small call by the request in progress, not by its streams;
 * answers are not read past: while a connection's answers wait, it is not read from, nor
   is its next request served;
-* at most ``max_detached_sessions_per_peer`` closed sessions of one process are kept for
-  it to resume (``SessionTable.end_detached_beyond``);
 * each kind of complaint or close (bad frames, refused peers, accept failures, HELLO
   timeouts, idle closes, room made, hogs closed, sessions ended early) is logged at most
   once per ``log_interval_s`` with a count of the rest;
