@@ -100,8 +100,12 @@ def test_sigkilled_coordinator_is_reclaimed_by_serve_and_clients_reconnect(make_
     with CoordinatorProcess(cfg, tmp_path / "b") as second:
         assert "re-adopted stale region" in second.output()
         assert "generation 2" in second.output()
-        assert client.lookup([b"a"]) == 0  # a fresh index: nothing survives the old one
-        assert client.prepare_store([b"a"]) is not None
+        # the client's session (its process lives) resumes with its reservations: the
+        # rebuilt index kept "a" and "b" being written, and its completion publishes them
+        assert client.lookup([b"a"]) == 0
+        assert client.prepare_store([b"a"]).keys_to_store == ()  # still reserved, not new
+        client.complete_store([b"a", b"b"])
+        assert client.lookup([b"a", b"b"]) == 2
     client.close()
     first.cleanup()
 

@@ -20,7 +20,7 @@ GROUPS = {
     "foundation": ["errors", "specs", "pages", "sizes", "loglimit", "backend_kind", "config",
                    "region"],
     "worker": ["device", "native", "planning", "backends", "transfer"],
-    "coordinator": ["index", "tiers", "control", "metrics", "service"],
+    "coordinator": ["eviction", "index", "tiers", "control", "metrics", "service"],
     "adapters": ["vllm", "sglang"],
     "top": ["tools", "cli", "__main__"],
 }

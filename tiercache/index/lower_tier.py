@@ -25,8 +25,7 @@ A tier never imports the index and never calls it. What passes between them:
 * ``wake``: a callable the chain hands the tier at ``start``; the tier calls it when it
   has results or changes (it only sets an event: it is not a call into the index).
 
-Stats (``snapshot() -> TierStats``) are the tier's own. Tiers are built from the config
-by the registry in ``tiercache.tiers`` (``TIER_FACTORIES``).
+Stats (``snapshot()``) are the tier's own; tiers come from ``tiercache.tiers``'s registry.
 """
 
 from __future__ import annotations

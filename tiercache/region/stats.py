@@ -68,6 +68,11 @@ class PinState(IntEnum):
     PINNED = 1
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
+    UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
+
+    @classmethod
+    def _missing_(cls, value: object) -> PinState:
+        return cls.UNKNOWN  # a stats block another version wrote is read, never a traceback
 
     @property
     def label(self) -> str:
