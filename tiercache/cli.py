@@ -109,8 +109,8 @@ def _print_index(socket_path: str) -> None:
 
 def _print_ranks(listing: RegionListing) -> None:
     """Per rank: a line of its totals over every attachment, then one line per attachment
-    ever made (slot, pid, up, pin state, bytes moved; a slot's counters include its
-    earlier holders')."""
+    ever made (slot, pid, up, pin state, NUMA placement, bytes moved; a slot's counters
+    include its earlier holders')."""
     from tiercache.region.attachments import AttachmentReader
     from tiercache.region.shared import SharedOffloadRegion
 
@@ -135,7 +135,8 @@ def _print_ranks(listing: RegionListing) -> None:
             print(f"  rank {rank}: {state}, attached {summary.attach_count}x, pre-faulted in "
                   f"{max(c.prefault_seconds for c in current):.2f} s, pin "
                   f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
-                  f" in {max(c.pin_seconds for c in current):.2f} s; "
+                  f" in {max(c.pin_seconds for c in current):.2f} s, "
+                  f"{summary.numa.describe()}; "
                   f"{_moved(summary.directions, backends)}")
             for a in summary.attachments:
                 s = a.snapshot
@@ -144,7 +145,8 @@ def _print_ranks(listing: RegionListing) -> None:
                     worker += (", but its slot is held by another process (a child it "
                                "forked, or a worker attaching now)")
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
-                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
+                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}, "
+                      f"{s.numa.describe()}; "
                       f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
     finally:
         region.close()
