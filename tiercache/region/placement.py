@@ -154,10 +154,12 @@ class SlicePlacer:
         moved = int(np.count_nonzero(status == node))
         if moved < len(misplaced):
             shared = int(np.count_nonzero(status == -errno.EACCES))
-            log.warning("rank %d: %d of the slice's %d pages are not on node %d after moving "
-                        "(%d mapped by another process too, such as a second engine "
-                        "attached to this rank; the rest could not move, e.g. the node is "
-                        "full)", self.rank, len(misplaced) - moved, len(nodes), node, shared)
+            absent = int(np.count_nonzero(status == -errno.ENOENT))
+            log.warning("rank %d: %d of the slice's %d pages are not on node %d after moving: "
+                        "%d mapped by another process too (such as a second engine attached "
+                        "to this rank), %d not in memory, %d refused otherwise (e.g. the node "
+                        "is full)", self.rank, len(misplaced) - moved, len(nodes), node, shared,
+                        absent, len(misplaced) - moved - shared - absent)
         return moved
 
     def _parallel(self, num_threads: int, count: Callable[[int, int], np.ndarray]

@@ -163,6 +163,8 @@ class RankStats:
             state = NumaState(int(w[_NUMA_STATE]))
         except ValueError:  # a newer worker's state: not ours to name
             state = NumaState.NONE
+        if state is NumaState.NONE:  # nothing recorded (or an older worker's zero words)
+            return NumaPlacement()
         return NumaPlacement(state, node if node >= 0 else None, int(w[_NUMA_PAGES]),
                              int(w[_NUMA_LOCAL]), int(w[_NUMA_NS]) / 1e9)
 
