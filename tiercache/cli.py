@@ -135,9 +135,8 @@ def _print_ranks(listing: RegionListing) -> None:
             print(f"  rank {rank}: {state}, attached {summary.attach_count}x, pre-faulted in "
                   f"{max(c.prefault_seconds for c in current):.2f} s, pin "
                   f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
-                  f" in {max(c.pin_seconds for c in current):.2f} s, "
-                  f"{summary.numa.describe()}; "
-                  f"{_moved(summary.directions, backends)}")
+                  f" in {max(c.pin_seconds for c in current):.2f} s; "
+                  f"{_moved(summary.directions, backends)}; {summary.numa.describe()}")
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
@@ -145,9 +144,9 @@ def _print_ranks(listing: RegionListing) -> None:
                     worker += (", but its slot is held by another process (a child it "
                                "forked, or a worker attaching now)")
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
-                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}, "
-                      f"{s.numa.describe()}; "
-                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
+                      f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
+                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}; "
+                      f"{s.numa.describe()}")
     finally:
         region.close()
 
