@@ -102,9 +102,9 @@ def test_a_node_that_does_not_exist_is_an_error_naming_the_call_and_errno():
 
 @pytest.mark.parametrize("node", [-1, MAX_NODES, "0"])
 def test_a_node_outside_the_mask_is_refused_before_any_call(node):
-    with mmap.mmap(-1, PAGE_BYTES) as m:
-        with pytest.raises(ArgumentError, match=f"NUMA node {node!r}: allowed 0..{MAX_NODES - 1}"):
-            bind_preferred(_address(m), PAGE_BYTES, node)
+    with mmap.mmap(-1, PAGE_BYTES) as m, pytest.raises(
+            ArgumentError, match=f"NUMA node {node!r}: allowed 0..{MAX_NODES - 1}"):
+        bind_preferred(_address(m), PAGE_BYTES, node)
 
 
 def test_unaligned_or_empty_ranges_are_refused():

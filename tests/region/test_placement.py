@@ -70,7 +70,7 @@ def test_placement_off_makes_no_binding_call(make_config, instance_name):
     said: list[str] = []
     region = SharedOffloadRegion.create(_placement_off(make_config()), log_step=said.append)
     try:
-        header, slices = _policies_seen_by_another_process(instance_name)
+        _, slices = _policies_seen_by_another_process(instance_name)
         assert slices == [(PolicyMode.DEFAULT, ())] * region.layout.world_size
         assert not [s for s in said if "NUMA" in s]
     finally:

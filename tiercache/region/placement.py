@@ -81,9 +81,10 @@ def bind_rank_slices(base_address: int, layout: RegionLayout,
     lines = []
     if by_node:
         placed = "; ".join(f"{_ranks(ranks)} -> node {node}" for node, ranks in by_node.items())
-        why = {c.why for c in choices if c.node is not None}
+        reasons = {c.why for c in choices if c.node is not None}
+        source = reasons.pop() if len(reasons) == 1 else "GPU r in PCI bus order"
         lines.append(f"NUMA: rank slices bound before fallocate (MPOL_PREFERRED): {placed} "
-                     f"({'; '.join(sorted(why)) if len(why) == 1 else 'GPU r in PCI bus order'})")
+                     f"({source})")
     for why, ranks in unknown.items():
         lines.append(f"NUMA: {_ranks(ranks)} not bound ({why}); their workers bind and move "
                      "their slices to their own device's node at attach")

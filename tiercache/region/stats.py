@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -110,7 +110,7 @@ class RankStatsSnapshot:
     pin_seconds: float
     prefault_seconds: float
     directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
-    numa: NumaPlacement = NumaPlacement()
+    numa: NumaPlacement = field(default_factory=NumaPlacement)
 
 
 class RankStats:
