@@ -53,8 +53,9 @@ def _run(out: Path, name: str, argv: list[str], timeout_s: int) -> int:
 def topology(out: Path) -> None:
     if shutil.which("nvidia-smi"):
         _run(out, "nvidia-smi-topo", ["nvidia-smi", "topo", "-m"], 60)
-        _run(out, "gpus", ["nvidia-smi", "--query-gpu=index,name,pci.bus_id,driver_version,"
-                           "pcie.link.gen.current,pcie.link.width.current", "--format=csv"], 60)
+        query = ("--query-gpu=index,name,pci.bus_id,driver_version,pcie.link.gen.current,"
+                 "pcie.link.width.current")
+        _run(out, "gpus", ["nvidia-smi", query, "--format=csv"], 60)
     if shutil.which("numactl"):
         _run(out, "numactl", ["numactl", "-H"], 60)
     else:  # the same facts from sysfs: each node's CPUs and memory

@@ -44,7 +44,7 @@ def gpu_main(index: int, args, barrier, phases, q) -> None:
 
     from tiercache.device.locality import gpu_node
     from tiercache.device.pinning import HostPinner
-    from tiercache.numa.mempolicy import PAGE_BYTES, bind_preferred, page_nodes
+    from tiercache.numa.mempolicy import bind_preferred, page_nodes
     from tiercache.numa.topology import HostTopology
     from tiercache.region.hostmem import prefault
 

@@ -74,7 +74,7 @@ def rank_main(name: str, rank: int, world: int, threads: int, placement: bool, q
                "placement": {"state": numa.state.label, "node": numa.node,
                              "local_ratio": numa.local_ratio, "seconds": numa.seconds},
                "mapped_before_prefault": int(np.count_nonzero(before >= 0)),
-               "pages": int(len(after)),
+               "pages": len(after),
                "pages_by_node": {int(n): int(c) for n, c in zip(nodes, counts)},
                "count_one_thread_s": count_s, "numa_maps_read_s": numa_maps_s})
     finally:
