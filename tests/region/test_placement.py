@@ -227,3 +227,43 @@ def test_pages_that_cannot_move_are_counted_as_elsewhere_and_said(caplog):
     assert (f"rank 5: {pages // 2} of the slice's {pages} pages are not on node {NODE} after "
             f"moving: 0 mapped by another process too (such as a second engine attached to "
             f"this rank), {pages // 2} not in memory, 0 refused otherwise") in caplog.text
+
+
+# ---------------------------------------------------------------- trust
+
+@pytest.fixture
+def other_user():
+    import users
+
+    yield from users.other_user()
+
+
+_HOSTILE = """
+import ctypes, mmap, os, sys
+from tiercache.numa.mempolicy import bind_preferred
+try:
+    fd = os.open(sys.argv[1], os.O_RDWR)
+except PermissionError:
+    print("no open")
+    sys.exit(0)
+m = mmap.mmap(fd, int(sys.argv[2]))
+bind_preferred(ctypes.addressof(ctypes.c_char.from_buffer(m)), int(sys.argv[2]), 0)
+print("bound")
+"""
+
+
+def test_another_local_user_can_neither_map_the_region_nor_set_its_placement(
+        make_config, instance_name, other_user):
+    """The policy lives on the region file: whoever can map it can re-bind it. Only its
+    owner can (0600): a hostile user's attempt stops at the open."""
+    region = SharedOffloadRegion.create(make_config())
+    try:
+        run = other_user.run([other_user.python, "-c", _HOSTILE, region.path,
+                              str(region.layout.total_bytes)])
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == "no open"
+        _, slices = _policies_seen_by_another_process(instance_name)
+        assert slices == [(PolicyMode.PREFERRED, (c.node,))
+                          for c in HOST.rank_nodes(region.layout.world_size)]
+    finally:
+        region.close()
