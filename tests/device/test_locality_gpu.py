@@ -31,3 +31,25 @@ def test_each_visible_gpu_is_placed_on_its_pci_devices_node():
         else:
             assert choice.node is None and "sysfs numa_node is" in choice.why
         assert bus_id in choice.why and f"cuda:{index}" in choice.why
+
+
+def test_a_gpu_worker_places_its_slice_on_its_gpus_node(make_config):
+    from tiercache.numa.placement import NumaState
+    from tiercache.region.shared import SharedOffloadRegion
+    from tiercache.transfer.worker import attach
+
+    config = make_config(world_size=1)
+    expected = caches_node(torch.device("cuda", 0), 0, HostTopology.read())
+    region = SharedOffloadRegion.create(config)
+    try:
+        caches = [torch.zeros(8, b, dtype=torch.uint8, device="cuda:0")
+                  for b in config.kv.page_bytes]
+        with attach(config, 0, caches):
+            numa = region.stats(0).snapshot().numa
+            if expected.known:
+                assert (numa.state, numa.node, numa.local_ratio) == (
+                    NumaState.PLACED, expected.node, 1.0)
+            else:
+                assert (numa.state, numa.node) == (NumaState.UNKNOWN_NODE, None)
+    finally:
+        region.close()

@@ -34,8 +34,8 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -46,6 +46,8 @@ from tiercache.numa.topology import NodeChoice
 from tiercache.region.layout import RegionLayout
 
 log = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 256 << 20  # counted (and moved) at a time: 64 Ki pages of 4 KiB
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -130,43 +132,66 @@ class SlicePlacer:
         try:
             if self._error is not None:
                 raise self._error
-            nodes = self._parallel(num_threads, lambda off, n: page_nodes(self.address + off, n))
-            local = int(np.count_nonzero(nodes == node))
-            if self.enabled and local < len(nodes):
-                local += self._move(nodes, node, num_threads)
+            tally = self._count(node, num_threads)
         except NumaError as e:
             log.warning("rank %d: NUMA placement on node %d (%s) failed: %s", self.rank, node,
                         self.choice.why, e)
             return NumaPlacement(NumaState.FAILED, node,
                                  seconds=self._seconds + time.perf_counter() - start)
+        if tally.moved < tally.misplaced:
+            log.warning("rank %d: %d of the slice's %d pages are not on node %d after moving: "
+                        "%d mapped by another process too (such as a second engine attached "
+                        "to this rank), %d not in memory, %d refused otherwise (e.g. the node "
+                        "is full)", self.rank, tally.misplaced - tally.moved, tally.pages, node,
+                        tally.shared, tally.absent,
+                        tally.misplaced - tally.moved - tally.shared - tally.absent)
         placement = NumaPlacement(NumaState.PLACED if self.enabled else NumaState.OFF, node,
-                                  len(nodes), local,
+                                  tally.pages, tally.local,
                                   self._seconds + time.perf_counter() - start)
         log.info("rank %d: %s (%s) in %.3f s", self.rank, placement.describe(), self.choice.why,
                  placement.seconds)
         return placement
 
-    def _move(self, nodes: np.ndarray, node: int, num_threads: int) -> int:
-        """Move the pages found elsewhere; returns how many are on ``node`` now."""
-        misplaced = np.flatnonzero(nodes != node).astype(np.uint64) * PAGE_BYTES + self.address
-        parts = np.array_split(misplaced, max(1, min(num_threads, len(misplaced))))
-        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="numa") as pool:
-            status = np.concatenate(list(pool.map(lambda a: move_to_node(a, node), parts)))
-        moved = int(np.count_nonzero(status == node))
-        if moved < len(misplaced):
-            shared = int(np.count_nonzero(status == -errno.EACCES))
-            absent = int(np.count_nonzero(status == -errno.ENOENT))
-            log.warning("rank %d: %d of the slice's %d pages are not on node %d after moving: "
-                        "%d mapped by another process too (such as a second engine attached "
-                        "to this rank), %d not in memory, %d refused otherwise (e.g. the node "
-                        "is full)", self.rank, len(misplaced) - moved, len(nodes), node, shared,
-                        absent, len(misplaced) - moved - shared - absent)
-        return moved
-
-    def _parallel(self, num_threads: int, count: Callable[[int, int], np.ndarray]
-                  ) -> np.ndarray:
+    def _count(self, node: int, num_threads: int) -> _Tally:
+        """The slice's pages over ``num_threads`` threads, each a span of it, chunk by chunk
+        (a few hundred KiB of arrays per thread whatever the slice's size): counted, and
+        with placement on, those elsewhere moved to ``node`` (``MPOL_MF_MOVE``)."""
         pages = self.used_bytes // PAGE_BYTES
         step = -(-pages // max(1, num_threads)) * PAGE_BYTES
         spans = [(off, min(step, self.used_bytes - off)) for off in range(0, self.used_bytes, step)]
         with ThreadPoolExecutor(max_workers=max(1, len(spans)), thread_name_prefix="numa") as pool:
-            return np.concatenate(list(pool.map(lambda s: count(*s), spans)))
+            tallies = list(pool.map(lambda span: self._count_span(node, *span), spans))
+        return _Tally(*(sum(getattr(t, f.name) for t in tallies) for f in fields(_Tally)))
+
+    def _count_span(self, node: int, offset: int, length: int) -> _Tally:
+        tally = _Tally()
+        for chunk in range(offset, offset + length, _CHUNK_BYTES):
+            address, size = self.address + chunk, min(_CHUNK_BYTES, offset + length - chunk)
+            nodes = page_nodes(address, size)
+            local = int(np.count_nonzero(nodes == node))
+            tally.pages += len(nodes)
+            tally.local += local
+            if not self.enabled or local == len(nodes):
+                continue
+            stray = np.flatnonzero(nodes != node).astype(np.uint64) * PAGE_BYTES + address
+            status = move_to_node(stray, node)
+            moved = int(np.count_nonzero(status == node))
+            tally.misplaced += len(stray)
+            tally.moved += moved
+            tally.local += moved
+            tally.shared += int(np.count_nonzero(status == -errno.EACCES))
+            tally.absent += int(np.count_nonzero(status == -errno.ENOENT))
+        return tally
+
+
+@dataclass
+class _Tally:
+    """What counting (and moving) a part of a slice found: pages, those on the node (after
+    any move), those found elsewhere, moved, left because shared or not in memory."""
+
+    pages: int = 0
+    local: int = 0
+    misplaced: int = 0
+    moved: int = 0
+    shared: int = 0
+    absent: int = 0
