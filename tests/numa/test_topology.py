@@ -113,3 +113,13 @@ def _mem_total_kb(node: Path) -> int:
         if "MemTotal:" in line:
             return int(line.split()[-2])
     return 0
+
+
+def test_an_unreadable_sysfs_attribute_reads_as_not_said(tmp_path):
+    """A kernel that refuses an attribute (EIO, EACCES) must not stop a coordinator."""
+    root = make_tree(tmp_path, gpus={"0000:18:00.0": 0, "0000:9a:00.0": 1})
+    node_file = root / "bus/pci/devices/0000:9a:00.0/numa_node"
+    node_file.unlink()
+    node_file.mkdir()  # reading a directory fails with an OSError (IsADirectoryError)
+    topology = HostTopology.read(root)
+    assert [g.numa_node for g in topology.gpus] == [0, -1]

@@ -101,8 +101,7 @@ class HostTopology:
             memory = parse_node_list(has_memory) if has_memory is not None else tuple(
                 sorted(int(p.name[4:]) for p in node_dir.glob("node[0-9]*")))
         gpus = []
-        pci = base / "bus/pci/devices"
-        for device in sorted(pci.iterdir() if pci.is_dir() else [], key=lambda p: p.name):
+        for device in _entries(base / "bus/pci/devices"):
             if not _BUS_ID.match(device.name) or _read(device / "vendor") != NVIDIA_VENDOR:
                 continue
             if not (_read(device / "class") or "").startswith(_GPU_CLASSES):
@@ -169,10 +168,19 @@ class HostTopology:
 
 
 def _read(path: Path) -> str | None:
+    """A sysfs attribute's text; None when it cannot be read (absent, or the kernel says
+    no): the callers treat that as "not said", never as a reason to stop."""
     try:
         return path.read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return None
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory.iterdir(), key=lambda p: p.name)
+    except OSError:
+        return []
 
 
 def _node_of(device: Path) -> int:
