@@ -36,6 +36,12 @@ def _placement_off(config):
                                                                   numa_placement=False))
 
 
+def _planned(world_size: int) -> list[tuple[PolicyMode, tuple[int, ...]]]:
+    """The policy each slice gets on this host: its rank's node, where one is known."""
+    return [(PolicyMode.DEFAULT, ()) if c.node is None else (PolicyMode.PREFERRED, (c.node,))
+            for c in HOST.rank_nodes(world_size)]
+
+
 def _policies_seen_by_another_process(name: str):
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(target=slice_policies, args=(name, child))
@@ -52,10 +58,9 @@ def test_the_coordinator_binds_each_slice_before_fallocate_and_the_file_keeps_it
     region = SharedOffloadRegion.create(make_config(), log_step=said.append)
     try:
         layout = region.layout
-        expected = [c.node for c in HOST.rank_nodes(layout.world_size)]
         header, slices = _policies_seen_by_another_process(instance_name)
         assert header == (PolicyMode.DEFAULT, ())  # the header is the coordinator's
-        assert slices == [(PolicyMode.PREFERRED, (n,)) for n in expected]
+        assert slices == _planned(layout.world_size)
         if HOST.single_node is not None:
             assert said[0] == ("NUMA: rank slices bound before fallocate (MPOL_PREFERRED): "
                                f"ranks 0-1 -> node {NODE} (the host's only memory node)")
@@ -263,7 +268,6 @@ def test_another_local_user_can_neither_map_the_region_nor_set_its_placement(
         assert run.returncode == 0, run.stderr
         assert run.stdout.strip() == "no open"
         _, slices = _policies_seen_by_another_process(instance_name)
-        assert slices == [(PolicyMode.PREFERRED, (c.node,))
-                          for c in HOST.rank_nodes(region.layout.world_size)]
+        assert slices == _planned(region.layout.world_size)
     finally:
         region.close()

@@ -25,13 +25,14 @@ def slice_policies(name: str, conn) -> None:
 def attach_and_report(config, rank: int, caches_kind: str, conn) -> None:
     """A worker process: ``tiercache.attach`` rank ``rank`` over host caches (``"touched"``:
     tensors with their pages in memory; ``"untouched"``: page arrays over a fresh anonymous
-    mapping, whose node nobody can know yet), report the pid and where its slice's
-    mapping starts, wait for "close", detach."""
+    mapping, whose node nobody can know yet), report the pid, where its slice's mapping
+    starts and the node its caches are on (None: not known), wait for "close", detach."""
     import ctypes
     import mmap
 
     import torch
 
+    from tiercache.device.locality import host_node
     from tiercache.pages import PageArray
     from tiercache.transfer.worker import attach
 
@@ -46,9 +47,11 @@ def attach_and_report(config, rank: int, caches_kind: str, conn) -> None:
         for size in config.kv.page_bytes:
             caches.append(PageArray(base + offset, blocks, size, size))
             offset += blocks * size
+    first = caches[0].data_ptr() if caches_kind == "touched" else caches[0].base_address
+    node = host_node(first).node  # where this process's caches are: the slice's node
     worker = attach(config, rank, caches, device="cpu")
     region = worker.region
-    conn.send((os.getpid(), region.base_address + region.layout.slice_offset(rank)))
+    conn.send((os.getpid(), region.base_address + region.layout.slice_offset(rank), node))
     assert conn.poll(120)
     conn.recv()
     worker.close()
