@@ -111,8 +111,8 @@ def _print_index(socket_path: str) -> None:
 
 def _print_ranks(listing: RegionListing) -> None:
     """Per rank: a line of its totals over every attachment, then one line per attachment
-    ever made (slot, pid, up, pin state, bytes moved; a slot's counters include its
-    earlier holders')."""
+    ever made (slot, pid, up, pin state, NUMA placement, bytes moved; a slot's counters
+    include its earlier holders')."""
     from tiercache.region.attachments import AttachmentReader
     from tiercache.region.shared import SharedOffloadRegion
 
@@ -138,7 +138,7 @@ def _print_ranks(listing: RegionListing) -> None:
                   f"{max(c.prefault_seconds for c in current):.2f} s, pin "
                   f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
                   f" in {max(c.pin_seconds for c in current):.2f} s; "
-                  f"{_moved(summary.directions, backends)}")
+                  f"{_moved(summary.directions, backends)}; {summary.numa.describe()}")
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
@@ -147,7 +147,8 @@ def _print_ranks(listing: RegionListing) -> None:
                                "forked, or a worker attaching now)")
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
-                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
+                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}; "
+                      f"{s.numa.describe()}")
     finally:
         region.close()
 
