@@ -83,6 +83,9 @@ class RegionConfig:
     pinning: PinningPolicy = PinningPolicy.ALLOW_UNPINNED
     check_host_memory: bool = True
     attachments_per_rank: int = 4  # worker processes that may attach one rank at once
+    # each rank's slice in the NUMA node of its worker's GPU: bound by the coordinator before
+    # fallocate, checked and completed by the worker (tiercache.region.placement)
+    numa_placement: bool = True
 
     def __post_init__(self) -> None:
         if (self.capacity_bytes is None) == (self.num_blocks is None):

@@ -22,7 +22,8 @@ only as its keys' own prefix says. Without an event stream the answer is the dig
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from tiercache.control.protocol import PayloadReader, PayloadWriter
 from tiercache.errors import ConfigError, ProtocolError
@@ -64,6 +65,11 @@ def describe(stream: Describer | None, reader: PayloadReader) -> bytes:
     except ProtocolError as e:  # what it says, not how: the connection stays
         raise ConfigError(str(e)) from None
     return PayloadWriter().raw(info.digest).u8(int(stream is not None)).build()
+
+
+def describer(stream: Describer | None) -> Callable[[Any, PayloadReader, int], bytes]:
+    """DESCRIBE as one of the server's verb handlers (it needs the stream, not the index)."""
+    return lambda manager, reader, owner: describe(stream, reader)
 
 
 def decode_described(reader: PayloadReader) -> Described:

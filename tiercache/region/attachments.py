@@ -53,6 +53,7 @@ import threading
 from dataclasses import dataclass
 
 from tiercache.errors import RankError, RegionError, StatsStuckError
+from tiercache.numa.placement import NumaPlacement
 from tiercache.region.hostmem import process_alive
 from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import (
@@ -231,6 +232,12 @@ class RankSummary:
     def pin_state(self) -> PinState:
         states = [s.pin_state for s in self.current]
         return max(states, key=_PIN_RANK.__getitem__) if states else PinState.NONE
+
+    @property
+    def numa(self) -> NumaPlacement:
+        """The slice's NUMA placement the rank reports: the worst of its current
+        attachments' (``NumaPlacement.worst``: an engine on the other socket shows)."""
+        return NumaPlacement.worst([s.numa for s in self.current])
 
     @property
     def attach_count(self) -> int:
