@@ -5,12 +5,16 @@ what the node holds. (tests/vllm/test_node_events.py does it with real vLLM engi
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
 
 import pytest
+import users
 import zmq
 
-from tiercache.config import DiskConfig, EventsConfig
+from tiercache.config import DiskConfig, EventsConfig, ExporterConfig
 from tiercache.control.client import Client
 from tiercache.errors import ConfigError, CoordinatorGoneError, ProtocolError
 from tiercache.events import EngineFamily
@@ -18,6 +22,7 @@ from tiercache.events.namespaces import MAX_DESCRIPTION_BYTES
 from tiercache.region.stale import remove_stale
 from tiercache.service.process import CoordinatorProcess
 
+from e2e_support import metrics_url, sample, scrape
 from event_support import (
     VllmSubscriber, free_port, namespace, stream_endpoints, vllm_int_hash, vllm_key,
 )
@@ -193,3 +198,28 @@ def test_garbage_on_the_stream_sockets_is_shed_and_the_stream_goes_on(
             _store(client, _keys(ns, 0, 3))
         subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(_keys(ns, 0, 3))})
         assert not seen.errors
+
+
+@pytest.fixture(scope="module")
+def other_user():
+    yield from users.other_user()
+
+
+def test_another_local_user_can_describe_nothing(make_config, tmp_path, other_user):
+    """DESCRIBE is on the control socket: another user (here with a way to the socket
+    file) is refused by its mode and the uid check, and the stream learns nothing."""
+    public = tempfile.mkdtemp(prefix="tiercache-events-")  # root's, 0755: the socket's 0600
+    os.chmod(public, 0o755)  # and the peer uid check are what keep the other user out
+    try:
+        config = make_config(world_size=1, control_socket=os.path.join(public, "c.sock"),
+                             exporter=ExporterConfig(port=0), events=_events_config())
+        with CoordinatorProcess(config, tmp_path) as coordinator:
+            script = ("import sys; from tiercache.control.client import Client; "
+                      f"Client({config.socket_path!r}).describe(1, sys.argv[1])")
+            tried = other_user.run([other_user.python, "-c", script, namespace().description])
+            assert tried.returncode != 0
+            assert "ControlSocketError" in tried.stderr or "Permission" in tried.stderr, tried
+            samples = scrape(metrics_url(coordinator))
+            assert sample(samples, "tiercache_events_namespaces") == 0
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
