@@ -64,7 +64,7 @@ def test_every_manifest_validates_strictly(version):
     docs = _documents()
     assert {d["kind"] for _, d in docs} >= {"Namespace", "ConfigMap", "DaemonSet", "Service",
                                             "Deployment"}
-    for name, doc in docs:
+    for _, doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)  # raises, naming the field
 
 

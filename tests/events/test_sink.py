@@ -13,7 +13,7 @@ from tiercache.events.namespaces import EngineFamily, parse_description
 from tiercache.events.sink import MAX_NAMESPACES, NodeEventSink, Taken
 from tiercache.specs import Medium
 
-from event_support import namespace, vllm_key
+from event_support import namespace
 
 
 def _info(model: str = "m"):
@@ -33,7 +33,7 @@ class Model:
     def apply(self, taken: Taken) -> None:
         if taken.resync:
             self.held = {}
-        for medium, info, keys in taken.announce:
+        for medium, _, keys in taken.announce:
             self.held.setdefault(medium, set()).update(keys)
         for change in taken.changes:
             keys = {k for k in change.keys if k[:8] in taken.namespaces}

@@ -21,7 +21,8 @@ from tiercache.vllm.namespace import GroupShape, Namespace
 REPO = Path(__file__).resolve().parents[2]
 SUBSCRIBER = Path(__file__).with_name("vllm_subscriber.py")
 START_S = 300.0  # importing vLLM
-WAIT_S = float(os.environ.get("TIERCACHE_TEST_WAIT_S", "120"))  # a bound on a wait for a condition, never a measured expectation
+# a bound on a wait for a condition, never a measured expectation
+WAIT_S = float(os.environ.get("TIERCACHE_TEST_WAIT_S", "120"))
 
 
 def vllm_python() -> str:

@@ -119,8 +119,8 @@ class Subscriber:
                     if v is not None or k in REQUIRED}
             body["type"] = type(event).__name__
             events.append(body)
-        say(conn=self.conn, topic=topic.decode(), seq=seq, ts=batch.ts, dp_rank=batch.data_parallel_rank,
-            replayed=replayed, events=events)
+        say(conn=self.conn, topic=topic.decode(), seq=seq, ts=batch.ts,
+            dp_rank=batch.data_parallel_rank, replayed=replayed, events=events)
 
     def on_live(self) -> None:
         topic, seq_bytes, payload = self.sub.recv_multipart()

@@ -11,8 +11,9 @@ node's event stream can publish that namespace's blocks with the engine's own ha
               CPU-tier events to it), else 0
 
 A description that does not parse is a ``ConfigError`` (the connection stays: the
-engine's configuration is at fault, not the stream). A client sends it once per namespace and again on every reconnect (``Client.describe``),
-so a restarted coordinator learns its namespaces back. Bounded: one description is at
+engine's configuration is at fault, not the stream). A client sends it once per namespace
+and again on every reconnect (``Client.describe``), so a restarted coordinator learns its
+namespaces back. Bounded: one description is at
 most 64 KiB, and the stream keeps at most ``MAX_NAMESPACES`` (a new one replaces one that
 holds no block, else it is refused with an error and its blocks are not published). The
 digest is computed here, never taken from the client: a client can describe a namespace

@@ -168,7 +168,7 @@ class EventPublisher:
         while not self._stop.is_set():
             wait_s = max(0.0, next_flush - time.monotonic())
             if router is not None:
-                if poller.poll(wait_s * 1000):
+                if poller.poll(round(wait_s * 1000)):
                     self._answer_replays(router)
             else:
                 self._stop.wait(wait_s)
@@ -204,22 +204,22 @@ class EventPublisher:
                 cache[digest] = _Namespace(info, self.config)
         touched: dict[bytes, _Namespace] = {}
         undescribed = unreadable = 0
-        for medium, info, keys in taken.announce:
+        for held_in, info, keys in taken.announce:
             ns = touched.setdefault(info.digest, cache[info.digest])
-            unreadable += self._stored(ns, keys, medium.value)
+            unreadable += self._stored(ns, keys, held_in.value)
         for change in taken.changes:
             medium = change.medium.value
             by_prefix: dict[bytes, list[bytes]] = {}
             for key in change.keys:
                 by_prefix.setdefault(key[:NAMESPACE_BYTES], []).append(key)
             for prefix, keys in by_prefix.items():
-                ns = cache.get(prefix)
-                if ns is None:
+                found = cache.get(prefix)
+                if found is None:
                     undescribed += len(keys)
                     continue
-                touched[prefix] = ns
-                unreadable += (self._removed(ns, keys, medium) if change.removed
-                               else self._stored(ns, keys, medium))
+                touched[prefix] = found
+                unreadable += (self._removed(found, keys, medium) if change.removed
+                               else self._stored(found, keys, medium))
         if undescribed or unreadable:
             with self._stats_lock:
                 self._stats.undescribed_keys += undescribed

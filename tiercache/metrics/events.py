@@ -8,6 +8,7 @@ of vLLM's three event types, ``medium`` one of ``CPU``, ``STORAGE`` or ``""`` (a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -52,9 +53,8 @@ class EventsCollector(Collector):
             "resyncs": ("Times the stream started over: AllBlocksCleared, then every block "
                         "held (a start, a reset, an overflow of the queue)", "resyncs"),
         }
-        families: list[Metric] = [published]
-        for name, (doc, _) in counters.items():
-            families.append(CounterMetricFamily(f"tiercache_events_{name}", doc))
+        counted = [CounterMetricFamily(f"tiercache_events_{name}", doc)
+                   for name, (doc, _) in counters.items()]
         dropped = CounterMetricFamily(
             "tiercache_events_dropped", "Changed keys dropped by the stream's bounded queue "
             "(events.queue_keys) before they were published; each overflow resyncs")
@@ -62,13 +62,13 @@ class EventsCollector(Collector):
                                    "Changed keys waiting to be published")
         namespaces = GaugeMetricFamily("tiercache_events_namespaces",
                                        "Namespaces engines described (published)")
-        families += [dropped, unpublished, queued, namespaces]
+        families: list[Metric] = [published, *counted, dropped, unpublished, queued, namespaces]
         if stats is None:
             return families
         pub = stats.publisher
         for (kind, medium), count in sorted(pub.events.items()):
             published.add_metric([kind, medium], count)
-        for family, (_, field) in zip(families[1:], counters.values()):
+        for family, (_, field) in zip(counted, counters.values(), strict=True):
             family.add_metric([], getattr(pub, field))
         dropped.add_metric([], stats.sink.dropped_keys)
         unpublished.add_metric(["undescribed"], pub.undescribed_keys)
@@ -78,8 +78,15 @@ class EventsCollector(Collector):
         return families
 
 
+class Part(Protocol):
+    """A collector that also describes its families (ours all do)."""
+
+    def describe(self) -> Iterator[Metric]: ...
+    def collect(self) -> Iterator[Metric]: ...
+
+
 class _Collectors(Collector):
-    def __init__(self, parts: tuple[Collector, ...]):
+    def __init__(self, parts: tuple[Part, ...]):
         self._parts = parts
 
     def describe(self) -> Iterator[Metric]:
@@ -91,5 +98,5 @@ class _Collectors(Collector):
             yield from part.collect()
 
 
-def collectors(*parts: Collector) -> Collector:
+def collectors(*parts: Part) -> Collector:
     return _Collectors(parts)
