@@ -1,4 +1,5 @@
-"""The native build step: compile ``chunk_loop.c`` with the system's C compiler.
+"""The native build step: compile ``chunk_loop.c`` (or ``host_copy.c``) with the system's C
+compiler.
 
 The only module of the package that runs a compiler. ``build`` compiles the source with
 ``$CC`` (else ``cc``) into a per-user cache, once per source content, and returns the
@@ -40,9 +41,10 @@ def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
         return target
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise BackendError(f"the staged backend's chunk loop needs a C compiler: {compiler!r} "
-                           "not found (install gcc or set CC; or configure transfer.backend = "
-                           "'ce', which needs none)")
+        raise BackendError(f"building {source.name} needs a C compiler: {compiler!r} not "
+                           "found (install gcc or set CC)" + (
+                               "; or configure transfer.backend = 'ce', which needs none"
+                               if source == SOURCE else ""))
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)

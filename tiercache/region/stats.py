@@ -68,6 +68,7 @@ class PinState(IntEnum):
     PINNED = 1
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
+    NOT_NEEDED = 4  # host-to-host copies only (an SGLang host pool): no GPU to pin for
 
     @property
     def label(self) -> str:

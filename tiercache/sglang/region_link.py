@@ -1,0 +1,143 @@
+"""``RegionLink``: this SGLang rank's mapping of the coordinator's region, made when there is
+one and remade when the coordinator replaces it.
+
+At attach (``open``, on SGLang's main thread) the region is mapped if it is there and READY:
+the geometry is checked (a mismatch raises ``LayoutMismatchError`` naming both sides and
+the config lines that fit: the engine does not start on a misconfiguration) and the
+process becomes an attachment of its data rank (``PoolGeometry.data_rank``). A region that
+is not there yet (the coordinator is down) is not an error: the link tries again at most
+every ``retry_s`` when a call needs it, and calls miss meanwhile. A mismatch found then
+(a coordinator started later with another geometry) cannot stop SGLang any more: it is
+logged (rate-limited), counted, and every call misses until a region that fits appears.
+
+A coordinator restart normally keeps the region (it re-adopts it: same identity, the
+mapping stays valid). When the index hands out a spec of another region identity, the
+coordinator replaced the region: ``follow`` maps the region now under the name if it has
+that identity (then releases the old mapping) and otherwise refuses (the spec's slots mean
+other bytes in the region this process maps: a miss, never a copy).
+
+Every method may be called from SGLang's three I/O threads at once: one lock guards the
+mapping; the copies themselves run outside it on the ``HostTransfer`` the caller got.
+A transfer that is replaced while another thread still copies through it is closed only
+once that copy is done (``_retired``, released at the next replacement or ``close``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from tiercache.config import Config
+from tiercache.errors import LayoutMismatchError, RegionError, TiercacheError
+from tiercache.loglimit import LogLimiter
+from tiercache.region.shared import named_region_info
+from tiercache.region.shm import SHM_DIR
+from tiercache.sglang.geometry import PoolGeometry
+from tiercache.transfer.host_pages import PageMap
+from tiercache.transfer.host_transfer import HostAttachment, HostTransfer
+
+log = logging.getLogger(__name__)
+
+
+class RegionLink:
+    """The mapping of ``config``'s region for an SGLang rank of ``pool`` geometry."""
+
+    def __init__(self, config: Config, pool: PoolGeometry, *, retry_s: float,
+                 copy_threads: int, prefault_threads: int):
+        self.config, self.pool = config, pool
+        self.retry_s = retry_s
+        self.copy_threads, self.prefault_threads = copy_threads, prefault_threads
+        self._lock = threading.Lock()
+        self._transfer: HostTransfer | None = None
+        self._retired: list[HostTransfer] = []
+        self._next_try = 0.0
+        self.mismatch: str | None = None  # why the region there does not fit, if it does not
+        self.attach_count = 0
+        self._logs = LogLimiter(log, 10.0)
+
+    def open(self) -> None:
+        """Attach now if the region is there (a mismatch raises); otherwise later."""
+        with self._lock:
+            self._attach(raise_mismatch=True)
+
+    def transfer(self) -> HostTransfer | None:
+        """The transfer over the current mapping, attaching first if due; None while there
+        is no region (or none that fits)."""
+        with self._lock:
+            if self._transfer is None and time.monotonic() >= self._next_try:
+                self._attach(raise_mismatch=False)
+            return self._transfer
+
+    def follow(self, region_id: int) -> HostTransfer | None:
+        """The transfer over the region of identity ``region_id``: the current one, or the
+        region now under the name if it has that identity (re-attached), else None."""
+        with self._lock:
+            current = self._transfer
+            if current is not None and current.attachment.region_id == region_id:
+                return current
+            info = named_region_info(self.config.shm_name)
+            if info is None or info.region_id != region_id:
+                return None
+            log.warning("tiercache: the coordinator replaced region %s (identity %#018x); "
+                        "re-attaching", self.config.shm_name, region_id)
+            self._drop()
+            self._attach(raise_mismatch=False)
+            fresh = self._transfer
+            return fresh if fresh is not None and fresh.attachment.region_id == region_id \
+                else None
+
+    def _attach(self, raise_mismatch: bool) -> None:
+        self._next_try = time.monotonic() + self.retry_s
+        info = named_region_info(self.config.shm_name)
+        if info is None:
+            return  # no READY region yet: the coordinator is down; a call retries later
+        try:
+            layout = info.layout
+            self.pool.check(layout, f"{SHM_DIR}/{self.config.shm_name}")
+            page_map = PageMap.onto(self.pool.blob_bytes, layout)
+            attachment = HostAttachment.attach(self.config.shm_name, self.pool.data_rank(layout),
+                                               layout=layout,
+                                               prefault_threads=self.prefault_threads)
+        except LayoutMismatchError as e:
+            self.mismatch = str(e)
+            if raise_mismatch:
+                raise
+            self._logs.warn("mismatch", "tiercache: %s; every lookup misses until a region "
+                            "that fits is served", e)
+            return
+        except (RegionError, TiercacheError, OSError) as e:
+            self._logs.warn("attach", "tiercache: cannot attach region %s yet: %s",
+                            self.config.shm_name, e)
+            return
+        try:
+            self._transfer = HostTransfer(attachment, page_map, self.copy_threads)
+        except BaseException:
+            attachment.close()
+            raise
+        self.mismatch = None
+        self.attach_count += 1
+        log.info("tiercache: SGLang TP rank %d attached %s as an attachment of rank %d "
+                 "(slot %s; pages of %d bytes; host-to-host copies, pin state not_needed)",
+                 self.pool.tp_rank, attachment.region.path, attachment.rank,
+                 attachment.region.slot, self.pool.page_bytes)
+
+    def _drop(self) -> None:
+        for old in self._retired:
+            _close(old)
+        self._retired = [self._transfer] if self._transfer is not None else []
+        self._transfer = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+            for old in self._retired:
+                _close(old)
+            self._retired = []
+
+
+def _close(transfer: HostTransfer) -> None:
+    try:
+        transfer.close()
+    finally:
+        transfer.attachment.close()
