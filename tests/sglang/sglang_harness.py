@@ -232,6 +232,9 @@ class SGLangRank:
         finally:
             self.host.free(indices)
 
+    def counters(self) -> dict[str, int]:
+        return self.backend.counters.snapshot()
+
     def drain(self) -> None:
         for q in (self.controller.ack_prefetch_queue,):
             try:
