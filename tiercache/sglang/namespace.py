@@ -117,10 +117,14 @@ def weights_fingerprint(model: str | None) -> str:
 
 def _model_dir(model: str | None) -> Path | None:
     """The directory ``model`` names: SGLang may append the host pool's format tag
-    (``path-tag``), so the untagged path is tried too."""
+    (``path-tag``, the tag may hold dashes), so shorter prefixes cut at dashes are tried
+    too, longest first."""
     if not model:
         return None
-    for candidate in (model, model.rsplit("-", 1)[0]):
+    candidate = model
+    while True:
         if os.path.isdir(candidate):
             return Path(candidate)
-    return None
+        if "-" not in candidate:
+            return None
+        candidate = candidate.rsplit("-", 1)[0]
