@@ -1,5 +1,5 @@
 """The ``tiercache`` command line: serve, status, clean, bench, demo,
-config-for-vllm.
+config-for-vllm, config-for-sglang.
 
 Errors are one line on stderr (``tiercache: error: ...``) and exit status 1; bad usage is
 argparse's message and exit status 2.
@@ -243,6 +243,12 @@ def cmd_config_for_vllm(args: argparse.Namespace) -> int:
     return config_for_vllm_main(args.rest)
 
 
+def cmd_config_for_sglang(args: argparse.Namespace) -> int:
+    from tiercache.sglang.config_cmd import main as config_for_sglang_main
+
+    return config_for_sglang_main(args.rest)
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -274,14 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
                              ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)"),
                              ("config-for-vllm", cmd_config_for_vllm,
-                              "the coordinator config a vLLM engine fits (config-for-vllm -h)")):
+                              "the coordinator config a vLLM engine fits (config-for-vllm -h)"),
+                             ("config-for-sglang", cmd_config_for_sglang,
+                              "the coordinator config SGLang engines fit "
+                              "(config-for-sglang -h)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
     return parser
 
 
-PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm")  # parse their own arguments
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang")  # parse their own arguments
 
 
 def main(argv: list[str] | None = None) -> int:
