@@ -18,6 +18,7 @@ from tiercache.errors import (
 )
 from tiercache.region.header import RegionState
 from tiercache.region.stale import RegionListing, list_regions, remove_stale
+from tiercache.region.stats import EngineKind
 from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
 from tiercache.sizes import format_bytes
@@ -143,6 +144,8 @@ def _print_ranks(listing: RegionListing) -> None:
                 if a.held and not a.up:  # F_OFD_GETLK names no pid for an OFD lock
                     worker += (", but its slot is held by another process (a child it "
                                "forked, or a worker attaching now)")
+                if s.pid and s.engine is EngineKind.SGLANG:
+                    worker += f" (SGLang TP rank {s.engine_rank}/{s.engine_ranks}, host copies)"
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
                       f"{_moved(s.directions, tuple(b.label for b in s.backends))}")

@@ -7,13 +7,17 @@ from sglang_env import require_sglang
 
 require_sglang()
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 from sglang_harness import tokens_of  # noqa: E402
 from tiercache.control.client import Client  # noqa: E402
 from tiercache.config import load_config  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
-from tiercache.region.stats import PinState  # noqa: E402
+from tiercache.region.stats import EngineKind, PinState  # noqa: E402
+from e2e_support import metrics_url, sample, scrape  # noqa: E402
 from tiercache.specs import Direction  # noqa: E402
 
 
@@ -54,12 +58,20 @@ def test_a_second_backup_of_stored_pages_writes_nothing_and_reports_them_done(co
     assert counters["stored_pages"] == 4 and counters["already_stored_pages"] == 4
 
 
-def test_the_rank_is_an_attachment_whose_pin_state_says_not_needed(coordinator, make_rank):
+def test_the_rank_is_a_named_attachment_whose_pin_state_says_not_needed(coordinator, make_rank):
     rank = make_rank(coordinator)
     rank.backup(tokens_of(4, 2))
     with SharedOffloadRegion.attach(coordinator.config.name) as region:
         snap = region.stats(0, slot=0).snapshot()
     assert snap.pin_state is PinState.NOT_NEEDED
+    assert (snap.engine, snap.engine_rank, snap.engine_ranks) == (EngineKind.SGLANG, 0, 1)
+    status = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
+                             str(coordinator.config_path)], capture_output=True, text=True)
+    assert "SGLang TP rank 0/1, host copies" in status.stdout, status.stdout
+    assert "pin not_needed" in status.stdout
+    samples = scrape(metrics_url(coordinator))
+    assert sample(samples, "tiercache_attachment_engine", rank="0", attachment="0",
+                  engine="sglang") == 1
     assert snap.directions[Direction.GPU_TO_CPU].transfers_ok == 1
     assert snap.directions[Direction.GPU_TO_CPU].bytes_total == 2 * sum(
         rank.model.blob_bytes())

@@ -22,7 +22,10 @@ Word layout (index = byte offset / 8)::
     8     pinned_bytes     bytes registered with the GPU driver
     9     pin_ns           time the registration took, ns
     10    prefault_ns      time the worker took to pre-fault its slice at attach, ns
-    11-15 reserved
+    11    engine           EngineKind code of the attached process (0: a GPU worker)
+    12    engine_rank      its rank in its engine (SGLang: the TP rank)
+    13    engine_ranks     its engine's ranks (SGLang: the TP size; 0 unknown)
+    14-15 reserved
     16..  direction gpu_to_cpu, then cpu_to_gpu, DIRECTION_WORDS each:
           +0 bytes_total, +1 busy_ns_total (GPU-timed), +2 transfers_ok, +3 transfers_failed,
           +4 .. duration histogram counts (len(DURATION_BUCKETS_S) + 1, last is +Inf),
@@ -53,7 +56,7 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4096 * 4**k for k in range(12))  # 4 KiB .. 16 GiB
 
 _SEQ, _PID, _PID_START, _ATTACH, _HEARTBEAT, _PIN_STATE, _BACKEND_G2C, _BACKEND_C2G = range(8)
-_PINNED_BYTES, _PIN_NS, _PREFAULT_NS = 8, 9, 10
+_PINNED_BYTES, _PIN_NS, _PREFAULT_NS, _ENGINE, _ENGINE_RANK, _ENGINE_RANKS = 8, 9, 10, 11, 12, 13
 _DIR_BASE = 16
 _N_DUR = len(DURATION_BUCKETS_S) + 1
 _N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
@@ -69,6 +72,18 @@ class PinState(IntEnum):
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
     NOT_NEEDED = 4  # host-to-host copies only (an SGLang host pool): no GPU to pin for
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class EngineKind(IntEnum):
+    """What kind of process holds an attachment: a GPU worker (``tiercache.attach``: vLLM's
+    ranks, the demo) or an SGLang rank copying host to host (``tiercache.sglang``)."""
+
+    WORKER = 0
+    SGLANG = 1
 
     @property
     def label(self) -> str:
@@ -102,6 +117,9 @@ class RankStatsSnapshot:
     pin_seconds: float
     prefault_seconds: float
     directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
+    engine: EngineKind = EngineKind.WORKER
+    engine_rank: int = 0
+    engine_ranks: int = 0
 
 
 class RankStats:
@@ -144,6 +162,9 @@ class RankStats:
             pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
             prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
             directions=(dirs[0], dirs[1]),
+            engine=EngineKind(int(w[_ENGINE])) if int(w[_ENGINE]) in EngineKind._value2member_map_
+            else EngineKind.WORKER,
+            engine_rank=int(w[_ENGINE_RANK]), engine_ranks=int(w[_ENGINE_RANKS]),
         )
 
     # ---------------------------------------------------------------- writer side
@@ -162,7 +183,12 @@ class RankStats:
 
     def mark_attached(self, pid: int, pid_start_ns: int) -> None:
         self._update({_PID: pid, _PID_START: pid_start_ns, _PIN_STATE: PinState.NONE,
-                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0}, adds={_ATTACH: 1})
+                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0, _ENGINE: EngineKind.WORKER,
+                      _ENGINE_RANK: 0, _ENGINE_RANKS: 0}, adds={_ATTACH: 1})
+
+    def set_engine(self, engine: EngineKind, rank: int, ranks: int) -> None:
+        """Name the attached process's engine and its rank there (status and metrics)."""
+        self._update({_ENGINE: engine, _ENGINE_RANK: rank, _ENGINE_RANKS: ranks})
 
     def mark_detached(self) -> None:
         self._update({_PID: 0, _PID_START: 0, _PIN_STATE: PinState.NONE, _PINNED_BYTES: 0,

@@ -33,6 +33,7 @@ from tiercache.errors import LayoutMismatchError, RegionError, TiercacheError
 from tiercache.loglimit import LogLimiter
 from tiercache.region.shared import named_region_info
 from tiercache.region.shm import SHM_DIR
+from tiercache.region.stats import EngineKind
 from tiercache.sglang.geometry import PoolGeometry
 from tiercache.transfer.host_pages import PageMap
 from tiercache.transfer.host_transfer import HostAttachment, HostTransfer
@@ -98,7 +99,9 @@ class RegionLink:
             page_map = PageMap.onto(self.pool.blob_bytes, layout)
             attachment = HostAttachment.attach(self.config.shm_name, self.pool.data_rank(layout),
                                                layout=layout,
-                                               prefault_threads=self.prefault_threads)
+                                               prefault_threads=self.prefault_threads,
+                                               engine=(EngineKind.SGLANG, self.pool.tp_rank,
+                                                       self.pool.tp_size))
         except LayoutMismatchError as e:
             self.mismatch = str(e)
             if raise_mismatch:

@@ -38,7 +38,7 @@ from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import IndexLedger
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.region.stats import PinState, RankStats
+from tiercache.region.stats import EngineKind, PinState, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.host_copy import HostCopyPool
@@ -70,15 +70,19 @@ class HostAttachment:
 
     @classmethod
     def attach(cls, name: str, rank: int, *, layout: RegionLayout | None = None,
-               prefault_threads: int = 4) -> HostAttachment:
+               prefault_threads: int = 4,
+               engine: tuple[EngineKind, int, int] = (EngineKind.WORKER, 0, 0)
+               ) -> HostAttachment:
         """Map region ``name`` as an attachment of ``rank``; ``layout`` refuses another
-        geometry (``LayoutMismatchError``). Raises what ``SharedOffloadRegion.attach``
+        geometry (``LayoutMismatchError``); ``engine`` (kind, rank in it, its ranks) names
+        the process in status and metrics. Raises what ``SharedOffloadRegion.attach``
         raises (no region, not READY, not ours, every slot of the rank taken)."""
         region = SharedOffloadRegion.attach(name, rank, layout=layout)
         try:
             stats = region.stats(rank)
             stats.mark_attached(os.getpid(), process_start_ns(os.getpid()))
             try:
+                stats.set_engine(*engine)
                 region.prefault_slice(prefault_threads)
                 stats.set_pin(PinState.NOT_NEEDED)
                 for direction in Direction:
