@@ -145,3 +145,32 @@ def test_sglang_failure_injection_runs_clean(coordinator, make_rank, monkeypatch
     with Client(load_config(coordinator.config_path)) as index:
         stats = index.stats()
     assert stats.loading_blocks == 0 and stats.writing_blocks == 0  # nothing left held
+
+
+def test_a_region_replaced_under_a_running_rank_is_followed(coordinator, make_rank, tmp_path):
+    from tiercache.region.stale import remove_stale
+
+    rank = make_rank(coordinator, extra=FAST)
+    old = tokens_of(70, 2)
+    assert rank.backup(old) == len(old)
+    coordinator.kill()
+    remove_stale(name_prefix=coordinator.config.name)  # `tiercache clean`: the region is gone
+    fresh = CoordinatorProcess(coordinator.config, workdir=tmp_path / "fresh")
+    try:
+        assert "re-adopted" not in fresh.output()
+        new = tokens_of(71, 3)
+        assert _backup_until_stored(rank, new) == len(new)  # into the new region
+        assert rank.prefetch(new) == (len(new), [])
+        assert rank.query(old) == 0  # the old region's pages went with it
+        assert rank.backend.region.attach_count == 2
+    finally:
+        fresh.cleanup()
+
+
+def test_a_model_with_host_pools_besides_kv_is_refused_naming_the_pool(coordinator, make_rank):
+    from tiercache.errors import ConfigError
+
+    rank = make_rank(coordinator)
+    with pytest.raises(ConfigError, match="'mamba'.*v2"):
+        rank.backend.register_mem_host_pool_v2(rank.host, "mamba")
+    rank.backend.register_mem_host_pool_v2(rank.host, "kv")  # the anchor pool itself: fine
