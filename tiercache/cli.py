@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang")  # parse their own arguments
+# these parse their own arguments
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang")
 
 
 def main(argv: list[str] | None = None) -> int:

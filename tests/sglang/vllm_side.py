@@ -1,9 +1,10 @@
-"""A vLLM 0.33 engine (tests/vllm/vllm_harness: vLLM's real scheduler and OffloadingConnector
-with TierCacheOffloadingSpec, CPU KV) run by the side-by-side test in .venv-vllm's python:
+"""A vLLM 0.33 engine (tests/vllm/vllm_harness: vLLM's real scheduler and
+OffloadingConnector with TierCacheOffloadingSpec, CPU KV) run by the side-by-side test in
+.venv-vllm's python:
 ``python vllm_side.py CONFIG MODEL_DIR`` stores ``PROMPT`` (request r1), fills its GPU with
 another request, then asks for ``PROMPT`` again (r2) and prints, as JSON, the tokens r1 and
-r2 loaded from tiercache (r1 loads what an earlier run left there). The harness checks every loaded block against its content rule (a
-wrong byte fails the run)."""
+r2 loaded from tiercache (r1 loads what an earlier run left there). The harness checks every
+loaded block against its content rule (a wrong byte fails the run)."""
 
 from __future__ import annotations
 
