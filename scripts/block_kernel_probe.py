@@ -63,7 +63,7 @@ def probe(num_tensors: int, page: int) -> None:
     rng = np.random.default_rng(0)
     gpu_spec = GPULoadStoreSpec(rng.permutation(GPU_BLOCKS)[:BLOCKS])
     cpu_spec = CPULoadStoreSpec(rng.permutation(CPU_BLOCKS)[:BLOCKS])
-    staging = BlockStaging.of_planner(planner, CHUNK_BYTES)
+    staging = BlockStaging.of_geometry(planner.geometry, CHUNK_BYTES)
     layout = staging.layout(planner.block_plan(Direction.GPU_TO_CPU, (gpu_spec, cpu_spec)))
     slot = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream()

@@ -60,7 +60,7 @@ def bench(num_tensors: int, page: int, factor: int, gpu_blocks: int, skip: int, 
     spec = (gpu_spec, cpu_spec) if store else (cpu_spec, gpu_spec)
     direction = Direction.GPU_TO_CPU if store else Direction.CPU_TO_GPU
     buffers, scratch = PlanBuffers(), Scratch()
-    staging = BlockStaging.of_planner(planner, CHUNK_BYTES, load_whole_rows=whole)
+    staging = BlockStaging.of_geometry(planner.geometry, CHUNK_BYTES, load_whole_rows=whole)
     ring = [(1 << 45) + s * (CHUNK_BYTES + DIRECT_BYTES) for s in range(4)]
 
     def per_page():

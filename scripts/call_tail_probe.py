@@ -37,15 +37,14 @@ from tiercache.specs import Direction
 from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+from tiercache.transfer.wiring import build_handlers
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
 WARM = 10
 SPANS = [  # the native whole-transfer path (staged), then the plan + submit path's steps
-    ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_transfer_native"),
-    ("tiercache.backends.staged.backend", "StagedTransfers", "transfer"),
+    ("tiercache.transfer.native_path", "NativePath", "transfer"),
     ("tiercache.planning.planner", "TransferPlanner", "plan_as"),
-    ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_enqueue"),
+    ("tiercache.transfer.planned_path", "PlannedPath", "transfer"),
     ("tiercache.device.streams", "CudaStreams", "mark_current"),
     ("tiercache.backends.auto", "AutoBackend", "submit"),
     ("tiercache.backends.staged.backend", "StagedBackend", "_queue"),
@@ -61,7 +60,7 @@ def run(rig: GpuRig, kib: int, steps: int, busy_mode: bool, rec: PerCallSpans) -
     w = Workload.for_page(kib * KIB)
     plans = rig.plans(w)
     built = rig.backends(BenchBackend.parse("auto"), w, plans.planner)
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
     loops = []
     for made in built.values():
         chosen = getattr(made, "chosen", made)

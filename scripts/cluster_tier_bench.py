@@ -16,9 +16,11 @@ Each figure is the best of ``--rounds`` rounds (fresh names each round, the last
 objects removed first, so every round writes segment memory the previous one touched: the
 first round pays the segments' page faults, for the ceiling and the tier alike).
 * **Tier**: the coordinator's code path without its processes: on node A a real region,
-  index and ``ClusterTier`` publish every block an engine stores (write-through, from the
-  region, header and CRC); on node B a second region, index and ``ClusterTier`` promote
-  them on lookup (exists, reserve host slots, get into them, check header and CRC, READY);
+  index and ``ClusterTier`` publish every block an engine stores (write-through: header,
+  CRC and the cluster's MAC over the host row, copied into staging, put from there); on
+  node B a second region, index and ``ClusterTier`` promote them on lookup (exists,
+  reserve host slots, get into staging, copy into the slots, check header, CRC and MAC,
+  READY);
   then one block at a time, from the lookup that starts it to READY (the pool asked
   whether it has the block each time: ``exists_ttl_s`` ~0). Every promoted block is
   compared byte for byte with what node A stored.
@@ -97,21 +99,31 @@ def start_master(workdir: str):
     return proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
 
 
-def cluster_config(master: str, metadata: str, segment_bytes: int, protocol: str, **kw):
+def make_key_file(workdir: str) -> str:
+    """The cluster's key (``cluster.key_file``) for the run's nodes: 32 random bytes, 0600."""
+    path = os.path.join(workdir, "cluster.key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    return path
+
+
+def cluster_config(master: str, metadata: str, segment_bytes: int, protocol: str,
+                   key_file: str, **kw):
     from tiercache.config import ClusterConfig
 
     return ClusterConfig(master=master, metadata_server=metadata, local_hostname="127.0.0.1",
-                         segment_bytes=segment_bytes, protocol=protocol, **kw)
+                         key_file=key_file, segment_bytes=segment_bytes, protocol=protocol,
+                         **kw)
 
 
 def ceiling(master: str, metadata: str, blocks: int, block_bytes: int, protocol: str,
-            rounds: int) -> dict:
+            rounds: int, key_file: str) -> dict:
     """Mooncake's own batch put and get of the same sizes, node A to node B."""
     from tiercache.tiers.mooncake_pool import MooncakePool
 
     segment = int(blocks * block_bytes * 1.25)
-    a = MooncakePool(cluster_config(master, metadata, segment, protocol))
-    b = MooncakePool(cluster_config(master, metadata, segment, protocol))
+    a = MooncakePool(cluster_config(master, metadata, segment, protocol, key_file))
+    b = MooncakePool(cluster_config(master, metadata, segment, protocol, key_file))
     a.open()
     b.open()
     src, dst = mmap.mmap(-1, blocks * block_bytes), mmap.mmap(-1, blocks * block_bytes)
@@ -202,6 +214,7 @@ class Node:
         from tiercache.region.ledger import IndexLedger
         from tiercache.region.shared import SharedOffloadRegion
         from tiercache.tiers.cluster import ClusterTier
+        from tiercache.tiers.cluster_key import load_cluster_key
         from tiercache.tiers.cluster_object import BlockFormat
         from tiercache.tiers.mooncake_pool import MooncakePool
 
@@ -215,14 +228,13 @@ class Node:
         self.manager = OffloadingManager(blocks, ledger=IndexLedger(region.ledger_array()),
                                          region_id=region.region_id)
         self.pool = MooncakePool(cfg)
-        self.pool.open()
-        self.pool.register(region.base_address, layout.total_bytes)
+        self.pool.open()  # the region is not registered: blocks move through staging
 
         def rows(slot):
             row = region.rank_array(0)[slot]
             return [(row.ctypes.data, memoryview(row))]
 
-        self.format = fmt = BlockFormat.of(layout)
+        self.format = fmt = BlockFormat.of(layout, load_cluster_key(cfg.key_file))
         self.tier = ClusterTier(self.pool, self.manager, fmt, rows,
                                 capacity_blocks=cfg.segment_bytes // fmt.object_bytes,
                                 publish_queue_blocks=cfg.publish_queue_blocks,
@@ -240,12 +252,13 @@ class Node:
 
 
 def tier_rates(master: str, metadata: str, blocks: int, block_bytes: int, protocol: str,
-               rounds: int, **threads) -> dict:
+               rounds: int, key_file: str, **threads) -> dict:
     segment = int(blocks * (block_bytes + 4096) * 1.25)
     a = Node("a", blocks, block_bytes, cluster_config(
-        master, metadata, segment, protocol, publish_queue_blocks=blocks, **threads))
+        master, metadata, segment, protocol, key_file, publish_queue_blocks=blocks,
+        **threads))
     b = Node("b", blocks, block_bytes, cluster_config(
-        master, metadata, segment, protocol, exists_ttl_s=1e-3, **threads))
+        master, metadata, segment, protocol, key_file, exists_ttl_s=1e-3, **threads))
     try:
         result = {"publish": 0.0, "promote": 0.0}
         keys: list[bytes] = []
@@ -336,16 +349,18 @@ def main() -> int:
     os.environ.setdefault("GLOG_minloglevel", "2")
     block = args.block_mib * MIB
     with tempfile.TemporaryDirectory(prefix="cluster-bench-") as workdir:
+        key_file = make_key_file(workdir)
         proc, master, metadata = start_master(workdir)
         try:
             print(f"cluster tier bench: {args.blocks} blocks of {args.block_mib} MiB, "
                   f"{args.protocol} on loopback", file=sys.stderr)
-            raw = ceiling(master, metadata, args.blocks, block, args.protocol, args.rounds)
+            raw = ceiling(master, metadata, args.blocks, block, args.protocol, args.rounds,
+                          key_file)
             print("ceiling: done", file=sys.stderr)
             threads = {k: v for k, v in (("publish_threads", args.publish_threads),
                                          ("promote_threads", args.promote_threads)) if v}
             tier = tier_rates(master, metadata, args.blocks, block, args.protocol,
-                              args.rounds, **threads)
+                              args.rounds, key_file, **threads)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -355,9 +370,10 @@ def main() -> int:
           f"best with {raw['put_callers']} caller(s)) | {raw['put'] / gb:.2f} | 1 |")
     print(f"| Mooncake batch get, node B ({GET_BATCH} × {args.block_mib} MiB per call, "
           f"best with {raw['get_callers']} caller(s)) | {raw['get'] / gb:.2f} | 1 |")
-    print(f"| tier publish (host → pool: pin, CRC, header, put) | {tier['publish'] / gb:.2f} | "
+    print(f"| tier publish (host → pool: pin, CRC, MAC, header, staging copy, put) | "
+          f"{tier['publish'] / gb:.2f} | "
           f"{tier['publish'] / raw['put']:.2f} of put |")
-    print(f"| tier promotion (pool → host: exists, reserve, get, check) | "
+    print(f"| tier promotion (pool → host: exists, reserve, get, copy, check CRC and MAC) | "
           f"{tier['promote'] / gb:.2f} | {tier['promote'] / raw['get']:.2f} of get |")
     print(f"| one {args.block_mib} MiB block promoted, lookup to READY | p50 "
           f"{tier['one_ms_p50']:.2f} ms, max {tier['one_ms_max']:.2f} ms | Mooncake: exists "

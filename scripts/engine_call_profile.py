@@ -21,7 +21,7 @@ from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+from tiercache.transfer.wiring import build_handlers
 
 REPS = 200
 G2C = Direction.GPU_TO_CPU
@@ -44,7 +44,7 @@ def main() -> None:
     w = Workload.for_page(32 * KIB)
     plans = rig.plans(w)
     built = rig.backends(BenchBackend.parse(name), w, plans.planner)
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
     jobs = iter(range(1, 1 << 30))
 
     def drain() -> None:
@@ -127,8 +127,7 @@ class Spans:
     TARGETS = [
         ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "transfer_async"),
         ("tiercache.planning.planner", "TransferPlanner", "block_plan"),
-        ("tiercache.planning.planner", "TransferPlanner", "expand"),
-        ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_enqueue"),
+        ("tiercache.transfer.planned_path", "PlannedPath", "transfer"),
         ("torch.cuda", "Stream", "wait_stream"),
         ("tiercache.backends.staged.backend", "StagedBackend", "plan"),
         ("tiercache.native.chunk_loop", "ChunkLoop", "validate"),

@@ -37,7 +37,7 @@ def worker(path, rank, threads, q):
                                                     LAYOUT.slice_used_bytes), threads)
     t1 = time.perf_counter()
     p = HostPinner(0)
-    p.pin([(addr + o, n) for o, n in LAYOUT.pin_chunks(rank)])
+    p.pin([(addr + o, n) for o, n in LAYOUT.registrations(rank)])
     t2 = time.perf_counter()
     p.unpin()
     q.put((rank, t1 - t0, t2 - t1))

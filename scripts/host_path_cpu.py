@@ -47,7 +47,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     spec = (GPULoadStoreSpec(rng.permutation(gpu_blocks)[:BLOCKS]),
             CPULoadStoreSpec(rng.permutation(rows)[:BLOCKS]))
-    staging = BlockStaging.of_planner(planner, 32 << 20, True)
+    staging = BlockStaging.of_geometry(planner.geometry, 32 << 20, True)
     lib = noop_library()
     noop = ctypes.cast(lib.tc_noop, ctypes.c_void_p).value
     driver = LoopDriver(noop, noop, noop, noop, noop, 13000, 0)

@@ -45,7 +45,7 @@ def main() -> None:
     w = Workload.for_page(32 * KIB)
     plans = rig.plans(w)
     stream = rig.streams[0]
-    staged = StagedBackend(0, planner=plans.planner, native=False)  # the Python pipeline
+    staged = StagedBackend(0, geometry=plans.planner.geometry, native=False)  # the Python pipeline
     staging, kernel, tables = staged._blocks
     spec = plans.store_spec
     plan = plans.planner.block_plan(G2C, spec)

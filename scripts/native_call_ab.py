@@ -6,7 +6,7 @@ runs drift by 2x; here both paths meet the same machine, caches and busy thread.
 engine's pattern (``tiercache.tools.bench.engine``): per step the step's Python, then a
 256-block store and a 256-block load back to back, polled until both are reported, with
 another Python thread running in bursts; steps alternate between the handlers' native
-entry and the plan + submit path of the same handlers (``_native`` set aside). Then
+path and a planned path over the same backends (the handler's path swapped). Then
 one-block loads, alternated the same way (call to result, spin-polled). Last, the native
 path with its parts timed per call (wrapping adds ~1 µs a span), the native call's own
 steps from the clock it reads between them (``ChunkLoop.transfer_spans``).
@@ -29,15 +29,15 @@ from tiercache.specs import Direction
 from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for, run_step
 from tiercache.tools.bench.rig import BenchBackend, GpuRig
 from tiercache.tools.bench.workloads import KIB, TRANSFER_BYTES, Workload
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+from tiercache.transfer.planned_path import PlannedPath
+from tiercache.transfer.wiring import build_handlers
 
 G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
 WARM = 10
 MODES = ("native", "python")
 C_STEPS = ("c:validate", "c:fence", "c:mark", "c:queue")
 SPANS = [
-    ("tiercache.transfer.handlers", "SingleDirectionOffloadingHandler", "_transfer_native"),
-    ("tiercache.backends.staged.backend", "StagedTransfers", "transfer"),
+    ("tiercache.transfer.native_path", "NativePath", "transfer"),
     ("tiercache.native.chunk_loop", "ChunkLoop", "transfer"),
 ]
 
@@ -50,14 +50,17 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
     w = Workload.for_page(kib * KIB)
     plans = rig.plans(w)
     built = rig.backends(BenchBackend.parse("auto"), w, plans.planner)
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
-    natives = {d: handlers.handler(d)._native for d in Direction}
-    assert all(natives.values()), "auto did not choose a backend with a native entry"
+    streams = CudaStreams(rig.device)
+    handlers = build_handlers(plans.planner, built, streams)
+    natives = {d: handlers.handler(d).path for d in Direction}
+    assert all(p.native for p in natives.values()), \
+        "auto did not choose a backend with a native path"
+    planned = {d: PlannedPath(d, built[d], plans.planner, streams) for d in Direction}
     jobs = iter(range(1, 1 << 30))
 
-    def use(mode: str) -> None:
+    def use(mode: str) -> None:  # the paths share the backends: one FIFO per direction
         for d in Direction:
-            handlers.handler(d)._native = natives[d] if mode == "native" else None
+            handlers.handler(d)._path = natives[d] if mode == "native" else planned[d]
 
     def step(specs, spin=False) -> tuple[float, list[float]]:
         """The step's Python, then ``specs`` (wall seconds, each call's ns)."""
@@ -99,7 +102,7 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
                     t0 = time.perf_counter_ns()
                     handlers.transfer_async(next(jobs), spec)
                     spans.current["call"] = time.perf_counter_ns() - t0
-                    c_spans = natives[d]._transfer.__self__.transfer_spans()  # the C's steps
+                    c_spans = natives[d]._call.__self__.transfer_spans()  # the C's steps
                     for k, name in enumerate(C_STEPS):
                         spans.current[name] = c_spans[k] - (c_spans[k - 1] if k else 0)
                     if i >= WARM:
@@ -111,9 +114,7 @@ def run(rig: GpuRig, kib: int, steps: int) -> dict:
                     time.sleep(0)
         finally:
             spans.stop()
-    handlers.shutdown()
-    for made in built.values():
-        made.close()
+    handlers.shutdown()  # closes the backends
     out = {"workload": w.label()}
     for m in MODES:
         for d in Direction:

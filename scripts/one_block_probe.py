@@ -38,7 +38,7 @@ from tiercache.specs import Direction
 from tiercache.tools.bench.engine import STEP_PYTHON_S, BusyPython, python_for, python_work
 from tiercache.tools.bench.rig import BenchBackend, GpuRig, probe_rig
 from tiercache.tools.bench.workloads import KIB, Workload
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+from tiercache.transfer.wiring import build_handlers
 
 WARM = 10
 
@@ -61,7 +61,7 @@ def probe(rig: GpuRig, kib: int, steps: int) -> dict:
     load = built[Direction.CPU_TO_GPU]
     chosen = load.chosen if isinstance(load, AutoBackend) else load
     loop = chosen.chunk_loop if isinstance(chosen, StagedBackend) else None
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
     jobs = iter(range(1, 1 << 30))
     one_bytes = plans.one_load_spec[1].block_ids.size * sum(
         g.pair_bytes for g in plans.planner.groups)

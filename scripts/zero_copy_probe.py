@@ -31,7 +31,7 @@ from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.tools.bench.engine import STEP_PYTHON_S, python_for
 from tiercache.tools.bench.rig import BenchBackend, GpuRig, probe_rig
 from tiercache.tools.bench.workloads import KIB, Workload
-from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+from tiercache.transfer.wiring import build_handlers
 
 MODES = ("ring", "zero")
 ALL = 1 << 40
@@ -47,8 +47,7 @@ class Rig:
                                   zero_copy_bytes=0)
         self.loops = {d: b.chunk_loop for d, b in self.built.items()}
         assert all(self.loops.values()), "staged without its native loop"
-        self.handlers = CpuGpuOffloadingHandlers.build(self.plans.planner, self.built,
-                                                       CudaStreams(rig.device))
+        self.handlers = build_handlers(self.plans.planner, self.built, CudaStreams(rig.device))
         self.jobs = iter(range(1, 1 << 30))
         self.pair_bytes = max(self.plans.planner.pair_bytes)
 

@@ -187,7 +187,8 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[cluster]\nmaster = "10.0.0.1:50051"\n'
                    'metadata_server = "http://10.0.0.1:8080/metadata"\n'
-                   'local_hostname = "10.0.0.2"\nsegment_size = "8GiB"\nexists_ttl_s = 2\n'
+                   'local_hostname = "10.0.0.2"\nkey_file = "cluster.key"\n'
+                   'segment_size = "8GiB"\nexists_ttl_s = 2\n'
                    'publish_threads = 6\nstop_timeout_s = 3\ncensus_period_s = 300\n')
     config = load_config(cfg)
     c = config.cluster
@@ -195,12 +196,17 @@ def test_the_cluster_section_is_optional_checked_and_round_trips(tmp_path):
         ("mooncake", 8 << 30, 2.0, "tcp", 1)
     assert (c.publish_threads, c.promote_threads, c.stop_timeout_s) == (6, 2, 3.0)
     assert c.census_period_s == 300.0
+    assert c.key_file == str(tmp_path / "cluster.key")  # beside the config file
     again = tmp_path / "again.toml"
     again.write_text(config_to_toml(config))
     assert load_config(again) == config
-    good = {"master": "m:1", "metadata_server": "http://m:2/metadata", "local_hostname": "h"}
+    good = {"master": "m:1", "metadata_server": "http://m:2/metadata", "local_hostname": "h",
+            "key_file": "/etc/tiercache/cluster.key"}
     for change, message in (
             ({"master": None}, "cluster.master is missing"),
+            ({"key_file": None}, "cluster.key_file is missing: the nodes of a cluster sign"),
+            ({"local_hostname": "256.1.1.1"}, "cluster.local_hostname = '256.1.1.1': not an "
+                                              "IPv4 address"),
             ({"local_hostname": None}, "cluster.local_hostname is missing"),
             ({"master": "m"}, "cluster.master = 'm': expected host:port"),
             ({"master": "m:99999"}, "the port must be 1..65535"),

@@ -81,7 +81,7 @@ def _print_index(socket_path: str) -> None:
     except CoordinatorGoneError as e:
         print(f"  index: not reachable at {socket_path} ({e})")
         return
-    held = (f", {s.quarantined_blocks} held out after failed reads until a restart"
+    held = (f", {s.quarantined_blocks} held out after failed reads until they end"
             if s.quarantined_blocks else "")
     print(f"  index: {s.ready_blocks} ready, {s.writing_blocks} writing, {s.loading_blocks} "
           f"loading, {s.free_blocks} free of {s.capacity_blocks} ({s.occupancy:.0%} used"
@@ -93,7 +93,7 @@ def _print_index(socket_path: str) -> None:
         if name == BlockSource.CLUSTER.label:
             state = "up" if t.up else "DOWN (the pool's master is unreachable; retrying)"
             if not t.promoting:
-                state += ", NOT PROMOTING (too many host slots held out; restart to clear)"
+                state += ", NOT PROMOTING (too many host slots held out; they come back as their reads end, or at a restart)"
             print(f"  {name} tier: {state}, this node's segment holds {t.capacity_blocks} "
                   f"blocks; {t.used_blocks} published by this node and in the pool at their "
                   f"last check; {t.promotions} promoted, {t.demotions} published, "

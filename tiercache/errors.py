@@ -22,13 +22,17 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   ├── RankError               rank outside 0..world_size-1          (also ValueError)
     │   ├── StatsStuckError         a rank's stats block stayed mid-update (also TimeoutError)
     │   └── InsufficientMemoryError /dev/shm or RAM smaller than asked for
-    ├── PinError                    cudaHostRegister failed (rolled back)
+    ├── PinError                    cuMemHostRegister failed (rolled back)
     │   └── PinUnavailableError     no CUDA here: nothing can be pinned
     ├── SpecError                   a transfer spec that cannot be planned (also ValueError)
     ├── BackendError                a copy backend cannot run here or failed to set up
     ├── HandlerError                a transfer handler used against its contract: a handler
     │   │                           of the wrong direction, negative result figures
-    │   └── HandlerClosedError      a transfer submitted after shutdown()
+    │   ├── HandlerClosedError      a transfer submitted after shutdown()
+    │   └── TransferFailedError     a transfer failed where the engine cannot recover one
+    │                               (vLLM): the engine stops with it, never a wrong block
+    ├── AdapterError                an engine adapter's own thread stopped on an error (the
+    │                               cause attached), raised in the engine's thread
     ├── ManagerError                cache-index misuse
     │   ├── UnknownKeyError         a key the index does not hold         (also KeyError)
     │   ├── InvalidKeyError         a key that is not bytes, too long for the wire, or
@@ -109,7 +113,8 @@ class InsufficientMemoryError(RegionError):
 
 
 class PinError(TiercacheError):
-    """Registering host memory with the GPU driver failed; earlier chunks were rolled back."""
+    """Registering host memory with the GPU driver failed; the ranges registered before it
+    were rolled back."""
 
 
 class PinUnavailableError(PinError):
@@ -131,6 +136,19 @@ class HandlerError(TiercacheError):
 class HandlerClosedError(HandlerError):
     """A transfer submitted to a handler after ``shutdown()``: a state error, not a
     backend's: nothing was planned or enqueued."""
+
+
+class TransferFailedError(HandlerError):
+    """A transfer failed, and the engine has no failure path for it (vLLM 0.33 asserts
+    every transfer succeeded): raised so the engine stops, rather than compute on a block
+    that was not loaded or publish one that was not stored; the message names the job,
+    its direction, size and rank."""
+
+
+class AdapterError(TiercacheError):
+    """An engine adapter's own thread (vLLM's flusher) stopped on an error, kept as the
+    cause and raised in the engine's thread at its next call: the engine stops with it
+    instead of waiting for answers that will not come."""
 
 
 class ManagerError(TiercacheError):

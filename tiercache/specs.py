@@ -25,6 +25,7 @@ from tiercache.errors import SpecError
 class Medium(Enum):
     CPU = "CPU"
     GPU = "GPU"
+    STORAGE = "STORAGE"  # a lower tier on a local disk (vLLM's medium for storage tiers)
 
 
 def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -37,7 +38,10 @@ def _as_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class CPULoadStoreSpec:
-    """Slot ids in the host region, one per CPU block, in transfer order.
+    """Region slot ids, in transfer order: ``block_ids`` (the seed API's name) holds one
+    slot id per slot the transfer touches (each slot is one block's row of
+    ``block_size_factor`` GPU pages per tensor in every rank's slice), per KV-cache group
+    in group order.
 
     **Fencing.** A spec the cache index hands out names what its slots are bound to:
     ``region_id``, the identity of the region the index belongs to (``RegionHeader``), and
@@ -94,9 +98,9 @@ class GPULoadStoreSpec:
     ``group_sizes[g]`` blocks of group g follow those of group g-1 in ``block_ids``
     (``sum(group_sizes) == len(block_ids)``); ``block_indices[g]`` is the logical
     index, inside the request, of group g's first GPU block, so a load may start in
-    the middle of a CPU block (``block_indices[g] % block_size_factor`` sub-pages are
-    skipped). ``group_sizes=None`` means one group; ``block_indices=None`` means every
-    group starts on a CPU-block boundary (always true for stores).
+    the middle of a slot (``block_indices[g] % block_size_factor`` sub-pages of its first
+    slot are skipped). ``group_sizes=None`` means one group; ``block_indices=None`` means
+    every group starts on a slot boundary (always true for stores).
     """
 
     block_ids: np.ndarray

@@ -66,30 +66,32 @@ BUILDERS = {
     "kernel": _kernel,
     "staged": _staged,
     # small chunks: many chunks, the ring wraps several times
-    "staged-small": lambda: _staged(chunk_bytes=96 << 10, num_slots=2, direct_bytes=64 << 10),
-    "staged-odd": lambda: _staged(chunk_bytes=160 << 10, num_slots=3, direct_bytes=20 << 10),
+    "staged-small": lambda: _staged(chunk_bytes=96 << 10, num_ring_slots=2,
+                                    direct_bytes=64 << 10),
+    "staged-odd": lambda: _staged(chunk_bytes=160 << 10, num_ring_slots=3,
+                                  direct_bytes=20 << 10),
 }
 BACKENDS = list(BUILDERS)
-# block-level staged: built with the rank's planner (as a worker builds it)
+# block-level staged: built with the rank's geometry (as a worker builds it)
 PLANNED = {
-    "staged-blocks": lambda planner: _staged(planner=planner),
+    "staged-blocks": lambda geometry: _staged(geometry=geometry),
     # a row image (4 x 32 KiB x factor) or two per chunk: the ring wraps every chunk or two
-    "staged-blocks-small": lambda planner: _staged(planner=planner, chunk_bytes=320 << 10,
-                                                   num_slots=2, direct_bytes=64 << 10),
+    "staged-blocks-small": lambda geometry: _staged(geometry=geometry, chunk_bytes=320 << 10,
+                                                    num_ring_slots=2, direct_bytes=64 << 10),
     # the same pipeline issued from Python on the caller's thread (the native loop off)
-    "staged-blocks-python": lambda planner: _staged(planner=planner, native=False),
+    "staged-blocks-python": lambda geometry: _staged(geometry=geometry, native=False),
     # as many pack programs as tensor columns: one program per column strides over every
     # pair of a chunk (by default the block kernel launches one per (pair, tensor))
-    "staged-blocks-strided": lambda planner: _staged(planner=planner, pack_programs=4),
+    "staged-blocks-strided": lambda geometry: _staged(geometry=geometry, pack_programs=4),
     # every transfer of these tests zero-copy: the kernel moves pages to / from the host rows
-    "staged-blocks-zero-copy": lambda planner: _staged(planner=planner,
-                                                       zero_copy_bytes=64 << 20),
+    "staged-blocks-zero-copy": lambda geometry: _staged(geometry=geometry,
+                                                        zero_copy_bytes=64 << 20),
 }
 
 
 def _build(name: str, direction: Direction, planner=None):
     if name in PLANNED:
-        backend = PLANNED[name](planner)
+        backend = PLANNED[name](planner.geometry)
         assert backend.plan_form is PlanForm.BLOCKS  # the block layout accepted the geometry
         if name == "staged-blocks-strided":  # one program per column: every launch strides
             assert backend._blocks[1].max_pair_programs == 1
@@ -327,7 +329,7 @@ def test_ce_on_a_driver_without_the_batch_api_runs_as_ce_loop_and_says_so(buffer
 def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cpu_blocks: int,
               factor: int):
     """Both handlers over tensors of pages in ``gpu`` and region-like rows in ``host``."""
-    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+    from tiercache.transfer.wiring import build_handlers
     from tiercache.region.layout import RegionLayout
     from tiercache.pages import PageArray
     from tiercache.planning.planner import TransferPlanner
@@ -341,7 +343,7 @@ def _handlers(name: str, gpu, host, tensors: int, page: int, gpu_blocks: int, cp
                  for t in range(tensors)]
     planner = TransferPlanner(gpu_pages, cpu_pages, block_size_factor=factor)
     backends = {d: _build(name, d, planner) for d in Direction}
-    handlers = CpuGpuOffloadingHandlers.build(planner, backends, CudaStreams("cuda:0"))
+    handlers = build_handlers(planner, backends, CudaStreams("cuda:0"))
     return handlers, layout
 
 
@@ -456,7 +458,7 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
     rng = np.random.default_rng(8)
     handlers, layout = _handlers(name, gpu, host, tensors, page, gpu_blocks=64, cpu_blocks=32,
                                  factor=1)
-    assert handlers.gpu_to_cpu_handler.backend.native
+    assert handlers.gpu_to_cpu_handler.path.backend.native
     assert handlers.gpu_to_cpu_handler.native and handlers.cpu_to_gpu_handler.native
     written = torch.from_numpy(rng.integers(0, 256, GPU_BYTES, dtype=np.uint8)).cuda()
     gpu.copy_(written)
@@ -483,7 +485,8 @@ def test_back_to_back_transfers_through_the_chunk_loop_finish_in_order(name, buf
     assert [r.job_id for r in results if r.transfer_type is Direction.CPU_TO_GPU] == jobs[8:]
     assert all(r.success and r.transfer_time > 0 for r in results)
     for h in (handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler):  # how they moved
-        assert h.backend.chunk_loop.stamps().zero_copy == (name == "staged-blocks-zero-copy")
+        assert h.path.backend.chunk_loop.stamps().zero_copy == \
+            (name == "staged-blocks-zero-copy")
     want, got = written.cpu().numpy(), gpu.cpu().numpy()
     for src, dst in loads:
         for t in range(tensors):

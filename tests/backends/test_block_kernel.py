@@ -48,7 +48,7 @@ def test_launch_refuses_a_misaligned_slot_and_bad_settings():
 
     planner = TransferPlanner([PageArray(1 << 40, 4, 4096, 4096)],
                               [PageArray(1 << 41, 4, 4096, 4096)], 1)
-    staging = BlockStaging.of_planner(planner, 1 << 20)
+    staging = BlockStaging.of_geometry(planner.geometry, 1 << 20)
     with pytest.raises(BackendError, match="num_warps = 3"):
         BlockKernel(staging, "cpu", num_warps=3)
     with pytest.raises(BackendError, match="max_programs = 0"):

@@ -29,7 +29,7 @@ from tiercache.planning.planner import TransferPlanner
 def _run(case, seed: int = 0):
     gpu, cpu = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu, cpu, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows)
     layout = staging.layout(planner.block_plan(case.direction, case.spec))
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
@@ -65,7 +65,7 @@ def _rank(num_tensors: int, page: int, factor: int, gpu_blocks: int = 1024,
 
 def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_index=0,
             load_whole_rows=False):
-    staging = BlockStaging.of_planner(planner, chunk_bytes, load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, chunk_bytes, load_whole_rows)
     gpu_spec = GPULoadStoreSpec(gpu_ids, None, [block_index])
     cpu_spec = CPULoadStoreSpec(cpu_ids)
     if store:
@@ -140,7 +140,7 @@ def test_whole_row_loads_merge_adjacent_rows_of_a_group_whose_pitch_is_not_the_o
     cpu = [PageArray(CPU_BASE + region.page_offsets[t], 8, region.row_stride, 256)
            for t in range(5)]
     planner = TransferPlanner(gpu, cpu, 1, [[0, 4], [1, 2, 3]])  # pitches 1280 and 768
-    staging = BlockStaging.of_planner(planner, 2 * 1280, load_whole_rows=True)
+    staging = BlockStaging.of_geometry(planner.geometry, 2 * 1280, load_whole_rows=True)
     assert staging.pitch.tolist() == [1280, 768]
     spec = (CPULoadStoreSpec([3, 4, 5, 6, 7]), GPULoadStoreSpec([0, 1, 2, 3, 4], [5, 0], [0, 0]))
     layout = staging.layout(planner.block_plan(Direction.CPU_TO_GPU, spec))
@@ -162,29 +162,30 @@ def test_scattered_rows_are_taken_in_host_order(factor):
 
 
 def test_access_width_follows_every_address_and_size():
-    assert BlockStaging.of_planner(_rank(4, 4096, 2), 1 << 20).access_bytes == 16
+    assert BlockStaging.of_geometry(_rank(4, 4096, 2).geometry, 1 << 20).access_bytes == 16
     gpu = [PageArray(GPU_BASE + 8, 4, 24, 24)]
     cpu = [PageArray(CPU_BASE, 4, 256, 24)]
-    assert BlockStaging.of_planner(TransferPlanner(gpu, cpu, 1), 1 << 20).access_bytes == 8
+    geometry = TransferPlanner(gpu, cpu, 1).geometry
+    assert BlockStaging.of_geometry(geometry, 1 << 20).access_bytes == 8
 
 
 def test_refuses_rows_that_do_not_fit_and_work_of_another_planner():
     planner = _rank(64, 32 << 10, 4)  # rows of 8 MiB
     with pytest.raises(BackendError, match=r"8388608 bytes, more than chunk_bytes = 4194304"):
-        BlockStaging.of_planner(planner, 4 << 20)
+        BlockStaging.of_geometry(planner.geometry, 4 << 20)
     with pytest.raises(BackendError, match="multiple of 256"):
-        BlockStaging.of_planner(planner, 1000)
+        BlockStaging.of_geometry(planner.geometry, 1000)
     other = _rank(64, 32 << 10, 4)
     plan = other.block_plan(Direction.GPU_TO_CPU, (GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([3])))
     with pytest.raises(BackendError, match="not built for"):
-        BlockStaging.of_planner(planner, 8 << 20).layout(plan)
+        BlockStaging.of_geometry(planner.geometry, 8 << 20).layout(plan)
 
 
 def test_refuses_groups_whose_rows_would_overlap():
     gpu = [PageArray(GPU_BASE, 4, 256, 256), PageArray(GPU_BASE + 4096, 4, 256, 256)]
     cpu = [PageArray(CPU_BASE, 4, 512, 256), PageArray(CPU_BASE + 2048, 4, 512, 256)]
     with pytest.raises(BackendError, match="wider than the CPU block stride 512"):
-        BlockStaging.of_planner(TransferPlanner(gpu, cpu, 1), 1 << 20)
+        BlockStaging.of_geometry(TransferPlanner(gpu, cpu, 1).geometry, 1 << 20)
 
 
 def test_an_empty_transfer_has_no_chunks():

@@ -116,17 +116,18 @@ def test_two_attachments_of_one_rank_each_pin_it_in_their_own_context(make_confi
         region.close()
 
 
-def test_failed_chunk_rolls_back_the_chunks_before_it(make_config):
+def test_a_failed_registration_rolls_back_the_ones_before_it(make_config):
     region = SharedOffloadRegion.create(make_config(
         region=RegionConfig(capacity_bytes=None, num_blocks=64, prefault_threads=2)))
     try:
-        chunks = [(region.base_address + off, n) for off, n in region.layout.pin_chunks(0, 1 << 16)]
+        ranges = [(region.base_address + off, n)
+                  for off, n in region.layout.registrations(0, 1 << 16)]
         pinner = HostPinner(0)
         with pytest.raises(PinError, match="cuMemHostRegister"):
-            pinner.pin(chunks + [chunks[0]])  # registering a range twice fails
+            pinner.pin(ranges + [ranges[0]])  # registering a range twice fails
         assert pinner.pinned_bytes == 0
         again = HostPinner(0)
-        again.pin(chunks)  # would fail if the rollback had left anything registered
+        again.pin(ranges)  # would fail if the rollback had left anything registered
         assert again.pinned_bytes == region.layout.slice_used_bytes
         again.unpin()
         torch.zeros(1, device="cuda").add_(1)  # no stale CUDA error surfaces in torch

@@ -136,7 +136,9 @@ OWNERS = (1, 2)
 
 class ManagerMachine(RuleBasedStateMachine):
     """Random calls by two owners; a model of which keys each owner is writing, which are
-    ready and how many pins each owner holds must match the index."""
+    ready and how many pins each owner holds must match the index. A reset dooms what a
+    copy still touches (a reservation, a pinned block): not readable, its slot in use until
+    its last writer or pin ends."""
 
     policy = "lru"
 
@@ -146,7 +148,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.writing: dict[bytes, int] = {}  # key -> owner that reserved it
         self.ready: set[bytes] = set()
         self.pins: Counter[tuple[int, bytes]] = Counter()
+        self.doomed: set[bytes] = set()  # forgotten by a reset while a copy touched them
         self.stored_minus_removed: set[bytes] = set()
+
+    def settle(self, key: bytes) -> None:
+        """A doomed key nobody writes or pins any more is gone."""
+        if key in self.doomed and key not in self.writing and not self.pinned(key):
+            self.doomed.discard(key)
 
     keys = st.lists(st.integers(0, 9).map(lambda i: b"%d" % i), min_size=0, max_size=4,
                     unique=True)
@@ -157,7 +165,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(keys=keys, owner=owners)
     def prepare_store(self, keys, owner):
-        held = set(self.writing) | self.ready
+        held = set(self.writing) | self.ready | self.doomed
         out = self.m.prepare_store(keys, owner=owner)
         new = [key for key in keys if key not in held]
         if out is None:
@@ -177,7 +185,9 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in mine:
             del self.writing[key]
         if success:
-            self.ready |= set(mine)
+            self.ready |= set(mine) - self.doomed
+        for key in mine:
+            self.settle(key)
 
     @precondition(lambda self: self.ready)
     @rule(data=st.data(), owner=owners)
@@ -195,6 +205,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pins[owner, key] -= 1
         if not self.pins[owner, key]:  # an unpinned block may be evicted: the model forgets it
             del self.pins[owner, key]
+        self.settle(key)
 
     @rule(keys=keys, owner=owners)
     def lease(self, keys, owner):
@@ -205,14 +216,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
             hits += 1
         assert result.num_hit == hits
-        assert result.pending == (hits < len(keys) and keys[hits] in self.writing)
+        assert result.pending == (hits < len(keys) and keys[hits] in self.writing
+                                  and keys[hits] not in self.doomed)
         for key in keys[:hits]:
             self.pins[owner, key] += 1
 
     @rule(keys=keys, owner=owners)
     def release(self, keys, owner):
-        expected = sum(self.pins.pop((owner, key), 0) for key in keys)
+        expected = sum(self.pins.pop((owner, key), 0) for key in set(keys))
         assert self.m.release(keys, owner=owner) == expected
+        for key in keys:
+            self.settle(key)
 
     @rule(owner=owners)
     def end_session(self, owner):
@@ -223,6 +237,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in writing:
             del self.writing[key]
         self.pins = Counter({(o, k): n for (o, k), n in self.pins.items() if o != owner})
+        for key in list(self.doomed):
+            self.settle(key)
 
     @rule(keys=keys)
     def touch_and_lookup(self, keys):
@@ -237,24 +253,26 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.m.reset()
-        self.writing.clear()
+        self.doomed |= set(self.writing) | {key for key in self.ready if self.pinned(key)}
         self.ready.clear()
-        self.pins.clear()
 
     @invariant()
     def gauges_match_the_model(self):
         s = self.m.stats()
-        loading = {key for key in self.ready if self.pinned(key)}
+        loading = {key for key in self.ready | self.doomed
+                   if self.pinned(key) and key not in self.writing}
         assert s.writing_blocks == len(self.writing)
         assert s.loading_blocks == len(loading)
         assert s.ready_blocks == len(self.ready - loading)
-        assert s.free_blocks == 5 - len(self.writing) - len(self.ready)
-        slots = self.m._slots  # the index's own records: one slot per key, none shared
+        assert s.free_blocks == 5 - len(self.writing) - len(self.ready | loading)
+        table = self.m._table  # the index's own records: one slot per key, none shared
+        slots = table.slots
         assert len({slot.slot_id for slot in slots.values()}) == len(slots)
         assert all(0 <= slot.slot_id < 5 for slot in slots.values())
         assert all((slot.state is SlotState.LOADING) == (slot.loads > 0) for slot in slots.values())
-        assert self.m._readable_keys == {key for key, slot in slots.items()
-                                         if slot.state is not SlotState.WRITING}
+        assert {key for key, slot in slots.items() if slot.doomed} == self.doomed
+        assert table.readable == {key for key, slot in slots.items()
+                                  if slot.state is not SlotState.WRITING and not slot.doomed}
         for (owner, key), n in self.pins.items():
             assert slots[key].pins.get(owner, 0) == n
 

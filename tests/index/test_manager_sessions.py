@@ -98,13 +98,17 @@ def test_in_process_callers_are_the_local_owner(cache):
         cache.end_session(True)
 
 
-def test_reset_forgets_every_sessions_holdings(cache):
+def test_a_reset_keeps_a_sessions_slots_out_of_use_until_it_lets_go(cache):
+    """A reset forgets the keys, but the session's reservation and lease are copies that may
+    still run: their slots stay in use (never handed out) until the session ends."""
     store(cache, 1)
     cache.prepare_store(k(2), owner=ENGINE_A)
     cache.lease(k(1), owner=ENGINE_A)
     cache.reset()
-    assert cache.end_session(ENGINE_A) == SessionRelease(0, 0)
-    assert cache.stats().free_blocks == 4
+    assert cache.lookup(k(1, 2)) == 0 and cache.holds(ENGINE_A)
+    assert cache.stats().free_blocks == 2
+    assert cache.end_session(ENGINE_A) == SessionRelease(1, 1)
+    assert cache.stats().free_blocks == 4 and not cache.holds(ENGINE_A)
 
 
 def test_holds_says_whether_an_owner_has_anything_to_give_back(cache):

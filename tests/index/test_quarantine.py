@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-import tiercache.index.manager as manager_module
+import tiercache.index.tiering as tiering_module
 from index_scenarios import ids, k, store
 from tiercache.index.manager import TIER_OWNER, OffloadingManager
 from tiercache.region.ledger import RECORD_BYTES, IndexLedger
@@ -77,7 +77,7 @@ def test_an_expired_tier_reservation_is_held_out_and_an_engines_freed():
 
 @pytest.mark.parametrize("waited", [False, True])
 def test_a_lookup_waits_on_a_promotion_at_most_promotion_wait_s(monkeypatch, waited):
-    monkeypatch.setattr(manager_module, "PROMOTION_WAIT_S", 0.05)
+    monkeypatch.setattr(tiering_module, "PROMOTION_WAIT_S", 0.05)
     m = OffloadingManager(CAPACITY)
     store(m, 1)
     m.prepare_store(k(2), owner=TIER_OWNER)  # a lower tier's read of 2 under way

@@ -1,4 +1,4 @@
-"""The native chunk loop (``tiercache/native/chunk_loop.c``) on the CPU, driven by a
+"""The native chunk loop (``tiercache/native/src/``) on the CPU, driven by a
 driver table of Python functions that do what the GPU would, on numpy memory.
 
 The loop is the real compiled C on its own thread, laying transfers out itself; only the
@@ -25,14 +25,15 @@ from block_reference import (
     CPU_BASE, GPU_BASE, Case, HypDraw, assert_same, draw_case, expected_after,
 )
 from loop_fakes import (
-    ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_SLOTS, PACK, PREV,
+    ABI_12_8, ABI_13_0, AFTER, BEGIN, DMA, DONE, END, FREE, LOOP_CTX, NUM_RING_SLOTS, PACK, PREV,
     RING_BASE, READY, SLOT_POISON, START, STREAM, UNPACK, contract, multi_chunk_store, prepare,
     row_order_is_unique, spoil, zero_copy_contract, zero_copy_pairs,
 )
 from tiercache.errors import BackendError, SpecError
 from tiercache.native import build as native_build
 from tiercache.native.chunk_loop import ChunkLoop, LoopKernel
-from tiercache.native.validator import SPEC_ERRORS, NativeValidator
+from tiercache.native.codes import SPEC_ERRORS
+from tiercache.native.validator import NativeValidator
 from tiercache.planning.planner import TransferPlanner
 from tiercache.region.layout import RegionLayout
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -171,7 +172,8 @@ def test_the_ring_cursor_carries_over_between_jobs():
     ends = [i for i, t in enumerate(fake.trace) if t == ("record", "end", "S")]
     starts = [1] + [e + 1 for e in ends[:-1]]
     for n, (lo, hi) in enumerate(zip(starts, ends)):
-        assert fake.trace[lo:hi + 1] == contract(layout, True, n * layout.num_chunks % NUM_SLOTS)
+        cursor = n * layout.num_chunks % NUM_RING_SLOTS
+        assert fake.trace[lo:hi + 1] == contract(layout, True, cursor)
 
 
 def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run():
@@ -195,7 +197,7 @@ def test_a_failed_batch_fails_its_job_still_records_its_end_and_later_jobs_run()
     assert fake.trace.count(("record", "end", "S")) == 2
     second = fake.trace[first_end + 1:]
     # the failed job still advanced the cursor past the chunks it planned
-    assert second == contract(layout, True, layout.num_chunks % NUM_SLOTS)
+    assert second == contract(layout, True, layout.num_chunks % NUM_RING_SLOTS)
 
 
 def test_an_empty_job_only_orders():
@@ -237,8 +239,8 @@ def test_a_small_job_goes_to_the_loop_while_it_is_busy_and_keeps_its_order():
     assert not fake.errors, fake.errors
     calls = [t for t in fake.trace if t[0] != "ctx"]
     n = layout.num_chunks
-    assert calls == (contract(layout, True, 0) + contract(layout, True, n % NUM_SLOTS)
-                     + contract(layout, True, 2 * n % NUM_SLOTS))  # in order, cursor shared
+    assert calls == (contract(layout, True, 0) + contract(layout, True, n % NUM_RING_SLOTS)
+                     + contract(layout, True, 2 * n % NUM_RING_SLOTS))  # in order, cursor shared
     assert len(fake.threads) == 2  # the loop's thread for two, the caller's for the third
 
 
@@ -295,7 +297,7 @@ def test_bad_configurations_and_jobs_are_refused():
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 8, (0, 0, 0, 0))
     with pytest.raises(BackendError, match="8 parameters"):
         ChunkLoop(fake.driver, kernel, prepared.staging.loop_geometry(),
-                  dma_stream=DMA, ring_base=RING_BASE, slot_bytes=256, free_events=FREE,
+                  dma_stream=DMA, ring_base=RING_BASE, ring_slot_bytes=256, free_events=FREE,
                   ready_events=READY, begin_event=BEGIN, done_event=DONE,
                   attrs=(bytes(24), bytes(24)))
     with pytest.raises(BackendError, match="closed"):
@@ -344,10 +346,9 @@ def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
 
 
 def test_a_broken_source_is_an_error_with_the_compilers_message(tmp_path):
-    source = tmp_path / "broken.c"
-    source.write_text("int f( {\n")
+    (tmp_path / "broken.c").write_text("int f( {\n")
     with pytest.raises(BackendError, match="broken.c"):
-        native_build.build(source, tmp_path / "out")
+        native_build.build(tmp_path, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))  # nothing half-built left
 
 
@@ -357,6 +358,22 @@ def test_builds_once_per_source_version(tmp_path):
     assert native_build.build(directory=tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_a_changed_header_is_a_new_build(tmp_path):
+    """The C files are built together, and what they include is part of the version: a
+    header changed alone (here a limit in ``codes.h``) gives another library."""
+    import shutil
+
+    sources = tmp_path / "src"
+    shutil.copytree(native_build.SOURCES, sources)
+    first = native_build.build(sources, tmp_path / "out")
+    header = sources / "codes.h"
+    header.write_text(header.read_text().replace("#define TC_MAX_PARAMS 16",
+                                                 "#define TC_MAX_PARAMS 17"))
+    second = native_build.build(sources, tmp_path / "out")
+    assert second != first and sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        sorted([first.name, second.name])
 
 
 @pytest.mark.parametrize("inline", [False, True])

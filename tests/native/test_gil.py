@@ -19,7 +19,7 @@ import pytest
 from tiercache.native.library import Library, library
 
 KEEP = {"tc_validate", "tc_submit", "tc_transfer", "tc_set_inline", "tc_set_zero_copy", "tc_stamps",
-        "tc_layout"}
+        "tc_layout", "tc_constant"}
 RELEASE = {"tc_open", "tc_wait", "tc_close"}
 
 

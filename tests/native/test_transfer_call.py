@@ -26,8 +26,8 @@ from loop_fakes import (
     row_order_is_unique, spoil, zero_copy_contract,
 )
 from tiercache.errors import BackendError, SpecError
-from tiercache.native.transfer_call import FenceTable, TransferChecks, TransferCode
-from tiercache.native.validator import SPEC_ERRORS
+from tiercache.native.codes import SPEC_ERRORS, TransferCode
+from tiercache.native.transfer_call import FenceTable, TransferChecks
 from tiercache.region.ledger import RECORD, LedgerState
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 

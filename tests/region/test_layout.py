@@ -3,7 +3,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tiercache.config import Config, ConfigError, KVGeometry, RegionConfig
+from tiercache.config import Config, KVGeometry, RegionConfig
+from tiercache.errors import ConfigError
 from tiercache.region.layout import (
     HEADER_FIXED_BYTES, OS_PAGE, ROW_ALIGN, SLICE_ALIGN, RegionLayout,
 )
@@ -51,15 +52,15 @@ def test_rows_hold_every_page_without_overlap(layout):
 
 @settings(max_examples=200, deadline=None)
 @given(layouts, st.integers(1, 1 << 22))
-def test_pin_chunks_cover_the_slice_on_row_boundaries(layout, max_chunk):
+def test_registrations_cover_the_slice_on_row_boundaries(layout, max_bytes):
     for rank in range(layout.world_size):
-        chunks = layout.pin_chunks(rank, max_chunk)
+        ranges = layout.registrations(rank, max_bytes)
         start = layout.slice_offset(rank)
         cursor = start
-        for off, length in chunks:
+        for off, length in ranges:
             assert off == cursor and (off - start) % layout.row_stride == 0
             assert length % layout.row_stride == 0
-            assert length <= max(max_chunk, layout.row_stride)
+            assert length <= max(max_bytes, layout.row_stride)
             cursor += length
         assert cursor == start + layout.slice_used_bytes
 

@@ -54,7 +54,7 @@ def run_kernel_case(case: Case, seed: int, device: str) -> BlockStaging:
     cpu_base = cpu_data.ctypes.data
     gpu_pages, cpu_pages = case.page_arrays(gpu_base, cpu_base)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows)
     layout = staging.layout(planner.block_plan(case.direction, case.spec))
     plan, gpu_expected, cpu_expected = expected_after(case, planner, gpu_data, cpu_data,
                                                       gpu_base, cpu_base)

@@ -26,7 +26,7 @@ from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 RING_BASE = 0x30_0000_0000
 SLOT_POISON = 0xA5
-NUM_SLOTS = 3
+NUM_RING_SLOTS = 3
 EXTRA_PARAMS = 2  # Triton's scratch pointers: passed as zero
 ABI_12_8, ABI_13_0 = 12080, 13000
 
@@ -55,8 +55,8 @@ LOOP_CTX = 0xC7  # the context the loop makes current on its thread
 # handles: small distinct integers (the stand-ins only compare them)
 STREAM, DMA, PACK, UNPACK, COMPUTE = 0x100, 0x200, 0x300, 0x301, 0x400
 START, END, PREV, TABLE, BEGIN, DONE, AFTER = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16
-FREE = [0x40 + s for s in range(NUM_SLOTS)]
-READY = [0x60 + s for s in range(NUM_SLOTS)]
+FREE = [0x40 + s for s in range(NUM_RING_SLOTS)]
+READY = [0x60 + s for s in range(NUM_RING_SLOTS)]
 NAMES = {STREAM: "S", DMA: "D", COMPUTE: "C", START: "start", END: "end", PREV: "prev",
          TABLE: "table", BEGIN: "begin", DONE: "done", AFTER: "after",
          **{e: f"free{s}" for s, e in enumerate(FREE)},
@@ -74,10 +74,11 @@ class FakeGpu:
                  slot_bytes: int, abi: int = ABI_13_0, fail_batch: int = 0):
         self.case, self.layout = case, layout
         self.gpu_pages, self.cpu_pages = gpu_pages, cpu_pages
-        self.ring = Memory(aligned(NUM_SLOTS * slot_bytes, SLOT_POISON), RING_BASE)
+        self.ring = Memory(aligned(NUM_RING_SLOTS * slot_bytes, SLOT_POISON), RING_BASE)
         self.slot_bytes = slot_bytes
         self.memories = (gpu, cpu, self.ring)
         self.trace: list[tuple] = []
+        self.names = dict(NAMES)  # handle -> its name in the trace (stand-in streams add theirs)
         self.errors: list[BaseException] = []
         self.fail_batch = fail_batch
         self.fail_record: dict[int, int] = {}  # event -> the CUresult its records return
@@ -91,6 +92,7 @@ class FakeGpu:
         self.threads: set[int] = set()  # who made the calls (context calls aside)
         self.current = LOOP_CTX  # what cuCtxGetCurrent answers (on any thread)
         self.gate: threading.Event | None = None  # set: the next end record waits for it
+        self.gate_on = END  # the end event the gate holds (a stand-in stream's may be another)
         self.at_gate = threading.Event()  # the loop's thread waits at the gate
         self.claimed = -1  # the slot of the chunk being issued (its free wait came last)
         self.tables: list[np.ndarray] = []  # the pair table of each launch, as the kernel saw it
@@ -130,7 +132,7 @@ class FakeGpu:
         raise AssertionError(f"{address:#x} is in no memory")
 
     def name(self, handle: int) -> str:
-        return "table" if handle in self.table_events else NAMES[handle]
+        return "table" if handle in self.table_events else self.names[handle]
 
     def host_alloc(self, out, num_bytes, flags):
         assert flags == 0 and num_bytes % 8 == 0
@@ -168,7 +170,7 @@ class FakeGpu:
         return 0
 
     def record(self, event, stream):
-        if event == END and self.gate is not None:
+        if event == self.gate_on and self.gate is not None:
             gate, self.gate = self.gate, None
             self.at_gate.set()
             assert gate.wait(30), "the test never opened the gate"
@@ -189,7 +191,7 @@ class FakeGpu:
         tail = [ctypes.c_uint64.from_address(params[i]).value for i in range(9, 9 + EXTRA_PARAMS)]
         assert tail == [0] * EXTRA_PARAMS and values[5:] == [0xAA, 4, 0xBB, 1]
         assert extra is None and (gy, gz, bx, by, bz) == (7, 1, 128, 1, 1)
-        assert shared == (16 if function == PACK else 8) and self.name(stream) == "S"
+        assert shared == (16 if function == PACK else 8) and self.name(stream).startswith("S")
         table = np.ctypeslib.as_array((ctypes.c_int64 * (4 * num_pairs)).from_address(pairs))
         table = table.reshape(4, -1).copy()
         self.tables.append(table)
@@ -238,7 +240,7 @@ def make_loop(fake: FakeGpu, slot_bytes: int, staging: BlockStaging) -> ChunkLoo
     kernel = LoopKernel((UNPACK, PACK), 128, (8, 16), 7, 5, 9 + EXTRA_PARAMS, (0xAA, 4, 0xBB, 1))
     return ChunkLoop(fake.driver, kernel, staging.loop_geometry(), dma_stream=DMA,
                      ring_base=RING_BASE,
-                     slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
+                     ring_slot_bytes=slot_bytes, free_events=FREE, ready_events=READY,
                      begin_event=BEGIN, done_event=DONE, attrs=attrs)
 
 
@@ -251,14 +253,14 @@ def contract(layout, store: bool, cursor: int) -> list[tuple]:
         n = int(layout.dma_first[1])
         launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
         dma = [("batch", n, "S")] if n else []
-        s = cursor % NUM_SLOTS
+        s = cursor % NUM_RING_SLOTS
         body = [*launch, *dma] if store else [*dma, *launch]
         return out + [("wait", "S", f"free{s}"), *body, ("record", f"free{s}", "S"),
                       ("record", "table", "S"), ("record", "end", "S")]
     if layout.num_chunks:
         out += [("record", "begin", "S"), ("wait", "D", "begin")]
     for k in range(layout.num_chunks):
-        s = (cursor + k) % NUM_SLOTS
+        s = (cursor + k) % NUM_RING_SLOTS
         first, count = layout.pair_range(k)
         n = int(layout.dma_first[k + 1] - layout.dma_first[k])
         launch = [("launch", "pack" if store else "unpack", first, count)] if count else []
@@ -337,11 +339,11 @@ class Prepared:
 def prepare(case) -> Prepared:
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
-    staging = BlockStaging.of_planner(planner, case.chunk_bytes, case.load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows)
     reference = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups,
                                 native_validation=False)
     plan = reference.block_plan(case.direction, case.spec)
-    layout = BlockStaging.of_planner(reference, case.chunk_bytes,
+    layout = BlockStaging.of_geometry(reference.geometry, case.chunk_bytes,
                                      case.load_whole_rows).layout(plan)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)

@@ -1,6 +1,7 @@
 """A real ``mooncake_master`` for tests: on 127.0.0.1, free ports, its HTTP metadata server
 in the same process; killed, stopped and started again on the same ports by the test.
-``stop()`` always runs (use it as a context manager)."""
+``stop()`` always runs (use it as a context manager). ``key_file``: the test cluster's key
+(``cluster.key_file``, 0600), made in the master's directory for the nodes to share."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def master_binary() -> str:
     return path
 
 
+def make_key_file(path: Path) -> Path:
+    """A cluster key as the docs make one (32 random bytes, mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(32))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,6 +65,7 @@ class MooncakeMaster:
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.rpc_port}"
         self.metadata_url = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.key_file = str(make_key_file(workdir / "cluster.key"))
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.start()

@@ -70,7 +70,7 @@ def test_any_flipped_byte_makes_the_slot_read_as_nothing(where, where_in_slot):
     directory, setting, _ = where
     f = open_file(directory, direct_io=setting)
     f.write(0, b"k", 1, [memoryview(r) for r in filled(b"k")])
-    offset = 20 if where_in_slot == "header" else HEADER_BYTES + ROW + 100
+    offset = f.offset(0) + (20 if where_in_slot == "header" else HEADER_BYTES + ROW + 100)
     with open(f.path, "r+b") as raw:
         raw.seek(offset)
         byte = raw.read(1)

@@ -6,7 +6,6 @@ asking for one key promote it once."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -128,14 +127,14 @@ def test_flipped_bytes_in_the_tiers_file_give_misses_never_wrong_bytes(config, t
     disk = DiskSlotFile(config.disk.file_path(config.name), config.disk.capacity_bytes,
                         world_size=2, row_stride=layout.row_stride, layout_digest=layout.digest)
     on_disk = len(disk.scan())
+    offsets = [disk.offset(slot) + HEADER_BYTES + 1000 for slot in range(disk.num_slots)]
     disk.close()
     path = config.disk.file_path(config.name)
-    slot_bytes = HEADER_BYTES + 2 * ROW
     with open(path, "r+b") as raw:  # one bit of data in every slot
-        for slot in range(os.path.getsize(path) // slot_bytes):
-            raw.seek(slot * slot_bytes + HEADER_BYTES + 1000)
+        for offset in offsets:
+            raw.seek(offset)
             byte = raw.read(1)
-            raw.seek(slot * slot_bytes + HEADER_BYTES + 1000)
+            raw.seek(offset)
             raw.write(bytes([byte[0] ^ 1]))
     with CoordinatorProcess(config, tmp_path / "c2") as again:
         exact, wrong, missing = load_every_key(config, KEYS[:32])

@@ -102,15 +102,14 @@ def test_run_step_submits_back_to_back_and_returns_when_every_transfer_reported(
     from tiercache.planning.planner import TransferPlanner
     from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
     from tiercache.tools.bench.engine import run_step
-    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+    from tiercache.transfer.wiring import build_handlers
 
     page, blocks = 4096, 8
     gpu = torch.arange(blocks * page, dtype=torch.int32).to(torch.uint8)
     host = torch.zeros(blocks * page, dtype=torch.uint8)
     planner = TransferPlanner([PageArray(gpu.data_ptr(), blocks, page, page)],
                               [PageArray(host.data_ptr(), blocks, page, page)], 1)
-    handlers = CpuGpuOffloadingHandlers.build(planner, {d: CpuCopyBackend() for d in Direction},
-                                              HostStreams())
+    handlers = build_handlers(planner, {d: CpuCopyBackend() for d in Direction}, HostStreams())
     try:
         ticks = itertools.count()
         specs = [(GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([5, 6])),

@@ -27,6 +27,7 @@ from tiercache.region.stats import STATS_BLOCK_BYTES, RankStats
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import page_arrays_of, split_kv
+from tiercache.transfer.wiring import build_handlers
 from tiercache.planning.planner import TransferPlanner
 
 NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 24, 12
@@ -139,7 +140,7 @@ def assert_world(world: World, expected: list[torch.Tensor]) -> None:
 class Rig:
     """A world with both handlers over it (cpu backend, host streams, a stats block)."""
 
-    def __init__(self, world: World, groups=None, backends=None):
+    def __init__(self, world: World, groups=None, backends=None, streams=None):
         self.world = world
         gpu_tensors, cpu_views = world.views()
         layout = world.layout
@@ -147,11 +148,11 @@ class Rig:
         planner = TransferPlanner(page_arrays_of(gpu_tensors, layout.page_bytes),
                                   page_arrays_of(cpu_views, layout.page_bytes, layout.block_size_factor),
                                   layout.block_size_factor, self.groups)
-        self.streams = HostStreams()
+        self.streams = streams or HostStreams()
         self.stats_buffer = bytearray(STATS_BLOCK_BYTES)
         self.stats = RankStats(self.stats_buffer, 0, rank=0)
         backends = backends or {d: CpuCopyBackend() for d in Direction}
-        self.handlers = CpuGpuOffloadingHandlers.build(planner, backends, self.streams, self.stats)
+        self.handlers = build_handlers(planner, backends, self.streams, self.stats)
         self.gates: list[threading.Event] = []
 
     def run(self, job_id: int, spec) -> TransferResult:
@@ -384,6 +385,42 @@ def test_failure_is_a_result_and_later_jobs_still_run(rigs, bad_backend, accepte
     assert (snap.directions[C2G].transfers_ok, snap.directions[C2G].bytes_total) == (1, page_sum)
 
 
+class MarkFailingStreams(HostStreams):
+    """Host streams whose compute-stream mark fails while ``failing`` (as a CUDA error
+    recording it would)."""
+
+    failing = False
+
+    def mark_current(self, event) -> None:
+        if self.failing:
+            raise BackendError("mark refused on purpose")
+        super().mark_current(event)
+
+
+def test_a_failed_mark_copies_nothing_and_fails_in_its_place(rigs, caplog):
+    """The planned path's side of the contract (the native one: test_native_path.py)."""
+    world = make_world("separate", 1)
+    streams = MarkFailingStreams()
+    rig = rigs(world, streams=streams)
+    expected = world.clone()
+    first, second, third = ((GPULoadStoreSpec([g]), CPULoadStoreSpec([c]))
+                            for g, c in ((1, 2), (3, 4), (5, 6)))
+    for spec in (first, third):  # the second lands nowhere
+        apply_reference(world, expected, rig.groups, *spec, store=True)
+    assert rig.handlers.transfer_async(1, first)
+    streams.failing = True
+    with caplog.at_level("ERROR", logger="tiercache.transfer.planned_path"):
+        assert not rig.handlers.transfer_async(2, second)
+    streams.failing = False
+    assert rig.handlers.transfer_async(3, third)
+    rig.handlers.wait([1, 2, 3])
+    results = rig.handlers.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, False), (3, True)]
+    assert_world(world, expected)
+    assert any("gpu_to_cpu job 2: the cpu backend could not submit" in r.getMessage()
+               and "mark refused on purpose" in r.getMessage() for r in caplog.records)
+
+
 class HeldTicket:
     """A ``Ticket`` (``tiercache.backends.base``), issued when the test says so (a backend
     whose own thread enqueues the transfer: ``staged``'s chunk loop)."""
@@ -490,3 +527,22 @@ def test_stats_account_every_transfer_exactly(rigs):
     assert snap.transfers_ok == 6 and snap.transfers_failed == 0
     assert sum(snap.duration_counts) == sum(snap.size_counts) == 6
     assert snap.busy_seconds_total == pytest.approx(sum(r.transfer_time for r in results), abs=1e-6)
+
+
+def test_the_handler_knows_only_the_transfer_contract():
+    """The handler orders, tracks and reports: what a transfer is (plan, fence, native
+    call, backend) is its path's, so it imports none of those."""
+    import ast
+    from pathlib import Path
+
+    import tiercache.transfer.handlers as handlers
+
+    tree = ast.parse(Path(handlers.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names}
+    forbidden = ("tiercache.planning", "tiercache.native", "tiercache.backends",
+                 "tiercache.transfer.fence", "tiercache.transfer.native_path",
+                 "tiercache.transfer.planned_path")
+    assert not [m for m in imported if m and m.startswith(forbidden)], imported
+    assert "tiercache.transfer.path" in imported

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
             master = MooncakeMaster(tmp_path / "master")
             cluster = ClusterConfig(master=master.address, metadata_server=master.metadata_url,
-                                    local_hostname="127.0.0.1", segment_bytes=1 << 30,
+                                    local_hostname="127.0.0.1", key_file=master.key_file,
+                                    segment_bytes=1 << 30,
                                     publish_queue_blocks=4096)
         config = model.coordinator_config(f"bench-{uuid.uuid4().hex[:8]}",
                                           str(tmp_path / "c.sock"), chunks, disk=disk,

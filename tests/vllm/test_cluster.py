@@ -40,7 +40,8 @@ def test_a_prefix_computed_on_node_a_is_loaded_on_node_b_byte_for_byte(master, s
     from tiercache.config import ClusterConfig
 
     cluster = ClusterConfig(master=master.address, metadata_server=master.metadata_url,
-                            local_hostname="127.0.0.1", segment_bytes=64 << 20,
+                            local_hostname="127.0.0.1", key_file=master.key_file,
+                            segment_bytes=64 << 20,
                             exists_ttl_s=0.5, retry_s=0.5, start_timeout_s=10,
                             # the harness's steps take a few ms: wait for the pool's answer
                             # (2 cores and a full test run may make it slower than 50 ms)

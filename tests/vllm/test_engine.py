@@ -126,19 +126,12 @@ def test_a_lookup_takes_nothing_an_aborted_request_evicts_no_stored_block(start_
 
 
 def on_disk(coordinator) -> int:
-    """Blocks whose slot header is whole in the coordinator's disk tier file."""
-    from tiercache.region.layout import RegionLayout
-    from tiercache.tiers.disk_file import DiskSlotFile
+    """Blocks the coordinator's disk tier holds (its file is locked by the coordinator:
+    asked over the control socket, not read beside it)."""
+    from tiercache.control.client import Client
 
-    config = coordinator.config
-    layout = RegionLayout.from_config(config)
-    disk = DiskSlotFile(config.disk.file_path(config.name), config.disk.capacity_bytes,
-                        world_size=1, row_stride=layout.row_stride, layout_digest=layout.digest,
-                        direct_io=False)
-    try:
-        return len(disk.scan())
-    finally:
-        disk.close()
+    with Client(coordinator.config) as client:
+        return client.tier_stats()["disk"].used_blocks
 
 
 def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_coordinator,

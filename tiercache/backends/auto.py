@@ -38,25 +38,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tiercache.backends.base import (
-    BackendContext, CopyBackend, NativeTransfers, Ordering, Plan, Submission,
-)
+from tiercache.backends.base import BackendContext, CopyBackend, Ordering, Plan, Submission
 from tiercache.backends.ce import CeBackend
 from tiercache.backend_kind import BackendKind
 from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
 from tiercache.errors import BackendError
-from tiercache.native.transfer_call import FenceTable
 from tiercache.pages import PageArray
+from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.planner import TransferPlanner
 from tiercache.planning.plans import CopyPlan, PlanForm
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+
+if TYPE_CHECKING:
+    from tiercache.native.chunk_loop import ChunkLoop
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +102,10 @@ class AutoBackend(CopyBackend):
             return self.small.submit(plan, ordering)
         return self.chosen.submit(plan, ordering)
 
-    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
-                         ) -> NativeTransfers | None:
+    def transfer_loop(self, geometry: TransferGeometry) -> ChunkLoop | None:
         if self.small is not None:  # page plans, split between two backends
             return None
-        return self.chosen.native_transfers(planner, fence)
+        return self.chosen.transfer_loop(geometry)
 
     def close(self) -> None:
         self.chosen.close()
@@ -113,10 +113,10 @@ class AutoBackend(CopyBackend):
             self.small.close()
 
 
-def _candidates(device: int, driver: CudaDriver, planner: TransferPlanner
+def _candidates(device: int, driver: CudaDriver, geometry: TransferGeometry
                 ) -> list[Callable[[], CopyBackend]]:
     return [lambda: CeBackend(device, driver),
-            lambda: StagedBackend(device, driver=driver, planner=planner)]
+            lambda: StagedBackend(device, driver=driver, geometry=geometry)]
 
 
 class _Scratch:
@@ -203,7 +203,8 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
     driver = CudaDriver()
     if not driver.has_batch:
         raise BackendError(f"auto: CUDA driver {driver.driver_version} has no "
-                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' explicitly")
+                           "cuMemcpyBatchAsync; configure backend = 'kernel' or 'ce_loop' "
+                           "explicitly")
     if not context.host_registered:
         return (AutoChoice(direction, BackendKind.CE, "host memory is not page-locked"),
                 CeBackend(device, driver))
@@ -220,7 +221,7 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
         scratch = _Scratch(context, torch_device)
         stream = torch.cuda.Stream(device=torch_device)
         measured = []
-        for build in _candidates(device, driver, scratch.planner):
+        for build in _candidates(device, driver, scratch.planner.geometry):
             backend = build()
             large = scratch.plan(backend, direction, scratch.num_blocks)
             small = scratch.plan(backend, direction, max(1, scratch.num_blocks // 4))
@@ -233,8 +234,8 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
         other.backend.close()
     chosen = best.backend
     if chosen.kind is BackendKind.STAGED:
-        chosen.close()  # calibrated on the scratch's planner; the rank's own has its layout
-        chosen = StagedBackend(device, driver=driver, planner=context.planner,
+        chosen.close()  # calibrated on the scratch's geometry; the rank's own has its layout
+        chosen = StagedBackend(device, driver=driver, geometry=context.geometry,
                                zero_copy_bytes=context.zero_copy_limit)
     elapsed_ms = (time.perf_counter() - started) * 1e3
     summary = ", ".join(f"{m.backend.kind.label} {m.rate_bps / 1e9:.1f} GB/s "

@@ -1,35 +1,35 @@
-"""The copy-backend contract: what byte-moving code guarantees to the handlers.
+"""The copy-backend contract: what byte-moving code guarantees to the transfer paths.
 
 A backend only moves bytes: it gets a plan the planner already validated, in the form it
 declared (``plan_form``: page descriptors or block pairs), with the direction the caller
 decided, and where on which stream to put it (``Ordering``). It never sees specs, and
-never calls the planner.
+never plans: what it needs of the rank's pages comes with its ``BackendContext`` as a
+frozen ``TransferGeometry``.
 
-The one exception is deliberate: a backend that can take a whole transfer in one native
-call (``native_transfers``: validation, fence, the compute stream's mark and the issue,
-``tiercache.native.transfer_call``) gets the specs' id arrays, because doing the four
-steps in one call is what makes a transfer cost the engine's thread tens of
-microseconds instead of hundreds (docs/benchmarks.md). It applies the planner's and the
-fence's rules, not rules of its own.
+A backend that issues block plans on a native chunk loop built for the rank's geometry
+lends that loop (``transfer_loop``) to the native transfer path
+(``tiercache.transfer.native_path``), which hands it whole transfers in one call each:
+doing validation, fence, mark and issue in one native call is what makes a transfer cost
+the engine's thread tens of microseconds instead of hundreds (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from tiercache.backend_kind import BackendKind
-from tiercache.device.events import Event, Stream
+from tiercache.device.events import Event, Stream, Ticket
 from tiercache.device.streams import StreamPlatform
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
-from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
-from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+from tiercache.specs import Direction
 
 if TYPE_CHECKING:  # the region's page-locking loads this module, and no native code
-    from tiercache.native.transfer_call import FenceTable, Outcome
+    from tiercache.native.chunk_loop import ChunkLoop
 
 Plan = CopyPlan | BlockPlan
 
@@ -43,10 +43,12 @@ class BackendContext:
     block_size_factor and ``cpu_pages[t].block_stride_bytes`` the region's row stride).
     ``device`` is the caches' torch device; ``host_registered`` says whether the region
     slice is page-locked and registered with the driver; ``streams`` is the platform the
-    handler uses (for calibration runs at attach); ``planner`` is the rank's (its
-    geometry: a backend that takes block plans builds its tables from it, and never
-    plans with it); ``zero_copy_bytes`` bounds the transfers ``staged`` moves zero-copy
-    (the config's ``transfer.zero_copy_bytes``; honoured only where ``host_registered``).
+    handler uses (for calibration runs at attach); ``geometry`` is the rank's
+    ``TransferGeometry`` over the same pages (None: a backend built without one, for a
+    calibration or a benchmark, takes page plans): a backend that takes block plans
+    builds its tables from it; ``zero_copy_bytes`` bounds the transfers ``staged`` moves
+    zero-copy (the config's ``transfer.zero_copy_bytes``; honoured only where
+    ``host_registered``).
     """
 
     direction: Direction
@@ -55,13 +57,17 @@ class BackendContext:
     device: object
     host_registered: bool
     streams: StreamPlatform
-    planner: TransferPlanner | None = None
+    geometry: TransferGeometry | None = None
     zero_copy_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.gpu_pages) != len(self.cpu_pages) or not self.gpu_pages:
             raise BackendError(f"BackendContext: {len(self.gpu_pages)} GPU and "
                                f"{len(self.cpu_pages)} CPU page arrays; need as many, >= 1")
+        if self.geometry is not None and (tuple(self.gpu_pages) != self.geometry.gpu_pages
+                                          or tuple(self.cpu_pages) != self.geometry.cpu_pages):
+            raise BackendError("BackendContext: the geometry is of other pages than the "
+                               "context's; give the rank's geometry over the same pages")
 
     @property
     def zero_copy_limit(self) -> int:
@@ -87,18 +93,6 @@ class Ordering:
     end: Event | None = None
 
 
-class Ticket(Protocol):
-    """A transfer still being issued by a thread of the backend's own (``staged``'s
-    native chunk loop): its events mean nothing before ``issued()``."""
-
-    def issued(self) -> bool: ...  # every call of the transfer was made
-
-    def wait(self) -> None: ...  # block until issued()
-
-    @property
-    def status(self) -> int: ...  # once issued: 0, or the first failing CUresult
-
-
 @dataclass(frozen=True, eq=False)
 class Submission:
     """What ``submit`` returns: everything the device still reads after the call
@@ -117,24 +111,6 @@ class Submission:
             return 0
         self.ticket.wait()
         return self.ticket.status
-
-
-class NativeTransfers(Protocol):
-    """A backend's whole-transfer entry (``CopyBackend.native_transfers``), for one
-    planner and fence, driven by one handler's thread.
-
-    ``transfer`` validates the specs as the planner would, checks the fence, records
-    ``mark`` on the calling thread's compute stream and issues the copies on ``stream``
-    after ``mark`` and ``previous``, between ``start`` and ``end`` (events of the
-    handler's platform), in one call. Its ``Outcome``: a validation refusal (code in
-    ``SPEC_ERRORS``, no ticket: nothing was enqueued, not even the mark); queued (code
-    0); or the ordering events only (``TransferCode.FENCED``, ``MARK_FAILED``: ``end``
-    is still recorded after ``previous``). ``BackendError`` when the backend cannot take
-    the job at all (closed, out of memory): nothing was enqueued then."""
-
-    def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
-                 stream: Stream, mark: Event, previous: Event | None, start: Event,
-                 end: Event) -> Outcome: ...
 
 
 class CopyBackend(ABC):
@@ -165,12 +141,11 @@ class CopyBackend(ABC):
     def close(self) -> None:
         """Release buffers; called once after every transfer has finished."""
 
-    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
-                         ) -> NativeTransfers | None:
-        """Whole transfers of ``planner``'s rank in one native call each, checked against
-        ``fence`` (None: unfenced), instead of plan + ``submit``; None (the default) when
-        this backend has no such entry. A handler that gets one sends every transfer
-        through it."""
+    def transfer_loop(self, geometry: TransferGeometry) -> ChunkLoop | None:
+        """The native chunk loop that takes whole transfers of ``geometry`` in one call each
+        (``ChunkLoop.transfer``): this backend's, when it was built for that geometry and
+        issues its block plans on it; None (the default) when it has none. The native
+        transfer path sends every transfer through it instead of plan + ``submit``."""
         return None
 
 

@@ -51,7 +51,8 @@ def _copy_descriptors(table, table_stride, first, count, src_shift, dst_shift,
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-_ELEMENT = {16: (tl.int64, 8), 8: (tl.int64, 8), 4: (tl.int32, 4), 2: (tl.int16, 2), 1: (tl.int8, 1)}
+_ELEMENT = {16: (tl.int64, 8), 8: (tl.int64, 8), 4: (tl.int32, 4), 2: (tl.int16, 2),
+            1: (tl.int8, 1)}
 
 
 def access_bytes(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -52,11 +53,16 @@ class ClusterConfig:
     """The optional cluster tier (``[cluster]``): a pool shared by the nodes of a cluster,
     on Mooncake Store (``mooncake_master`` at ``master``, its HTTP metadata server at
     ``metadata_server``). This node contributes ``segment_bytes`` of memory to the pool,
-    served at ``local_hostname`` (``host`` or ``host:port``; a host alone: a free port)."""
+    served at ``local_hostname`` (``host`` or ``host:port``; a host alone: a free port).
+    ``key_file`` is required: a pool is reachable by anyone on its network, and only the
+    key tells the cluster's objects from anyone else's."""
 
     master: str
     metadata_server: str
     local_hostname: str
+    # the cluster's shared key (a file of at least 32 random bytes, 0600, the service
+    # user's): every pool object is signed and checked with it (tiers.cluster_key)
+    key_file: str = ""
     backend: str = "mooncake"
     segment_bytes: int = 4 << 30
     # Mooncake's own transfer buffer: tiercache's blocks move zero-copy from the registered
@@ -88,7 +94,20 @@ class ClusterConfig:
         if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
             raise ConfigError(f"cluster.metadata_server = {url!r}: give the master's HTTP "
                               "metadata URL, e.g. \"http://10.0.0.1:8080/metadata\"")
-        host_port("cluster.local_hostname", self.local_hostname, need_port=False)
+        if not self.key_file:
+            raise ConfigError("cluster.key_file is missing: the nodes of a cluster sign and "
+                              "check every pool object with a key they share; make one with "
+                              "`head -c 32 /dev/urandom > KEY && chmod 600 KEY`, copy it to "
+                              "every node and set cluster.key_file = \"KEY\"")
+        object.__setattr__(self, "key_file", os.path.abspath(self.key_file))
+        host, _ = host_port("cluster.local_hostname", self.local_hostname, need_port=False)
+        if all(part.isdigit() for part in host.split(".")):  # digits and dots: an IPv4 address
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise ConfigError(f"cluster.local_hostname = {self.local_hostname!r}: not an "
+                                  "IPv4 address (four numbers 0..255); give this node's "
+                                  "address as the other nodes reach it") from None
         if self.protocol not in CLUSTER_PROTOCOLS:
             raise ConfigError(f"cluster.protocol = {self.protocol!r}: allowed "
                               + ", ".join(repr(p) for p in CLUSTER_PROTOCOLS))

@@ -40,6 +40,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
              "low_watermark": (int, float), "direct_io": (bool, str),
              "retry_s": (int, float)},
     "cluster": {"backend": str, "master": str, "metadata_server": str, "local_hostname": str,
+                "key_file": str,
                 "segment_size": (int, str), "local_buffer_size": (int, str),
                 "protocol": str, "rdma_devices": str, "replicas": int,
                 "publish_queue_blocks": int, "publish_threads": int,
@@ -100,27 +101,29 @@ def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
                                        "retry_s": "retry_s"}))
 
 
-def _cluster_from(raw: dict[str, Any]) -> ClusterConfig:
+def _cluster_from(raw: dict[str, Any], base_dir) -> ClusterConfig:
     for key in ("master", "metadata_server", "local_hostname"):
         if key not in raw:
             raise ConfigError(f"cluster.{key} is missing: the cluster tier needs cluster.master "
                               "(host:port of mooncake_master), cluster.metadata_server (its "
                               "HTTP metadata URL) and cluster.local_hostname (this node's "
                               "address as the other nodes reach it)")
-    sizes = {}
+    given: dict[str, Any] = {}  # values taken apart from the file's own: sizes, paths
     for key, field_name in (("segment_size", "segment_bytes"),
                             ("local_buffer_size", "local_buffer_bytes")):
         if key in raw:
-            sizes[field_name] = parse_size(raw[key], f"cluster.{key}")
-    return ClusterConfig(**sizes, **_present(raw, {
-        "master": "master", "metadata_server": "metadata_server",
+            given[field_name] = parse_size(raw[key], f"cluster.{key}")
+    if base_dir is not None and raw.get("key_file"):
+        given["key_file"] = os.path.join(base_dir, raw["key_file"])
+    return ClusterConfig(**{**_present(raw, {
+        "key_file": "key_file", "master": "master", "metadata_server": "metadata_server",
         "local_hostname": "local_hostname", "backend": "backend", "protocol": "protocol",
         "rdma_devices": "rdma_devices", "replicas": "replicas",
         "publish_queue_blocks": "publish_queue_blocks", "publish_threads": "publish_threads",
         "promote_threads": "promote_threads", "exists_ttl_s": "exists_ttl_s",
         "exists_wait_s": "exists_wait_s", "retry_s": "retry_s",
         "census_period_s": "census_period_s",
-        "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}))
+        "start_timeout_s": "start_timeout_s", "stop_timeout_s": "stop_timeout_s"}), **given})
 
 
 def _kv_from(raw: dict[str, Any]) -> KVGeometry:
@@ -216,7 +219,7 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
     if "disk" in raw:
         kwargs["disk"] = _disk_from(raw["disk"], base_dir)
     if "cluster" in raw:
-        kwargs["cluster"] = _cluster_from(raw["cluster"])
+        kwargs["cluster"] = _cluster_from(raw["cluster"], base_dir)
     if "backend" in raw.get("transfer", {}):
         kwargs["backend"] = BackendKind.parse(raw["transfer"]["backend"], "transfer.backend")
     if "zero_copy_bytes" in raw.get("transfer", {}):
@@ -298,7 +301,8 @@ def config_to_toml(config: Config) -> str:
         c = config.cluster
         tables["cluster"] = {
             "backend": c.backend, "master": c.master, "metadata_server": c.metadata_server,
-            "local_hostname": c.local_hostname, "segment_size": c.segment_bytes,
+            "local_hostname": c.local_hostname, "key_file": c.key_file,
+            "segment_size": c.segment_bytes,
             "local_buffer_size": c.local_buffer_bytes, "protocol": c.protocol,
             "rdma_devices": c.rdma_devices, "replicas": c.replicas,
             "publish_queue_blocks": c.publish_queue_blocks,

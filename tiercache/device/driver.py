@@ -4,10 +4,10 @@ backends share on top of them (descriptor arrays, device and stream entry).
 One binding for the package: the copy backends, the native chunk loop (by address,
 ``entry_point``) and the region's page-locking all call libcuda through ctypes. This
 module imports nothing of tiercache but errors: registering host memory never loads
-the copy backends or the native build step. Why ctypes and the driver, not cuda-bindings: the copy path
-passes numpy arrays of 16 k pointers per call, and a ctypes call hands the driver the
-arrays' own memory (zero copy) where cuda-bindings
-converts Python lists; and ctypes needs no package beyond the driver itself. The
+the copy backends or the native build step. Why ctypes and the driver, not
+cuda-bindings: the copy path passes numpy arrays of 16 k pointers per call, and a ctypes
+call hands the driver the arrays' own memory (zero copy) where cuda-bindings converts
+Python lists; and ctypes needs no package beyond the driver itself. The
 driver API (not the runtime) also leaves the runtime's last-error state alone, so a
 failed call here never resurfaces as a bogus error in a later torch call.
 
@@ -44,8 +44,8 @@ CUDA_SUCCESS = 0
 _CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_FOUND = 500
 LEGACY_STREAM_HANDLES = (0, 1)  # NULL (legacy default) and cudaStreamLegacy
-_ABI_12_8 = 12080
-_ABI_13_0 = 13000
+ABI_12_8 = 12080  # cuMemcpyBatchAsync with failIdx (the native loop mirrors it: TC_ABI_12_8)
+ABI_13_0 = 13000  # without it (CUDA 13)
 _GET_PROC_DEFAULT = 0
 _SYMBOL_FOUND = 0
 _EVENT_DISABLE_TIMING = 0x2
@@ -109,9 +109,9 @@ class CudaDriver:
         self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.driver_version = version.value
         self._batch_abi: int | None = None
-        self._batch = None
+        self._batch: Any = None  # the found ABI's prototype over its address
         self._batch_address = 0
-        for abi, proto in ((_ABI_12_8, _BATCH_12_8), (_ABI_13_0, _BATCH_13_0)):
+        for abi, proto in ((ABI_12_8, _BATCH_12_8), (ABI_13_0, _BATCH_13_0)):
             address = self._proc_address(b"cuMemcpyBatchAsync", abi)
             if address:
                 self._batch, self._batch_abi = proto(address), abi
@@ -188,13 +188,13 @@ class CudaDriver:
                      attrs: MemcpyAttributes, stream_handle: int) -> BatchFailure | None:
         """One ``cuMemcpyBatchAsync`` over ``count`` descriptors; the three arguments are
         addresses of uint64 arrays. Returns None on success, else the failure."""
-        if self._batch_abi == _ABI_12_8:
+        if self._batch_abi == ABI_12_8:
             self._fail_index.value = 0
             rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
                              ctypes.byref(self._attr_index), 1, ctypes.byref(self._fail_index),
                              stream_handle)
             return None if rc == CUDA_SUCCESS else BatchFailure(rc, int(self._fail_index.value))
-        if self._batch_abi == _ABI_13_0:
+        if self._batch_abi == ABI_13_0:
             rc = self._batch(dsts, srcs, sizes, count, ctypes.byref(attrs),
                              ctypes.byref(self._attr_index), 1, stream_handle)
             return None if rc == CUDA_SUCCESS else BatchFailure(rc, None)
@@ -221,7 +221,7 @@ class CudaDriver:
         self._check(self._lib.cuEventCreate(ctypes.byref(event),
                                             0 if timing else _EVENT_DISABLE_TIMING),
                     "cuEventCreate")
-        return int(event.value)
+        return int(event.value or 0)
 
     def event_synchronize(self, event: int) -> None:
         self._check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
@@ -257,7 +257,7 @@ class CudaDriver:
     def entry_point(self, name: str) -> int:
         """The address of the driver function ``name`` (e.g. ``cuLaunchKernel``), for
         native code that calls the driver without the GIL."""
-        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value)
+        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value or 0)
 
     def current_context(self) -> int:
         """The calling thread's current ``CUcontext``; ``BackendError`` when none is."""
@@ -313,5 +313,5 @@ class DescriptorArrays:
 
     @classmethod
     def of(cls, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> DescriptorArrays:
-        arrays = tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, sizes))
-        return cls(*arrays, *(a.ctypes.data for a in arrays))
+        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+        return cls(src, dst, sizes, src.ctypes.data, dst.ctypes.data, sizes.ctypes.data)

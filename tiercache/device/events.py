@@ -1,12 +1,21 @@
 """What orders transfers on a stream: the ``Stream`` and ``Event`` interfaces the handlers
-and backends speak (torch.cuda semantics), and ``DriverEvent``, the CUDA event with a raw
-handle that native code can record from a thread of its own."""
+and backends speak (torch.cuda semantics), the ``Ticket`` of a transfer a thread still
+issues, ``DriverEvent`` (the CUDA event with a raw handle that native code can record
+from a thread of its own) and what work on a stream raises when it failed
+(``DEVICE_ERRORS``)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
 from tiercache.device.driver import CudaDriver
+from tiercache.errors import BackendError
+
+# What stream work raises when it failed: host streams and driver events raise
+# BackendError, torch raises RuntimeError (torch.AcceleratorError) for CUDA errors. A
+# transfer that meets one is failed (``TransferResult(success=False)``), never an
+# exception in the engine's step.
+DEVICE_ERRORS = (BackendError, RuntimeError)
 
 
 class Event(Protocol):
@@ -27,6 +36,18 @@ class Stream(Protocol):
     def wait_event(self, event: Any) -> None: ...  # later work starts after event's record
 
     def wait_stream(self, stream: Any) -> None: ...  # later work starts after stream's work
+
+
+class Ticket(Protocol):
+    """A transfer still being issued by a thread of its own (``staged``'s native chunk
+    loop): its events mean nothing before ``issued()``."""
+
+    def issued(self) -> bool: ...  # every call of the transfer was made
+
+    def wait(self) -> None: ...  # block until issued()
+
+    @property
+    def status(self) -> int: ...  # once issued: 0, or the first failing CUresult
 
 
 class DriverEvent:
@@ -63,3 +84,14 @@ class DriverEvent:
         if self.handle:
             self._driver.event_destroy(self.handle)
             self.handle = 0
+
+
+def event_handle(event: Event | None) -> int:
+    """The raw handle native code records or waits on (0: none); only a ``DriverEvent``
+    (``CudaStreams``' events) has one, anything else is a ``BackendError``."""
+    if event is None:
+        return 0
+    if not isinstance(event, DriverEvent):
+        raise BackendError(f"native code orders with DriverEvents (CudaStreams' events), "
+                           f"got {type(event).__name__}")
+    return event.handle

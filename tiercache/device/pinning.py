@@ -5,10 +5,10 @@ registers its own slice. We use the driver API (``cuMemHostRegister``, flags 0: 
 systems the memory is then mapped and portable) through the package's one CUDA binding,
 ctypes over libcuda (``tiercache.device.driver``); the driver API leaves the CUDA
 runtime's last-error state alone — a failed ``cudaHostRegister`` would otherwise
-resurface later as a bogus error in an unrelated torch call. Chunks are cut
-by the caller (``RegionLayout.pin_chunks``: <= 64 GiB, on row boundaries); a failure
-unregisters the chunks already registered, in reverse order, and raises: pinned whole
-or not at all.
+resurface later as a bogus error in an unrelated torch call. The ranges are cut by the
+caller (``RegionLayout.registrations``: <= 64 GiB, on row boundaries); a failure
+unregisters the ranges already registered, in reverse order, and raises: page-locked
+whole or not at all.
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ class HostPinner:
     def pinned_bytes(self) -> int:
         return sum(n for _, n in self._registered)
 
-    def pin(self, chunks: list[tuple[int, int]]) -> float:
-        """Register every (address, length) chunk; returns seconds. All or nothing."""
+    def pin(self, ranges: list[tuple[int, int]]) -> float:
+        """Register every (address, length) range; returns seconds. All or nothing."""
         if self._registered:
             raise PinError(f"already pinned {self.pinned_bytes} bytes; unpin() first")
         torch, driver = _driver()
         torch.cuda.set_device(self.device)
         torch.empty(1, device=f"cuda:{self.device}")  # makes the primary context current here
         start = time.perf_counter()
-        for address, length in chunks:
+        for address, length in ranges:
             rc = driver.mem_host_register(address, length)
             if rc != CUDA_SUCCESS:
                 self._rollback(driver)

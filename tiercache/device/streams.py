@@ -8,12 +8,13 @@ look-alikes for the ``cpu`` backend. The handler code is the same for both.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from tiercache.device.driver import CudaDriver
-from tiercache.device.events import DriverEvent, Event, Stream
+from tiercache.device.events import DriverEvent, Event, Stream, event_handle
 
 
 def current_stream_handle(torch: Any) -> Callable[[int], int]:
@@ -55,6 +56,12 @@ class StreamPlatform(ABC):
         starts after everything enqueued there so far."""
         event.record(self.current_stream())
 
+    def current_stream_getter(self) -> Callable[[], int] | None:
+        """A function answering the raw handle of the calling thread's compute stream (the
+        stream ``mark_current`` records on), for native code that records the mark
+        itself; None where streams have no raw handles (host streams)."""
+        return None
+
     def close(self) -> None:
         """Release what the platform created; called after every transfer has finished."""
 
@@ -93,7 +100,10 @@ class CudaStreams(StreamPlatform):
         return self._event(timing=False)
 
     def mark_current(self, event: Event) -> None:
-        self._driver.event_record(event.handle, self._current_handle(self._index))
+        self._driver.event_record(event_handle(event), self._current_handle(self._index))
+
+    def current_stream_getter(self) -> Callable[[], int]:
+        return functools.partial(self._current_handle, self._index)  # no Python frame a call
 
     def close(self) -> None:
         for event in self._events:

@@ -1,13 +1,18 @@
 """The values the cache index hands out: what to store, leases, session releases, events and
-stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports them."""
+stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports them.
+``BlockSource`` and ``TierStats`` belong to the lower tiers' contract
+(``tiercache.index.lower_tier``) and are re-exported here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from tiercache.errors import SpecError
+from tiercache.index.lower_tier import BlockSource, TierStats
 from tiercache.specs import CPULoadStoreSpec, Medium
+
+__all__ = ["BlockSource", "LeaseResult", "ManagerStats", "OffloadingEvent", "PrepareStoreOutput",
+           "SessionRelease", "TierStats"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,19 +29,6 @@ class PrepareStoreOutput:
     store_spec: CPULoadStoreSpec
     evicted_keys: tuple[bytes, ...]
     no_room_keys: tuple[bytes, ...] = ()
-
-
-class BlockSource(IntEnum):
-    """Where a block in host memory came from (its wire code is the value; ``label`` names
-    the tier in metrics and status): an engine stored it, or a tier below promoted it."""
-
-    HOST = 0
-    DISK = 1
-    CLUSTER = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True)
@@ -81,29 +73,6 @@ class OffloadingEvent:
     keys: tuple[bytes, ...]
     removed: bool
     medium: str = Medium.CPU.value
-
-
-@dataclass
-class TierStats:
-    """Counters (lifetime) and gauges of a tier below host memory (disk or cluster)."""
-
-    capacity_blocks: int = 0
-    used_blocks: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    promotions: int = 0
-    demotions: int = 0
-    dropped_spills: int = 0
-    queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
-    calls_in_flight: int = 0  # disk: promotion/demotion jobs; cluster: calls to the pool
-    checksum_failures: int = 0
-    errors: int = 0
-    rebuilt_blocks: int = 0
-    up: bool = True
-    direct_io: bool = False
-    promoting: bool = True  # False: promotions stopped (cluster: too many slots held out)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.errors import InvalidKeyError, ManagerError
-from tiercache.index.results import BlockSource
+from tiercache.index.lower_tier import BlockSource
 
 
 class SlotState(Enum):
@@ -20,15 +20,18 @@ class SlotState(Enum):
 
 
 class Slot:
-    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "source")
+    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "source", "key", "doomed")
 
-    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0):
+    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0,
+                 key: bytes = b""):
         self.slot_id = slot_id
+        self.key = key
         self.state = state  # while WRITING, the writer is the owner whose holdings name the key
         self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
         self.gen = gen  # the slot's generation for this key (what specs carry)
         self.hits = 0  # pins taken since it was stored (leases and loads): reuse, for tiers
         self.source = BlockSource.HOST  # or the lower tier whose promotion stored it
+        self.doomed = False  # a reset forgot its key; freed when its last writer or pin ends
 
     @property
     def loads(self) -> int:

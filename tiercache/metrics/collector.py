@@ -240,6 +240,10 @@ class Family(Enum):
                             "demotion jobs; cluster: exists, get and put calls to the pool and "
                             "the health probe). Stuck at the thread count: a hung disk or a "
                             "master that does not answer.", ("tier",), "calls_in_flight")
+    TIER_HELD_BUFFERS = ("gauge", "tiercache_tier_held_buffers",
+                         "Transfer buffers held out of use because a read the tier gave up "
+                         "on may still land in them (cluster: staging areas; never a host "
+                         "slot).", ("tier",), "held_buffers")
     TIER_CHECKSUM_FAILURES = ("counter", "tiercache_tier_checksum_failures",
                               "Blocks read from the tier whose checksum failed (dropped, "
                               "never served).", ("tier",), "checksum_failures")

@@ -1,4 +1,5 @@
-"""The staged chunk loop: ``chunk_loop.c``'s issuing thread, driven from Python.
+"""The staged chunk loop: the native library's issuing thread (``src/queue.c``), driven
+from Python.
 
 Why: a staged transfer of 256 blocks is 16 chunks, and each chunk costs a kernel launch,
 a ``cuMemcpyBatchAsync`` and four event calls. A Python thread cannot issue them without
@@ -22,17 +23,16 @@ from typing import NamedTuple
 import numpy as np
 
 from tiercache.errors import BackendError
+from tiercache.native.codes import (
+    ATTRS_BYTES, KERNEL_ARGS, MAX_PARAMS, MAX_RING_SLOTS, STATUS_PENDING, Outcome, TransferCode,
+)
 from tiercache.native.library import library
 from tiercache.native.structs import (
-    ATTRS_BYTES, MAX_SLOTS, ConfigStruct, GeometryStruct, JobStruct, OutcomeStruct, address_of,
+    ConfigStruct, GeometryStruct, JobStruct, OutcomeStruct, address_of,
 )
-from tiercache.native.transfer_call import Outcome, TransferChecks, TransferCode
+from tiercache.native.transfer_call import TransferChecks
 from tiercache.specs import Direction
 
-MAX_PARAMS = 16
-KERNEL_ARGS = 9  # pairs, pair_stride, first, count, slot_base, tensors, tensor_stride,
-#                  groups, num_groups: the first parameters of the pack kernel
-STATUS_PENDING = -1
 _REFUSED = "the staged chunk loop refused a job (closing, or no memory for it or its pair table)"
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 
@@ -163,13 +163,13 @@ class ChunkLoop:
     """One backend's loop thread (``close`` issues what is queued, then stops it)."""
 
     def __init__(self, driver: LoopDriver, kernel: LoopKernel, geometry: Geometry, *,
-                 dma_stream: int, ring_base: int, slot_bytes: int, free_events: list[int],
-                 ready_events: list[int], begin_event: int, done_event: int,
-                 attrs: tuple[bytes, bytes]):
+                 dma_stream: int, ring_base: int, ring_slot_bytes: int,
+                 free_events: list[int], ready_events: list[int], begin_event: int,
+                 done_event: int, attrs: tuple[bytes, bytes]):
         n = len(free_events)
-        if not 1 <= n <= MAX_SLOTS or len(ready_events) != n:
+        if not 1 <= n <= MAX_RING_SLOTS or len(ready_events) != n:
             raise BackendError(f"{n} ring slots ({len(ready_events)} ready events): need "
-                               f"1..{MAX_SLOTS}, one event of each kind per slot")
+                               f"1..{MAX_RING_SLOTS}, one event of each kind per ring slot")
         if not KERNEL_ARGS <= kernel.num_params <= MAX_PARAMS:
             raise BackendError(f"a pack kernel of {kernel.num_params} parameters: the loop "
                                f"passes {KERNEL_ARGS}..{MAX_PARAMS}")
@@ -183,8 +183,8 @@ class ChunkLoop:
             c.host_alloc, c.host_free = t.host_alloc, t.host_free
             c.event_create, c.event_destroy, c.event_query = \
                 t.event_create, t.event_destroy, t.event_query
-        c.num_slots, c.dma_stream = n, dma_stream
-        c.ring_base, c.slot_bytes = ring_base, slot_bytes
+        c.num_ring_slots, c.dma_stream = n, dma_stream
+        c.ring_base, c.ring_slot_bytes = ring_base, ring_slot_bytes
         for i in range(n):
             c.free_ev[i], c.ready_ev[i] = free_events[i], ready_events[i]
         c.begin_ev, c.done_ev = begin_event, done_event
@@ -209,7 +209,7 @@ class ChunkLoop:
         self._queue = self._lib.tc_open(ctypes.byref(c))
         if not self._queue:
             raise BackendError("the staged chunk loop could not start its thread")
-        self.num_slots = n
+        self.num_ring_slots = n
         self._job = JobStruct()
         self._job_ref = ctypes.byref(self._job)
         self._submit = self._lib.tc_submit
@@ -288,9 +288,9 @@ class ChunkLoop:
                                "(LoopDriver.tables)")
         num_groups = checks.num_groups
         if len(group_sizes) != num_groups or len(block_indices) != num_groups:
-            return Outcome(1, 0, 0, None)  # SPEC_ERRORS[1]: not one entry per group
+            return Outcome(TransferCode.SPEC_GROUPS, 0, 0, None)  # not one entry per group
         groups = checks.groups
-        groups[:] = (*group_sizes, *block_indices)
+        groups[:] = (*group_sizes, *block_indices)  # type: ignore[call-overload]
         # the arrays go by their objects' addresses (tc_ndarray): flat, of the C's types
         if gpu_ids.dtype is not _I64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=_I64).reshape(-1)

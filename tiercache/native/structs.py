@@ -1,9 +1,11 @@
-"""ctypes mirrors of the structs ``chunk_loop.c`` reads, and the layout check.
+"""ctypes mirrors of the structs the native library reads (``src/structs.h``), and the
+layout check.
 
 A mirror that drifts from its C struct is silent memory corruption, so the C side
 reports ``sizeof``/``offsetof`` of every field of every mirrored struct (``tc_layout``)
-and ``layout_mismatches`` compares that with these classes (a CPU test runs it; the
-library is built with the system compiler). Field names are the C names.
+and ``layout_mismatches`` compares that with these classes: the binding refuses a
+library that disagrees (``tiercache.native.library``), and a CPU test shows a drifted
+field is named. Field names are the C names.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Protocol
 
-MAX_SLOTS = 64  # TC_MAX_SLOTS: ring slots a loop may have
-ATTRS_BYTES = 24  # sizeof(CUmemcpyAttributes), copied raw into tc_config.attrs
+from tiercache.native.codes import ATTRS_BYTES, C_CONTIGUOUS_FLAG, MAX_RING_SLOTS
 
 _vp = ctypes.c_void_p
 
@@ -53,10 +54,10 @@ class ConfigStruct(ctypes.Structure):
         ("launch", _vp), ("record", _vp), ("wait", _vp), ("batch", _vp), ("ctx_set", _vp),
         ("ctx_get", _vp), ("host_alloc", _vp), ("host_free", _vp), ("event_create", _vp),
         ("event_destroy", _vp), ("event_query", _vp),
-        ("batch_abi", ctypes.c_int32), ("num_slots", ctypes.c_int32),
+        ("batch_abi", ctypes.c_int32), ("num_ring_slots", ctypes.c_int32),
         ("ctx", _vp), ("dma_stream", _vp),
-        ("ring_base", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
-        ("free_ev", _vp * MAX_SLOTS), ("ready_ev", _vp * MAX_SLOTS),
+        ("ring_base", ctypes.c_uint64), ("ring_slot_bytes", ctypes.c_uint64),
+        ("free_ev", _vp * MAX_RING_SLOTS), ("ready_ev", _vp * MAX_RING_SLOTS),
         ("begin_ev", _vp), ("done_ev", _vp),
         ("function", _vp * 2),
         ("block_x", ctypes.c_uint32), ("shared", ctypes.c_uint32 * 2),
@@ -115,9 +116,6 @@ class NdarrayHead(ctypes.Structure):
     ]
 
 
-C_CONTIGUOUS_FLAG = 0x0001  # NPY_ARRAY_C_CONTIGUOUS
-
-
 @functools.cache
 def ndarray_mismatches(head_type: type[ctypes.Structure] = NdarrayHead) -> tuple[str, ...]:
     """Where numpy's arrays, read as ``head_type`` at their object's address, disagree
@@ -154,14 +152,15 @@ def python_layout() -> Layout:
     out: Layout = {}
     for name, mirror in MIRRORS.items():
         out[(name, "")] = (0, ctypes.sizeof(mirror))
-        for field, _ in mirror._fields_:
+        for field, *_ in mirror._fields_:
             descriptor = getattr(mirror, field)
             out[(name, field)] = (descriptor.offset, descriptor.size)
     return out
 
 
 class _Reports(Protocol):
-    tc_layout: Callable[..., int]
+    @property
+    def tc_layout(self) -> Callable[..., int]: ...
 
 
 def c_layout(lib: _Reports) -> Layout:
@@ -172,7 +171,8 @@ def c_layout(lib: _Reports) -> Layout:
     i = 0
     while lib.tc_layout(i, ctypes.byref(strct), ctypes.byref(field), ctypes.byref(offset),
                         ctypes.byref(size)):
-        out[(strct.value.decode(), field.value.decode())] = (offset.value, size.value)
+        out[((strct.value or b"").decode(), (field.value or b"").decode())] = \
+            (offset.value, size.value)
         i += 1
     return out
 

@@ -12,7 +12,9 @@ is re-checked in numpy so that the ``SpecError`` says why), the fence's rule
 (``tiercache.transfer.fence``), the mark before the copies, and the chunk loop's order.
 
 ``TransferChecks`` holds the constant half (``tc_caller``): the validator's bounds, each
-group's bytes per pair, and the fence's ledger (``FenceTable``). Torch-free.
+group's bytes per pair, and the fence's ledger (``FenceTable``); what the call answers is
+an ``Outcome`` with a ``TransferCode`` (``tiercache.native.codes``). Its caller is the
+native transfer path (``tiercache.transfer.native_path``). Torch-free.
 """
 
 from __future__ import annotations
@@ -20,25 +22,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any, NamedTuple
 
 import numpy as np
 
 from tiercache.errors import BackendError
 from tiercache.native.structs import CallerStruct, address_of, ndarray_mismatches
 from tiercache.native.validator import NativeValidator
-
-
-class TransferCode(IntEnum):
-    """``tc_outcome.code``: 0 queued; 1..7 the validation's refusals (nothing queued:
-    ``tiercache.native.validator.SPEC_ERRORS`` names them); past those, a transfer queued
-    with its ordering events only (no copy)."""
-
-    QUEUED = 0
-    NOT_FLAT = 8  # an id array not 1-d and C-contiguous (the caller's bug: nothing queued)
-    FENCED = 100  # the fence refused the slots (or the region)
-    MARK_FAILED = 101  # the compute stream's mark could not be recorded (``cu`` says why)
 
 
 @dataclass(frozen=True)
@@ -51,7 +40,7 @@ class FenceTable:
     ledger: np.ndarray
 
     def __post_init__(self) -> None:
-        fields = self.ledger.dtype.fields or {}
+        fields = dict(self.ledger.dtype.fields or {})
         want = {"gen": np.dtype("<u8"), "state": np.dtype("<u4")}
         if any(name not in fields or fields[name][0] != dtype for name, dtype in want.items()) \
                 or self.ledger.ndim != 1 or not self.ledger.flags.c_contiguous:
@@ -78,7 +67,7 @@ class TransferChecks:
         c = CallerStruct()
         c.bounds, c.pair_bytes = validator.bounds_address, address_of(self._pair_bytes)
         if fence is not None:
-            fields = fence.ledger.dtype.fields
+            fields = dict(fence.ledger.dtype.fields or {})  # checked: gen and state are there
             c.ledger = address_of(fence.ledger)  # never NULL (numpy allocates >= 1 byte)
             c.ledger_slots, c.record_bytes = fence.ledger.size, fence.ledger.dtype.itemsize
             c.gen_offset, c.state_offset = fields["gen"][1], fields["state"][1]
@@ -87,14 +76,3 @@ class TransferChecks:
         self.ref = ctypes.byref(c)
         self.num_groups = validator.num_groups
         self.groups = validator.groups_type()  # a call's group_sizes, then block_indices
-
-
-class Outcome(NamedTuple):
-    """What one ``ChunkLoop.transfer`` did: its ``TransferCode`` (or a validation
-    refusal's code), the CUresult of a failed mark, the bytes the transfer moves, and the
-    ticket of what was queued (None: nothing was). A tuple: one is made per transfer."""
-
-    code: int
-    cu: int
-    num_bytes: int
-    ticket: Any

@@ -15,16 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tiercache.native.codes import TransferCode
 from tiercache.native.library import library
 from tiercache.native.structs import BoundsStruct, address_of
 from tiercache.specs import Direction
-
-# what tc_validate refuses: its codes, named
-SPEC_ERRORS = {1: "not one group_sizes entry per KV-cache group",
-               2: "group_sizes do not add up to the GPU block ids",
-               3: "the region slots are not as many as the groups need",
-               4: "a GPU block id out of range", 5: "a region slot out of range",
-               6: "a destination block twice", 7: "out of memory"}
 
 
 class NativeValidator:
@@ -50,12 +44,12 @@ class NativeValidator:
     def validate(self, direction: Direction, gpu_ids: np.ndarray, group_sizes: Sequence[int],
                  block_indices: Sequence[int], slots: np.ndarray
                  ) -> tuple[np.ndarray, int] | int:
-        """(the block-plan buffer, its number of works), or the refusal's code
-        (``SPEC_ERRORS``). Ids are int64 (a spec's ``block_ids``); anything else is
-        converted first (the C reads them as such)."""
+        """(the block-plan buffer, its number of works), or the refusal's code (a
+        ``TransferCode``, ``tiercache.native.codes.SPEC_ERRORS``). Ids are int64 (a spec's
+        ``block_ids``); anything else is converted first (the C reads them as such)."""
         g = len(group_sizes)
         if g != self.num_groups:
-            return 1
+            return TransferCode.SPEC_GROUPS
         if gpu_ids.dtype != np.int64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=np.int64)
         if slots.dtype != np.int64 or not slots.flags.c_contiguous:

@@ -190,7 +190,7 @@ class GroupWork:
             return self.page_joins
         if g.side_by_side is not None:
             return g.side_by_side if g.side_by_side.any() else None
-        if not g.cpu_side_by_side.any():
+        if g.cpu_side_by_side is None or not g.cpu_side_by_side.any():  # set when interleaved
             return None
         # GPU strides differ across the tensors: whether pages meet depends on the block
         gpu, size = gpu_addr.reshape(self.shape), sizes.reshape(self.shape)

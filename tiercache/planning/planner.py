@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from tiercache.errors import ArgumentError, SpecError
+from tiercache.errors import SpecError
 from tiercache.pages import PageArray
+from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.page_groups import GroupPages, GroupWork
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
 from tiercache.planning.runs import merge_at_row_ends
@@ -98,47 +99,31 @@ class TransferPlanner:
     ``gpu_pages[t]`` and ``cpu_pages[t]`` are tensor t on each side (same
     ``page_bytes``; CPU arrays have ``block_size_factor`` pages per block).
     ``group_tensors[g]`` lists the tensors of KV-cache group g (default: one group
-    holding every tensor); no tensor belongs to two groups. ``native_validation``: block
-    plans are validated in C (module docstring); False: in numpy.
+    holding every tensor); no tensor belongs to two groups: the rank's
+    ``TransferGeometry`` (``geometry``), checked at construction. ``native_validation``:
+    block plans are validated in C (module docstring); False: in numpy.
     """
 
     def __init__(self, gpu_pages: Sequence[PageArray], cpu_pages: Sequence[PageArray],
                  block_size_factor: int, group_tensors: Sequence[Sequence[int]] | None = None,
                  native_validation: bool = True):
-        self.gpu_pages, self.cpu_pages = tuple(gpu_pages), tuple(cpu_pages)
-        self.block_size_factor = block_size_factor
-        num_tensors = len(self.gpu_pages)
-        if block_size_factor < 1:
-            raise ArgumentError(f"block_size_factor = {block_size_factor}: must be >= 1")
-        if num_tensors == 0 or len(self.cpu_pages) != num_tensors:
-            raise ArgumentError(f"{num_tensors} GPU and {len(self.cpu_pages)} CPU page "
-                                      "arrays: need the same number, at least one")
-        for t, (gpu, cpu) in enumerate(zip(self.gpu_pages, self.cpu_pages)):
-            if gpu.pages_per_block != 1 or cpu.pages_per_block != block_size_factor:
-                raise ArgumentError(
-                    f"tensor {t}: GPU pages_per_block {gpu.pages_per_block} (must be 1), CPU "
-                    f"pages_per_block {cpu.pages_per_block} (must be {block_size_factor})")
-            if gpu.page_bytes != cpu.page_bytes:
-                raise ArgumentError(f"tensor {t}: GPU page_bytes {gpu.page_bytes} != CPU "
-                                          f"page_bytes {cpu.page_bytes}")
-        groups = [tuple(range(num_tensors))] if group_tensors is None else \
-            [tuple(int(t) for t in g) for g in group_tensors]
-        seen: set[int] = set()
-        for g, tensors in enumerate(groups):
-            if not tensors:
-                raise ArgumentError(f"group_tensors[{g}] is empty: a group needs a tensor")
-            for t in tensors:
-                if not 0 <= t < num_tensors:
-                    raise ArgumentError(f"group_tensors[{g}] names tensor {t}; allowed "
-                                              f"0..{num_tensors - 1}")
-                if t in seen:
-                    raise ArgumentError(f"tensor {t} is in two groups (group_tensors"
-                                              f"[{g}]); each tensor belongs to at most one")
-                seen.add(t)
+        self._init(TransferGeometry.of(gpu_pages, cpu_pages, block_size_factor, group_tensors),
+                   native_validation)
+
+    @classmethod
+    def of(cls, geometry: TransferGeometry, native_validation: bool = True) -> TransferPlanner:
+        """The planner of ``geometry`` (its plans carry ``geometry.groups``)."""
+        planner = cls.__new__(cls)
+        planner._init(geometry, native_validation)
+        return planner
+
+    def _init(self, geometry: TransferGeometry, native_validation: bool) -> None:
+        self.geometry = geometry
+        self.gpu_pages, self.cpu_pages = geometry.gpu_pages, geometry.cpu_pages
+        self.block_size_factor = geometry.block_size_factor
         self._ends_cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-        self._groups = tuple(GroupPages.of(g, self.gpu_pages, self.cpu_pages, block_size_factor)
-                             for g in groups)
-        self._pair_bytes = [g.pair_bytes for g in self._groups]
+        self._groups = geometry.groups
+        self._pair_bytes = list(geometry.pair_bytes)
         self.native_validation = native_validation
         self._validator: NativeValidator | None = None
 
@@ -226,7 +211,7 @@ class TransferPlanner:
         """The ``SpecError`` for a transfer the native validation refused with ``code``:
         re-checked here so that it says why."""
         self.group_works(direction, transfer)  # raises the SpecError that says why
-        from tiercache.native.validator import SPEC_ERRORS
+        from tiercache.native.codes import SPEC_ERRORS
 
         raise SpecError(f"transfer refused: {SPEC_ERRORS.get(code, code)}")
 
@@ -253,17 +238,6 @@ class TransferPlanner:
         (a pair that does not move in ``direction`` included) before anything is returned.
         With ``out`` the plan's arrays are views of those buffers (valid until reused)."""
         return self._expand(direction, self.group_works(direction, transfer), merge, out)
-
-    def expand(self, plan: BlockPlan, merge: bool = True, out: PlanBuffers | None = None
-               ) -> CopyPlan:
-        """The page descriptors of a block plan of this planner."""
-        if plan.groups is not self._groups:
-            raise ArgumentError("a block plan of another planner: expand it with its own")
-        factor = self.block_size_factor
-        works = [GroupWork(self._groups[p.group], p.gpu_ids, p.slots,
-                           None if factor == 1 else p.sub_pages.view(_U64))
-                 for p in plan.group_pairs()]
-        return self._expand(plan.direction, works, merge, out)
 
     def _expand(self, direction: Direction, work: list[GroupWork], merge: bool,
                 out: PlanBuffers | None) -> CopyPlan:

@@ -39,7 +39,7 @@ HEADER_FIXED_BYTES = 4096
 SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
 OS_PAGE = 4096  # the smallest Linux page: rows and pre-fault ranges align to it
-MAX_PIN_CHUNK_BYTES = 64 << 30  # one cudaHostRegister >= 512 GiB fails on r580+ drivers
+MAX_REGISTRATION_BYTES = 64 << 30  # one cudaHostRegister >= 512 GiB fails on r580+ drivers
 _PAGE_ALIGN_MAX_WASTE = 32  # page-align rows when the padding is <= 1/32 of a row
 
 
@@ -185,16 +185,17 @@ class RegionLayout:
                             f" (attachments_per_rank {self.attachments_per_rank})")
 
     # ------------------------------------------------------------ work splitting
-    def pin_chunks(self, rank: int, max_chunk_bytes: int = MAX_PIN_CHUNK_BYTES) -> list[tuple[int, int]]:
-        """(offset, length) registrations covering ``rank``'s rows, each <= max_chunk_bytes
-        and cut on row boundaries, so no block copy straddles two registrations."""
-        rows_per_chunk = max(max_chunk_bytes // self.row_stride, 1)
+    def registrations(self, rank: int, max_bytes: int = MAX_REGISTRATION_BYTES
+                      ) -> list[tuple[int, int]]:
+        """(offset, length) registrations covering ``rank``'s rows, each <= max_bytes and
+        cut on row boundaries, so no block copy straddles two registrations."""
+        rows_each = max(max_bytes // self.row_stride, 1)
         start = self.slice_offset(rank)
-        chunks = []
-        for first in range(0, self.num_blocks, rows_per_chunk):
-            rows = min(rows_per_chunk, self.num_blocks - first)
-            chunks.append((start + first * self.row_stride, rows * self.row_stride))
-        return chunks
+        ranges = []
+        for first in range(0, self.num_blocks, rows_each):
+            rows = min(rows_each, self.num_blocks - first)
+            ranges.append((start + first * self.row_stride, rows * self.row_stride))
+        return ranges
 
     def prefault_ranges(self, num_threads: int, start: int = 0, length: int | None = None
                         ) -> list[tuple[int, int]]:

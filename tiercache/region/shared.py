@@ -1,27 +1,29 @@
-"""The rank-partitioned shared-memory region in /dev/shm.
+"""The rank-partitioned shared-memory region in /dev/shm: one process's mapping of it.
 
 Lifecycle: the coordinator ``create``\\ s the region (space checks, a new 0600 object,
 ``posix_fallocate``, the header written with READY last) and holds its owner lock for as
 long as it lives (``tiercache.region.shm``). Workers ``attach`` by name and rank, validate
 the header, claim one of the rank's attachment slots (``tiercache.region.attachments``:
-several processes, one per engine, may attach one rank at once), map the region and pin
-only their slice. Workers never unlink.
+several processes, one per engine, may attach one rank at once), map the region and
+page-lock only their slice (``pin``, with the worker's registrar). Workers never unlink.
+Finding a region by its instance name without mapping it: ``tiercache.region.names``.
 
 Decisions and their reasons:
 
 * Each worker pre-faults its own slice (``prefault_slice``) in parallel threads before
-  pinning it: page tables are per process, so pre-faulting in the coordinator would fill
-  only the coordinator's, and registration would still fault every page in the worker
-  (measurements: docs/benchmarks.md, "Region set-up and pinning").
+  page-locking it: page tables are per process, so pre-faulting in the coordinator would
+  fill only the coordinator's, and registration would still fault every page in the
+  worker (measurements: docs/benchmarks.md, "Region set-up and pinning").
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
   promise (no SIGBUS later), paid once per coordinator lifetime.
-* A region whose owner lock is free is stale. ``create`` re-adopts it when it is ours
-  (regular file, our uid, mode 0600) and its geometry matches and it was READY and it is
-  as long as its header says (workers' mappings and pins stay valid, the pages stay
-  allocated); it replaces it when it is ours but of another geometry or state, or cut
-  short (``truncation``: it is unusable, and stale, so nobody maps it); it refuses
-  anything else. ``attach`` refuses a truncated region with ``RegionTruncatedError``. Stale regions are listed and
-  removed by ``tiercache.region.stale``.
+* A region whose owner lock is free is stale (``tiercache.region.claim`` takes its name
+  over). ``create`` re-adopts it when it is ours (regular file, our uid, mode 0600) and
+  its geometry matches and it was READY and it is as long as its header says (workers'
+  mappings and registrations stay valid, the pages stay allocated); it replaces it when
+  it is ours but of another geometry or state, or cut short (``truncation``: it is
+  unusable, and stale, so nobody maps it); it refuses anything else. ``attach`` refuses
+  a truncated region with ``RegionTruncatedError``. Stale regions are listed and removed
+  by ``tiercache.region.stale``.
 * Views are made from the mapping's address (not the buffer protocol), so ``close`` never
   fails on exported buffers; a view used after ``close`` is a use-after-free, and the
   owners (Worker, Coordinator) drop theirs first.
@@ -38,7 +40,7 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -47,37 +49,43 @@ from tiercache.errors import (
     LayoutMismatchError, PinError, RegionError, RegionExistsError, RegionNotFoundError,
     RegionNotReadyError,
 )
+from tiercache.region.attachments import SlotLock, slot_held
+from tiercache.region.claim import claim_stale
 from tiercache.region.header import HeaderInfo, RegionHeader, RegionState
 from tiercache.region.hostmem import (
     check_space, fallocate, prefault, process_alive, process_start_ns,
 )
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
+from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
 from tiercache.region.shm import (
-    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
-    read_header, still_named, take_owner_lock, truncation, unlink_if_same,
+    SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry, read_header,
+    still_named, truncation, unlink_if_same,
 )
-from tiercache.region.attachments import SlotLock, slot_held
-from tiercache.region.stale import YOUNG_S, may_be_mid_creation
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
+
+if TYPE_CHECKING:  # the coordinator maps the region without torch
+    import torch
+
+# named_region_info and recorded_socket_path lived here; their callers import them from
+# here still (tiercache.region.names is their home)
+__all__ = ["HostRegistrar", "SetupTimes", "SharedOffloadRegion", "named_region_info",
+           "new_region_id", "recorded_socket_path", "region_shm_name"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.005
-# How long ``create`` keeps trying the owner lock of a region whose recorded coordinator is
-# dead: a probe of `status`/`clean` holds it for microseconds, `clean` for milliseconds.
-CLAIM_RETRY_S = 2.0
 
 
 class HostRegistrar(Protocol):
     """What page-locks host ranges for one GPU in this process (the worker's
     ``tiercache.device.pinning.HostPinner``): ``pin`` registers every (address, length)
-    chunk, all or nothing, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
+    range, all or nothing, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
 
     @property
     def pinned_bytes(self) -> int: ...
 
-    def pin(self, chunks: list[tuple[int, int]]) -> float: ...
+    def pin(self, ranges: list[tuple[int, int]]) -> float: ...
 
     def unpin(self) -> float: ...
 
@@ -98,11 +106,6 @@ def new_region_id() -> int:
     return secrets.randbits(64) or 1
 
 
-def region_shm_name(name: str) -> str:
-    """``tiercache-<name>`` for an instance name (a full shm name is kept as it is)."""
-    return name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
-
-
 class SharedOffloadRegion:
     """One mapping of a tiercache region: the coordinator's (``create``) or a worker's."""
 
@@ -110,9 +113,10 @@ class SharedOffloadRegion:
         self.path, self.layout, self.rank, self.is_owner = entry.path, layout, rank, owner
         self._entry = entry
         self._fd = entry.fd
-        self._mmap = mmap.mmap(entry.fd, layout.total_bytes, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE)
-        self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        mapping = mmap.mmap(entry.fd, layout.total_bytes, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mmap: mmap.mmap | None = mapping  # None once unmapped
+        self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
         self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
@@ -133,7 +137,7 @@ class SharedOffloadRegion:
         ``InsufficientMemoryError`` when /dev/shm or RAM is too small."""
         layout = RegionLayout.from_config(config)
         t0 = time.perf_counter()
-        stale = _claim_stale(config.shm_name)
+        stale = claim_stale(config.shm_name)
         replaced = False
         if stale is not None:
             info = read_header(stale.fd)
@@ -299,7 +303,7 @@ class SharedOffloadRegion:
         used = self.layout.slice_used_bytes
         return self._bytes[off:off + used].reshape(self.layout.num_blocks, self.layout.row_stride)
 
-    def tensor_views(self, rank: int) -> list:
+    def tensor_views(self, rank: int) -> list[torch.Tensor]:
         """int8 torch views ``(num_blocks, cpu_page_bytes[t])`` with stride ``(row_stride, 1)``."""
         import torch
 
@@ -350,9 +354,10 @@ class SharedOffloadRegion:
         if self.rank is None:
             raise PinError("pin() needs a region attached with a rank")
         stats = self.stats(self.rank)
-        chunks = [(self.base_address + off, n) for off, n in self.layout.pin_chunks(self.rank)]
+        ranges = [(self.base_address + off, n)
+                  for off, n in self.layout.registrations(self.rank)]
         try:
-            seconds = pinner.pin(chunks)
+            seconds = pinner.pin(ranges)
         except PinError as e:
             if policy is PinningPolicy.REQUIRED:
                 stats.set_pin(PinState.FAILED)
@@ -362,8 +367,8 @@ class SharedOffloadRegion:
             return PinState.UNPINNED
         self._pinner = pinner
         stats.set_pin(PinState.PINNED, pinner.pinned_bytes, seconds)
-        log.info("rank %d pinned %s in %.2f s (%d chunk(s))", self.rank,
-                 format_bytes(pinner.pinned_bytes), seconds, len(chunks))
+        log.info("rank %d page-locked %s in %.2f s (%d registration(s))", self.rank,
+                 format_bytes(pinner.pinned_bytes), seconds, len(ranges))
         return PinState.PINNED
 
     @property
@@ -413,69 +418,5 @@ class SharedOffloadRegion:
     def __enter__(self) -> SharedOffloadRegion:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _claim_stale(shm_name: str) -> OpenEntry | None:
-    """The existing region of ``shm_name`` with its owner lock taken, or None if there is
-    none. Refuses (``RegionExistsError``) a live one or one mid-creation, and
-    (``RegionTrustError``) anything that is not ours. A lock that is held while the
-    recorded coordinator is dead is retried for ``CLAIM_RETRY_S``: a probe holds it
-    for microseconds and must not be taken for an owner."""
-    deadline = time.monotonic() + CLAIM_RETRY_S
-    while True:
-        try:
-            entry = open_entry(shm_name, writable=True)
-        except RegionNotFoundError:
-            return None
-        with ExitStack() as release:
-            release.callback(entry.close)
-            check_trusted(entry)
-            if take_owner_lock(entry.fd):
-                if not still_named(entry):
-                    continue  # removed or replaced since we opened it: look again
-                if may_be_mid_creation(entry):
-                    raise RegionExistsError(
-                        f"{entry.path} is being created by another coordinator (no header "
-                        f"yet); retry in {YOUNG_S:.0f} s or choose another instance.name")
-                release.pop_all()
-                return entry
-            info = read_header(entry.fd)
-            if info is not None and process_alive(info.owner_pid, info.owner_start_ns):
-                raise RegionExistsError(f"{entry.path} belongs to a live coordinator (pid "
-                                        f"{info.owner_pid}); stop it first, or choose another "
-                                        "instance.name")
-            if time.monotonic() >= deadline:
-                owner = f"pid {info.owner_pid}" if info else "unknown"
-                raise RegionExistsError(
-                    f"{entry.path} stayed locked for {CLAIM_RETRY_S:.0f} s although its "
-                    f"recorded coordinator ({owner}) is gone: another process holds it (one "
-                    "that inherited the coordinator's descriptor, or a `tiercache clean` that "
-                    "hangs); stop it first, or choose another instance.name")
-        time.sleep(_POLL_S)
-
-
-def named_region_info(name: str) -> HeaderInfo | None:
-    """The header of the READY region now under instance ``name``, or None (no region, not
-    a usable file, not READY). The open is ``open_entry``'s: non-blocking, links not
-    followed, type checked."""
-    shm_name = region_shm_name(name)
-    try:
-        entry = open_entry(shm_name, writable=False)
-    except RegionError:
-        return None
-    try:
-        info = read_header(entry.fd)
-    finally:
-        entry.close()
-    if info is None or info.state != RegionState.READY:
-        return None
-    return info
-
-
-def recorded_socket_path(name: str) -> str | None:
-    """The control socket path the coordinator of instance ``name`` recorded in its region
-    header, or None (no READY region, or nothing recorded)."""
-    info = named_region_info(name)
-    return info.socket_path or None if info is not None else None

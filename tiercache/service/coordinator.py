@@ -58,12 +58,11 @@ class Coordinator:
         self.manager = None
         self.control = None
         self.exporter = None
-        self.disk = None
+        self.tiers: list = []  # below host memory, fastest first (tiercache.tiers)
         self.presence = None
-        self.cluster = None  # (ClusterTier, MooncakePool)
-        # what stop left blocked in Mooncake (the cluster tier's pool calls, the client's
-        # close): daemon threads; the region stays mapped under them, and `serve` ends the
-        # process without Mooncake's teardown (which would hang or abort under them)
+        # what stop left blocked in a tier (a disk read, the cluster tier's pool calls,
+        # Mooncake's close): daemon threads; the region stays mapped under them, and `serve`
+        # ends the process without Mooncake's teardown (which would hang or abort under them)
         self.abandoned: list[str] = []
         self._closed = False
 
@@ -79,12 +78,7 @@ class Coordinator:
             store, restored, (total, damaged) = self._restore_sessions()
             self.manager = self._build_index({r.owner for r in restored})
             self._report_sessions(restored, total, damaged)
-            if cfg.disk is not None:
-                self.disk = self._start_disk()
-            if cfg.cluster is not None:
-                self.cluster = self._start_cluster()
-            self.manager.set_lower_tiers([tier for tier in (
-                self.disk, self.cluster and self.cluster[0]) if tier is not None])
+            self._start_tiers()
             self.presence = self._start_presence()
             socket_path = os.path.abspath(cfg.socket_path)
             control = ControlServer(self.manager, socket_path, control_options(cfg),
@@ -93,10 +87,9 @@ class Coordinator:
             self.control = control
             self.region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
-                tiers = self.disk is not None or self.cluster is not None
                 collector = TiercacheCollector(
                     self.region, manager_stats=self.control.stats,
-                    tier_stats=self.manager.tier_stats if tiers else None)
+                    tier_stats=self.manager.tier_stats if self.tiers else None)
                 self.exporter = start_exporter(cfg.exporter, collector)
         except BaseException:
             self.close()
@@ -158,54 +151,38 @@ class Coordinator:
                         if stats.damaged_records else ""))
         return manager
 
-    def _start_disk(self):
-        """The disk tier over its file (created, or reopened and its index rebuilt from the
-        slot headers), wired under the index, its threads started."""
-        from tiercache.tiers.disk import DiskTier
-        from tiercache.tiers.disk_file import DiskSlotFile
-
-        disk, layout = self.config.disk, self.region.layout
-        t0 = time.perf_counter()
-        file = DiskSlotFile(disk.file_path(self.config.name), disk.capacity_bytes,
-                            world_size=layout.world_size, row_stride=layout.row_stride,
-                            layout_digest=layout.digest, direct_io=disk.direct_io)
-        region = self.region
-
-        def rows(slot: int) -> list[memoryview]:
-            return [memoryview(region.rank_array(rank)[slot]) for rank in range(layout.world_size)]
+    def _start_tiers(self) -> None:
+        """The configured lower tiers (``tiercache.tiers.TIER_FACTORIES``), fastest first,
+        driven by the index's tier chain."""
+        from tiercache.tiers import build_tier, configured_tiers
 
         try:
-            tier = DiskTier(file, self.manager, rows, io_threads=disk.io_threads,
-                            low_watermark=disk.low_watermark, down_s=disk.retry_s)
-            self.say(f"disk tier: reading {file.num_slots} slot header(s) of {file.path}")
-            found = tier.rebuild()
+            for name in configured_tiers(self.config):
+                self.tiers.append(build_tier(name, self.config, self.region, self.say))
         except BaseException:
-            file.close()
+            for tier in self.tiers:
+                tier.close(tier.policy.stop_timeout_s)
+            self.tiers = []
             raise
-        tier.start()
-        how = "O_DIRECT" if file.direct_io else f"buffered I/O ({file.direct_io_reason})"
-        self.say(f"disk tier: {file.num_slots} block(s) of {format_bytes(file.slot_bytes)} "
-                 f"({format_bytes(file.num_slots * file.slot_bytes)}) at {file.path}, {how}; "
-                 f"{found} block(s) rebuilt from slot headers in "
-                 f"{time.perf_counter() - t0:.2f} s")
-        return tier
+        if self.tiers:
+            self.manager.chain.start(self.tiers)
 
     def _start_presence(self):
         """The key presence map engines read to answer definite misses without asking
         (``tiercache.region.presence``), filled with what the tiers hold now."""
         from tiercache.region.presence import PresenceMap
 
-        num_keys = self.manager.num_blocks + (self.disk.capacity_blocks if self.disk else 0)
+        exact = [t for t in self.tiers if t.policy.exact_holdings]
+        num_keys = self.manager.num_blocks + sum(t.snapshot().capacity_blocks for t in exact)
         presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
-        if self.cluster is not None:  # the pool's keys are not counted here: no zero is sure
+        if len(exact) < len(self.tiers):  # a pool's keys are not counted: no zero is sure
             presence.set_exact(False)  # for good: nothing reads the counts, none are kept
             self.say("key presence map: not exact (a cluster tier's keys are not counted on "
                      "this node): every new request is looked up in the coordinator, one step")
             return presence
         try:
             self.manager.set_key_listener(presence.update)
-            if self.disk is not None:
-                self.disk.set_key_listener(presence.update)
+            self.manager.chain.set_tier_key_listener(presence.update)
         except BaseException:
             presence.close()
             raise
@@ -213,75 +190,18 @@ class Coordinator:
 
     def _stop_presence(self) -> None:
         self.manager.set_key_listener(None)
-        if self.disk is not None:
-            self.disk.set_key_listener(None)
+        self.manager.chain.set_tier_key_listener(None)
         self.presence.close()
 
-    def _start_cluster(self):
-        """The cluster tier: this node's segment mounted in the pool (waiting up to
-        ``cluster.start_timeout_s`` for the master), the region registered with the pool's
-        client for zero-copy transfers, the tier's threads started."""
-        from tiercache.tiers.cluster import ClusterTier
-        from tiercache.tiers.cluster_object import BlockFormat
-        from tiercache.tiers.mooncake_pool import MooncakePool
-
-        cfg, layout, region = self.config.cluster, self.region.layout, self.region
-        block_format = BlockFormat.of(layout)
-        t0 = time.perf_counter()
-        pool = MooncakePool(cfg)
-        pool.open()
-        try:
-            pool.register(region.base_address, layout.total_bytes)
-
-            def rows(slot: int) -> list[tuple[int, memoryview]]:
-                views = [region.rank_array(rank)[slot] for rank in range(layout.world_size)]
-                return [(row.ctypes.data, memoryview(row)) for row in views]
-
-            tier = ClusterTier(
-                pool, self.manager, block_format, rows,
-                capacity_blocks=cfg.segment_bytes // (block_format.object_bytes
-                                                      * layout.world_size),
-                publish_queue_blocks=cfg.publish_queue_blocks, exists_ttl_s=cfg.exists_ttl_s,
-                exists_wait_s=cfg.exists_wait_s, retry_s=cfg.retry_s,
-                census_period_s=cfg.census_period_s,
-                publish_threads=cfg.publish_threads, promote_threads=cfg.promote_threads)
-        except BaseException:
-            pool.close()
-            raise
-        tier.start()
-        self.say(f"cluster tier: Mooncake Store, master {cfg.master}, this node's segment "
-                 f"{format_bytes(cfg.segment_bytes)} at {pool.hostname} ({cfg.protocol}); "
-                 f"block format {block_format.digest.hex()}; ready in "
-                 f"{time.perf_counter() - t0:.2f} s")
-        return tier, pool
-
     def _stop_tiers(self) -> None:
-        self.manager.set_lower_tiers([])
-        try:
-            if self.cluster is not None:
-                self._stop_cluster()
-        finally:
-            if self.disk is not None:
-                self.disk.close()
-
-    def _stop_cluster(self) -> None:
-        """The tier's threads, then Mooncake's client, each waited for at most
-        ``cluster.stop_timeout_s``: a master that does not answer (frozen, black-holed)
-        holds Mooncake's calls for its own RPC timeout, and a stop must not. What is still
-        blocked then is abandoned (one line says what); a client with a call still in it
-        is not closed under that call."""
-        tier, pool = self.cluster
-        bound = self.config.cluster.stop_timeout_s
-        calls = tier.close(bound)
-        closed = not calls and pool.close(bound)
-        if closed:
-            return
-        self.abandoned = calls + ["Mooncake's close" + (" (not started: calls in it)"
-                                                        if calls else "")]
-        self.say(f"cluster tier: stop waited {bound:g} s (cluster.stop_timeout_s) and "
-                 f"abandoned what the pool's master still holds: {'; '.join(self.abandoned)}. "
-                 "Daemon threads holding nothing the next start needs; this process ends "
-                 "without Mooncake's teardown")
+        """Each tier within its own stop bound (``cluster.stop_timeout_s``, the disk's
+        ``DISK_STOP_S``); what is still blocked then is abandoned (one line says what)."""
+        self.abandoned = self.manager.chain.close()
+        if self.abandoned:
+            self.say("tiers: stop waited each tier's bound (cluster.stop_timeout_s; the disk's "
+                     "5 s) and abandoned what the pool's master or the disk still holds: "
+                     f"{'; '.join(self.abandoned)}. Daemon threads holding nothing the next "
+                     "start needs; this process ends without their teardown")
 
     def serve_until(self, stop: threading.Event) -> None:
         stop.wait()
@@ -295,7 +215,7 @@ class Coordinator:
         keep = attached > 0
         for name, close in (("exporter", self.exporter and self.exporter.close),
                             ("presence", self.presence and self._stop_presence),
-                            ("tiers", (self.disk or self.cluster) and self._stop_tiers),
+                            ("tiers", self.tiers and self._stop_tiers),
                             ("control", self.control and (
                                 lambda: self.control.close(end_sessions=not keep))),
                             # a scrape the exporter could not drain may still read the

@@ -11,68 +11,53 @@ format adds what the region's geometry says).
 Object layout::
 
     offset  size        what
-    0       512         header (below)
+    0       512         header: ``block_header`` (a POOL_OBJECT header for one rank, with
+                        the cluster's MAC), the rest zero
     512     row_stride  the rank's row of the block, as the host region holds it
 
-Header, little-endian (the rest of its 512 bytes is zero)::
+Every get checks the header (magic, its CRC, format, rank, world size, length, key), the
+row's CRC-32C and the MAC over both, before the block is handed back: an object written
+by anyone without the cluster's key (``cluster.key_file``), cut short, damaged in the pool
+or of another block is a miss, never a load. The CRC is checked first (cheap; damage),
+the MAC last (authority).
 
-    offset  size  field
-    0       8     magic        b"TCPOOL01"
-    8       16    format       BlockFormat.digest
-    24      4     rank         u32
-    28      4     world_size   u32
-    32      8     data_bytes   u64: row_stride
-    40      4     data_crc     u32: CRC-32C (Castagnoli) of the row
-    44      2     key_len      u16
-    46      2     reserved
-    48      256   key          the block's key
-    304     4     header_crc   u32: zlib.crc32 of bytes 0..304
-
-Every get checks the header (magic, its CRC, format, rank, length, key) and the row's CRC
-before the block becomes READY in host memory: an object written by anyone else, cut
-short, or damaged in the pool is a miss, never a load.
-
-The row's checksum is CRC-32C, computed with the CPU's instruction (the ``crc32c``
-package; about 15 GB/s a core, against 3.8 GB/s for zlib's CRC-32 on the development VM):
-a node publishes into its own segment at memory speed, and zlib's CRC held publishing to
-a quarter of it (docs/benchmarks.md). The header's own CRC stays zlib's (304 bytes).
+``BlockFormat`` carries the MAC (``mac``, not part of its identity or digest): the format
+of a block in this cluster's pool is its geometry and the key that signs it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
-
-from crc32c import crc32c
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from tiercache.errors import TierError
 from tiercache.region.layout import RegionLayout
-from tiercache.region.ledger import KEY_BYTES
+from tiercache.tiers.block_header import (
+    SEALED_BYTES, ZERO_ID, BlockHeader, BlockMac, Container, checksum,
+)
 
-FORMAT_VERSION = 1
-MAGIC = b"TCPOOL01"
+FORMAT_VERSION = 2  # 2: the shared header codec with the cluster's MAC
 HEADER_BYTES = 512
-_HEADER = struct.Struct("<8s16sIIQIHH256s")
-_CRC = struct.Struct("<I")
-assert _HEADER.size == 304
+assert SEALED_BYTES <= HEADER_BYTES
 
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """The geometry of one block in the pool (see the module docstring)."""
+    """The geometry of one block in the pool (see the module docstring), and ``mac``, the
+    cluster's key that signs and checks every object."""
 
     world_size: int
     row_stride: int
     page_bytes: tuple[int, ...]
     block_size_factor: int
+    mac: BlockMac | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, layout: RegionLayout) -> BlockFormat:
+    def of(cls, layout: RegionLayout, mac: BlockMac | None = None) -> BlockFormat:
         return cls(layout.world_size, layout.row_stride, tuple(layout.page_bytes),
-                   layout.block_size_factor)
+                   layout.block_size_factor, mac)
 
     @cached_property
     def digest(self) -> bytes:
@@ -88,27 +73,29 @@ class BlockFormat:
     def name(self, key: bytes, rank: int) -> str:
         return f"tiercache/{self.digest.hex()}/r{rank}/{key.hex()}"
 
-    def header(self, key: bytes, rank: int, row) -> bytes:
-        """The header of ``key``'s object for ``rank`` whose row is ``row`` (its CRC taken
-        now: the caller holds the row pinned until the put is done)."""
-        if len(key) > KEY_BYTES:
-            raise TierError(f"a key of {len(key)} bytes; the cluster tier holds at most "
-                            f"{KEY_BYTES}")
-        head = _HEADER.pack(MAGIC, self.digest, rank, self.world_size, self.row_stride,
-                            crc32c(row), len(key), 0, key)
-        return head + _CRC.pack(zlib.crc32(head))
+    def header(self, key: bytes, rank: int, row: object) -> bytes:
+        """The sealed header (``SEALED_BYTES``) of ``key``'s object for ``rank`` whose row
+        is ``row``: its CRC and MAC taken now, over ``row`` as it is (the caller holds it
+        still until the object is written)."""
+        mac = self._mac()
+        head = BlockHeader(Container.POOL_OBJECT, self.digest, ZERO_ID, 0, rank,
+                           self.world_size, self.row_stride, checksum([row]), key)
+        return head.seal(mac, [row])
 
-    def check(self, header, key: bytes, rank: int, row) -> bool:
+    def check(self, header: object, key: bytes, rank: int, row: object) -> bool:
         """Whether ``header`` (the first bytes of a fetched object) names exactly this
-        block, format and rank, and ``row`` matches its CRC."""
-        raw = bytes(header[:_HEADER.size + _CRC.size])
-        head, (crc,) = raw[:_HEADER.size], _CRC.unpack(raw[_HEADER.size:])
-        if head[:8] != MAGIC or zlib.crc32(head) != crc:
+        block, format and rank, ``row`` matches its CRC, and the MAC over both is the
+        cluster key's. Never raises for what came from the pool."""
+        raw = bytes(memoryview(header)[:SEALED_BYTES])  # type: ignore[arg-type]
+        got = BlockHeader.decode(raw, Container.POOL_OBJECT)
+        if (got is None or got.format != self.digest or got.rank != rank
+                or got.world_size != self.world_size or got.key != key
+                or not got.holds([row])):
             return False
-        _, digest, got_rank, world, data_bytes, data_crc, key_len, _, got_key = \
-            _HEADER.unpack(head)
-        if (digest != self.digest or got_rank != rank or world != self.world_size
-                or data_bytes != self.row_stride or key_len > KEY_BYTES
-                or got_key[:key_len] != key):
-            return False
-        return crc32c(row) == data_crc
+        return self._mac().verify(raw, [row])
+
+    def _mac(self) -> BlockMac:
+        if self.mac is None:
+            raise TierError("the cluster tier signs and checks every pool object with the "
+                            "cluster's key: this block format has none (cluster.key_file)")
+        return self.mac

@@ -1,31 +1,27 @@
 """The disk tier's file: one preallocated file of fixed, block-sized slots on a local
-filesystem, each slot a header and one host block (every rank's row of it).
+filesystem, each slot a header and one host block (every rank's row of it), after the
+file's own header (``disk_claim``: who made it, who holds it).
 
-Slot layout (``slot_bytes`` apart, from offset 0)::
+File layout::
 
-    offset        size                         what
-    0             4096                         header (below)
-    4096 + r*R    R = round_up(row_stride, 4096)   rank r's row of the block (row_stride bytes
-                                               used; the rest of R is padding)
+    offset                     size                 what
+    0                          4096                 the file's header (``disk_claim``)
+    4096 + s*S                 S = slot_bytes       slot s:
+      + 0                      4096                   its header (``block_header``: a
+                                                      DISK_SLOT header, rank ALL_RANKS)
+      + 4096 + r*R             R = round_up(row_stride, 4096)   rank r's row (row_stride
+                                                      bytes used; the rest is padding)
 
-Header, little-endian (the rest of its 4096 bytes is zero)::
-
-    offset  size  field
-    0       8     magic        b"TCDISK01"
-    8       8     seq          u64: write order over the whole file (larger = newer)
-    16      16    layout       the region's layout digest: only blocks of this geometry
-    32      8     data_bytes   u64: world_size * row_stride
-    40      4     data_crc     u32: zlib.crc32 over the ranks' rows, in rank order
-    44      2     key_len      u16
-    46      2     reserved
-    48      256   key          the block's key (namespaced keys name their namespace)
-    304     4     header_crc   u32: zlib.crc32 of bytes 0..304
+``disk.capacity`` is the slots' bytes; the file is 4 KiB larger.
 
 Decisions and reasons:
 
 * **One preallocated file, fixed slots** (``posix_fallocate`` at start: a full disk is a
   start-up error, not a failed write later). For a single-owner local NVMe this beat
   file-per-chunk in every peer's measurements (docs: research tiers.md §2).
+* **Claimed once** (``disk_claim``): the directory and the file are checked on the
+  descriptors used, the file locked against a second coordinator; every read and write
+  goes through that one descriptor.
 * **O_DIRECT straight from the shared mapping**, no bounce buffer: ``preadv``/``pwritev``
   with one iovec per rank row, when rows are 4 KiB aligned in the region and the
   filesystem takes O_DIRECT (tmpfs does not). Otherwise buffered I/O. Which one runs is
@@ -36,31 +32,34 @@ Decisions and reasons:
   check, which is dropped on rebuild or read, never served. A flipped byte anywhere
   likewise. So the header need not be written last, and one ``pwritev`` (one ``preadv``)
   moves a whole slot when its rows lie back to back.
-* The header names the layout digest, so a file written for another geometry gives no
-  block (the rebuild drops every slot of another layout).
+* **Bound to this file's instance.** Every slot header names the instance id in the
+  file's header (random when the file was made, or remade for another geometry): a slot
+  another instance wrote (a file copied or transplanted, two writers of one path before
+  the lock) is never served; a file made under another name (``tiercache-a.disk`` copied
+  to ``tiercache-b.disk``) is refused at start. A file whose own header does not check (an
+  older format, damage) or names another geometry starts empty under a new instance id
+  (``fresh_reason`` says why; its old slots can never check again).
+* **No header read from disk can stop the tier**: decoding never raises, and a seq past
+  ``MAX_SEQ`` is not whole (``block_header``), so the next write's seq stays in range.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
-import struct
-import zlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiercache.errors import ConfigError, TierError
+from tiercache.errors import ConfigError
 from tiercache.region.layout import round_up
+from tiercache.tiers.block_header import ALL_RANKS, BlockHeader, Container, checksum
+from tiercache.tiers.disk_claim import FILE_HEADER_BYTES, FileHeader, claim, new_instance
 
-MAGIC = b"TCDISK01"
 HEADER_BYTES = 4096
 ALIGN = 4096
-KEY_BYTES = 256
-_HEADER = struct.Struct("<8sQ16sQIHH256s")
-_CRC = struct.Struct("<I")
-assert _HEADER.size == 304
-FILE_MODE = 0o600
 
 
 @dataclass(frozen=True)
@@ -71,9 +70,10 @@ class SlotHeader:
 
 
 class DiskSlotFile:
-    """The slot file at ``path`` (created 0600 and preallocated, or reopened). ``rows``
-    gives, for a host slot, each rank's row as a writable buffer (in the coordinator's
-    mapping). Thread-safe: every call is one positioned read or write of its own slot."""
+    """The slot file at ``path`` (created 0600 and preallocated, or reopened; claimed:
+    see ``disk_claim``). ``rows`` gives, for a host slot, each rank's row as a writable
+    buffer (in the coordinator's mapping). Thread-safe: every call is one positioned read
+    or write of its own slot."""
 
     def __init__(self, path: str, capacity_bytes: int, *, world_size: int, row_stride: int,
                  layout_digest: bytes, direct_io: bool | None = None):
@@ -89,43 +89,60 @@ class DiskSlotFile:
                               "give at least one block")
         self.layout_digest = layout_digest
         self.direct_io_reason = ""
-        aligned_rows = row_stride % ALIGN == 0
-        self._fd = -1
-        self._fd = self._open(path)
+        self.fresh_reason = ""  # why the file started empty ("" when its blocks were kept)
+        self._fd = claim(path)
         try:
-            self._preallocate(self.num_slots * self.slot_bytes)
-            self.direct_io = self._choose_direct(direct_io, aligned_rows)
+            self._preallocate(FILE_HEADER_BYTES + self.num_slots * self.slot_bytes)
+            self.instance = self._adopt()
+            self.direct_io = self._choose_direct(direct_io, row_stride % ALIGN == 0)
         except BaseException:
             os.close(self._fd)
+            self._fd = -1
             raise
 
     # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def _open(path: str) -> int:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as e:
-            raise ConfigError(f"disk tier file {path}: cannot open it ({e.strerror})") from e
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            os.close(fd)
-            raise ConfigError(f"disk tier file {path} is not ours with mode 0600 (owner uid "
-                              f"{st.st_uid}, mode {st.st_mode & 0o777:o}); remove it or "
-                              "choose another disk.path")
-        return fd
-
     def _preallocate(self, num_bytes: int) -> None:
         try:
             os.posix_fallocate(self._fd, 0, num_bytes)
         except OSError as e:
-            free = os.statvfs(os.path.dirname(self.path) or ".")
+            free = os.fstatvfs(self._fd)
             raise ConfigError(
                 f"disk.capacity: cannot allocate {num_bytes} bytes in {self.path} "
                 f"({e.strerror}; {free.f_bavail * free.f_frsize} bytes free there)") from e
 
+    def _adopt(self) -> bytes:
+        """This file's instance id: the one its header names if it is a file of this
+        name and geometry, else a new one (the file starts empty, ``fresh_reason`` says
+        why). A file made under another name is refused. The header is rewritten naming
+        this process as the holder."""
+        name = os.path.basename(self.path)
+        raw = os.pread(self._fd, FILE_HEADER_BYTES, 0)
+        found = FileHeader.decode(raw)
+        wanted = FileHeader(new_instance(), self.layout_digest, self.world_size,
+                            self.row_stride, self.slot_bytes, time.time_ns(), name)
+        if found is not None and found.name != name:
+            raise ConfigError(f"disk tier file {self.path} was made as {found.name!r}, not "
+                              f"{name!r} (copied or renamed from another instance): its "
+                              "blocks are not this instance's; remove it or move it back")
+        if found is None:
+            self.fresh_reason = ("a new file" if not any(raw) else
+                                 "its header did not check (an older format, or damaged)")
+        elif (found.layout, found.world_size, found.row_stride, found.slot_bytes) != \
+                (wanted.layout, wanted.world_size, wanted.row_stride, wanted.slot_bytes):
+            self.fresh_reason = "it was made for another block geometry"
+        else:
+            wanted = found
+        head = bytearray(_page())
+        encoded = wanted.held_by_me().encode()
+        head[:len(encoded)] = encoded
+        self._full(os.pwritev, [memoryview(head)], 0)
+        os.fsync(self._fd)  # the instance id is on disk before any slot names it
+        return wanted.instance
+
     def _choose_direct(self, wanted: bool | None, aligned_rows: bool) -> bool:
-        """O_DIRECT when the filesystem takes it and the rows are aligned; ``wanted`` True
-        makes either missing an error, False turns it off."""
+        """O_DIRECT, switched on the claimed descriptor, when the filesystem takes it and
+        the rows are aligned; ``wanted`` True makes either missing an error, False turns
+        it off."""
         if wanted is False:
             return False
         why = None
@@ -134,15 +151,11 @@ class DiskSlotFile:
                    "(O_DIRECT reads and writes them in place)")
         else:
             try:
-                flags = os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT
-                probe = os.open(self.path, flags)
-                os.close(probe)
+                flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+                return True
             except OSError as e:
                 why = f"the filesystem refuses O_DIRECT ({e.strerror})"
-        if why is None:
-            os.close(self._fd)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
-            return True
         if wanted:
             raise ConfigError(f"disk.direct_io = true, but {why}")
         self.direct_io_reason = why
@@ -150,37 +163,31 @@ class DiskSlotFile:
 
     # ------------------------------------------------------------------ blocks
     def offset(self, slot: int) -> int:
-        return slot * self.slot_bytes
+        return FILE_HEADER_BYTES + slot * self.slot_bytes
 
     def write(self, slot: int, key: bytes, seq: int, rows: Sequence[memoryview]) -> None:
-        """Write one block: the rows first, then the header naming ``key``. Raises
-        ``OSError`` as the filesystem does (the caller counts it and drops the spill)."""
-        if len(key) > KEY_BYTES:
-            raise TierError(f"a key of {len(key)} bytes; the disk tier holds at most {KEY_BYTES}")
-        crc = 0
-        for row in rows:
-            crc = zlib.crc32(row, crc)
-        head = _HEADER.pack(MAGIC, seq, self.layout_digest, self.world_size * self.row_stride,
-                            crc, len(key), 0, key)
+        """Write one block under ``key``: its header (this instance's) and rows. Raises
+        ``OSError`` as the filesystem does (the caller counts it and drops the spill), and
+        ``TierError`` for a key longer than ``block_header.KEY_BYTES``."""
+        header = BlockHeader(Container.DISK_SLOT, self.layout_digest, self.instance, seq,
+                             ALL_RANKS, self.world_size, self.world_size * self.row_stride,
+                             checksum(rows), key)
+        sealed = header.seal(None)
         buf = _page()
-        buf[:len(head)] = head
-        buf[len(head):len(head) + 4] = _CRC.pack(zlib.crc32(head))
+        buf[:len(sealed)] = sealed
         self._transfer(os.pwritev, slot, memoryview(buf), rows)
 
     def read(self, slot: int, key: bytes, rows: Sequence[memoryview]) -> bool:
-        """Read the block of ``slot`` into ``rows``; True only if its header names ``key``
-        and the data's CRC matches (on False the rows hold garbage: never serve them)."""
+        """Read the block of ``slot`` into ``rows``; True only if its header is this
+        instance's, names ``key`` and the data's CRC matches (on False the rows hold
+        garbage: never serve them). Raises nothing but ``OSError``."""
         buf = _page()
         self._transfer(os.preadv, slot, memoryview(buf), rows)
-        header = self._decode(bytes(buf[:_HEADER.size + 4]))
-        if header is None or header.key != key:
-            return False
-        crc = 0
-        for row in rows:
-            crc = zlib.crc32(row, crc)
-        return crc == header.data_crc
+        header = self._decode(bytes(buf[:HEADER_BYTES]))
+        return header is not None and header.key == key and header.holds(rows)
 
-    def _transfer(self, call, slot: int, header: memoryview, rows: Sequence[memoryview]) -> None:
+    def _transfer(self, call: Callable, slot: int, header: memoryview,
+                  rows: Sequence[memoryview]) -> None:
         """The header and the rows of ``slot`` in one positioned call when the rows lie
         back to back in the slot (4 KiB aligned rows), else one call each. Order does not
         matter for safety: the header names the data's CRC, so a slot torn anywhere does
@@ -194,22 +201,22 @@ class DiskSlotFile:
             self._full(call, [row], base + HEADER_BYTES + rank * self.row_span)
 
     def read_header(self, slot: int) -> SlotHeader | None:
-        """The slot's header if it is whole, of this layout; else None."""
+        """The slot's header if it is whole, this instance's, of this layout; else None."""
         buf = memoryview(_page())
         self._full(os.preadv, [buf], self.offset(slot))
-        return self._decode(bytes(buf[:_HEADER.size + 4]))
+        header = self._decode(bytes(buf))
+        return None if header is None else SlotHeader(header.seq, header.key, header.data_crc)
 
-    def _decode(self, raw: bytes) -> SlotHeader | None:
-        head, (crc,) = raw[:_HEADER.size], _CRC.unpack(raw[_HEADER.size:])
-        if head[:8] != MAGIC or zlib.crc32(head) != crc:
+    def _decode(self, raw: bytes) -> BlockHeader | None:
+        header = BlockHeader.decode(raw, Container.DISK_SLOT)
+        if header is None or header.instance != self.instance \
+                or header.format != self.layout_digest or header.rank != ALL_RANKS \
+                or header.world_size != self.world_size \
+                or header.data_bytes != self.world_size * self.row_stride:
             return None
-        _, seq, layout, data_bytes, data_crc, key_len, _, key = _HEADER.unpack(head)
-        if layout != self.layout_digest or data_bytes != self.world_size * self.row_stride \
-                or key_len > KEY_BYTES:
-            return None
-        return SlotHeader(seq, key[:key_len], data_crc)
+        return header
 
-    def _full(self, call, views: list, offset: int) -> None:
+    def _full(self, call: Callable, views: list, offset: int) -> None:
         want = sum(len(v) for v in views)
         done = call(self._fd, views, offset)
         if done != want:
@@ -226,6 +233,7 @@ class DiskSlotFile:
         return found
 
     def close(self) -> None:
+        """Close the file (its lock goes with the descriptor)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

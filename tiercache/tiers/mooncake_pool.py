@@ -8,8 +8,10 @@ pool that is down (a negative code per name, as Mooncake answers):
 * ``exists(names)``  -> per name: 1 present, 0 absent, < 0 an error
 * ``get_into(names, parts)`` -> per name: bytes read into the name's buffers, or < 0
 * ``put_from(names, parts)`` -> per name: 0 stored, or < 0
-* ``register(address, num_bytes)``: memory the zero-copy calls read and write (the region's
-  mapping, the headers' buffers); ``parts`` are ``[(address, num_bytes), ...]`` inside it
+* ``register(address, num_bytes)``: memory the calls read and write (the tier's staging
+  areas, never the region: Mooncake lists every registered buffer in the metadata server,
+  where any peer finds it and may read and write it); ``parts`` are
+  ``[(address, num_bytes), ...]`` inside it
 * ``close(timeout_s)``: unmounts this node's segment (its objects leave the pool) and
   disconnects; bounded (a master that does not answer holds it for Mooncake's RPC timeout).
 
@@ -17,7 +19,11 @@ What Mooncake does that the tier relies on, as measured with this version (loopb
 calls to a master that is gone answer ``RPC_FAIL`` (-900) at once; the client reconnects
 and re-mounts its segment by itself when a master is back (about 1.5 s); the Python
 binding releases the GIL during transfers. ``setup`` against an absent master retries for
-about 90 s, so ``open`` first waits (``start_timeout_s``) for the master's port to accept.
+about 90 s, and against an absent metadata server logs hundreds of lines before it fails,
+so ``open`` first waits (``start_timeout_s``) for the master's port and the metadata
+server's to accept; a ``local_hostname`` that does not resolve and ``protocol = "rdma"``
+on a host without RDMA devices (``/sys/class/infiniband``) are refused before it too, as
+Mooncake itself would start on them and fail every transfer.
 A master that accepts and never answers (SIGSTOP, a black-holed network) holds every call,
 ``close`` included, for Mooncake's RPC timeout (``MC_RPC_TIMEOUT_MS``, 30 s by default),
 then the call answers -901 (per name). A process whose Mooncake client is still in a call
@@ -44,19 +50,57 @@ REPLICA_IS_NOT_READY = -703
 # A get's per-name answers given before any transfer was started (the master said the
 # object or its replica is not there): nothing can land later. Every other error may
 # come from a transfer Mooncake stopped waiting for (TRANSFER_FAIL after its timeout)
-# while it still runs, and the tier holds that block's host slot out of use.
-NOTHING_MOVED = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
+# while it still runs: it lands in the caller's staging area, which is then held out of
+# use (``cluster_transfer``), never in a host slot.
+STAGING_HELD = -10001  # tiercache's own: the caller's staging area is held, nothing moved
+NOTHING_MOVED = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, STAGING_HELD})
+RDMA_DEVICES_DIR = "/sys/class/infiniband"
 Parts = Sequence[tuple[int, int]]  # (address, num_bytes) of one object's buffers, in order
 
 
-def master_reachable(address: str, timeout_s: float) -> bool:
+def master_reachable(address: str, timeout_s: float, key: str = "cluster.master") -> bool:
     """Whether ``host:port`` accepts a TCP connection within ``timeout_s``."""
-    host, port = host_port("cluster.master", address, need_port=True)
+    host, port = host_port(key, address, need_port=True)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
             return True
     except OSError:
         return False
+
+
+def metadata_address(config: ClusterConfig) -> str:
+    """``host:port`` of ``cluster.metadata_server`` (its scheme's port when none is given)."""
+    scheme, rest = config.metadata_server.split("://", 1)
+    hostport = rest.split("/", 1)[0]
+    has_port = "]:" in hostport if hostport.startswith("[") else ":" in hostport
+    return hostport if has_port else f"{hostport}:{443 if scheme == 'https' else 80}"
+
+
+def check_host(config: ClusterConfig) -> None:
+    """Refuse, in one line, what Mooncake would start on and never transfer with: a
+    ``local_hostname`` that does not resolve, RDMA without devices."""
+    host, _ = host_port("cluster.local_hostname", config.local_hostname, need_port=False)
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"cluster.local_hostname = {config.local_hostname!r}: does not "
+                          f"resolve to an address ({e}); give this node's address as the "
+                          "other nodes reach it") from None
+    if config.protocol != "rdma":
+        return
+    try:
+        present = sorted(os.listdir(RDMA_DEVICES_DIR))
+    except OSError:
+        present = []
+    wanted = [d.strip() for d in config.rdma_devices.split(",") if d.strip()]
+    missing = [d for d in wanted if d not in present]
+    if not present or missing:
+        raise ConfigError(f"cluster.protocol = 'rdma', but this host has "
+                          + (f"no RDMA device {', '.join(missing)} (it has "
+                             f"{', '.join(present) or 'none'})" if missing else
+                             f"no RDMA device ({RDMA_DEVICES_DIR} is empty or missing)")
+                          + "; use protocol = \"tcp\" or name devices this host has in "
+                          "cluster.rdma_devices")
 
 
 class MooncakePool:
@@ -73,13 +117,17 @@ class MooncakePool:
         """Connect and mount this node's segment. Raises ``ConfigError`` (one line) when the
         master does not answer within ``start_timeout_s`` or Mooncake refuses the setup."""
         cfg = self.config
+        check_host(cfg)
         deadline = time.monotonic() + cfg.start_timeout_s
-        while not master_reachable(cfg.master, min(1.0, cfg.start_timeout_s)):
-            if time.monotonic() >= deadline:
-                raise ConfigError(f"cluster.master = {cfg.master!r}: no mooncake_master "
-                                  f"answers there (waited {cfg.start_timeout_s:g} s, "
-                                  "cluster.start_timeout_s)")
-            time.sleep(0.1)
+        for key, address, what in (("cluster.master", cfg.master, "no mooncake_master"),
+                                   ("cluster.metadata_server", metadata_address(cfg),
+                                    "no metadata server")):
+            while not master_reachable(address, min(1.0, cfg.start_timeout_s), key):
+                if time.monotonic() >= deadline:
+                    shown = cfg.master if key == "cluster.master" else cfg.metadata_server
+                    raise ConfigError(f"{key} = {shown!r}: {what} answers there (waited "
+                                      f"{cfg.start_timeout_s:g} s, cluster.start_timeout_s)")
+                time.sleep(0.1)
         # Mooncake logs through glog; INFO and WARNING lines of every call would flood the
         # coordinator's log (the operator's own GLOG_minloglevel wins).
         os.environ.setdefault("GLOG_minloglevel", "2")

@@ -1,8 +1,9 @@
 """``HostCopyPool``: native multi-threaded memcpy for host-to-host transfers.
 
 What moves bytes between an engine's host memory (SGLang's host KV pool) and the region's
-rows when neither side is a GPU: ``tiercache/native/host_copy.c``, built like the chunk
-loop (``tiercache.native.build``) and bound with ctypes. One call copies a whole transfer
+rows when neither side is a GPU: ``tiercache/native/src/host_copy.c``, compiled into the
+one native library with the rest of ``src/`` (``tiercache.native.build``; its ``hc_*``
+functions are its own) and bound with ctypes. One call copies a whole transfer
 (every piece of every page): the pieces are one byte stream cut into equal shares, the
 calling thread copies one and the pool's threads the others. The call runs without the
 GIL, so the engine's other threads go on meanwhile; calls on one pool are serialised (a
@@ -30,9 +31,7 @@ import numpy as np
 
 from tiercache.errors import ArgumentError, BackendError
 from tiercache.native.build import build
-from tiercache.native.build import SOURCE as _CHUNK_LOOP
 
-SOURCE = _CHUNK_LOOP.with_name("host_copy.c")
 MAX_THREADS = 256  # HC_MAX_THREADS
 DEFAULT_MIN_SHARE_BYTES = 256 << 10  # below this per worker, fewer workers
 _CODES = {1: "a negative piece count", 2: "a null address with bytes to copy",
@@ -46,7 +45,7 @@ def _bind() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            lib = ctypes.CDLL(str(build(SOURCE)))  # CDLL: the GIL is released in every call
+            lib = ctypes.CDLL(str(build()))  # CDLL: the GIL is released in every call
             lib.hc_open.argtypes = [ctypes.c_int32]
             lib.hc_open.restype = _vp
             lib.hc_num_threads.argtypes = [_vp]

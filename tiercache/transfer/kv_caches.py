@@ -29,7 +29,7 @@ GpuCaches = torch.Tensor | Sequence[torch.Tensor | PageArray]
 
 def split_kv(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``(2, num_blocks, ...)`` tensors (K and V in one allocation) -> ``[K0, V0, K1, V1, ...]``."""
-    halves = []
+    halves: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
         if t.dim() < 2 or t.shape[0] != 2:
             raise ArgumentError(
@@ -60,8 +60,8 @@ def page_arrays_of(caches: GpuCaches, page_bytes: Sequence[int], pages_per_block
             except ArgumentError as e:
                 raise ArgumentError(f"gpu_caches[{t}]: {e}") from None
         else:
-            raise ArgumentError(
-                f"gpu_caches[{t}] is a {type(item).__name__}: expected a torch.Tensor or a PageArray")
+            raise ArgumentError(f"gpu_caches[{t}] is a {type(item).__name__}: expected a "
+                                "torch.Tensor or a PageArray")
     return tuple(arrays)
 
 

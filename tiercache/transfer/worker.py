@@ -44,18 +44,20 @@ from tiercache.device.pinning import HostPinner
 from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
-from tiercache.pages import PageArray
 from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import IndexLedger
-from tiercache.region.shared import SharedOffloadRegion, named_region_info
+from tiercache.region.names import named_region_info
+from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState, RankStats
+from tiercache.planning.geometry import TransferGeometry
+from tiercache.planning.planner import TransferPlanner
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
-from tiercache.planning.planner import TransferPlanner
+from tiercache.transfer.wiring import build_handlers
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class Worker:
     @property
     def backends(self) -> dict[Direction, BackendKind]:
         """The kind each direction runs (what its stats block records)."""
-        return {d: self.handlers.handler(d).backend.kind for d in Direction}
+        return {d: self.handlers.handler(d).kind for d in Direction}
 
     def submit_store(self, job_id: int, gpu_spec: GPULoadStoreSpec,
                      cpu_spec: CPULoadStoreSpec) -> bool:
@@ -221,7 +223,8 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
                  else Config.zero_copy_bytes)
     if prefault_threads is None:
         prefault_threads = (config_or_name.region.prefault_threads
-                            if isinstance(config_or_name, Config) else RegionConfig.prefault_threads)
+                            if isinstance(config_or_name, Config)
+                            else RegionConfig.prefault_threads)
     with ExitStack() as undo:  # each step registers its undo; success keeps them all
         region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
                                             timeout_s=ready_timeout_s)
@@ -232,7 +235,9 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
                                    layout.block_size_factor)
         torch_device = _device(gpu_caches, device)
         kind = resolve_kind(kind, torch_device.type)
-        planner = TransferPlanner(gpu_pages, cpu_pages, layout.block_size_factor, group_tensors)
+        geometry = TransferGeometry.of(gpu_pages, cpu_pages, layout.block_size_factor,
+                                       group_tensors)
+        planner = TransferPlanner.of(geometry)
 
         stats = region.stats(rank)
         stats.mark_attached(os.getpid(), process_start_ns(os.getpid()))
@@ -251,12 +256,11 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         pin_failed = False
         streams = create_stream_platform(kind, torch_device)
         undo.callback(streams.close)
-        backends = _backends(kind, gpu_pages, cpu_pages, torch_device, pin_state, streams,
-                             planner, zero_copy)
+        backends = _backends(kind, geometry, torch_device, pin_state, streams, zero_copy)
         for direction, chosen in backends.items():
             stats.set_backend(direction, chosen.kind)
         fence = SlotFence(region.region_id, IndexLedger(region.ledger_array()).table)
-        handlers = CpuGpuOffloadingHandlers.build(planner, backends, streams, stats, fence)
+        handlers = build_handlers(planner, backends, streams, stats, fence)
         undo.pop_all()
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
              {d.label: b.kind.label for d, b in backends.items()}, pin_state.label)
@@ -286,15 +290,14 @@ def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
     return region.pin(policy, HostPinner(index))
 
 
-def _backends(kind: BackendKind, gpu_pages: tuple[PageArray, ...],
-              cpu_pages: tuple[PageArray, ...], device: torch.device, pin_state: PinState,
-              streams: StreamPlatform, planner: TransferPlanner, zero_copy_bytes: int
+def _backends(kind: BackendKind, geometry: TransferGeometry, device: torch.device,
+              pin_state: PinState, streams: StreamPlatform, zero_copy_bytes: int
               ) -> dict[Direction, CopyBackend]:
     built: dict[Direction, CopyBackend] = {}
     try:
         for direction in Direction:
-            context = BackendContext(direction, gpu_pages, cpu_pages, device,
-                                     pin_state is PinState.PINNED, streams, planner,
+            context = BackendContext(direction, geometry.gpu_pages, geometry.cpu_pages, device,
+                                     pin_state is PinState.PINNED, streams, geometry,
                                      zero_copy_bytes)
             built[direction] = create_backend(kind, context)
     except BaseException:

@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tiercache.errors import CoordinatorGoneError, SessionLostError
+from tiercache.errors import AdapterError, CoordinatorGoneError, SessionLostError
 from tiercache.control.protocol import MAX_KEYS_PER_CALL
 from tiercache.vllm.batch import Batch, FencedSlot, LeaseAnswer, Probe, fenced_slots
 from tiercache.vllm.leases import LeaseBook
@@ -136,7 +136,8 @@ class Flusher:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"tiercache flusher thread failed: {self._error!r}") from self._error
+            raise AdapterError(f"tiercache flusher thread failed: {self._error!r}") \
+                from self._error
 
     def coordinator_lost(self) -> None:
         """The scheduler thread saw the coordinator gone: start pinging for it."""

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tiercache.config import Config
-from tiercache.errors import LayoutMismatchError, TiercacheError
+from tiercache.errors import LayoutMismatchError, SpecError, TransferFailedError
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.worker import Worker, attach
@@ -43,10 +43,6 @@ from tiercache.vllm.geometry import EngineGeometry
 from tiercache.vllm.manager import TierCacheLoadStoreSpec
 
 log = logging.getLogger(__name__)
-
-
-class TransferFailedError(TiercacheError):
-    """A transfer failed; vLLM cannot recover one, so the engine stops (see module doc)."""
 
 
 def canonical_geometry(kv_caches: CanonicalKVCaches, *, world_size: int, blocks_per_chunk: int,
@@ -145,6 +141,6 @@ def _gpu(spec: VllmGPUSpec) -> GPULoadStoreSpec:
 
 def _slots(spec: LoadStoreSpec, job_id: int) -> CPULoadStoreSpec:
     if not isinstance(spec, TierCacheLoadStoreSpec):
-        raise TypeError(f"job {job_id}: a {type(spec).__name__} reached the tiercache worker; "
+        raise SpecError(f"job {job_id}: a {type(spec).__name__} reached the tiercache worker; "
                         "only TierCacheLoadStoreSpec (from TierCacheManager) is accepted")
     return spec.to_cpu_spec()

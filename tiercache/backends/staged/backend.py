@@ -26,12 +26,13 @@ a slot is reused only after its last user, whatever transfer that was. Descripto
 ``direct_bytes`` or more skip the ring (one DMA each). Host bytes outside the plan's
 descriptors are never written (``staging``).
 
-Two layouts, one pipeline. Built with the rank's planner (a worker's backends are), the
-backend takes block plans (``plan_form`` BLOCKS: GPU ids, region slots, sub-pages) and
-``block_layout`` lays them out as row images in O(blocks); ``block_kernel`` expands each
+Two layouts, one pipeline. Built with the rank's geometry (a worker's backends are:
+``BackendContext.geometry``), the backend takes block plans (``plan_form`` BLOCKS: GPU
+ids, region slots, sub-pages) and ``block_layout`` lays them out as row images in
+O(blocks); ``block_kernel`` expands each
 (pair, tensor) to its page addresses on the device from tables uploaded once. Host work
 per transfer is then proportional to blocks, not pages (64 tensors x 256 blocks is 16 k
-pages but 256 pairs). Without a planner (calibration, single-backend rigs), or for a
+pages but 256 pairs). Without a geometry (calibration, single-backend rigs), or for a
 geometry the block layout refuses (said once at WARNING, with why), it takes page plans
 (``plan_form`` PAGES) and ``page_layout`` lays them out.
 
@@ -41,10 +42,12 @@ plan; the loop's own thread (no GIL) lays it out (the same layout as ``block_lay
 its specification and test oracle) and makes every driver call above, in order, and the
 ``Submission``'s ticket says when it is done. A plan whose pairs fit one chunk that finds
 the loop idle is laid out and issued the same way by the caller, inside the submit (its
-few driver calls cost the caller less than waking the loop's thread). A transfer of one chunk has nothing to
-overlap and runs on ``stream`` alone (no hops to the DMA stream). Page plans, and block
-plans with ``native=False``, are issued from Python on the calling thread, after the
-loop has issued what it holds (the ring's events are shared).
+few driver calls cost the caller less than waking the loop's thread). A transfer of one
+chunk has nothing to overlap and runs on ``stream`` alone (no hops to the DMA stream).
+Page plans, and block plans with ``native=False``, are issued from Python on the calling
+thread, after the loop has issued what it holds (the ring's events are shared). The same
+loop takes whole transfers from the native transfer path (``transfer_loop``;
+``tiercache.transfer.native_path``), validated, fenced and marked in the same call.
 
 Zero-copy (``zero_copy_bytes``, the config's ``transfer.zero_copy_bytes``; 0, off, by
 default): a block plan of at most that many bytes skips the ring. The loop lays its pairs
@@ -58,7 +61,7 @@ a matmul beside such loads lost up to 15 % in some rounds (docs/benchmarks.md,
 (``BackendContext.zero_copy_limit``).
 
 Chunks are large (``DEFAULT_CHUNK_BYTES``) so launches stay few. The ring is
-``DEFAULT_NUM_SLOTS`` deep because several ranks share the host: with two slots a rank's
+``DEFAULT_RING_SLOTS`` deep because several ranks share the host: with two slots a rank's
 pack -> DMA pipeline stalled whenever its DMAs slowed under another rank's traffic; four
 keep it fed, and on one rank they measure the same as two. The figures behind these
 choices: docs/benchmarks.md ("Transfer engine", "End to end on 2 GPUs", "Host path").
@@ -82,48 +85,38 @@ from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockLayout, Bloc
 from tiercache.backends.staged.page_layout import RUN_ALIGN, Scratch, StagingLayout, plan_staging
 from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.device.driver import (
-    CudaDriver, DescriptorArrays, SrcAccessOrder, device_index, stream_handle,
+    CudaDriver, DescriptorArrays, SrcAccessOrder, device_index,
 )
-from tiercache.device.events import DriverEvent, Event, Stream
-from tiercache.device.streams import current_stream_handle
+from tiercache.device.events import Stream, event_handle
 from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
-from tiercache.native.transfer_call import FenceTable, Outcome, TransferChecks
-from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
-from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+from tiercache.specs import Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
-DEFAULT_NUM_SLOTS = 4  # 128 MiB of GPU memory per direction
+DEFAULT_RING_SLOTS = 4  # 128 MiB of GPU memory per direction
 DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling unaided
 PACK_PROGRAMS_PER_SM = 2
 
 log = logging.getLogger(__name__)
 
 
-def _handle(event: Event | None) -> int:
-    """The raw handle the chunk loop records or waits on (0: none)."""
-    if event is None:
-        return 0
-    if not isinstance(event, DriverEvent):
-        raise BackendError(f"the chunk loop orders with DriverEvents (CudaStreams' events), "
-                           f"got {type(event).__name__}")
-    return event.handle
-
-
 class StagedBackend(StreamBackend):
-    """Staging ring of ``num_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
+    """Staging ring of ``num_ring_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
 
     kind = BackendKind.STAGED
 
     def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 num_slots: int = DEFAULT_NUM_SLOTS, direct_bytes: int = DEFAULT_DIRECT_BYTES,
+                 num_ring_slots: int = DEFAULT_RING_SLOTS,
+                 direct_bytes: int = DEFAULT_DIRECT_BYTES,
                  pack_programs: int | None = None, driver: CudaDriver | None = None,
                  load_order: SrcAccessOrder = SrcAccessOrder.ANY,
-                 planner: TransferPlanner | None = None, load_whole_rows: bool = True,
+                 geometry: TransferGeometry | None = None, load_whole_rows: bool = True,
                  native: bool = True, zero_copy_bytes: int = 0):
-        if num_slots < 2:
-            raise BackendError(f"num_slots = {num_slots}: staged needs >= 2 to overlap")
+        if num_ring_slots < 2:
+            raise BackendError(f"num_ring_slots = {num_ring_slots}: staged needs >= 2 to "
+                               "overlap")
         if zero_copy_bytes < 0:
             raise BackendError(f"zero_copy_bytes = {zero_copy_bytes}: must be >= 0 (0: off)")
         if not 0 < direct_bytes <= chunk_bytes:
@@ -132,20 +125,21 @@ class StagedBackend(StreamBackend):
         self.device = torch.device("cuda", int(device))
         self.chunk_bytes = int(chunk_bytes)
         self.direct_bytes = int(direct_bytes)
-        self.num_slots = int(num_slots)
+        self.num_ring_slots = int(num_ring_slots)
         # slots start RUN_ALIGN-aligned, so packed offsets keep the plan's alignment in any slot
-        self.slot_bytes = -(-(self.chunk_bytes + self.direct_bytes) // RUN_ALIGN) * RUN_ALIGN
+        self.ring_slot_bytes = -(-(self.chunk_bytes + self.direct_bytes) // RUN_ALIGN) \
+            * RUN_ALIGN
         self.load_order = load_order  # host sources of loads: nothing writes them meanwhile
         self._ce = CeBackend(int(device), driver)
         self.driver = self._ce.driver
-        self._ring = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8,
-                                 device=self.device)
+        self._ring = torch.empty((self.num_ring_slots, self.ring_slot_bytes),
+                                 dtype=torch.uint8, device=self.device)
         self._ring_base = self._ring.data_ptr()
         self._dma_stream = torch.cuda.Stream(device=self.device)
         self._dma = self._dma_stream.cuda_stream
         ev = self.driver.event_create
-        self._free = [ev() for _ in range(self.num_slots)]
-        self._ready = [ev() for _ in range(self.num_slots)]
+        self._free = [ev() for _ in range(self.num_ring_slots)]
+        self._ready = [ev() for _ in range(self.num_ring_slots)]
         self._start, self._done = ev(), ev()
         self._cursor = 0
         self._scratch = Scratch()
@@ -155,20 +149,20 @@ class StagedBackend(StreamBackend):
         # per SM it gave a matmul beside both-ways copies +0-2 points and took 4-11 points
         # of the copies' own rate (docs/benchmarks.md, "The pack kernels' share of the SMs").
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
-        self._blocks = None if planner is None else self._block_path(planner, load_whole_rows,
-                                                                       pack_programs)
+        self._blocks = None if geometry is None else self._block_path(geometry, load_whole_rows,
+                                                                        pack_programs)
         self._loop = self._chunk_loop() if native and self._blocks is not None else None
         self.zero_copy_pairs = 0
-        if self._loop is not None and zero_copy_bytes:
-            self.zero_copy_pairs = zero_copy_bytes // max(planner.pair_bytes)
+        if self._loop is not None and geometry is not None and zero_copy_bytes:
+            self.zero_copy_pairs = zero_copy_bytes // max(geometry.pair_bytes)
             self._loop.set_zero_copy(self.zero_copy_pairs)
         self.plan_form = PlanForm.PAGES if self._blocks is None else PlanForm.BLOCKS
 
-    def _block_path(self, planner: TransferPlanner, load_whole_rows: bool,
+    def _block_path(self, geometry: TransferGeometry, load_whole_rows: bool,
                     max_programs: int | None
                     ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
         try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
-            staging = BlockStaging.of_planner(planner, self.chunk_bytes, load_whole_rows)
+            staging = BlockStaging.of_geometry(geometry, self.chunk_bytes, load_whole_rows)
         except BackendError as e:
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)
@@ -181,8 +175,9 @@ class StagedBackend(StreamBackend):
         """The native chunk loop over this ring; raises BackendError when it cannot be
         built or started (no quiet fallback to the Python loop)."""
         staging, kernel, _ = self._blocks
-        if self.slot_bytes % SLOT_ALIGN:
-            raise BackendError(f"slot_bytes = {self.slot_bytes}: not a multiple of {SLOT_ALIGN}")
+        if self.ring_slot_bytes % SLOT_ALIGN:
+            raise BackendError(f"ring_slot_bytes = {self.ring_slot_bytes}: not a multiple of "
+                               f"{SLOT_ALIGN}")
         attrs = tuple(bytes(self._ce.attributes(order))
                       for order in (self.load_order, SrcAccessOrder.STREAM))
         loop_kernel = kernel.loop_kernel(self._ring_base)  # compiles both directions
@@ -200,7 +195,7 @@ class StagedBackend(StreamBackend):
                                  drv.current_context(), entry("cuCtxGetCurrent"), tables)
         geometry = staging.loop_geometry()
         loop = ChunkLoop(loop_driver, loop_kernel, geometry, dma_stream=self._dma,
-                         ring_base=self._ring_base, slot_bytes=self.slot_bytes,
+                         ring_base=self._ring_base, ring_slot_bytes=self.ring_slot_bytes,
                          free_events=self._free, ready_events=self._ready,
                          begin_event=self._start, done_event=self._done, attrs=attrs)
         # a job that fits one chunk is a handful of driver calls: the caller issues it
@@ -208,16 +203,12 @@ class StagedBackend(StreamBackend):
         loop.set_inline(geometry.one_chunk_pairs)
         return loop
 
-    def native_transfers(self, planner: TransferPlanner, fence: FenceTable | None
-                         ) -> StagedTransfers | None:
-        """Whole transfers through the chunk loop in one native call each (``tc_transfer``)
-        when this backend issues block plans natively for ``planner``'s geometry (it was
-        built with that planner, which validates natively); else None."""
-        if self._loop is None or not planner.native_validation \
-                or self._blocks[0].groups is not planner.groups:
+    def transfer_loop(self, geometry: TransferGeometry) -> ChunkLoop | None:
+        """The chunk loop, when this backend issues block plans natively and was built for
+        ``geometry`` (its tables lay out only that geometry's pairs); else None."""
+        if self._loop is None or self._blocks[0].groups is not geometry.groups:
             return None
-        return StagedTransfers(self._loop, self._ce.device,
-                               TransferChecks(planner.validator(), planner.pair_bytes, fence))
+        return self._loop
 
     @property
     def chunk_loop(self) -> ChunkLoop | None:
@@ -245,8 +236,8 @@ class StagedBackend(StreamBackend):
         if len(ordering.after) > 2:
             raise BackendError(f"{len(ordering.after)} events to wait for: the chunk loop "
                                "takes two")
-        after, prev_end = (*map(_handle, ordering.after), 0, 0)[:2]
-        start, end = _handle(ordering.start), _handle(ordering.end)
+        after, prev_end = (*map(event_handle, ordering.after), 0, 0)[:2]
+        start, end = event_handle(ordering.start), event_handle(ordering.end)
         submit = self._loop.submit
         if plan is None or plan.empty:
             return Submission((), submit(stream=handle, after=after, prev_end=prev_end,
@@ -330,7 +321,7 @@ class StagedBackend(StreamBackend):
 
     def _page_chunks(self, layout: StagingLayout, store: bool, handle: int,
                      stream: Stream) -> tuple[object, ...]:
-        assert layout.max_slot_bytes <= self.slot_bytes  # staged pieces < direct_bytes
+        assert layout.max_slot_bytes <= self.ring_slot_bytes  # staged pieces < direct_bytes
         p, d = layout.pieces, layout.dmas
 
         def dmas_at(slot_base: np.ndarray) -> DescriptorArrays:
@@ -363,8 +354,8 @@ class StagedBackend(StreamBackend):
         the DMA half (copy engines on the DMA stream), ordered by the slot's events (module
         docstring). ``dmas_at(slot_bases)`` gives the DMAs, ``dma_first`` their chunk
         boundaries; ``gpu_half(k, slot_base)`` enqueues chunk k's kernel."""
-        slots = [(self._cursor + k) % self.num_slots for k in range(num_chunks)]
-        bases = [self._ring_base + s * self.slot_bytes for s in slots]
+        slots = [(self._cursor + k) % self.num_ring_slots for k in range(num_chunks)]
+        bases = [self._ring_base + s * self.ring_slot_bytes for s in slots]
         dmas = dmas_at(np.array(bases, np.uint64))
         drv, ce, dma = self.driver, self._ce, self._dma
         for k, s in enumerate(slots):
@@ -383,7 +374,7 @@ class StagedBackend(StreamBackend):
                 drv.stream_wait_event(handle, self._ready[s])
                 gpu_half(k, bases[k])
                 drv.event_record(self._free[s], handle)
-        self._cursor = (self._cursor + num_chunks) % self.num_slots
+        self._cursor = (self._cursor + num_chunks) % self.num_ring_slots
         return (dmas,)
 
     # ------------------------------------------------------------ teardown
@@ -403,25 +394,6 @@ class StagedBackend(StreamBackend):
         self._ring = None  # type: ignore[assignment]
 
 
-class StagedTransfers:
-    """``NativeTransfers`` of a staged backend: one ``ChunkLoop.transfer`` (its pair table
-    one of the loop's own); the compute stream is the calling thread's current stream of
-    the backend's device (what ``CudaStreams.mark_current`` records on)."""
-
-    def __init__(self, loop: ChunkLoop, device: int, checks: TransferChecks):
-        self._transfer, self._device, self._checks = loop.transfer, device, checks
-        self._current = current_stream_handle(torch)
-
-    def transfer(self, direction: Direction, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec,
-                 stream: Stream, mark: Event, previous: Event | None, start: Event,
-                 end: Event) -> Outcome:
-        return self._transfer(
-            self._checks, direction, gpu.block_ids, gpu.group_sizes, gpu.block_indices,
-            cpu.block_ids, cpu.slot_gens, cpu.region_id, stream=stream_handle(stream),
-            compute=self._current(self._device), mark=_handle(mark),
-            prev_end=_handle(previous), start_event=_handle(start), end_event=_handle(end))
-
-
 def create(context: BackendContext) -> StagedBackend:
-    return StagedBackend(device_index(context.device), planner=context.planner,
+    return StagedBackend(device_index(context.device), geometry=context.geometry,
                          zero_copy_bytes=context.zero_copy_limit)

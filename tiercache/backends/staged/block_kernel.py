@@ -4,7 +4,8 @@ The static tensor table of a ``BlockStaging`` (``tensors``, int64 (4, T): GPU ba
 GPU block stride, page bytes, row offset; ``groups``, int64 (2, G): first table entry
 and tensor count of each group) is uploaded once (``BlockKernel``). A transfer uploads
 its pair table (int64 (4, P): GPU id, row slot offset, sub-page, group) into pinned host
-memory that the kernels read through UVA (``PairTables``); each chunk is then one launch over its pair range::
+memory that the kernels read through UVA (``PairTables``); each chunk is then one launch
+over its pair range::
 
     program (i, t):  for pairs p = first + i, first + i + grid0, ... < first + count:
         g = pairs[3, p]; if t < count of g:  e = first entry of g + t
@@ -36,7 +37,8 @@ from triton.compiler import CompiledKernel
 
 from tiercache.backends.staged.block_layout import SLOT_ALIGN, BlockStaging
 from tiercache.device.driver import CudaDriver
-from tiercache.native.chunk_loop import KERNEL_ARGS, LoopKernel
+from tiercache.native.chunk_loop import LoopKernel
+from tiercache.native.codes import KERNEL_ARGS
 from tiercache.errors import BackendError
 
 # parameter bytes of _move_pages as the native loop passes them: addresses i64, the rest i32
@@ -63,7 +65,8 @@ def _move_pages(pairs, pair_stride, first, count, slot_base, tensors, tensor_str
             page = tl.load(table + 2 * tensor_stride + e)
             gpu = tl.load(table + e) + tl.load(pair_table + p) * tl.load(table + tensor_stride + e)
             slot = slot_base + tl.load(pair_table + pair_stride + p) \
-                + tl.load(table + 3 * tensor_stride + e) + tl.load(pair_table + 2 * pair_stride + p) * page
+                + tl.load(table + 3 * tensor_stride + e) \
+                + tl.load(pair_table + 2 * pair_stride + p) * page
             if STORE:
                 src, dst = gpu, slot
             else:
@@ -142,7 +145,8 @@ class BlockKernel:
                 raise BackendError("the native chunk loop needs the compiled kernel (it was "
                                    "interpreted: TRITON_INTERPRET is set)")
             meta = kernel.metadata
-            if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
+            if getattr(meta, "num_ctas", 1) != 1 \
+                    or getattr(meta, "launch_cooperative_grid", False) \
                     or getattr(meta, "launch_pdl", False):
                 raise BackendError(f"the pack kernel needs launch attributes the native loop does "
                                    f"not set ({meta})")
@@ -151,7 +155,8 @@ class BlockKernel:
             params = ptx_param_bytes(kernel.asm["ptx"], kernel.name)
             if tuple(params[:KERNEL_ARGS]) != LOOP_PARAM_BYTES or sizes not in (None, params):
                 raise BackendError(f"the pack kernel's parameters are {params} bytes: the native "
-                                   f"loop passes {list(LOOP_PARAM_BYTES)} first (Triton ABI changed?)")
+                                   f"loop passes {list(LOOP_PARAM_BYTES)} first (Triton ABI "
+                                   "changed?)")
             kernel._init_handles()
             functions.append(int(kernel.function))
             shared.append(int(meta.shared))
@@ -193,11 +198,12 @@ class PairTables:
 
     Why host memory: copying each transfer's table to the device costs a torch copy and an
     event of host time per transfer (docs/benchmarks.md, "Host path"); the kernels read
-    each pair's 32 bytes once, over PCIe, a negligible share of a launch. ``upload`` writes the pairs into a reused pinned
-    buffer and returns its address; ``release`` (after the transfer's last launch was
-    enqueued on ``stream``) records the buffer's event, and a buffer is reused only once
-    its event has completed, so a table is never overwritten while a launch may still read
-    it. Buffers in use are never waited for: a new one is allocated instead.
+    each pair's 32 bytes once, over PCIe, a negligible share of a launch. ``upload`` writes
+    the pairs into a reused pinned buffer and returns its address; ``release`` (after the
+    transfer's last launch was enqueued on ``stream``) records the buffer's event, and a
+    buffer is reused only once its event has completed, so a table is never overwritten
+    while a launch may still read it. Buffers in use are never waited for: a new one is
+    allocated instead.
     """
 
     def __init__(self, device: torch.device | str, driver: CudaDriver | None = None):

@@ -4,11 +4,11 @@
 runs on the copy engines. This module describes one transfer in *pairs* (one per GPU
 page of a group: GPU block id, CPU row, sub-page) and *rows* (one per CPU block of a
 group), never per (page, tensor): the tensor dimension lives in a static table that is
-built once per planner and expanded on the device (``block_kernel``). Host work per
+built once per rank geometry and expanded on the device (``block_kernel``). Host work per
 transfer is O(pairs + rows + DMAs); with the region's layout (a row's pages side by
 side) a DMA is one staged row, or several adjacent rows merged.
 
-Static part (``BlockStaging``, per planner). Group g has k_g tensors, ordered by CPU
+Static part (``BlockStaging``, per geometry). Group g has k_g tensors, ordered by CPU
 address, at entries ``group_first[g] .. group_first[g] + k_g - 1`` of ``tensors``
 (int64, shape (4, T))::
 
@@ -71,7 +71,7 @@ from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import Geometry
 from tiercache.pages import PageArray
 from tiercache.planning.page_groups import GroupPages
-from tiercache.planning.planner import TransferPlanner
+from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, GroupPairs
 from tiercache.specs import Direction
 
@@ -141,9 +141,9 @@ def _empty_layout() -> BlockLayout:
 
 
 class BlockStaging:
-    """The static tables of one planner's geometry, and the per-transfer ``layout``.
+    """The static tables of one rank's geometry, and the per-transfer ``layout``.
 
-    ``groups[g]`` lists the tensors of group g (as the planner has them); ``gpu[t]``,
+    ``groups[g]`` lists the tensors of group g (as the geometry has them); ``gpu[t]``,
     ``cpu[t]`` the pages of tensor t on each side. Raises BackendError when the
     geometry cannot be staged by rows (tensors of a group with different CPU strides,
     overlapping CPU pages, a row image wider than its stride or than ``chunk_bytes``).
@@ -158,7 +158,7 @@ class BlockStaging:
         self.factor, self.chunk_bytes = int(factor), int(chunk_bytes)
         self._sub_pages = np.arange(self.factor, dtype=_I64)
         self.load_whole_rows = bool(load_whole_rows)
-        self.groups: tuple[GroupPages, ...] | None = None  # the planner's, set by of_planner
+        self.groups: tuple[GroupPages, ...] | None = None  # the geometry's, set by of_geometry
         columns: list[list[int]] = [[], [], [], []]
         self.group_first = np.zeros(len(groups), dtype=_I64)
         self.group_count = np.zeros(len(groups), dtype=_I64)
@@ -204,20 +204,20 @@ class BlockStaging:
         self.access_bytes = bits & -bits  # widest access every address and size allows
 
     @classmethod
-    def of_planner(cls, planner: TransferPlanner, chunk_bytes: int,
-                   load_whole_rows: bool = False) -> BlockStaging:
-        """The tables of ``planner``'s geometry (its groups in its order): ``layout`` takes
-        its block plans."""
-        staging = cls(planner.gpu_pages, planner.cpu_pages, planner.block_size_factor,
-                      [g.tensors for g in planner.groups], chunk_bytes, load_whole_rows)
-        staging.groups = planner.groups
+    def of_geometry(cls, geometry: TransferGeometry, chunk_bytes: int,
+                    load_whole_rows: bool = False) -> BlockStaging:
+        """The tables of ``geometry`` (its groups in its order): ``layout`` takes the block
+        plans of its planner."""
+        staging = cls(geometry.gpu_pages, geometry.cpu_pages, geometry.block_size_factor,
+                      [g.tensors for g in geometry.groups], chunk_bytes, load_whole_rows)
+        staging.groups = geometry.groups
         return staging
 
     def check(self, plan: BlockPlan) -> None:
-        """``BackendError`` unless ``plan`` is of the planner these tables were built for."""
+        """``BackendError`` unless ``plan`` is of the geometry these tables were built for."""
         if plan.groups is not self.groups:
-            raise BackendError("a block plan of a planner this BlockStaging was not built for "
-                               "(build it with BlockStaging.of_planner(planner, ...))")
+            raise BackendError("a block plan of a geometry this BlockStaging was not built "
+                               "for (build it with BlockStaging.of_geometry(geometry, ...))")
 
     def loop_geometry(self) -> Geometry:
         """These tables as the native chunk loop lays transfers out with them."""
@@ -230,11 +230,6 @@ class BlockStaging:
     @property
     def num_groups(self) -> int:
         return int(self.group_first.size)
-
-    @property
-    def max_row_bytes(self) -> int:
-        """The largest staged row (a chunk holds at least one)."""
-        return int(self.pitch.max())
 
     def _build_templates(self) -> None:
         f, starts, counts, runs = self.factor, [], [], []

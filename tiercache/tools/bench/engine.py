@@ -143,9 +143,9 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
                    steps: int, ceiling: dict[str, float]) -> dict[str, Any]:
     """The module docstring's figures for one workload and backend (``steps`` per order)."""
     from tiercache.device.streams import CudaStreams
-    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+    from tiercache.transfer.wiring import build_handlers
 
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
     # (scripts/engine_pattern.py runs this module on older trees too, whose handlers have
     # no native path)
     native = [getattr(handlers.handler(d), "native", False) for d in (G2C, C2G)]

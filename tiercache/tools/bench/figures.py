@@ -90,9 +90,9 @@ def engine_view(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBackend
     included; scattered slots and blocks), each way, both at once and one block; and the
     host time of the ``transfer_async`` call alone."""
     from tiercache.device.streams import CudaStreams
-    from tiercache.transfer.handlers import CpuGpuOffloadingHandlers
+    from tiercache.transfer.wiring import build_handlers
 
-    handlers = CpuGpuOffloadingHandlers.build(plans.planner, built, CudaStreams(rig.device))
+    handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
     jobs = iter(range(1, 1 << 30))
 
     def run(specs) -> tuple[float, list[float]]:

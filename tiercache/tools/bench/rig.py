@@ -44,19 +44,19 @@ def _ce_stream_loads(context: BackendContext) -> CopyBackend:
     return CeBackend(device_index(context.device), load_access_order=SrcAccessOrder.STREAM)
 
 
-def _staged_ring(chunk_mib: int, num_slots: int, context: BackendContext) -> CopyBackend:
+def _staged_ring(chunk_mib: int, num_ring_slots: int, context: BackendContext) -> CopyBackend:
     from tiercache.device.driver import device_index
     from tiercache.backends.staged.backend import StagedBackend
 
     return StagedBackend(device_index(context.device), chunk_bytes=chunk_mib * MIB,
-                         num_slots=num_slots, planner=context.planner)
+                         num_ring_slots=num_ring_slots, geometry=context.geometry)
 
 
 def _staged_python(context: BackendContext) -> CopyBackend:
     from tiercache.device.driver import device_index
     from tiercache.backends.staged.backend import StagedBackend
 
-    return StagedBackend(device_index(context.device), planner=context.planner, native=False)
+    return StagedBackend(device_index(context.device), geometry=context.geometry, native=False)
 
 
 # Variants of a kind with non-default settings, for A/B runs: name -> (kind, factory).
@@ -170,13 +170,14 @@ class GpuRig:
     def backends(self, backend: BenchBackend, w: Workload, planner: TransferPlanner,
                  zero_copy_bytes: int = Config.zero_copy_bytes) -> dict[Direction, CopyBackend]:
         """Both directions of ``backend`` over the workload's pages (pinned host rows),
-        given the planner and the zero-copy bound as a worker gives them (block-level
-        backends use the planner; the bound defaults to the config's)."""
+        given the planner's geometry and the zero-copy bound as a worker gives them
+        (block-level backends use the geometry; the bound defaults to the config's)."""
         from tiercache.device.streams import CudaStreams
 
-        gpu, cpu = planner.gpu_pages, planner.cpu_pages
+        geometry = planner.geometry
+        gpu, cpu = geometry.gpu_pages, geometry.cpu_pages
         return {d: backend.create(BackendContext(d, gpu, cpu, self.device, True,
-                                                 CudaStreams(self.device), planner,
+                                                 CudaStreams(self.device), geometry,
                                                  zero_copy_bytes))
                 for d in Direction}
 

@@ -1,0 +1,214 @@
+"""The one-way contract of a tier below host memory (disk, a cluster pool), in the shape
+of vLLM 0.33's ``SecondaryTierManager``: the index's tier chain (``tiercache.index
+.tiering``) asks, reserves, pins and books; a tier only answers, moves bytes and reports.
+
+A tier never imports the index and never calls it. What passes between them:
+
+* ``holds(key, asker) -> Presence``: from what the tier knows, never I/O, quick (it runs
+  under the index's lock). ``MAYBE``: the tier does not know yet; the chain then gives it
+  a ``PROBE`` job for the run and the asker hears "not yet" (pending).
+* ``submit(job)``: a ``TierJob`` of keys and the host slots the chain already reserved
+  (``PROMOTE``: the tier writes them) or pinned (``DEMOTE`` / ``PUBLISH``: the tier reads
+  them), or of keys alone (``PROBE``). Quick: it queues, the tier's threads move bytes.
+  A tier refusing a job (full, down, stopping) reports it failed; it never raises.
+* ``take_finished() -> list[JobResult]``: every job's outcome, exactly once, per key:
+  ``done`` (moved and verified: a promoted block's header, checksum and, for the pool,
+  the cluster's MAC checked before it is reported), ``failed`` (nothing moved into a host
+  slot, and nothing will), ``may_land`` (not moved, but a transfer into its host slot may
+  still run: the chain holds that slot out of use). A result with ``settled=False``
+  promises a later one of the same job, ``settled=True``, once every transfer of it has
+  provably ended: its held-out slots come back then. For a ``PROBE`` job, ``done`` is the
+  leading run of its keys the tier holds.
+* ``take_changes() -> list[KeyChange]``: keys the tier came to hold or stopped holding
+  (a demotion written, a slot of its own reused, a copy that did not check), for the
+  node's events and the presence map.
+* ``wake``: a callable the chain hands the tier at ``start``; the tier calls it when it
+  has results or changes (it only sets an event: it is not a call into the index).
+
+Stats (``snapshot() -> TierStats``) are the tier's own. Tiers are built from the config
+by the registry in ``tiercache.tiers`` (``TIER_FACTORIES``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+from tiercache.errors import ManagerError
+from tiercache.specs import Medium
+
+
+class BlockSource(IntEnum):
+    """Where a block in host memory came from (its wire code is the value; ``label`` names
+    the tier in metrics and status): an engine stored it, or a tier below promoted it."""
+
+    HOST = 0
+    DISK = 1
+    CLUSTER = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Presence(Enum):
+    """A tier's answer to "do you hold this key?", from what it knows now."""
+
+    YES = "yes"  # promote it from here
+    NO = "no"  # ask the next tier, or miss
+    MAYBE = "maybe"  # finding out: the asker hears "not yet"; the chain sends a PROBE
+
+
+class JobKind(Enum):
+    """What a job asks of a tier, and so what the chain holds for it."""
+
+    PROBE = "probe"  # find out which leading keys you hold (no host slot)
+    PROMOTE = "promote"  # tier -> host: write these reserved host slots
+    DEMOTE = "demote"  # host -> tier, ahead of eviction: read these pinned host slots
+    PUBLISH = "publish"  # host -> tier, write-through: read these pinned host slots
+
+    @property
+    def writes_host(self) -> bool:
+        return self is JobKind.PROMOTE
+
+    @property
+    def reads_host(self) -> bool:
+        return self in (JobKind.DEMOTE, JobKind.PUBLISH)
+
+
+@dataclass(frozen=True)
+class TierJob:
+    """``keys[i]`` lives in host slot ``slots[i]`` (empty for a ``PROBE``); ``asker``: the
+    session whose lookup started a ``PROBE`` (it has heard "maybe" once already)."""
+
+    job_id: int
+    kind: JobKind
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...] = ()
+    asker: int = 0
+
+    def __post_init__(self) -> None:
+        want = 0 if self.kind is JobKind.PROBE else len(self.keys)
+        if len(self.slots) != want:
+            raise ManagerError(f"a {self.kind.value} job of {len(self.keys)} key(s) with "
+                               f"{len(self.slots)} host slot(s); it takes {want}")
+
+    def blocks(self) -> list[tuple[bytes, int]]:
+        return list(zip(self.keys, self.slots))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """One job's outcome (see the module docstring); every key of the job is in exactly one
+    of ``done``, ``failed``, ``may_land`` in its first result."""
+
+    job_id: int
+    done: tuple[bytes, ...] = ()
+    failed: tuple[bytes, ...] = ()
+    may_land: tuple[bytes, ...] = ()
+    settled: bool = True
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """Keys that came to be held by a tier (``removed=False``) or stopped being."""
+
+    keys: tuple[bytes, ...]
+    removed: bool
+
+
+@dataclass
+class TierStats:
+    """Counters (lifetime) and gauges of a tier below host memory (disk or cluster)."""
+
+    capacity_blocks: int = 0
+    used_blocks: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    promotions: int = 0
+    demotions: int = 0
+    dropped_spills: int = 0
+    queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
+    calls_in_flight: int = 0  # disk: promotion/demotion jobs; cluster: calls to the pool
+    checksum_failures: int = 0
+    errors: int = 0
+    rebuilt_blocks: int = 0
+    up: bool = True
+    direct_io: bool = False
+    promoting: bool = True  # False: promotions stopped (too many host slots held out)
+    held_buffers: int = 0  # transfer buffers held out: a read into them may still land
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """How the chain feeds a tier: which host blocks go down to it and how many at once.
+
+    ``demote_below``: demote ahead of eviction while fewer than this fraction of host slots
+    are free (0: never demote); ``publish``: write every block that becomes READY in host
+    memory through to the tier (not the tier's own promotions); ``max_queued_blocks``:
+    blocks the chain keeps in flight and waiting for the tier, past which an unproven
+    block (never reused) is dropped and counted, never waited for; ``job_blocks``: blocks
+    per demote or publish job (pinned and unpinned together), ``promote_blocks`` per
+    promotion (its host slots reserved together)."""
+
+    medium: Medium
+    demote_below: float = 0.0
+    publish: bool = False
+    max_queued_blocks: int = 256
+    job_blocks: int = 4
+    promote_blocks: int = 32
+    stop_timeout_s: float = 5.0  # a stop waits this long for its transfers, then abandons them
+    # the tier knows every key it holds (a disk); a pool only learns of other nodes'
+    # objects by asking, so its holdings are neither announced nor counted as exact
+    exact_holdings: bool = True
+
+
+class LowerTier(ABC):
+    """A tier below host memory; see the module docstring for the contract."""
+
+    source: BlockSource
+    policy: TierPolicy
+
+    @property
+    def name(self) -> str:
+        return self.source.label
+
+    @abstractmethod
+    def holds(self, key: bytes, asker: int) -> Presence:
+        """Whether this tier holds ``key``, as far as it knows (quick, no I/O)."""
+
+    @abstractmethod
+    def submit(self, job: TierJob) -> None:
+        """Queue ``job`` (quick; never raises: a refused job is reported failed)."""
+
+    @abstractmethod
+    def take_finished(self) -> list[JobResult]:
+        """Results since the last call, each job's first result exactly once."""
+
+    def take_changes(self) -> list[KeyChange]:
+        """Keys this tier came to hold or stopped holding since the last call."""
+        return []
+
+    def held_keys(self) -> list[bytes]:
+        """Every key held now (for the presence map and events at start); empty when the
+        tier cannot say."""
+        return []
+
+    @abstractmethod
+    def start(self, wake: Callable[[], None]) -> None:
+        """Start the tier's threads; ``wake()`` when results or changes are ready."""
+
+    @abstractmethod
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Stop, waiting at most ``timeout_s`` (None: as long as it takes) for transfers in
+        flight; the jobs never started are reported failed. Returns what was abandoned
+        (``"<thread>: <what>"`` each), so the region's owner keeps its mapping for them."""
+
+    @abstractmethod
+    def snapshot(self) -> TierStats:
+        """The tier's figures now."""
+
