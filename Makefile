@@ -16,7 +16,7 @@ VLLM_REQS    := requirements/vllm-cpu.txt
 VLLM_PINS    := requirements/vllm-cpu-constraints.txt
 MOONCAKE     := mooncake-transfer-engine-non-cuda==0.3.13.post1
 
-# The SGLang test environment (tests/sglang): SGLang 0.5.23 beside the CPU torch (~2.6 GB, ~2 min
+# The SGLang test environment (tests/sglang): SGLang 0.5.23 beside the CPU torch (~2.7 GB, ~3 min
 # to build here). sglang pins a CUDA torch, so it goes in last with --no-deps, after what its
 # HiCache path imports (docs/sglang.md); torchvision never (tests/sglang/stubs stands in).
 SGLANG_VENV    ?= .venv-sglang
