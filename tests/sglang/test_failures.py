@@ -174,3 +174,29 @@ def test_a_model_with_host_pools_besides_kv_is_refused_naming_the_pool(coordinat
     with pytest.raises(ConfigError, match="'mamba'.*v2"):
         rank.backend.register_mem_host_pool_v2(rank.host, "mamba")
     rank.backend.register_mem_host_pool_v2(rank.host, "kv")  # the anchor pool itself: fine
+
+
+@pytest.fixture
+def other_user():
+    import users
+
+    yield from users.other_user()
+
+
+def test_a_region_another_user_owns_is_never_mapped_and_never_stops_sglang(
+        start_coordinator, make_rank, other_user, model):
+    from tiercache.region.shm import SHM_DIR
+
+    # another user's file under our instance name, claiming another geometry in its header
+    planted = start_coordinator(spec=type(model)(layers=4))
+    planted.kill()  # its region stays: a READY header, another geometry
+    path = f"{SHM_DIR}/{planted.config.shm_name}"
+    other_user.own(path)
+    try:
+        rank = make_rank(planted.config_path, extra=FAST)  # a mismatch would raise: trust first
+        tokens = tokens_of(72, 2)
+        assert rank.backup(tokens) == 0 and rank.prefetch(tokens) == (0, [])
+        assert rank.backend.region.transfer() is None
+        assert rank.counters()["errors"] == 0
+    finally:
+        os.chown(path, os.geteuid(), os.getegid())  # ours again, for the fixture's clean-up

@@ -1,6 +1,10 @@
 """``RegionLink``: this SGLang rank's mapping of the coordinator's region, made when there is
 one and remade when the coordinator replaces it.
 
+Trust: a region is mapped only if it is ours with mode 0600, checked before its header is
+believed (``_check_ours``); anything else under the name is logged and every call misses,
+whatever geometry its header claims (a planted file never stops the engine).
+
 At attach (``open``, on SGLang's main thread) the region is mapped if it is there and READY:
 the geometry is checked (a mismatch raises ``LayoutMismatchError`` naming both sides and
 the config lines that fit: the engine does not start on a misconfiguration) and the
@@ -32,7 +36,7 @@ from tiercache.config import Config
 from tiercache.errors import LayoutMismatchError, RegionError, TiercacheError
 from tiercache.loglimit import LogLimiter
 from tiercache.region.shared import named_region_info
-from tiercache.region.shm import SHM_DIR
+from tiercache.region.shm import SHM_DIR, check_trusted, open_entry
 from tiercache.region.stats import EngineKind
 from tiercache.sglang.geometry import PoolGeometry
 from tiercache.transfer.host_pages import PageMap
@@ -94,6 +98,7 @@ class RegionLink:
         if info is None:
             return  # no READY region yet: the coordinator is down; a call retries later
         try:
+            _check_ours(self.config.shm_name)  # before its header is believed: not ours, not read
             layout = info.layout
             self.pool.check(layout, f"{SHM_DIR}/{self.config.shm_name}")
             page_map = PageMap.onto(self.pool.blob_bytes, layout)
@@ -137,6 +142,17 @@ class RegionLink:
             for old in self._retired:
                 _close(old)
             self._retired = []
+
+
+def _check_ours(shm_name: str) -> None:
+    """``RegionTrustError`` unless the region under ``shm_name`` is ours with mode 0600: a
+    file another user planted under the name is never mapped, and its header (which could
+    claim any geometry) never stops the engine."""
+    entry = open_entry(shm_name, writable=False)
+    try:
+        check_trusted(entry)
+    finally:
+        entry.close()
 
 
 def _close(transfer: HostTransfer) -> None:
