@@ -21,9 +21,9 @@ that identity (then releases the old mapping) and otherwise refuses (the spec's 
 other bytes in the region this process maps: a miss, never a copy).
 
 Every method may be called from SGLang's three I/O threads at once: one lock guards the
-mapping; the copies themselves run outside it on the ``HostTransfer`` the caller got.
-A transfer that is replaced while another thread still copies through it is closed only
-once that copy is done (``_retired``, released at the next replacement or ``close``).
+mapping; the copies themselves run outside it, on a ``HostTransfer`` held between
+``acquire`` and ``release``. A mapping that is replaced while another thread still copies
+through it is closed by that copy's ``release``, never under it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from tiercache.region.shared import named_region_info
 from tiercache.region.shm import SHM_DIR, check_trusted, open_entry
 from tiercache.region.stats import EngineKind
 from tiercache.sglang.geometry import PoolGeometry
+from tiercache.specs import Direction
 from tiercache.transfer.host_pages import PageMap
 from tiercache.transfer.host_transfer import HostAttachment, HostTransfer
 
@@ -55,7 +56,8 @@ class RegionLink:
         self.copy_threads, self.prefault_threads = copy_threads, prefault_threads
         self._lock = threading.Lock()
         self._transfer: HostTransfer | None = None
-        self._retired: list[HostTransfer] = []
+        self._retired: list[HostTransfer] = []  # replaced, closed by their last copy
+        self._users: dict[int, int] = {}  # id(transfer) -> copies in flight through it
         self._next_try = 0.0
         self.mismatch: str | None = None  # why the region there does not fit, if it does not
         self.attach_count = 0
@@ -74,23 +76,46 @@ class RegionLink:
                 self._attach(raise_mismatch=False)
             return self._transfer
 
-    def follow(self, region_id: int) -> HostTransfer | None:
-        """The transfer over the region of identity ``region_id``: the current one, or the
-        region now under the name if it has that identity (re-attached), else None."""
+    def acquire(self, region_id: int) -> HostTransfer | None:
+        """The transfer over the region of identity ``region_id`` (the current one, or the
+        region now under the name if it has that identity: re-attached), held for a copy
+        until ``release``; None when no mapping has that identity."""
         with self._lock:
-            current = self._transfer
-            if current is not None and current.attachment.region_id == region_id:
-                return current
-            info = named_region_info(self.config.shm_name)
-            if info is None or info.region_id != region_id:
-                return None
-            log.warning("tiercache: the coordinator replaced region %s (identity %#018x); "
-                        "re-attaching", self.config.shm_name, region_id)
-            self._drop()
-            self._attach(raise_mismatch=False)
-            fresh = self._transfer
-            return fresh if fresh is not None and fresh.attachment.region_id == region_id \
-                else None
+            transfer = self._for(region_id)
+            if transfer is not None:
+                self._users[id(transfer)] = self._users.get(id(transfer), 0) + 1
+            return transfer
+
+    def release(self, transfer: HostTransfer) -> None:
+        """A copy through ``transfer`` is done; a replaced mapping closes with its last."""
+        with self._lock:
+            left = self._users.pop(id(transfer)) - 1
+            if left:
+                self._users[id(transfer)] = left
+            elif transfer in self._retired:
+                self._retired.remove(transfer)
+                _close(transfer)
+
+    def record_failure(self, direction: Direction) -> None:
+        """Count a transfer that failed before any copy (coordinator gone, no room) in the
+        current attachment's stats block (under the lock: the mapping cannot go meanwhile)."""
+        with self._lock:
+            if self._transfer is not None:
+                self._transfer.attachment.stats.record_transfer(direction, 0, 0.0, False)
+
+    def _for(self, region_id: int) -> HostTransfer | None:
+        current = self._transfer
+        if current is not None and current.attachment.region_id == region_id:
+            return current
+        info = named_region_info(self.config.shm_name)
+        if info is None or info.region_id != region_id:
+            return None
+        log.warning("tiercache: the coordinator replaced region %s (identity %#018x); "
+                    "re-attaching", self.config.shm_name, region_id)
+        self._drop()
+        self._attach(raise_mismatch=False)
+        fresh = self._transfer
+        return fresh if fresh is not None and fresh.attachment.region_id == region_id else None
 
     def _attach(self, raise_mismatch: bool) -> None:
         self._next_try = time.monotonic() + self.retry_s
@@ -131,17 +156,23 @@ class RegionLink:
                  attachment.region.slot, self.pool.page_bytes)
 
     def _drop(self) -> None:
-        for old in self._retired:
+        """Forget the current mapping: closed now, or by the last copy still using it."""
+        old, self._transfer = self._transfer, None
+        if old is None:
+            return
+        if self._users.get(id(old)):
+            self._retired.append(old)
+        else:
             _close(old)
-        self._retired = [self._transfer] if self._transfer is not None else []
-        self._transfer = None
 
     def close(self) -> None:
+        """At detach (SGLang has stopped its I/O threads: no copy is in flight)."""
         with self._lock:
             self._drop()
             for old in self._retired:
                 _close(old)
             self._retired = []
+            self._users.clear()
 
 
 def _check_ours(shm_name: str) -> None:

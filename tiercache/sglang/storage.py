@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,7 @@ from tiercache.sglang.pool_pages import PoolPages
 from tiercache.sglang.region_link import RegionLink
 from tiercache.sglang.settings import BackendSettings
 from tiercache.specs import Direction
-from tiercache.transfer.host_transfer import HostTransfer
+from tiercache.transfer.host_transfer import HostOutcome, HostTransfer
 
 log = logging.getLogger(__name__)
 
@@ -177,34 +178,29 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             return self._error("get", e, [False] * len(keys))
 
     def _get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        transfer = self.region.transfer() if self.region is not None else None
-        if not keys or transfer is None or self.pages is None:
+        if not keys or self.region is None or self.region.transfer() is None \
+                or self.pages is None:
             self.counters.add(load_failed_pages=len(keys))
             return [False] * len(keys)
         tkeys = self._keys(keys)
         lease = self.link.call(Role.LOAD, lambda c: c.lease(tkeys))
         if isinstance(lease, CallFailed):
             self._count_failed(lease, load_failed_pages=len(keys))
-            transfer.attachment.stats.record_transfer(Direction.CPU_TO_GPU, 0, 0.0, False)
+            self.region.record_failure(Direction.CPU_TO_GPU)
             return [False] * len(keys)
         assert isinstance(lease, LeaseResult)
         loaded = 0
         start = time.perf_counter()
         try:
-            if lease.num_hit and lease.spec is not None:
+            spec = lease.spec
+            if lease.num_hit and spec is not None:
                 addrs = self.pages.addresses(host_indices, lease.num_hit)
-                current = self._follow(transfer, lease.spec.region_id)
-                if current is None:
-                    self._logs.warn("load-region", "tiercache: a lease for region %#018x, "
-                                    "which this process does not map: a miss",
-                                    lease.spec.region_id)
-                else:
-                    outcome = current.load(lease.spec, addrs)
-                    if outcome.ok:
-                        loaded = lease.num_hit
-                    else:
-                        self._logs.warn("load", "tiercache: load of %d page(s) refused: %s",
-                                        lease.num_hit, outcome.reason)
+                outcome = self._copy(spec.region_id, lambda t: t.load(spec, addrs))
+                if outcome is not None and outcome.ok:
+                    loaded = lease.num_hit
+                elif outcome is not None:
+                    self._logs.warn("load", "tiercache: load of %d page(s) refused: %s",
+                                    lease.num_hit, outcome.reason)
         finally:
             if lease.num_hit:
                 released = self.link.call(Role.LOAD, lambda c: c.release(tkeys[:lease.num_hit]))
@@ -225,8 +221,8 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             return self._error("set", e, [False] * len(keys))
 
     def _set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        transfer = self.region.transfer() if self.region is not None else None
-        if not keys or transfer is None or self.pages is None:
+        if not keys or self.region is None or self.region.transfer() is None \
+                or self.pages is None:
             self.counters.add(store_failed_pages=len(keys))
             return [False] * len(keys)
         tkeys = self._keys(keys)
@@ -237,7 +233,7 @@ class TierCacheHiCacheStorage(HiCacheStorage):
                 self._count_failed(out, store_failed_pages=len(keys))
             else:
                 self.counters.add(store_failed_pages=len(keys))  # no room: counted by the index
-            transfer.attachment.stats.record_transfer(Direction.GPU_TO_CPU, 0, 0.0, False)
+            self.region.record_failure(Direction.GPU_TO_CPU)
             return [False] * len(keys)
         assert isinstance(out, PrepareStoreOutput)
         new = out.keys_to_store
@@ -248,14 +244,13 @@ class TierCacheHiCacheStorage(HiCacheStorage):
         rows = np.array([position[k] for k in new], dtype=np.int64)
         ok = False
         try:
-            all_addrs = self.pages.addresses(host_indices, len(keys))
-            current = self._follow(transfer, out.store_spec.region_id)
-            if current is not None:
-                outcome = current.store(out.store_spec, all_addrs[rows])
-                ok = outcome.ok
-                if not ok:
-                    self._logs.warn("store", "tiercache: backup of %d page(s) refused: %s",
-                                    len(new), outcome.reason)
+            addrs = self.pages.addresses(host_indices, len(keys))[rows]
+            spec = out.store_spec
+            outcome = self._copy(spec.region_id, lambda t: t.store(spec, addrs))
+            ok = outcome is not None and outcome.ok
+            if outcome is not None and not ok:
+                self._logs.warn("store", "tiercache: backup of %d page(s) refused: %s",
+                                len(new), outcome.reason)
         finally:
             done = self.link.call(Role.STORE, lambda c: c.complete_store(list(new), success=ok))
             if isinstance(done, CallFailed):
@@ -271,10 +266,19 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             self._samples.backup(stored, time.perf_counter() - start)
         return results
 
-    def _follow(self, transfer: HostTransfer, region_id: int) -> HostTransfer | None:
-        if transfer.attachment.region_id == region_id or self.region is None:
-            return transfer
-        return self.region.follow(region_id)
+    def _copy(self, region_id: int, move: Callable[[HostTransfer], HostOutcome]
+              ) -> HostOutcome | None:
+        """``move`` on the mapping of the spec's region (re-attached if the coordinator
+        replaced the region), held for the copy; None (a miss) when none has its identity."""
+        transfer = self.region.acquire(region_id) if self.region is not None else None
+        if transfer is None:
+            self._logs.warn("region", "tiercache: a spec of region %#018x, which this process "
+                            "does not map: a miss", region_id)
+            return None
+        try:
+            return move(transfer)
+        finally:
+            self.region.release(transfer)
 
     def _count_failed(self, failed: CallFailed, **pages: int) -> None:
         self.counters.add(coordinator_down_calls=1 if failed.gone else 0,
