@@ -16,9 +16,14 @@ logged (rate-limited), counted, and every call misses until a region that fits a
 
 A coordinator restart normally keeps the region (it re-adopts it: same identity, the
 mapping stays valid). When the index hands out a spec of another region identity, the
-coordinator replaced the region: ``follow`` maps the region now under the name if it has
-that identity (then releases the old mapping) and otherwise refuses (the spec's slots mean
-other bytes in the region this process maps: a miss, never a copy).
+coordinator replaced the region: the spec is a miss (its slots mean other bytes in the
+region this process maps: never a copy) and, if the region now under the name has that
+identity, it is attached in the background; the old mapping goes with its last copy.
+
+SGLang's threads never wait for an attach: only ``open`` (SGLang's main thread, at start)
+attaches in line; later attaches (the region appeared, or was replaced) run in a thread of
+the link's own, since mapping and pre-faulting a large region takes seconds, and calls miss
+meanwhile.
 
 Every method may be called from SGLang's three I/O threads at once: one lock guards the
 mapping; the copies themselves run outside it, on a ``HostTransfer`` held between
@@ -59,31 +64,45 @@ class RegionLink:
         self._retired: list[HostTransfer] = []  # replaced, closed by their last copy
         self._users: dict[int, int] = {}  # id(transfer) -> copies in flight through it
         self._next_try = 0.0
+        self._attaching = False
+        self._attacher: threading.Thread | None = None
+        self._closed = False
         self.mismatch: str | None = None  # why the region there does not fit, if it does not
         self.attach_count = 0
         self._logs = LogLimiter(log, 10.0)
 
     def open(self) -> None:
-        """Attach now if the region is there (a mismatch raises); otherwise later."""
+        """Attach now if the region is there (a mismatch raises); otherwise later. On
+        SGLang's main thread, at start: the one attach that may take its time here."""
+        made = self._make(raise_mismatch=True)
         with self._lock:
-            self._attach(raise_mismatch=True)
+            self._next_try = time.monotonic() + self.retry_s
+            self._install(made)
 
     def transfer(self) -> HostTransfer | None:
-        """The transfer over the current mapping, attaching first if due; None while there
-        is no region (or none that fits)."""
+        """The transfer over the current mapping; None while there is none (no region yet,
+        none that fits, or one being attached in the background)."""
         with self._lock:
-            if self._transfer is None and time.monotonic() >= self._next_try:
-                self._attach(raise_mismatch=False)
+            if self._transfer is None:
+                self._attach_soon()
             return self._transfer
 
     def acquire(self, region_id: int) -> HostTransfer | None:
-        """The transfer over the region of identity ``region_id`` (the current one, or the
-        region now under the name if it has that identity: re-attached), held for a copy
-        until ``release``; None when no mapping has that identity."""
+        """The transfer over the region of identity ``region_id``, held for a copy until
+        ``release``; None when the mapping has another identity (the coordinator replaced
+        the region: the new one is attached in the background, so this round misses)."""
         with self._lock:
-            transfer = self._for(region_id)
-            if transfer is not None:
-                self._users[id(transfer)] = self._users.get(id(transfer), 0) + 1
+            transfer = self._transfer
+            if transfer is None or transfer.attachment.region_id != region_id:
+                info = named_region_info(self.config.shm_name)
+                if transfer is not None and info is not None and info.region_id == region_id:
+                    log.warning("tiercache: the coordinator replaced region %s (identity "
+                                "%#018x); re-attaching", self.config.shm_name, region_id)
+                    self._drop()
+                    self._next_try = 0.0
+                    self._attach_soon()
+                return None
+            self._users[id(transfer)] = self._users.get(id(transfer), 0) + 1
             return transfer
 
     def release(self, transfer: HostTransfer) -> None:
@@ -103,25 +122,54 @@ class RegionLink:
             if self._transfer is not None:
                 self._transfer.attachment.stats.record_transfer(direction, 0, 0.0, False)
 
-    def _for(self, region_id: int) -> HostTransfer | None:
-        current = self._transfer
-        if current is not None and current.attachment.region_id == region_id:
-            return current
-        info = named_region_info(self.config.shm_name)
-        if info is None or info.region_id != region_id:
-            return None
-        log.warning("tiercache: the coordinator replaced region %s (identity %#018x); "
-                    "re-attaching", self.config.shm_name, region_id)
-        self._drop()
-        self._attach(raise_mismatch=False)
-        fresh = self._transfer
-        return fresh if fresh is not None and fresh.attachment.region_id == region_id else None
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Whether a mapping is there within ``timeout_s`` (tests, tools; never SGLang's
+        threads)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.transfer() is not None:
+                return True
+            time.sleep(0.01)
+        return False
 
-    def _attach(self, raise_mismatch: bool) -> None:
+    def _attach_soon(self) -> None:
+        """Start attaching in a thread of our own when due (under the lock): mapping and
+        pre-faulting a large region takes seconds, which SGLang's threads never wait for."""
+        if self._attaching or self._closed or time.monotonic() < self._next_try:
+            return
+        self._attaching = True
         self._next_try = time.monotonic() + self.retry_s
+        thread = threading.Thread(target=self._attach_in_background, daemon=True,
+                                  name="tiercache-attach")
+        self._attacher = thread
+        thread.start()
+
+    def _attach_in_background(self) -> None:
+        try:
+            made = self._make(raise_mismatch=False)
+        except Exception:  # never out of our thread: logged, retried after retry_s
+            log.exception("tiercache: attaching region %s failed", self.config.shm_name)
+            made = None
+        with self._lock:
+            self._attaching = False
+            if self._closed:
+                if made is not None:
+                    _close(made)
+                return
+            self._install(made)
+
+    def _install(self, made: HostTransfer | None) -> None:
+        if made is not None:
+            self._drop()
+            self._transfer = made
+            self.attach_count += 1
+
+    def _make(self, raise_mismatch: bool) -> HostTransfer | None:
+        """Map the region under the name if it is there, ours and fits; None otherwise
+        (logged), or ``LayoutMismatchError`` with ``raise_mismatch``. Takes no lock."""
         info = named_region_info(self.config.shm_name)
         if info is None:
-            return  # no READY region yet: the coordinator is down; a call retries later
+            return None  # no READY region yet: the coordinator is down; retried later
         try:
             _check_ours(self.config.shm_name)  # before its header is believed: not ours, not read
             layout = info.layout
@@ -138,22 +186,22 @@ class RegionLink:
                 raise
             self._logs.warn("mismatch", "tiercache: %s; every lookup misses until a region "
                             "that fits is served", e)
-            return
+            return None
         except (RegionError, TiercacheError, OSError) as e:
             self._logs.warn("attach", "tiercache: cannot attach region %s yet: %s",
                             self.config.shm_name, e)
-            return
+            return None
         try:
-            self._transfer = HostTransfer(attachment, page_map, self.copy_threads)
+            made = HostTransfer(attachment, page_map, self.copy_threads)
         except BaseException:
             attachment.close()
             raise
         self.mismatch = None
-        self.attach_count += 1
         log.info("tiercache: SGLang TP rank %d attached %s as an attachment of rank %d "
                  "(slot %s; pages of %d bytes; host-to-host copies, pin state not_needed)",
                  self.pool.tp_rank, attachment.region.path, attachment.rank,
                  attachment.region.slot, self.pool.page_bytes)
+        return made
 
     def _drop(self) -> None:
         """Forget the current mapping: closed now, or by the last copy still using it."""
@@ -166,8 +214,10 @@ class RegionLink:
             _close(old)
 
     def close(self) -> None:
-        """At detach (SGLang has stopped its I/O threads: no copy is in flight)."""
+        """At detach (SGLang has stopped its I/O threads: no copy is in flight); an attach
+        still running in the background closes what it makes."""
         with self._lock:
+            self._closed = True
             self._drop()
             for old in self._retired:
                 _close(old)
