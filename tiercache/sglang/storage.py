@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, PoolName,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
+from sglang.srt.runtime_context import get_server_args
 
 from tiercache.errors import ConfigError
 from tiercache.index.results import LeaseResult, PrepareStoreOutput
@@ -84,6 +85,17 @@ def _check_supported(config: HiCacheStorageConfig) -> None:
     if unsupported:
         raise ConfigError("tiercache's SGLang backend does not support " + ", ".join(unsupported)
                           + " yet (docs/sglang.md, 'Limits')")
+
+
+def _weights(model_name: str | None) -> str:
+    """The weights fingerprint: of SGLang's ``--model-path`` where the scheduler published
+    its server args (``model_name`` is the served name, which may be any string), else of
+    ``model_name`` itself where that is a directory."""
+    try:
+        path = get_server_args().model_path
+    except Exception:  # not published (a controller built outside a scheduler): the name
+        path = None
+    return weights_fingerprint(path) or weights_fingerprint(model_name)
 
 
 class TierCacheHiCacheStorage(HiCacheStorage):
@@ -120,7 +132,7 @@ class TierCacheHiCacheStorage(HiCacheStorage):
                                 tp_size=config.tp_size, tp_rank=config.tp_rank,
                                 is_mla=config.is_mla_model)
         self.namespace = Namespace(
-            model=config.model_name or "", weights=weights_fingerprint(config.model_name),
+            model=config.model_name or "", weights=_weights(config.model_name),
             kv_dtype=kv_dtype, layout=geometry.layout, page_size=geometry.page_size,
             blob_bytes=geometry.blob_bytes, tp_size=1 if config.is_mla_model else config.tp_size,
             is_mla=config.is_mla_model, dcp_size=config.dcp_size, salt=self.settings.salt)
