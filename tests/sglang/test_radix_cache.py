@@ -77,7 +77,7 @@ class TestRadixCachePrefetch(UnifiedRadixCacheStorageFixtures, unittest.TestCase
         override.__enter__()
         self.addCleanup(override.__exit__, None, None, None)
 
-    def _tiercache_hicache(self, cache):
+    def _tiercache_hicache(self, cache, host_memory_mode: str = "cache"):
         extra = {"backend_name": "tiercache", "module_path": "tiercache.sglang",
                  "class_name": "TierCacheHiCacheStorage", "interface_v1": 1,
                  "tiercache_config": str(self.coordinator.config_path),
@@ -86,7 +86,8 @@ class TestRadixCachePrefetch(UnifiedRadixCacheStorageFixtures, unittest.TestCase
             model_path="dummy", page_size=CFG.page_size, hicache_io_backend="kernel",
             hicache_write_policy="write_through", hicache_storage_backend="dynamic",
             hicache_storage_backend_extra_config=json.dumps(extra),
-            hicache_storage_prefetch_policy="wait_complete")
+            hicache_storage_prefetch_policy="wait_complete",
+            hicache_host_memory_mode=host_memory_mode)
         set_global_server_args_for_scheduler(server_args)
         cache.init_hicache(server_args, cache.cache_init_params)
         self.addCleanup(drop_hicache_atexit_pin, cache)
@@ -110,6 +111,15 @@ class TestRadixCachePrefetch(UnifiedRadixCacheStorageFixtures, unittest.TestCase
         return out
 
     def test_prefetch_from_storage_then_match_prefix_reports_the_host_hit(self):
+        self._produce_then_consume("cache")
+
+    def test_buffer_only_host_memory_stages_the_prefetch_for_admission(self):
+        """--hicache-host-memory-mode buffer_only (docs/sglang.md: the mode to run with):
+        the consumer's host pool is a staging buffer and the prefetched span is staged for
+        admission (admitting it copies host to device: CUDA only, not run here)."""
+        self._produce_then_consume("buffer_only")
+
+    def _produce_then_consume(self, consumer_mode: str):
         seq = self._make_seq(1000, 6)
         prod, prod_alloc, prod_rtp = build_fixture(self.cfg)
         self._tiercache_hicache(prod)
@@ -130,15 +140,20 @@ class TestRadixCachePrefetch(UnifiedRadixCacheStorageFixtures, unittest.TestCase
         self._flush_l3_backups(prod)
 
         cons, _, _ = build_fixture(self.cfg)
-        self._tiercache_hicache(cons)
+        self._tiercache_hicache(cons, consumer_mode)
         before = match_prefix(cons, seq)
         self.assertEqual(before.host_hit_length, 0)
         request = CacheRequestHandle("consumer", 0)
         cons.prefetch_from_storage(request, cons.root_node_handle(), array("q", seq), None, None)
+        counters = cons.cache_controller.storage_backend.counters
+        if consumer_mode == "buffer_only":
+            self._pump_hicache_until(cons, lambda: cons.check_prefetch_progress(request),
+                                     "the prefetch completes")
+            self.assertTrue(cons.buffer_pipeline.has_staged(request))
+            self.assertEqual(counters.snapshot()["loaded_pages"], 6)
+            return
         self._run_prefetch_to_completion(cons, request)
         after = match_prefix(cons, seq)
         self.assertEqual(after.host_hit_length, len(seq))
         self.assertEqual(self._host_pages(cons, seq), expected)
-        counters = cons.cache_controller.storage_backend.counters.snapshot()
-        self.assertEqual(counters["loaded_pages"], 6)  # through tiercache, the only L3 here
-
+        self.assertEqual(counters.snapshot()["loaded_pages"], 6)  # through tiercache, the only L3
