@@ -189,6 +189,17 @@ def workers() -> list[Panel]:
               "The backend each handler uses (auto picks per direction at attach).",
               [Target(f"tiercache_transfer_backend_info{{{RANKS}}}", instant=True)],
               kind="table", width=8, transformations=[HIDE_SAMPLE_COLUMNS]),
+        Panel("NUMA placement per rank",
+              "Each rank's slice: the NUMA node of its worker's GPU (-1: not known), the "
+              "fraction of the slice's pages on that node (1: all local; below 1 the copies "
+              "cross the socket link), and the state: placed; off (region.numa_placement = "
+              "false); unknown_node (the GPU's node is not known); failed (a NUMA call "
+              "failed: the worker's log names it).",
+              [Target(f"tiercache_numa_node{{{RANKS}}}", "rank {{rank}} node", instant=True),
+               Target(f"tiercache_numa_local_ratio{{{RANKS}}}", "rank {{rank}} local",
+                      instant=True),
+               Target(f"tiercache_numa_placement{{{RANKS}}} == 1", instant=True)],
+              kind="table", width=8, transformations=[{"id": "merge", "options": {}}]),
         Panel("Attaches and unreadable stats in the time range",
               "Worker (re)attaches per rank; stats reads that found a block mid-update "
               "(a worker killed while writing its stats).",

@@ -26,16 +26,19 @@ def _test_entries() -> set[str]:
 
 
 def pytest_sessionstart(session):
-    """Remove stale regions that earlier, killed pytest sessions left (never those of a
-    session still running: its pid is in the name)."""
-    from tiercache.region.stale import list_regions, remove_stale
+    """Remove stale regions and key presence maps that earlier, killed pytest sessions left
+    (never those of a session still running: its pid is in the name)."""
+    from tiercache.region.stale import list_maps, list_regions, remove_stale, remove_stale_maps
+
+    def of_a_dead_session(name: str) -> bool:
+        parts = name.split("-")
+        return (parts[0] == "test" and len(parts) > 1 and parts[1].isdigit()
+                and not psutil.pid_exists(int(parts[1])))
 
     for listing in list_regions():
-        parts = listing.name.split("-")
-        if listing.live or parts[0] != "test" or not parts[1].isdigit():
-            continue
-        if not psutil.pid_exists(int(parts[1])):
+        if not listing.live and of_a_dead_session(listing.name):
             remove_stale(name_prefix=listing.name)
+    remove_stale_maps(names=[m.name for m in list_maps() if of_a_dead_session(m.name)])
 
 
 def _is_mp_helper(proc: psutil.Process) -> bool:

@@ -31,7 +31,26 @@ G2C, C2G = Direction.GPU_TO_CPU, Direction.CPU_TO_GPU
 def test_codes_of_existing_kinds_never_change():
     """Stats blocks store the code: a region written before CE_LOOP existed reads the same."""
     assert {k.label: int(k) for k in BackendKind} == {
-        "none": 0, "ce": 1, "kernel": 2, "staged": 3, "cpu": 4, "ce_loop": 5, "auto": 6}
+        "none": 0, "ce": 1, "kernel": 2, "staged": 3, "cpu": 4, "ce_loop": 5, "auto": 6,
+        "unknown": 255}
+
+
+def test_a_stats_block_a_newer_worker_wrote_reads_as_unknown_never_a_traceback():
+    """Codes this version does not know (a newer worker's backend or pin state in a shared
+    region) are UNKNOWN, so status and /metrics read the region instead of failing."""
+    import numpy as np
+
+    from tiercache.region.stats import _BACKEND_G2C, _PIN_STATE, PinState, RankStats
+
+    buffer = bytearray(4096)
+    stats = RankStats(buffer, 0, rank=0)
+    words = np.frombuffer(buffer, dtype="<u8")
+    words[_PIN_STATE], words[_BACKEND_G2C] = 7, 9
+    snap = stats.snapshot()
+    assert snap.pin_state is PinState.UNKNOWN and snap.backends[0] is BackendKind.UNKNOWN
+    assert not BackendKind.UNKNOWN.configurable
+    with pytest.raises(ConfigError):
+        BackendKind.parse("unknown")
 
 
 def test_config_names_are_the_labels_and_round_trip(tmp_path):

@@ -100,8 +100,12 @@ def test_sigkilled_coordinator_is_reclaimed_by_serve_and_clients_reconnect(make_
     with CoordinatorProcess(cfg, tmp_path / "b") as second:
         assert "re-adopted stale region" in second.output()
         assert "generation 2" in second.output()
-        assert client.lookup([b"a"]) == 0  # a fresh index: nothing survives the old one
-        assert client.prepare_store([b"a"]) is not None
+        # the client's session (its process lives) resumes with its reservations: the
+        # rebuilt index kept "a" and "b" being written, and its completion publishes them
+        assert client.lookup([b"a"]) == 0
+        assert client.prepare_store([b"a"]).keys_to_store == ()  # still reserved, not new
+        client.complete_store([b"a", b"b"])
+        assert client.lookup([b"a", b"b"]) == 2
     client.close()
     first.cleanup()
 
@@ -263,10 +267,10 @@ def test_status_into_a_closed_pipe_exits_quietly(make_config):
 def test_an_empty_name_or_config_is_an_error_not_every_instance(flag, make_config):
     """`clean --name ''` used to clean every instance (an empty name read as no name)."""
     from tiercache.region.shared import SharedOffloadRegion
-    from tiercache.region.stale import remove_stale
 
     cfg = make_config()
-    SharedOffloadRegion.create(cfg).close(unlink=False)  # a stale region clean would remove
+    # a region clean would remove once this process (its header's coordinator) is gone
+    SharedOffloadRegion.create(cfg).close(unlink=False)
     try:
         # the dry run first: before the fix it only lists what would go
         for args in (["clean", "--dry-run"], ["status"], ["clean"]):
@@ -278,7 +282,7 @@ def test_an_empty_name_or_config_is_an_error_not_every_instance(flag, make_confi
                                             "tiercache: error: config file '': an empty path")
         assert os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing removed
     finally:
-        remove_stale(names=[cfg.name])
+        os.unlink(f"/dev/shm/{cfg.shm_name}")
 
 
 def test_a_relative_control_socket_is_relative_to_the_config_file(make_config, tmp_path,

@@ -128,7 +128,7 @@ def test_readme_config_reference_lists_exactly_the_allowed_keys():
 
 def test_index_policies_match_the_policy_registry():
     from tiercache.config import INDEX_POLICIES
-    from tiercache.index import policies
+    from tiercache import eviction as policies
 
     assert set(INDEX_POLICIES) == set(policies.POLICIES)
 

@@ -18,9 +18,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tiercache"
 # lower one of its group, and any layer of a group below its own (``BELOW``).
 GROUPS = {
     "foundation": ["errors", "specs", "pages", "sizes", "loglimit", "backend_kind", "config",
-                   "region"],
+                   "numa", "region"],
     "worker": ["device", "native", "planning", "backends", "transfer"],
-    "coordinator": ["index", "tiers", "control", "metrics", "service"],
+    "coordinator": ["eviction", "index", "tiers", "control", "metrics", "service"],
     "adapters": ["vllm", "sglang"],
     "top": ["tools", "cli", "__main__"],
 }

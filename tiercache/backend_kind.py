@@ -31,6 +31,13 @@ class BackendKind(IntEnum):
     CPU = 4  # host memory on both sides, memmove on a host stream
     CE_LOOP = 5  # one cuMemcpyAsync per descriptor: 'ce' on a driver without the batch API
     NONE = 0  # recorded only
+    UNKNOWN = 255  # read only: a code this version does not know (a newer worker wrote it)
+
+    @classmethod
+    def _missing_(cls, value: object) -> BackendKind | None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls.UNKNOWN  # a stats block another version wrote is read, no traceback
+        return None
 
     @property
     def label(self) -> str:
@@ -39,7 +46,7 @@ class BackendKind(IntEnum):
 
     @property
     def configurable(self) -> bool:
-        return self is not BackendKind.NONE
+        return self not in (BackendKind.NONE, BackendKind.UNKNOWN)
 
     @classmethod
     def parse(cls, name: object, key: str = "transfer.backend") -> BackendKind:

@@ -14,10 +14,12 @@ import sys
 
 from tiercache.config import Config, check_name, load_config
 from tiercache.errors import (
-    RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
+    RegionError, RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
 )
 from tiercache.region.header import RegionState
-from tiercache.region.stale import RegionListing, list_regions, remove_stale
+from tiercache.region.stale import (
+    MapListing, RegionListing, list_maps, list_regions, remove_stale, remove_stale_maps,
+)
 from tiercache.region.stats import EngineKind
 from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
@@ -110,8 +112,8 @@ def _print_index(socket_path: str) -> None:
 
 def _print_ranks(listing: RegionListing) -> None:
     """Per rank: a line of its totals over every attachment, then one line per attachment
-    ever made (slot, pid, up, pin state, bytes moved; a slot's counters include its
-    earlier holders')."""
+    ever made (slot, pid, up, pin state, NUMA placement, bytes moved; a slot's counters
+    include its earlier holders')."""
     from tiercache.region.attachments import AttachmentReader
     from tiercache.region.shared import SharedOffloadRegion
 
@@ -137,7 +139,7 @@ def _print_ranks(listing: RegionListing) -> None:
                   f"{max(c.prefault_seconds for c in current):.2f} s, pin "
                   f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
                   f" in {max(c.pin_seconds for c in current):.2f} s; "
-                  f"{_moved(summary.directions, backends)}")
+                  f"{_moved(summary.directions, backends)}; {summary.numa.describe()}")
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
@@ -148,7 +150,8 @@ def _print_ranks(listing: RegionListing) -> None:
                     worker += f" (SGLang TP rank {s.engine_rank}/{s.engine_ranks}, host copies)"
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
-                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}")
+                      f"{_moved(s.directions, tuple(b.label for b in s.backends))}; "
+                      f"{s.numa.describe()}")
     finally:
         region.close()
 
@@ -162,7 +165,8 @@ def _moved(directions, backends: tuple[str, ...]) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     wanted = _region_names(args)
     listings = list_regions(wanted)
-    if not listings:
+    maps = [m for m in list_maps(wanted) if _map_note(m, listings)]
+    if not listings and not maps:
         if wanted:
             raise RegionNotFoundError(f"no tiercache region named {', '.join(wanted)}")
         print("no tiercache region in /dev/shm")
@@ -172,6 +176,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             if wanted:  # the one region asked for cannot be shown: an error
                 raise RegionTrustError(listing.problem)
             print(f"region {listing.name}  NOT USABLE: {listing.problem}")
+            continue
+        if listing.unrecognised:
+            why = f"{listing.path} is {listing.found}: {listing.unrecognised}"
+            if wanted:
+                raise RegionError(why)
+            print(f"region {listing.name}  NOT A REGION TO CLEAN: {why}; `tiercache clean` "
+                  "leaves it alone")
             continue
         owner = "live" if listing.live else "STALE (coordinator gone; tiercache clean removes it)"
         if listing.truncated:  # mapping it would fault: one line, and on to the next
@@ -192,8 +203,34 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         if listing.live:  # at the path its header records, unless --config names one
             _print_index(_socket_path(args, listing.name))
-        _print_ranks(listing)
+        try:
+            _print_ranks(listing)
+        except RegionNotFoundError:
+            if wanted:
+                raise
+            print("  removed while it was listed")  # its coordinator stopped, or clean ran
+        except (TiercacheError, ValueError) as e:  # e.g. a stats block of a newer tiercache
+            if wanted:
+                raise
+            print(f"  ranks: unreadable ({e}); the listing goes on")
+    for m in maps:
+        print(f"key presence map {m.name}  {m.path}  {_map_note(m, listings)}")
     return 0
+
+
+def _map_note(listing: MapListing, regions: list[RegionListing]) -> str | None:
+    """What ``status`` says of a key presence map; None for a live map of a listed region
+    (the normal case: nothing to say)."""
+    if listing.problem:
+        return f"NOT USABLE: {listing.problem}"
+    if not listing.recognised:
+        return (f"NOT A MAP TO CLEAN: {listing.found} without a map header; `tiercache clean` "
+                "leaves it alone")
+    if not listing.live:
+        return "STALE (coordinator gone; tiercache clean removes it)"
+    if not any(r.name == listing.name for r in regions):
+        return "live (its coordinator's region is gone)"
+    return None
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -216,6 +253,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
         sockets += [p for p in paths if remove_stale_socket(p, dry_run=args.dry_run)]
     for path in sockets:
         print(f"{verb} stale socket {path}")
+    gone = {listing.name for listing in removed} if args.dry_run else set()
+    maps = [m for m in remove_stale_maps(dry_run=args.dry_run, names=wanted)
+            if m.name not in gone]  # a dry run lists a removed region's map only once
+    for m in maps:
+        print(f"{verb} stale key presence map {m.path} (its coordinator is gone)")
     kept = list_regions(wanted)
     for listing in kept:
         if listing.live:
@@ -223,7 +265,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
         elif listing.problem:
             print(f"left {listing.path} alone: {listing.found} (not a region tiercache may "
                   "remove)")
-    if not removed and not sockets and not kept:
+        elif listing.unrecognised:
+            print(f"left {listing.path} alone: {listing.found}; {listing.unrecognised}")
+    kept_maps = [m for m in list_maps(wanted) if m.problem or not m.recognised]
+    for m in kept_maps:
+        why = ("not a key presence map tiercache may remove" if m.problem
+               else "no map header: not provably a key presence map")
+        print(f"left {m.path} alone: {m.found} ({why})")
+    if not removed and not sockets and not kept and not maps and not kept_maps:
         print(f"no tiercache region{' named ' + ', '.join(wanted) if wanted else 's'}")
     return 0
 

@@ -21,7 +21,9 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   │                           the caller expects
     │   ├── RankError               rank outside 0..world_size-1          (also ValueError)
     │   ├── StatsStuckError         a rank's stats block stayed mid-update (also TimeoutError)
-    │   └── InsufficientMemoryError /dev/shm or RAM smaller than asked for
+    │   ├── InsufficientMemoryError /dev/shm or RAM smaller than asked for
+    │   └── NumaError               a NUMA call (mbind, get_mempolicy, move_pages) failed or
+    │                               is not wired for this machine (the errno named)
     ├── PinError                    cuMemHostRegister failed (rolled back)
     │   └── PinUnavailableError     no CUDA here: nothing can be pinned
     ├── SpecError                   a transfer spec that cannot be planned (also ValueError)
@@ -110,6 +112,12 @@ class StatsStuckError(RegionError, TimeoutError):
 
 class InsufficientMemoryError(RegionError):
     """/dev/shm or host memory is smaller than the region; the message gives both numbers."""
+
+
+class NumaError(RegionError):
+    """A NUMA memory-policy call on the region (``mbind``, ``get_mempolicy``, ``move_pages``)
+    failed, or is not wired for this architecture; the message names the call, the range
+    or node and the errno (``EPERM`` in a container without ``CAP_SYS_NICE`` is common)."""
 
 
 class PinError(TiercacheError):

@@ -26,8 +26,8 @@ from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
 from tiercache.control.payloads import decode_error
 from tiercache.control.protocol import (
-    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, PROTOCOL_VERSION, PayloadReader,
-    Status, Verb, frame,
+    HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH,
+    PROTOCOL_VERSION, PayloadReader, Status, Verb, frame,
 )
 
 # ---------------------------------------------------------------- the scenarios, remotely
@@ -329,3 +329,25 @@ def test_take_events_spans_several_frames(servers, socket_path):
         assert [len(e.keys) for e in events] == [MAX_KEYS_PER_CALL, 100]
         assert [key for e in events for key in e.keys] == keys
         assert client.take_events() == []
+
+
+def test_a_lease_batch_past_one_requests_bounds_is_sent_as_several(servers, socket_path):
+    """An engine's step may probe more requests than one LEASE_BATCH may carry (lists or
+    keys): the client sends them as several requests, each list still leased whole, so
+    an engine never meets the coordinator's bound. A single list longer than one request
+    allows is refused before anything is sent."""
+    servers(socket_path, num_blocks=64)
+    with Client(socket_path) as client:
+        sc.store(client, *range(40))
+        lists = [sc.k(i % 50, i % 50 + 1) for i in range(3 * MAX_LISTS_PER_BATCH)]  # 3 requests
+        results = client.lease_batch(lists)
+        assert [r.num_hit for r in results] == [2 if i % 50 < 39 else int(i % 50 == 39)
+                                                for i in range(len(lists))]
+        assert all(len(r.spec) == r.num_hit for r in results)
+        long_lists = [sc.k(*range(40)) + [b"x%d" % i for i in range(10_000)] for _ in range(2)]
+        assert [r.num_hit for r in client.lease_batch(long_lists)] == [40, 40]  # 2 requests
+        held = sum(r.num_hit for r in results) + 80
+        assert client.release(sc.k(*range(40))) == held
+        with pytest.raises(ProtocolError, match=f"at most {MAX_KEYS_PER_CALL} keys per list"):
+            client.lease_batch([sc.k(1), [b"y"] * (MAX_KEYS_PER_CALL + 1)])
+        assert client.stats().loading_blocks == 0  # nothing was sent, nothing is held

@@ -16,12 +16,12 @@ from tiercache.control.payloads import (
     decode_lease_batch_request, decode_leases, decode_stats, decode_store_output,
     decode_store_request, encode_error, encode_events, encode_hello, encode_hello_request,
     encode_lease_batch_request, encode_leases, encode_stats, encode_store_output,
-    encode_store_request,
+    encode_store_request, lease_batch_groups,
 )
 from tiercache.control.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
-    MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH, FrameHeader,
-    PayloadReader, PayloadWriter, Status, Verb, frame,
+    MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH,
+    FrameHeader, PayloadReader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.specs import CPULoadStoreSpec
 
@@ -217,8 +217,14 @@ def test_bad_session_and_lease_payloads_are_refused():
 def test_the_largest_request_fits_the_request_bound():
     widest = [bytes([i % 256]) * MAX_KEY_BYTES for i in range(MAX_KEYS_PER_CALL)]
     assert len(PayloadWriter().keys(widest).build()) <= MAX_REQUEST_BYTES
-    one_per_list = [[key] for key in widest]
-    assert len(encode_lease_batch_request(one_per_list)) <= MAX_REQUEST_BYTES
+    one_per_list = [[key] for key in widest]  # sent as requests of MAX_LISTS_PER_BATCH lists
+    for group in lease_batch_groups(one_per_list):
+        assert len(encode_lease_batch_request(group)) <= MAX_REQUEST_BYTES
+    per_list = MAX_KEYS_PER_CALL // MAX_LISTS_PER_BATCH  # the most lists with the most keys
+    [most] = lease_batch_groups([widest[i:i + per_list]
+                                 for i in range(0, MAX_KEYS_PER_CALL, per_list)])
+    assert len(most) == MAX_LISTS_PER_BATCH
+    assert len(encode_lease_batch_request(most)) <= MAX_REQUEST_BYTES
 
 
 def test_tier_stats_round_trip_with_seconds_and_flags():

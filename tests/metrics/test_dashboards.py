@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.metrics.exposition import encode_text
 from tiercache.metrics.collector import TiercacheCollector
+from tiercache.numa.placement import NumaPlacement, NumaState
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction
 
@@ -139,6 +140,7 @@ def _exposition() -> tuple[set[str], set[str]]:
     for rank in range(2):
         view = attach_self(region, rank)
         view.set_pin(PinState.PINNED, 1 << 20, 0.1)
+        view.set_numa(NumaPlacement(NumaState.PLACED, rank, 256, 256, 0.01))
         view.record_transfer(Direction.GPU_TO_CPU, 4096, 1e-4, success=True)
     from tiercache.index.results import TierStats
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.hostmem import process_start_ns
 from tiercache.metrics.collector import METRIC_NAMES, TiercacheCollector
 from tiercache.backend_kind import BackendKind
+from tiercache.numa.placement import NumaPlacement, NumaState
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction
 
@@ -155,6 +157,32 @@ def test_pin_state_backend_and_region_gauges():
     assert value("tiercache_region_state", {"state": "closing"}) == 1
 
 
+def test_numa_node_local_ratio_and_placement_state_per_rank():
+    region = FakeRegion(world_size=4)
+    attach_self(region, 0).set_numa(NumaPlacement(NumaState.PLACED, 1, 4000, 3000, 0.2))
+    attach_self(region, 1).set_numa(NumaPlacement(NumaState.UNKNOWN_NODE))
+    # rank 2: two engines attached, the second on the other socket: the rank shows the worse
+    region.stats(2, 0).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    region.stats(2, 0).set_numa(NumaPlacement(NumaState.PLACED, 0, 100, 100, 0.1))
+    region.stats(2, 1).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    region.stats(2, 1).set_numa(NumaPlacement(NumaState.PLACED, 1, 100, 0, 0.1))
+    attach_self(region, 3)  # attached, not yet checked
+    reg = registry_of(TiercacheCollector(region))
+    value = reg.get_sample_value
+
+    assert [value("tiercache_numa_node", {"rank": r}) for r in "0123"] == [1, -1, 1, -1]
+    assert value("tiercache_numa_local_ratio", {"rank": "0"}) == 0.75
+    assert value("tiercache_numa_local_ratio", {"rank": "2"}) == 0.0
+    assert value("tiercache_numa_local_ratio", {"rank": "1"}) is None  # not counted: absent
+    assert value("tiercache_numa_local_ratio", {"rank": "3"}) is None
+    for rank, expected in (("0", "placed"), ("1", "unknown_node"), ("2", "placed"),
+                           ("3", "none")):
+        for state in NumaState:
+            assert value("tiercache_numa_placement", {"rank": rank, "state": state.label}) == (
+                1 if state.label == expected else 0)
+    promtool_check(encode_text(TiercacheCollector(region).collect()))
+
+
 def test_index_counters_and_gauges_come_from_manager_stats():
     region = FakeRegion()
     stats = sample_manager_stats()
@@ -198,6 +226,20 @@ def test_metric_names_list_every_exported_family():
     assert samples[("tiercache_tier_blocks", "disk")] == 3
     assert samples[("tiercache_tier_promotions_total", "disk")] == 1
     assert samples[("tiercache_tier_up", "disk")] == 1
+
+
+def test_the_observability_doc_lists_every_metric():
+    """By its full name, or as a ``_suffix`` beside a sibling of the same family prefix
+    (``tiercache_tier_checksum_failures_total``, ``_errors_total``)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs/observability.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `tiercache_")]
+    missing = []
+    for name in METRIC_NAMES:
+        prefix = "_".join(name.split("_")[:2])  # tiercache_<group>
+        if not any(f"`{name}`" in row or (f"`{prefix}_" in row and
+                                           f"`{name[len(prefix):]}`" in row) for row in rows):
+            missing.append(name)
+    assert not missing, f"docs/observability.md does not list {missing}"
 
 
 def test_without_a_lower_tier_no_tier_family_is_exported():

@@ -3,6 +3,7 @@ definite miss without asking. Real shared memory; a real coordinator for the wir
 
 from __future__ import annotations
 
+import fcntl
 import os
 import zlib
 
@@ -114,7 +115,8 @@ def test_a_closed_map_is_not_trusted_and_the_view_finds_the_next_one(presence, i
 
 
 def test_a_map_a_killed_coordinator_left_is_retired_by_the_next(presence, instance_name):
-    killed = PresenceMap(instance_name, 100, 1)  # never closed, as after SIGKILL
+    killed = PresenceMap(instance_name, 100, 1)  # never closed, as after SIGKILL ...
+    fcntl.flock(killed._entry.fd, fcntl.LOCK_UN)  # ... whose lock the kernel dropped
     view = PresenceView(instance_name)
     try:
         assert view.exact()
@@ -224,3 +226,68 @@ def test_a_block_on_the_disk_tier_stays_maybe_after_host_memory_evicts_it(make_c
         finally:
             view.close()
         assert coordinator.stop() == 0
+
+
+def test_a_map_cut_short_under_its_readers_is_maybe_not_a_sigbus(config, tmp_path):
+    """Another process of the service user truncates the map under a running scheduler
+    and the coordinator: reads past its end used to kill the scheduler (and the next
+    count the coordinator) with SIGBUS. Now the reader answers "maybe", drops the map
+    with a reason, and the coordinator stops counting into it, says so, and serves on."""
+    import subprocess
+
+    from presence_reader import PresenceReader
+
+    with CoordinatorProcess(config, tmp_path / "c") as coordinator:
+        reader = PresenceReader(config.name)
+        try:
+            with Client(config) as client:
+                keys = [b"k%d" % i for i in range(4)]
+                client.complete_store(list(client.prepare_store(keys).keys_to_store))
+                assert reader.ask("maybe " + keys[0].hex()) == "maybe True"
+                assert reader.ask("maybe " + b"never".hex()) == "maybe False"
+                path = presence_path(config.name)
+                cut = subprocess.run(["truncate", "-s", "0", path], capture_output=True)
+                assert cut.returncode == 0, cut.stderr
+                assert reader.ask("maybe " + b"never".hex()) == "maybe True"  # no SIGBUS
+                assert reader.ask("exact") == "exact False"
+                answer = reader.ask("refresh")
+                assert answer.startswith(f"refresh False {path} was cut short to 0 bytes"), answer
+                more = [b"m%d" % i for i in range(4)]  # the coordinator counts them: no SIGBUS
+                client.complete_store(list(client.prepare_store(more).keys_to_store))
+                assert client.lookup(more) == 4
+        finally:
+            assert reader.close() == 0  # -7 was SIGBUS
+        assert coordinator.stop() == 0
+        assert f"the key presence map {path} was cut short to 0 bytes" in coordinator.output()
+
+
+def test_clean_removes_a_map_whose_coordinator_was_killed_and_region_removed(config, tmp_path):
+    """After a SIGKILL and the region's removal the map stayed and `clean` said "no
+    regions". A map whose lock nobody holds is its dead coordinator's: clean removes it,
+    and never a live coordinator's."""
+    import subprocess
+    import sys
+
+    def tiercache(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tiercache", *args, "--name", config.name],
+                              capture_output=True, text=True, timeout=60)
+
+    path = presence_path(config.name)
+    with CoordinatorProcess(config, tmp_path / "live"):
+        clean = tiercache("clean")
+        assert clean.returncode == 0 and os.path.exists(path), clean.stdout
+        assert "presence map" not in clean.stdout
+    coordinator = CoordinatorProcess(config, tmp_path / "killed")
+    try:
+        coordinator.kill()
+        os.unlink(f"/dev/shm/{config.shm_name}")  # its region went (by hand, or a clean)
+        status = tiercache("status")
+        assert status.returncode == 0, status.stderr
+        assert f"key presence map {config.name}  {path}  STALE" in status.stdout, status.stdout
+        dry = tiercache("clean", "--dry-run")
+        assert f"would remove stale key presence map {path}" in dry.stdout and os.path.exists(path)
+        clean = tiercache("clean")
+        assert f"removed stale key presence map {path}" in clean.stdout, clean.stdout
+        assert not os.path.exists(path)
+    finally:
+        coordinator.cleanup()

@@ -1,7 +1,8 @@
 """Chaos: engines keep storing and loading while the coordinator is restarted cleanly,
 SIGKILLed (also with loads prepared and copied only after the restart), engines are frozen
-past the liveness deadline and thawed, and ledger records are damaged while no coordinator
-runs. Engines are separate processes, two ranks each, with the real handlers; a key's
+past the liveness deadline and thawed, ledger records are damaged while no coordinator
+runs, and the index is reset under a load in flight and the disk tier's demotions and
+promotions (a disk tier below a host tier half the key space's size). Engines are separate processes, two ranks each, with the real handlers; a key's
 bytes are a function of the key, so any engine verifies any other's blocks.
 
 Bounded (a fixed number of rounds, seeded), it asserts: 0 wrong bytes over every load,
@@ -20,13 +21,14 @@ import pytest
 
 from control_support import wait_for
 from engine_child import EngineProcess
-from tiercache.config import KVGeometry, RegionConfig, config_to_toml
+from tiercache.config import DiskConfig, KVGeometry, RegionConfig, config_to_toml
 from tiercache.control.client import Client
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import RECORD_BYTES
 from tiercache.service.process import CoordinatorProcess
+from tiercache.tiers.disk_file import HEADER_BYTES as DISK_HEADER_BYTES
 
-FAULTS = ("kill", "kill_in_flight", "restart", "freeze", "damage", "none")
+FAULTS = ("kill", "kill_in_flight", "restart", "freeze", "damage", "reset", "none")
 ROUNDS = 4 * len(FAULTS)  # each fault four times, in a seeded order
 NUM_BLOCKS = 48
 KEY_SPACE = 96
@@ -78,9 +80,13 @@ def damage_a_record(config, rng: random.Random) -> None:
 
 @pytest.mark.slow
 def test_chaos_never_serves_a_wrong_byte_and_gives_everything_back(make_config, tmp_path):
+    (tmp_path / "disk").mkdir()
     config = make_config(kv=KVGeometry(page_bytes=(4096, 1024)),
                          region=RegionConfig(capacity_bytes=None, num_blocks=NUM_BLOCKS,
                                              prefault_threads=1),
+                         disk=DiskConfig(path=str(tmp_path / "disk"), low_watermark=0.25,
+                                         capacity_bytes=KEY_SPACE * (DISK_HEADER_BYTES
+                                                                     + 2 * 8192)),
                          index_session_grace_s=0.5, index_session_timeout_s=TIMEOUT_S)
     rng = random.Random(20261124)
     tally = Tally()
@@ -117,6 +123,19 @@ def test_chaos_never_serves_a_wrong_byte_and_gives_everything_back(make_config, 
                     for engine in others:  # stores that would evict the held blocks
                         out = attempt(tally, engine.store, rng.sample(keys, 6))
                         tally.stored += out["stored"] if out else 0
+                    result = attempt(tally, holder.finish_load)
+                    if result:
+                        tally.load(result)
+            elif fault == "reset":  # under a load in flight and the disk tier's I/O
+                holder = rng.choice(engines)
+                held = attempt(tally, holder.hold_load, rng.sample(keys, 8))
+                with Client(config) as client:
+                    client.reset()
+                for engine in engines:  # stores into whatever slots the index hands out
+                    if engine is not holder:
+                        out = attempt(tally, engine.store, rng.sample(keys, 6))
+                        tally.stored += out["stored"] if out else 0
+                if held is not None:
                     result = attempt(tally, holder.finish_load)
                     if result:
                         tally.load(result)

@@ -7,17 +7,20 @@ import os
 import threading
 
 from tiercache.region.shared import SharedOffloadRegion
-from tiercache.region.stale import list_regions, remove_stale
+from tiercache.region.stale import list_maps, list_regions, remove_stale, remove_stale_maps
 from tiercache.service.process import CoordinatorProcess
 
 RESTARTS = 8
 
 
 def _probe_until(stop: threading.Event, name: str, counts: list[int]) -> None:
-    """What `tiercache status` and `tiercache clean --dry-run` do, as fast as possible."""
+    """What `tiercache status` and `tiercache clean --dry-run` do, as fast as possible
+    (regions and key presence maps: each probe holds an object's lock shared)."""
     while not stop.is_set():
         list_regions()
         remove_stale(dry_run=True, name_prefix=name)
+        list_maps([name])
+        remove_stale_maps(dry_run=True, names=[name])
         counts[0] += 1
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tiercache.config import config_to_toml
+from tiercache.errors import ServiceError
 from tiercache.region.presence import remove_stale_presence
 from tiercache.service.process import CoordinatorProcess
 
@@ -196,3 +197,166 @@ def test_a_truncated_stale_region_is_one_line_for_status_and_attach_and_serve_re
         assert f"is gone; {said})" in serve.output()
         assert os.stat(path).st_size == total_bytes
         SharedOffloadRegion.attach(cfg.name, 0).close()
+
+
+# ---------------------------------------------------------------------- the key presence map
+def _squat(kind: str, path: str, user, tmp_path) -> str:
+    """Another user's entry under the map's name; returns the words status/serve use."""
+    if kind == "fifo":
+        made = user.run(["mkfifo", "-m", "0644", path])
+        words = "a FIFO"
+    elif kind == "file":  # long enough, right mode: only its owner gives it away
+        made = user.run(["sh", "-c", f"umask 077; head -c 131136 /dev/zero > {path}"])
+        words = "a regular file"
+    else:  # a link to a map-shaped file of ours: following it would be the attack
+        target = tmp_path / "map-copy"
+        target.write_bytes(b"TCKEYS01" + b"\1\0\0\0\1\0\0\0" + (1 << 16).to_bytes(8, "little")
+                           + bytes(40) + bytes(1 << 16))
+        target.chmod(0o600)
+        made = user.run(["ln", "-s", str(target), path])
+        words = "a symlink"
+    assert made.returncode == 0, made.stderr
+    return f"{words} owned by {user.name} (uid {user.uid})"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "symlink"])
+def test_another_users_entry_under_the_maps_name_blocks_no_engine_serve_or_clean(
+        kind, make_config, tmp_path, other_user):
+    """While no map exists (after a clean stop), another user squats its name. A running
+    scheduler's refresh used to block forever in open() on a FIFO, a new engine at start,
+    serve and clean with it; now each answers at once, naming the squatter."""
+    from presence_reader import PresenceReader
+
+    from tiercache.region.presence import presence_path
+
+    cfg = make_config()
+    path = presence_path(cfg.name)
+    coordinator = CoordinatorProcess(cfg, tmp_path / "c")
+    running = PresenceReader(cfg.name)  # a scheduler reading the live map
+    try:
+        assert running.opened == "open True None"
+        assert coordinator.stop() == 0 and not os.path.lexists(path)
+        squatter = _squat(kind, path, other_user, tmp_path)
+
+        answer = running.ask("refresh")  # the scheduler's next step
+        assert answer.startswith(f"refresh False {path} is {squatter}"), answer
+        assert running.ask("maybe " + b"key".hex()) == "maybe True"  # asks the coordinator
+
+        starting = PresenceReader(cfg.name)  # a new engine
+        assert starting.opened.startswith(f"open False {path} is {squatter}"), starting.opened
+        assert starting.close() == 0
+
+        serve = tiercache("serve", "--config", _write_config(cfg, tmp_path))
+        assert serve.returncode == 1, serve.stdout
+        assert serve.stderr.startswith(f"tiercache: error: {path} is {squatter}"), serve.stderr
+        assert serve.stderr.count("\n") == 1, serve.stderr
+        assert not os.path.exists(f"/dev/shm/{cfg.shm_name}")  # nothing half-made stays
+
+        status = tiercache("status", "--name", cfg.name)
+        assert status.returncode == 0, status.stderr
+        [line] = [s for s in status.stdout.splitlines() if path in s]
+        assert "NOT USABLE" in line and squatter in line, line
+
+        clean = tiercache("clean", "--name", cfg.name)
+        assert clean.returncode == 0, clean.stderr
+        assert f"left {path} alone: {squatter}" in clean.stdout, clean.stdout
+        assert os.path.lexists(path)  # not ours to judge
+    finally:
+        running.close()
+        coordinator.kill()
+        _remove_entry(path)
+        coordinator.cleanup()
+
+
+# ---------------------------------------------------------------------- what clean may remove
+OLD_S = 3600  # older than a region mid-creation could be (tiercache.region.stale.YOUNG_S)
+
+
+def test_clean_never_removes_a_file_of_ours_without_a_region_header(make_config):
+    """A file of ours under a region's name that is no region (a tier's data file put in
+    /dev/shm, another program's): its lock is free and it is old, and clean used to
+    unlink it as a STALE region. Only what starts with a region header is removed."""
+    cfg = make_config(name=make_config().name + ".disk")
+    path = f"/dev/shm/{cfg.shm_name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"TCDISK01" + os.urandom(1 << 16))
+        os.utime(path, (os.stat(path).st_atime - OLD_S, os.stat(path).st_mtime - OLD_S))
+        for args in (["clean", "--dry-run"], ["clean"]):
+            clean = tiercache(*args, "--name", cfg.name)
+            assert clean.returncode == 0, clean.stderr
+            assert f"left {path} alone: a regular file owned by " in clean.stdout, clean.stdout
+            assert "no region header" in clean.stdout and "would remove" not in clean.stdout
+        assert os.path.exists(path)
+        status = tiercache("status", "--name", cfg.name)
+        assert status.returncode == 1 and status.stdout == "", status.stdout
+        assert "no region header" in status.stderr and status.stderr.count("\n") == 1
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_clean_leaves_the_disk_file_of_a_live_coordinator_in_dev_shm(make_config, tmp_path):
+    """Issue 33: with ``disk.path = /dev/shm`` the disk file (``tiercache-<name>.disk``) was
+    listed as a STALE region and unlinked under the running coordinator. Either serve
+    refuses that directory in one line, or clean and status leave the file alone."""
+    from tiercache.config import DiskConfig
+
+    cfg = make_config(disk=DiskConfig(path="/dev/shm", capacity_bytes=1 << 20))
+    coordinator = None
+    disk_path = f"/dev/shm/tiercache-{cfg.name}.disk"
+    try:
+        try:
+            coordinator = CoordinatorProcess(cfg, tmp_path / "c")
+        except ServiceError as e:  # the disk tier's own rule may refuse /dev/shm
+            assert "disk.path" in str(e) and "Traceback" not in str(e), e
+            assert not os.path.exists(disk_path)
+            return
+        assert os.path.exists(disk_path)
+        os.utime(disk_path, (os.stat(disk_path).st_atime - OLD_S,
+                             os.stat(disk_path).st_mtime - OLD_S))
+        clean = tiercache("clean", "--name", f"{cfg.name}.disk")
+        assert clean.returncode == 0 and "removed" not in clean.stdout, clean.stdout
+        assert os.path.exists(disk_path)
+        status = tiercache("status", "--name", f"{cfg.name}.disk")
+        assert "STALE" not in status.stdout + status.stderr
+        assert coordinator.stop() == 0
+    finally:
+        if coordinator is not None:
+            coordinator.cleanup()
+        if os.path.exists(disk_path):
+            os.unlink(disk_path)
+
+
+def test_clean_leaves_a_region_whose_recorded_coordinator_still_runs(make_config):
+    """A free lock is not proof enough while the coordinator the header names still runs
+    (one that closed its region without removing it, and has not exited): clean leaves it,
+    and removes it once that process is gone (SIGKILL)."""
+    from tiercache.config import config_to_toml
+
+    cfg = make_config()
+    path = f"/dev/shm/{cfg.shm_name}"
+    child = subprocess.Popen([sys.executable, "-c", "import sys, spawned; "
+                              "spawned.close_region_and_live_on(sys.stdin.read())"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [os.path.dirname(users.__file__),
+                                  os.environ.get("PYTHONPATH", "")])})
+    try:
+        child.stdin.write(config_to_toml(cfg))
+        child.stdin.close()
+        assert child.stdout.readline() == "closed\n"
+        clean = tiercache("clean", "--name", cfg.name)
+        assert f"left {path} alone: " in clean.stdout, clean.stdout
+        assert f"(pid {child.pid}) still runs" in clean.stdout and os.path.exists(path)
+        child.kill()
+        child.wait()
+        clean = tiercache("clean", "--name", cfg.name)
+        assert f"removed stale region {path}" in clean.stdout, clean.stdout
+        assert not os.path.exists(path)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        if os.path.exists(path):
+            os.unlink(path)

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 import index_scenarios as sc
-from tiercache.control.server import ControlOptions, serve_forever
+from tiercache.control.server import ControlOptions
+from tiercache.control.standalone import serve_forever
 from tiercache.control.payloads import decode_hello, encode_hello_request
 from tiercache.control.protocol import (
     HEADER_BYTES, MAGIC, PROTOCOL_VERSION, FrameHeader, PayloadReader, PayloadWriter, Status,

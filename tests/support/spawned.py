@@ -49,3 +49,16 @@ def attach_fork_and_hold(name: str, rank: int) -> None:
         os._exit(0)
     print(region.slot, grandchild, flush=True)
     signal.pause()
+
+
+def close_region_and_live_on(config_toml: str) -> None:
+    """A subprocess: create the region of a config, close it without unlinking (its lock
+    is free, its header names this process), print ``closed``, wait to be SIGKILLed."""
+    import signal
+    import tomllib
+
+    from tiercache.config import config_from_dict
+
+    SharedOffloadRegion.create(config_from_dict(tomllib.loads(config_toml))).close(unlink=False)
+    print("closed", flush=True)
+    signal.pause()

@@ -5,6 +5,7 @@ real EIO or sleeps in its reads and writes (``faulty_fs``)."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -78,3 +79,42 @@ def test_a_stalled_disk_never_holds_up_the_host_tier(faulty):
         wait_for(lambda: client.lease([KEYS[0]]).num_hit == 1, "the read lands: a hit", 60)
         client.release([KEYS[0]])
     assert load_every_key(config, KEYS[:4])[1] == 0
+
+
+def test_serve_stops_while_the_disk_stalls(make_config, tmp_path):
+    """SIGTERM with a read stuck in the disk (sleeping 25 s): the tier's stop waits its
+    bound (5 s), abandons the I/O thread (named in one line), and serve's shutdown finishes
+    (region and socket removed) long before the read ends (was: still running 90 s after
+    SIGTERM, joining the tier's threads). The process itself exits when the kernel lets the
+    stuck read go: a thread in a disk read cannot be killed, SIGKILL included."""
+    backing, mount = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    fs = faulty_fs.FaultyFS(str(backing), str(mount), str(tmp_path))
+    config = make_config(kv=KVGeometry(page_bytes=(ROW,)),
+                         region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
+                                             prefault_threads=1),
+                         disk=DiskConfig(path=str(mount), capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
+                                         low_watermark=0.5, direct_io=False, retry_s=5.0))
+    try:
+        coordinator = CoordinatorProcess(config, tmp_path / "c")
+        try:
+            url = metrics_url(coordinator)
+            store_paced(config, url, KEYS[:32])
+            fs.set("slow 25")
+            with Client(config) as client:
+                assert client.lease([KEYS[0]]).pending  # its promotion is stuck in a read
+            wait_for(lambda: tier(url, "calls_in_flight") >= 1, "a read is stuck", 30)
+            coordinator.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "stopped; removed region" in coordinator.output(),
+                     "serve's shutdown ends while the read is stuck", 60)
+            assert coordinator.proc.poll() is None  # done, though the read still sleeps
+            out = coordinator.output()
+            assert "abandoned what the pool's master or the disk still holds" in out
+            assert "disk tiercache-disk-io-" in out
+            fs.set("ok")
+            assert coordinator.proc.wait(90) == 0  # the read ends: the process exits
+        finally:
+            fs.set("ok")
+            coordinator.cleanup()
+    finally:
+        fs.close()

@@ -225,7 +225,7 @@ def test_a_prefault_failure_does_not_claim_pinning_failed(served, monkeypatch):
 
     config, region = served
 
-    def no_memory(self, num_threads):
+    def no_memory(self, num_threads, *placement):
         raise InsufficientMemoryError("cannot populate: /dev/shm ran out")
 
     monkeypatch.setattr(SharedOffloadRegion, "prefault_slice", no_memory)

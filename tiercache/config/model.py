@@ -27,7 +27,7 @@ class Config:
     zero_copy_bytes: int = 0
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     control_socket: str = ""  # "" = derived from name, see socket_path; made absolute here
-    index_policy: str = "lru"  # eviction policy of the cache index (tiercache.index.policies registry)
+    index_policy: str = "lru"  # eviction policy of the cache index (tiercache.eviction registry)
     index_events: bool = False  # keep stored/removed events for take_events()
     index_session_grace_s: float = 5.0  # a gone client's reservations and pins live this long
     # a session that holds something and sends nothing (not even the client's heartbeat) for

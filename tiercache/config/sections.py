@@ -13,7 +13,7 @@ from tiercache.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "uint8": 1}
-INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.index.policies by a test
+INDEX_POLICIES = ("lru", "arc")  # kept in step with tiercache.eviction by a test
 MAX_ATTACHMENTS_PER_RANK = 16  # stats blocks per rank in the region header
 MAX_TENSORS = 480  # what the region header can describe (see RegionHeader)
 MAX_ZERO_COPY_BYTES = 64 << 20  # from 16 blocks of 2 MiB on the ring is as fast (or faster)
@@ -83,6 +83,9 @@ class RegionConfig:
     pinning: PinningPolicy = PinningPolicy.ALLOW_UNPINNED
     check_host_memory: bool = True
     attachments_per_rank: int = 4  # worker processes that may attach one rank at once
+    # each rank's slice in the NUMA node of its worker's GPU: bound by the coordinator before
+    # fallocate, checked and completed by the worker (tiercache.region.placement)
+    numa_placement: bool = True
 
     def __post_init__(self) -> None:
         if (self.capacity_bytes is None) == (self.num_blocks is None):

@@ -25,6 +25,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "region": {
         "capacity": (int, str), "num_blocks": int, "prefault_threads": int,
         "pinning": str, "check_host_memory": bool, "attachments_per_rank": int,
+        "numa_placement": bool,
     },
     "kv": {
         "num_tensors": int, "page_bytes": (int, str, list),
@@ -187,7 +188,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike[str] | Non
         raise ConfigError("region: set either region.capacity or region.num_blocks, not both")
     region = _present(reg, {"num_blocks": "num_blocks", "prefault_threads": "prefault_threads",
                             "check_host_memory": "check_host_memory",
-                            "attachments_per_rank": "attachments_per_rank"})
+                            "attachments_per_rank": "attachments_per_rank",
+                            "numa_placement": "numa_placement"})
     if "capacity" in reg:
         region["capacity_bytes"] = parse_size(reg["capacity"], "region.capacity")
     elif "num_blocks" in reg:
@@ -271,7 +273,8 @@ def config_to_toml(config: Config) -> str:
         "instance": {"name": config.name, "world_size": config.world_size},
         "region": {**size, "prefault_threads": reg.prefault_threads, "pinning": reg.pinning.value,
                    "check_host_memory": reg.check_host_memory,
-                   "attachments_per_rank": reg.attachments_per_rank},
+                   "attachments_per_rank": reg.attachments_per_rank,
+                   "numa_placement": reg.numa_placement},
         "kv": {"page_bytes": list(kv.page_bytes), "block_size_factor": kv.block_size_factor,
                "block_tokens": kv.block_tokens},
         "transfer": {"backend": config.backend.label,

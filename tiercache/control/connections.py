@@ -21,6 +21,8 @@ Decisions:
   holding the most partial bytes gives way, its largest partial request first. Counting
   per connection would let one process with many small partial requests close another's
   single large one.
+* A connection's first frame is checked as soon as its header is in (``request``): a
+  header that cannot be trusted closes the connection before its payload is awaited.
 """
 
 from __future__ import annotations
@@ -30,21 +32,28 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from tiercache.control.protocol import HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, Status
 from tiercache.control.sessions import Session
+from tiercache.errors import ProtocolError
 
 
 class Connection:
     """One client connection: its socket, buffers and session."""
 
-    __slots__ = ("sock", "inbuf", "need_bytes", "outbuf", "events", "session", "pid",
-                 "opened_s", "active_s")
+    __slots__ = ("sock", "inbuf", "header", "need_bytes", "outbuf", "events", "session", "pid",
+                 "opened_s", "active_s", "finish_tag", "turn")
 
     def __init__(self, sock: socket.socket, pid: int, now: float):
         self.sock = sock
-        self.inbuf = bytearray()  # the start of a frame still incomplete
-        self.need_bytes = 0  # how long inbuf must get before it is worth parsing again
+        self.inbuf = bytearray()  # requests received and not served yet (the last one partial)
+        self.header: FrameHeader | None = None  # the first request's, once checked
+        self.need_bytes = HEADER_BYTES  # how long inbuf must get for its first request
         self.outbuf = bytearray()
-        self.events = selectors.EVENT_READ  # what the selector watches for
+        self.events = selectors.EVENT_READ  # what the selector watches for (0: nothing)
+        # Fair turns between connections (``tiercache.control.turns``): the finish tag of
+        # its latest request, and its place in the queue while one waits.
+        self.finish_tag = 0.0
+        self.turn: int | None = None
         self.session: Session | None = None  # set by HELLO
         self.pid = pid  # of the peer (SO_PEERCRED): per-peer bounds, logs
         self.opened_s = now  # its HELLO deadline counts from here
@@ -55,6 +64,33 @@ class Connection:
     @property
     def peer(self) -> str:
         return f"pid {self.pid}"
+
+    def request(self) -> FrameHeader | None:
+        """The header of the first request in ``inbuf`` once the whole request is in (None
+        before). Raises ``ProtocolError`` as soon as a header is in that cannot be trusted
+        (bad magic or version, a response's status, more than ``MAX_REQUEST_BYTES``)."""
+        if self.header is None:
+            if len(self.inbuf) < HEADER_BYTES:
+                return None
+            header = FrameHeader.unpack(self.inbuf)
+            if header.status is not Status.OK:
+                raise ProtocolError(f"a request frame with status {header.status.name}")
+            if header.payload_bytes > MAX_REQUEST_BYTES:
+                raise ProtocolError(f"a request of {header.payload_bytes} bytes; requests "
+                                    f"are at most {MAX_REQUEST_BYTES}")
+            self.header = header
+            self.need_bytes = HEADER_BYTES + header.payload_bytes
+        return self.header if len(self.inbuf) >= self.need_bytes else None
+
+    def take_request(self) -> tuple[FrameHeader, memoryview]:
+        """Remove the first request (``request()`` returned its header) from ``inbuf``:
+        its header and payload (a view of bytes no longer in ``inbuf``)."""
+        header, end = self.header, self.need_bytes
+        assert header is not None and len(self.inbuf) >= end
+        raw = self.inbuf
+        self.inbuf = raw[end:]  # usually empty: a client sends one request at a time
+        self.header, self.need_bytes = None, HEADER_BYTES
+        return header, memoryview(raw)[HEADER_BYTES:end]
 
 
 class ConnectionTable:
@@ -137,7 +173,8 @@ class ConnectionTable:
             if now < conn.opened_s + self.hello_timeout_s:
                 break
             late.append(conn)
-        idle, holding = [], []
+        idle: list[Connection] = []
+        holding: list[Connection] = []
         closing = set(late)
         for conn in self._by_activity:
             if now < conn.active_s + self.idle_timeout_s:

@@ -8,16 +8,16 @@ import struct
 import numpy as np
 from collections.abc import Sequence
 from dataclasses import astuple, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tiercache import errors
 from tiercache.control.protocol import (
-    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_NAME_BYTES, TOKEN_BYTES, PayloadReader, PayloadWriter,
+    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, TOKEN_BYTES,
+    VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
 )
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
-from tiercache.specs import CPULoadStoreSpec
 
 _U32 = struct.Struct("<I")
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
@@ -113,7 +113,8 @@ def decode_tier_stats(reader: PayloadReader) -> dict[str, TierStats]:
     tiers = {}
     for _ in range(reader.u32()):
         name = reader.text()
-        values = dict(zip(_TIER_FIELDS, reader.u64s(len(_TIER_FIELDS))))
+        raw = reader.u64s(len(_TIER_FIELDS))
+        values: dict[str, Any] = dict(zip(_TIER_FIELDS, raw, strict=True))
         for f in fields(TierStats):
             if f.type in ("float", float):
                 values[f.name] /= 1e6
@@ -193,20 +194,84 @@ def decode_hello(reader: PayloadReader) -> Hello:
 
 
 def encode_lease_batch_request(key_lists: Sequence[Sequence[bytes]]) -> bytes:
+    """One LEASE_BATCH request: at most ``MAX_LISTS_PER_BATCH`` lists and
+    ``MAX_KEYS_PER_CALL`` keys in all (``lease_batch_groups`` cuts a batch to fit)."""
     total = sum(map(len, key_lists))
-    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_KEYS_PER_CALL:
+    if total > MAX_KEYS_PER_CALL or len(key_lists) > MAX_LISTS_PER_BATCH:
         raise errors.ProtocolError(f"{len(key_lists)} lists of {total} keys in one lease_batch; "
-                                   f"at most {MAX_KEYS_PER_CALL} keys (and lists) in all")
+                                   f"at most {MAX_KEYS_PER_CALL} keys and "
+                                   f"{MAX_LISTS_PER_BATCH} lists in all")
     writer = PayloadWriter().u32(len(key_lists))
     for keys in key_lists:
         writer.keys(keys)
     return writer.build()
 
 
+def lease_batch_groups(key_lists: Sequence[Sequence[bytes]]
+                       ) -> list[Sequence[Sequence[bytes]]]:
+    """Consecutive groups of ``key_lists`` that each fit one LEASE_BATCH request (each list
+    is leased on its own, so a batch may be sent as several requests); a single list of
+    more than ``MAX_KEYS_PER_CALL`` keys cannot be split and is refused."""
+    groups: list[Sequence[Sequence[bytes]]] = []
+    start = total = 0
+    for i, keys in enumerate(key_lists):
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise errors.ProtocolError(f"a lease of {len(keys)} keys; at most "
+                                       f"{MAX_KEYS_PER_CALL} keys per list")
+        if i > start and (i - start == MAX_LISTS_PER_BATCH
+                          or total + len(keys) > MAX_KEYS_PER_CALL):
+            groups.append(key_lists[start:i])
+            start, total = i, 0
+        total += len(keys)
+    if start < len(key_lists) or not groups:
+        groups.append(key_lists[start:])
+    return groups
+
+
+# Where each verb's one key list starts in its request (after its fixed fields; ``Verb``).
+_KEYS_AT = {Verb.LOOKUP: 0, Verb.PREPARE_LOAD: 0, Verb.TOUCH: 0, Verb.COMPLETE_LOAD: 0,
+            Verb.RELEASE: 0, Verb.PREPARE_STORE: 4, Verb.COMPLETE_STORE: 1}
+_LIST_HEAD = struct.Struct("<IH")  # a key list's count and width (``PayloadWriter.keys``)
+
+
+def request_size(verb: Verb, payload: bytes | memoryview) -> tuple[int, int]:
+    """(keys, key lists) a request carries, read from its list heads without decoding a
+    key: what fair turns charge it before it is served (``tiercache.control.turns``).
+    Counts stop just past the bounds (a request past them is refused when decoded), and a
+    malformed payload counts what could be read."""
+    if verb is Verb.LEASE_BATCH:
+        return _batch_size(payload)
+    at = _KEYS_AT.get(verb)
+    if at is None or len(payload) < at + _LIST_HEAD.size:
+        return 0, 0
+    return min(_LIST_HEAD.unpack_from(payload, at)[0], MAX_KEYS_PER_CALL + 1), 1
+
+
+def _batch_size(payload: bytes | memoryview) -> tuple[int, int]:
+    if len(payload) < 4:
+        return 0, 0
+    num_lists = min(struct.unpack_from("<I", payload)[0], MAX_LISTS_PER_BATCH + 1)
+    pos, keys, lists = 4, 0, 0
+    while lists < num_lists and keys <= MAX_KEYS_PER_CALL and pos + 6 <= len(payload):
+        n, width = _LIST_HEAD.unpack_from(payload, pos)
+        pos += _LIST_HEAD.size
+        lists += 1
+        keys += n
+        if width != VARIABLE_WIDTH:
+            pos += n * width
+        elif n <= MAX_KEYS_PER_CALL and pos + 2 * n <= len(payload):
+            pos += 2 * n + sum(struct.unpack_from(f"<{n}H", payload, pos))
+        else:
+            break
+    return min(keys, MAX_KEYS_PER_CALL + 1), num_lists
+
+
 def decode_lease_batch_request(reader: PayloadReader) -> list[list[bytes]]:
     n = reader.u32()
-    if n > MAX_KEYS_PER_CALL:
-        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most {MAX_KEYS_PER_CALL}")
+    if n > MAX_LISTS_PER_BATCH:
+        raise errors.ProtocolError(f"{n} key lists in one lease_batch; at most "
+                                   f"{MAX_LISTS_PER_BATCH} (MAX_LISTS_PER_BATCH: send more as "
+                                   "several requests)")
     lists, total = [], 0
     for _ in range(n):
         keys = reader.keys()

@@ -31,6 +31,11 @@ MAGIC = b"TCKV"
 PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
+# Key lists in one LEASE_BATCH: each list is a lease of its own (about 10 µs of the
+# coordinator's one loop even when empty), so a request's work is bounded by its lists as
+# well as its keys; 1024 lists (one per request an engine admits in a step) cost about as
+# much as a lease of 8 Ki keys. ``Client.lease_batch`` sends more as several requests.
+MAX_LISTS_PER_BATCH = 1024
 MAX_KEY_BYTES = 256
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 TOKEN_BYTES = 16  # a session token
@@ -72,9 +77,10 @@ class Verb(IntEnum):
                             bytes), str name        u32 grace in milliseconds, u32 liveness
                                                     deadline in milliseconds (0: none)
         12 LEASE_BATCH      u32 n, n x keys (at     u32 n, n x (u8 pending, spec of the
-                            most MAX_KEYS_PER_CALL  hit run: its length is the hits; a
-                            keys in all)            load reads these slots under the
-                                                    lease's pins, no PREPARE_LOAD)
+                            most MAX_LISTS_PER_     hit run: its length is the hits; a
+                            BATCH lists and         load reads these slots under the
+                            MAX_KEYS_PER_CALL       lease's pins, no PREPARE_LOAD)
+                            keys in all)
         13 RELEASE          keys                    u32 pins dropped
         14 TIER_STATS       (empty)                 u32 n, n x (str tier, u64 per TierStats
                                                     field in field order: seconds in

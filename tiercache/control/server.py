@@ -13,27 +13,32 @@ than the grace period.
 Bounds (``ControlOptions``; the README lists them), so that no local user can grow the
 coordinator or starve its other clients:
 
-* a connection must complete HELLO within ``hello_timeout_s``, or it is closed;
-* a connection whose session holds no reservation and no pin (``manager.holds``) and that
-  sent nothing for ``idle_timeout_s`` is closed (its session detaches, as on any close: its
-  client reconnects on its next call and resumes it);
-* at most ``max_connections`` connections, and at most ``max_connections_per_peer`` of one
-  process (``SO_PEERCRED`` pid; one more is answered with an error naming the limit and
-  closed). At ``max_connections`` a newcomer is still served: the connection that has been
-  quiet longest among those holding nothing makes room (one without HELLO first). One
-  holding reservations or pins is never closed, nor one mid-request (part of a request
-  read, or answers waiting, and bytes received within ``hello_timeout_s``: once a frame is
-  started it should not stall longer than a HELLO may take); when every connection is such
-  a one, the newcomer is refused with an error naming the limit;
-* a request frame is at most ``MAX_REQUEST_BYTES``, and partial requests held across all
-  connections at most ``max_buffered_bytes``. A read that would pass it closes the hogs,
-  never the reader: the process holding the most partial bytes gives way, its connection
-  holding the most first (of equals, the one quiet longest). The budget holds at least one
-  whole request and one read past it (``MIN_BUFFERED_BYTES``), so a client sending one
-  request always fits, whatever others hold;
-* answers are not read past: while a connection's answers wait, it is not read from;
-* at most ``max_detached_sessions_per_peer`` closed sessions of one process are kept for
-  it to resume (``SessionTable.end_detached_beyond``);
+* a connection must complete HELLO within ``hello_timeout_s``; one whose session holds no
+  reservation and no pin and that sent nothing for ``idle_timeout_s`` is closed (its
+  session detaches, as on any close, and its client resumes it on its next call); at most
+  ``max_detached_sessions_per_peer`` closed sessions of one process are kept
+  (``tiercache.control.upkeep`` runs these deadlines);
+* at most ``max_connections`` connections, and ``max_connections_per_peer`` of one
+  process; at the cap the connection quiet longest among those holding nothing and not
+  mid-request makes room, and only when there is none is the newcomer refused, with an
+  error naming the limit (``tiercache.control.admission``);
+* a request frame is at most ``MAX_REQUEST_BYTES``, and requests held (partial, or whole
+  and waiting their turn) across all connections at most ``max_buffered_bytes``. A read
+  that would pass it closes the hogs, never the reader: the process holding the most
+  bytes gives way, its connection holding the most first (of equals, the one quiet
+  longest). The budget holds at least one whole request and one read past it
+  (``MIN_BUFFERED_BYTES``), so a client sending one request always fits, whatever others
+  hold;
+* a request's work is bounded by keys and key lists, not bytes (``MAX_KEYS_PER_CALL``
+  keys, ``MAX_LISTS_PER_BATCH`` lists in a LEASE_BATCH; more is refused with an error
+  naming the bound, and the connection closed), and connections take fair turns by work
+  (``tiercache.control.turns``): one request per connection waits at a time, the loop
+  serves the waiting request with the smallest finish tag (its cost read from its frame)
+  and, after ``WORK_PER_POLL`` units, looks for new arrivals before it serves more. A
+  client streaming heavy requests (pipelined, or from many connections) delays another's
+  small call by the request in progress, not by its streams;
+* answers are not read past: while a connection's answers wait, it is not read from, nor
+  is its next request served;
 * each kind of complaint or close (bad frames, refused peers, accept failures, HELLO
   timeouts, idle closes, room made, hogs closed, sessions ended early) is logged at most
   once per ``log_interval_s`` with a count of the rest;
@@ -51,89 +56,35 @@ import errno
 import logging
 import os
 import selectors
-import signal
 import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
-from tiercache.errors import ConfigError, ControlSocketError, ProtocolError, TiercacheError
+from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
+from tiercache.control.admission import Admission, refuse
 from tiercache.control.connections import Connection, ConnectionTable
+from tiercache.control.options import ControlOptions, RECV_BYTES
+from tiercache.control.turns import Turns, request_units
+from tiercache.control.upkeep import Upkeep
 from tiercache.control.verbs import HANDLERS
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
-from tiercache.control.sockets import SocketFile, check_peer, peer_credentials, trusted_uids
-from tiercache.control.payloads import decode_hello_request, encode_error, encode_hello
-from tiercache.control.protocol import (
-    HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, PayloadReader, Status,
-    Verb, frame,
+from tiercache.control.sockets import SocketFile, trusted_uids
+from tiercache.control.payloads import (
+    decode_hello_request, encode_error, encode_hello, request_size,
 )
-from tiercache.control.sessions import Session, SessionTable
+from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
+from tiercache.control.sessions import SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord
 
 log = logging.getLogger(__name__)
 
-RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 CLOSE_TIMEOUT_S = 10.0
-# After serving, keep polling this long before sleeping in epoll_wait: a sleeping core
-# takes ~50 µs to wake on the 2-core VM we measured (a 16-byte echo between two processes:
-# 108 µs p50 blocking, 13 µs with this poll). It costs CPU only while calls keep coming.
-POLL_BEFORE_SLEEP_S = 50e-6
+# Work (``tiercache.control.turns`` units) the loop serves before it looks for arrivals:
+# a few hundred small calls, or one heavy request.
+WORK_PER_POLL = 256
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-# The smallest partial-request budget: one whole request and one read past it, so that a
-# connection sending one request always fits once the hogs are closed.
-MIN_BUFFERED_BYTES = HEADER_BYTES + MAX_REQUEST_BYTES + RECV_BYTES
-
-
-@dataclass(frozen=True)
-class ControlOptions:
-    """How the control server behaves toward its clients (see the module docstring)."""
-
-    session_grace_s: float = 5.0
-    session_timeout_s: float = 30.0  # a session silent this long while holding something ends
-    reservation_timeout_s: float = 600.0  # a reservation not completed this long is freed
-    tick_s: float = 1.0  # how often liveness, restored sessions and reservations are checked
-    max_connections: int = 256
-    max_buffered_bytes: int = 64 << 20
-    listen_backlog: int = 4096  # the kernel caps it at net.core.somaxconn
-    accept_backoff_s: float = 0.1
-    log_interval_s: float = 10.0
-    trusted_uid: int | None = None  # trusted besides our own uid
-    poll_before_sleep_s: float = POLL_BEFORE_SLEEP_S
-    hello_timeout_s: float = 5.0
-    # Long enough that an idle engine's connection rarely goes (it would reconnect on its
-    # next call anyway); short enough that abandoned ones do not keep slots for long.
-    idle_timeout_s: float = 300.0
-    max_connections_per_peer: int = 64
-    max_detached_sessions_per_peer: int = 64
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("session_grace_s", 0 <= self.session_grace_s <= 3600, "0 .. 3600 s"),
-            ("session_timeout_s", 0 <= self.session_timeout_s <= 86400, "0 (off) .. 86400 s"),
-            ("reservation_timeout_s", 0 <= self.reservation_timeout_s <= 86400,
-             "0 (off) .. 86400 s"),
-            ("tick_s", 0 < self.tick_s <= 60, "0 .. 60 s (not 0)"),
-            ("max_connections", 1 <= self.max_connections <= 65536, "1 .. 65536"),
-            ("max_buffered_bytes", self.max_buffered_bytes >= MIN_BUFFERED_BYTES,
-             f">= {MIN_BUFFERED_BYTES} (one whole request and one read)"),
-            ("listen_backlog", 1 <= self.listen_backlog <= 65535, "1 .. 65535"),
-            ("accept_backoff_s", 0 < self.accept_backoff_s <= 10, "0 .. 10 s (not 0)"),
-            ("log_interval_s", 0 <= self.log_interval_s <= 3600, "0 .. 3600 s"),
-            ("trusted_uid", self.trusted_uid is None or self.trusted_uid >= 0, "None or >= 0"),
-            ("poll_before_sleep_s", 0 <= self.poll_before_sleep_s <= 0.01, "0 .. 0.01 s"),
-            ("hello_timeout_s", 0 < self.hello_timeout_s <= 3600, "0 .. 3600 s (not 0)"),
-            ("idle_timeout_s", 0 < self.idle_timeout_s <= 86400, "0 .. 86400 s (not 0)"),
-            ("max_connections_per_peer", 1 <= self.max_connections_per_peer <= 65536,
-             "1 .. 65536"),
-            ("max_detached_sessions_per_peer",
-             0 <= self.max_detached_sessions_per_peer <= 65536, "0 .. 65536"),
-        )
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
 
 
 class ControlServer:
@@ -151,7 +102,6 @@ class ControlServer:
         self._sessions = SessionTable(manager, opts.session_grace_s,
                                       timeout_s=opts.session_timeout_s, store=session_store,
                                       restored=restored, now=time.monotonic())
-        self._next_tick = time.monotonic() + opts.tick_s
         self._warn = LogLimiter(log, self.options.log_interval_s)
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
@@ -161,7 +111,12 @@ class ControlServer:
         self._socket_file = SocketFile(self._path, self._trusted, self.options.listen_backlog)
         self._connections = ConnectionTable(self.options.hello_timeout_s,
                                             self.options.idle_timeout_s, self._holds)
-        self._buffered_bytes = 0  # partial requests held, all connections together
+        self._admission = Admission(self.options, self._connections, self._trusted, self._warn,
+                                    self._drop)
+        self._upkeep = Upkeep(self.options, manager, self._sessions, self._connections,
+                              self._warn, self._drop, time.monotonic())
+        self._turns = Turns()
+        self._buffered_bytes = 0  # requests held (partial or waiting), all connections together
         self._accept_resume_at: float | None = None  # while the listener is paused
 
     @property
@@ -229,6 +184,8 @@ class ControlServer:
             if sock is not None:
                 sock.close()
         self._listener = self._wake_r = self._wake_w = None
+        for conn in self._connections:  # those waiting their turn are in no selector
+            conn.sock.close()
         self._connections.clear()
         self._socket_file.unlink()
 
@@ -237,10 +194,13 @@ class ControlServer:
     def _wait(self, selector: selectors.BaseSelector, timeout: float | None
               ) -> list[tuple[selectors.SelectorKey, int]]:
         """Poll for up to ``poll_before_sleep_s``, then sleep in the kernel (why: see
-        ``POLL_BEFORE_SLEEP_S``) until an event or ``timeout``."""
+        ``POLL_BEFORE_SLEEP_S``) until an event or ``timeout`` (0: requests wait their
+        turn, so only look)."""
         ready = selector.select(0)
+        if ready or timeout == 0:
+            return ready
         poll_s = self.options.poll_before_sleep_s
-        if not ready and poll_s > 0:
+        if poll_s > 0:
             deadline = time.perf_counter() + poll_s
             while not ready and time.perf_counter() < deadline:
                 ready = selector.select(0)
@@ -250,7 +210,7 @@ class ControlServer:
         selector = self._selector
         assert selector is not None
         while True:
-            for key, mask in self._wait(selector, self._timeout()):
+            for key, mask in self._wait(selector, 0.0 if self._turns else self._timeout()):
                 source = key.data
                 if source is self._wake_r:
                     return
@@ -261,84 +221,25 @@ class ControlServer:
                     continue
                 if mask & selectors.EVENT_READ:
                     self._on_readable(selector, source)
-                if mask & selectors.EVENT_WRITE and source.sock.fileno() >= 0:
+                if mask & selectors.EVENT_WRITE and source in self._connections:
                     self._flush(selector, source)
+            self._serve_turns(selector)
             self._on_time(selector)
 
     def _timeout(self) -> float | None:
         """Seconds until the next session expiry, tick, accept resumption, HELLO or idle
         deadline (None: none due)."""
-        due = [t for t in (self._sessions.next_deadline(), self._accept_resume_at,
-                           self._tick_due(), self._connections.next_deadline())
+        due = [t for t in (self._upkeep.next_deadline(), self._accept_resume_at)
                if t is not None]
         return max(0.0, min(due) - time.monotonic()) if due else None
-
-    def _tick_due(self) -> float | None:
-        """When the next liveness tick is due; None when there is nothing to check."""
-        opts = self.options
-        if opts.session_timeout_s or opts.reservation_timeout_s or self._sessions.num_restored:
-            return self._next_tick
-        return None
 
     def _on_time(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
         if self._accept_resume_at is not None and now >= self._accept_resume_at:
             self._accept_resume_at = None
+            assert self._listener is not None
             selector.register(self._listener, selectors.EVENT_READ, self._listener)
-        for session, released in self._sessions.expire(now):
-            self._log_end(session, released, f"gone for {self._sessions.grace_s:.1f} s")
-        self._close_overdue(selector, now)
-        if now >= self._next_tick:
-            self._next_tick = now + self.options.tick_s
-            self._tick(selector, now)
-
-    def _tick(self, selector: selectors.BaseSelector, now: float) -> None:
-        """Liveness: restored sessions whose process is gone or that did not come back,
-        silent sessions (declared dead: their connection is closed), stale reservations."""
-        for session, released in self._sessions.expire_restored(now):
-            self._log_end(session, released, "restored from the region but its process is "
-                          "gone or it did not come back")
-        for session in self._sessions.silent(now):
-            conn = session.conn
-            released = self._sessions.end(session)
-            if isinstance(conn, Connection):
-                conn.session = None
-                self._drop(selector, conn, "session declared dead")
-            self._warn.warn("silent", "client session %d (%r, %s) sent nothing for %.1f s "
-                            "(index.session_timeout_s) while holding %d reserved slot(s) and "
-                            "%d pin(s): declared dead, its holdings given back", session.owner,
-                            session.name, getattr(conn, "peer", "?"), now - session.last_seen,
-                            released.freed_writing, released.dropped_pins)
-        if self.options.reservation_timeout_s:
-            expired = self._manager.expire_reservations(self.options.reservation_timeout_s)
-            if expired:
-                self._warn.warn("reservations", "%d reservation(s) not completed within %.0f s "
-                                "(index.reservation_timeout_s) were freed", expired,
-                                self.options.reservation_timeout_s)
-
-    def _log_end(self, session: Session, released, why: str) -> None:
-        if released.freed_writing or released.dropped_pins:
-            self._warn.log(logging.INFO, "session_end",
-                           "client session %d (%r) %s: freed %d reserved slot(s), dropped %d "
-                           "pin(s)", session.owner, session.name, why, released.freed_writing,
-                           released.dropped_pins)
-
-    def _close_overdue(self, selector: selectors.BaseSelector, now: float) -> None:
-        """Close the connections past their HELLO deadline, and the idle ones holding
-        nothing."""
-        late, idle = self._connections.overdue(now)
-        hello_s, idle_s = self.options.hello_timeout_s, self.options.idle_timeout_s
-        for conn in late:
-            why = ControlSocketError(f"no HELLO within {hello_s} s (control.hello_timeout_s); "
-                                     "a connection's first request must be HELLO")
-            self._warn.warn("hello_timeout", "closing the control connection of %s: %s",
-                            conn.peer, why)
-            self._drop(selector, conn, str(why), tell=why)
-        for conn in idle:
-            self._warn.log(logging.INFO, "idle", "closing the control connection of %s: it "
-                           "held nothing and sent nothing for %.0f s (control.idle_timeout_s); "
-                           "its client reconnects on its next call", conn.peer, idle_s)
-            self._drop(selector, conn, "idle")
+        self._upkeep.run(now)
 
     def _holds(self, conn: Connection) -> bool:
         """Whether ``conn``'s session holds reservations or pins."""
@@ -361,93 +262,29 @@ class ControlServer:
                 else:
                     self._warn.warn("accept_error", "control server accept failed: %s", e)
                 return
-            self._admit(selector, sock)
+            conn = self._admission.admit(sock, time.monotonic())
+            if conn is not None:
+                selector.register(sock, selectors.EVENT_READ, conn)
 
-    def _admit(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
-        now = time.monotonic()
-        try:
-            pid = peer_credentials(sock)[0]
-            check_peer(sock, self._trusted, "control client")
-        except (ControlSocketError, OSError) as e:
-            self._warn.warn("refused", "refusing a control connection: %s", e)
-            self._refuse(sock, e)
-            return
-        refusal = self._make_room(selector, pid, now)
-        if refusal is not None:
-            kind, error = refusal
-            self._warn.warn(kind, "refusing a control connection of pid %d: %s", pid, error)
-            self._refuse(sock, error)
-            return
-        sock.setblocking(False)
-        conn = Connection(sock, pid, now)
-        self._connections.add(conn)
-        selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _make_room(self, selector: selectors.BaseSelector, pid: int, now: float
-                   ) -> tuple[str, ControlSocketError] | None:
-        """Make room for one more connection of ``pid`` (closing the quietest connection that
-        holds nothing, at the cap), or say why not: (log kind, the error to answer)."""
-        opts = self.options
-        held = self._connections.num_of(pid)
-        if held >= opts.max_connections_per_peer:
-            return "refused_peer", ControlSocketError(
-                f"pid {pid} has {held} control connections open, the most one process may "
-                f"have (control.max_connections_per_peer = {opts.max_connections_per_peer}); "
-                "close one, or share connections between threads")
-        if len(self._connections) < opts.max_connections:
-            return None
-        victim = self._connections.quietest_idle(now, stall_s=opts.hello_timeout_s)
-        if victim is None:
-            return "refused", ControlSocketError(
-                f"the coordinator serves its maximum of {opts.max_connections} control "
-                "connections (control.max_connections), each holding reservations or pins "
-                "or in the middle of a request; retry later")
-        self._warn.warn("make_room", "at the maximum of %d control connections: closing the one "
-                        "of %s (%s, quiet for %.1f s) to serve a new one", opts.max_connections,
-                        victim.peer, "no HELLO yet" if victim.session is None else
-                        "holding nothing", now - victim.active_s)
-        why = ControlSocketError(f"closed without HELLO to serve another connection (at the "
-                                 f"maximum of {opts.max_connections}, control.max_connections)")
-        self._drop(selector, victim, "made room for a new connection",
-                   tell=why if victim.session is None else None)
-        return None
-
-    @staticmethod
-    def _refuse(sock: socket.socket, why: Exception) -> None:
-        """Answer no request (id 0) with the reason, best effort, and close."""
-        sock.setblocking(False)
-        try:
-            sock.send(frame(Verb.HELLO, 0, encode_error(why), Status.ERROR))
-        except OSError:
-            pass
-        sock.close()
-
-    def _drop(self, selector: selectors.BaseSelector, conn: Connection, why: str,
-              tell: Exception | None = None) -> None:
+    def _drop(self, conn: Connection, why: str, tell: Exception | None = None) -> None:
         """Close ``conn`` (first answering no request with ``tell``, if given: only for a
-        connection without HELLO, whose stream carries no answers) and detach its session."""
+        connection without HELLO, whose stream carries no answers) and detach its session.
+        On the loop's thread (the admission and upkeep helpers call it too)."""
         log.debug("closing control connection of %s: %s", conn.peer, why)
         if not self._connections.remove(conn):
             return
+        self._turns.forget(conn)
         self._buffered_bytes -= len(conn.inbuf)
         conn.inbuf = bytearray()
-        selector.unregister(conn.sock)
+        if conn.events and self._selector is not None:
+            self._selector.unregister(conn.sock)
         if tell is not None:
-            self._refuse(conn.sock, tell)
+            refuse(conn.sock, tell)
         else:
             conn.sock.close()
         if conn.session is not None:
             self._sessions.detach(conn.session, conn, time.monotonic())
-            self._bound_detached(conn.session.pid)
-
-    def _bound_detached(self, pid: int) -> None:
-        keep = self.options.max_detached_sessions_per_peer
-        for session, released in self._sessions.end_detached_beyond(pid, keep):
-            self._warn.warn("detached_bound", "pid %d closed more than %d client sessions "
-                            "within the grace period (control.max_detached_sessions_per_peer): "
-                            "ended its oldest, %d (%r), at once: freed %d reserved slot(s), "
-                            "dropped %d pin(s)", pid, keep, session.owner, session.name,
-                            released.freed_writing, released.dropped_pins)
+            self._upkeep.bound_detached(conn.session.pid)
 
     def _on_readable(self, selector: selectors.BaseSelector, conn: Connection) -> None:
         try:
@@ -455,60 +292,39 @@ class ControlServer:
         except BlockingIOError:
             return
         except OSError as e:
-            self._drop(selector, conn, f"receive failed: {e}")
+            self._drop(conn, f"receive failed: {e}")
             return
         if not data:
-            self._drop(selector, conn, "peer closed")
+            self._drop(conn, "peer closed")
             return
         self._connections.touch(conn, time.monotonic())
-        if conn.inbuf:  # the rest of a frame that arrives in pieces
-            if self._buffered_bytes + len(data) > self.options.max_buffered_bytes:
-                if not self._make_buffer_room(selector, conn, len(data)):
-                    return
-            conn.inbuf += data
-            self._buffered_bytes += len(data)
-            if len(conn.inbuf) < conn.need_bytes:
+        if self._buffered_bytes + len(data) > self.options.max_buffered_bytes:
+            if not self._make_buffer_room(selector, conn, len(data)):
                 return
-            data = bytes(conn.inbuf)
-        view = memoryview(data)
-        hsize = HEADER_BYTES
-        consumed = 0
-        responses: list[bytes] = []
-        trusted = True
-        while trusted and len(view) - consumed >= hsize:
-            try:
-                header = FrameHeader.unpack(view[consumed:consumed + hsize])
-                if header.status is not Status.OK:
-                    raise ProtocolError(f"a request frame with status {header.status.name}")
-                if header.payload_bytes > MAX_REQUEST_BYTES:
-                    raise ProtocolError(f"a request of {header.payload_bytes} bytes; requests "
-                                        f"are at most {MAX_REQUEST_BYTES}")
-            except ProtocolError as e:
-                self._warn.warn("bad_frame", "control connection of %s sent a bad frame header, "
-                                "closing it: %s", conn.peer, e)
-                self._drop(selector, conn, str(e))
-                return
-            end = consumed + hsize + header.payload_bytes
-            if len(view) < end:
-                conn.need_bytes = end - consumed
-                break
-            response, trusted = self._dispatch(selector, conn, header,
-                                               view[consumed + hsize:end])
-            responses.append(response)
-            consumed = end
-        if len(view) - consumed < hsize:
-            conn.need_bytes = hsize
-        rest = bytearray(view[consumed:]) if trusted else bytearray()
-        self._buffered_bytes += len(rest) - len(conn.inbuf)
-        conn.inbuf = rest
-        conn.outbuf += b"".join(responses)
-        self._flush(selector, conn)
-        if conn not in self._connections:
+        conn.inbuf += data
+        self._buffered_bytes += len(data)
+        self._next_request(selector, conn)
+
+    def _next_request(self, selector: selectors.BaseSelector, conn: Connection) -> None:
+        """``conn`` has no request waiting and no answer queued: if its next request is in,
+        it waits its turn (and nothing more is read from it meanwhile), else read on."""
+        try:
+            header = conn.request()
+        except ProtocolError as e:
+            self._warn.warn("bad_frame", "control connection of %s sent a bad frame header, "
+                            "closing it: %s", conn.peer, e)
+            self._drop(conn, str(e))
             return
-        if not trusted:
-            self._drop(selector, conn, "malformed payload")
-        elif self._buffered_bytes > self.options.max_buffered_bytes:
-            self._make_buffer_room(selector, conn, 0)
+        if header is None:
+            self._watch(selector, conn, selectors.EVENT_READ)
+            return
+        self._watch(selector, conn, 0)
+        view = memoryview(conn.inbuf)
+        try:
+            keys, lists = request_size(header.verb, view[HEADER_BYTES:conn.need_bytes])
+        finally:
+            view.release()
+        self._turns.wait(conn, request_units(keys, lists))
 
     def _make_buffer_room(self, selector: selectors.BaseSelector, reader: Connection,
                           incoming: int) -> bool:
@@ -520,30 +336,54 @@ class ControlServer:
             hog = self._connections.hog(reader, incoming)
             if hog is None:
                 self._warn.warn("budget", "control connection of %s alone would take the "
-                                "partial requests held past %d bytes; closing it",
-                                reader.peer, limit)
-                self._drop(selector, reader, "buffer budget")
+                                "requests held past %d bytes; closing it", reader.peer, limit)
+                self._drop(reader, "buffer budget")
                 return False
-            self._warn.warn("budget_hog", "partial requests would pass %d bytes (all "
+            self._warn.warn("budget_hog", "requests held would pass %d bytes (all "
                             "connections together): closing the control connection of %s, "
-                            "which holds %d bytes of one (its process holds the most)",
+                            "which holds %d bytes (its process holds the most)",
                             limit, hog.peer, len(hog.inbuf))
-            self._drop(selector, hog, "buffer budget: a hog")
+            self._drop(hog, "buffer budget: a hog")
         return True
 
+    def _serve_turns(self, selector: selectors.BaseSelector) -> None:
+        """Serve waiting requests in their turns until none waits or ``WORK_PER_POLL``
+        units are spent (then the loop looks for new arrivals first)."""
+        spent = 0
+        while spent < WORK_PER_POLL:
+            turn = self._turns.next()
+            if turn is None:
+                return
+            conn, units = turn
+            self._serve_request(selector, conn)
+            spent += units
+
+    def _serve_request(self, selector: selectors.BaseSelector, conn: Connection) -> None:
+        """Answer ``conn``'s first request."""
+        header, payload = conn.take_request()
+        self._buffered_bytes -= HEADER_BYTES + header.payload_bytes
+        response, trusted = self._dispatch(selector, conn, header, PayloadReader(payload))
+        conn.outbuf += response
+        if not trusted:  # nothing after it is read: the error is sent, then the close
+            self._buffered_bytes -= len(conn.inbuf)
+            conn.inbuf = bytearray()
+        self._flush(selector, conn)
+        if not trusted:
+            self._drop(conn, "malformed payload")
+
     def _dispatch(self, selector: selectors.BaseSelector, conn: Connection,
-                  header: FrameHeader, payload: memoryview) -> tuple[bytes, bool]:
+                  header: FrameHeader, reader: PayloadReader) -> tuple[bytes, bool]:
         """The response frame, and whether the stream can still be trusted."""
         verb = header.verb
         try:
             if verb is Verb.HELLO:
-                body = self._hello(selector, conn, PayloadReader(payload))
+                body = self._hello(selector, conn, reader)
             elif conn.session is None:
                 raise ProtocolError(f"{verb.name} before HELLO: a connection's first request "
                                     "must be HELLO (open or resume a session)")
             else:
                 conn.session.last_seen = time.monotonic()
-                body = HANDLERS[verb](self._manager, PayloadReader(payload), conn.session.owner)
+                body = HANDLERS[verb](self._manager, reader, conn.session.owner)
         except ProtocolError as e:
             self._warn.warn("malformed", "control connection of %s sent a malformed %s, closing "
                             "it: %s", conn.peer, verb.name, e)
@@ -566,12 +406,13 @@ class ControlServer:
         self._connections.greeted(conn)
         if isinstance(displaced, Connection):
             displaced.session = None  # its close must not detach the session it lost
-            self._drop(selector, displaced, f"session {session.owner} resumed elsewhere")
+            self._drop(displaced, f"session {session.owner} resumed elsewhere")
         log.debug("control session %d (%r, %s) %s", session.owner, name, conn.peer,
                   "resumed" if hello.resumed else "opened")
         return encode_hello(hello)
 
     def _flush(self, selector: selectors.BaseSelector, conn: Connection) -> None:
+        """Send what answers are queued; once none are, the next request (or reading)."""
         out = conn.outbuf
         if out:
             try:
@@ -579,36 +420,26 @@ class ControlServer:
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                self._drop(selector, conn, f"send failed: {e}")
+                self._drop(conn, f"send failed: {e}")
                 return
             del out[:sent]
             if sent and conn.events == selectors.EVENT_WRITE:  # it reads answers that waited
                 self._connections.touch(conn, time.monotonic())
-        # While answers are queued, read nothing more: a client that never reads cannot grow us.
-        events = selectors.EVENT_WRITE if out else selectors.EVENT_READ
-        if conn.events != events and conn in self._connections:
+        if out:  # read nothing more, serve nothing more: a client that never reads cannot grow us
+            self._watch(selector, conn, selectors.EVENT_WRITE)
+        elif conn.turn is None and conn in self._connections:
+            self._next_request(selector, conn)
+
+    @staticmethod
+    def _watch(selector: selectors.BaseSelector, conn: Connection, events: int) -> None:
+        """Have the selector watch ``conn`` for ``events`` (0: nothing, while its request
+        waits its turn)."""
+        if conn.events == events:
+            return
+        if not events:
+            selector.unregister(conn.sock)
+        elif not conn.events:
+            selector.register(conn.sock, events, conn)
+        else:
             selector.modify(conn.sock, events, conn)
-            conn.events = events
-
-
-def serve_forever(socket_path: str, num_blocks: int, policy: str = "lru",
-                  ready_event: Any = None, enable_events: bool = False,
-                  options: ControlOptions | None = None) -> None:
-    """Serve a fresh manager until SIGTERM or SIGINT (entry point for a separate process).
-
-    ``ready_event`` (e.g. a ``multiprocessing.Event``) is set once clients may connect.
-    """
-    stop = threading.Event()
-    # A Python-level handler runs in the main thread whichever thread the kernel picked
-    # (numpy's BLAS threads exist before we could block signals for sigwait).
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: stop.set())
-    server = ControlServer(OffloadingManager(num_blocks, policy, enable_events), socket_path,
-                           options)
-    server.start()
-    try:
-        if ready_event is not None:
-            ready_event.set()
-        stop.wait()
-    finally:
-        server.close()
+        conn.events = events

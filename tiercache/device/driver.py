@@ -215,6 +215,18 @@ class CudaDriver:
         """``cuMemHostUnregister``; returns the CUresult."""
         return self._lib.cuMemHostUnregister(address)
 
+    # ------------------------------------------------------------ devices
+    def pci_bus_id(self, ordinal: int) -> str:
+        """The PCI bus id of device ``ordinal`` (this process's numbering, so after
+        ``CUDA_VISIBLE_DEVICES``) as the driver prints it, e.g. ``00000000:3B:00.0``."""
+        device = ctypes.c_int(0)
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), ctypes.c_int(ordinal)),
+                    f"cuDeviceGet({ordinal})")
+        text = ctypes.create_string_buffer(64)
+        self._check(self._lib.cuDeviceGetPCIBusId(text, ctypes.c_int(len(text)), device),
+                    f"cuDeviceGetPCIBusId(cuda:{ordinal})")
+        return text.value.decode()
+
     # ------------------------------------------------------------ events
     def event_create(self, timing: bool = False) -> int:
         event = ctypes.c_void_p(0)

@@ -25,8 +25,7 @@ A tier never imports the index and never calls it. What passes between them:
 * ``wake``: a callable the chain hands the tier at ``start``; the tier calls it when it
   has results or changes (it only sets an event: it is not a call into the index).
 
-Stats (``snapshot() -> TierStats``) are the tier's own. Tiers are built from the config
-by the registry in ``tiercache.tiers`` (``TIER_FACTORIES``).
+Stats (``snapshot()``) are the tier's own; tiers come from ``tiercache.tiers``'s registry.
 """
 
 from __future__ import annotations
@@ -150,10 +149,11 @@ class TierPolicy:
     ``demote_below``: demote ahead of eviction while fewer than this fraction of host slots
     are free (0: never demote); ``publish``: write every block that becomes READY in host
     memory through to the tier (not the tier's own promotions); ``max_queued_blocks``:
-    blocks the chain keeps in flight and waiting for the tier, past which an unproven
+    blocks the chain keeps waiting for the tier and in flight, past which an unproven
     block (never reused) is dropped and counted, never waited for; ``job_blocks``: blocks
     per demote or publish job (pinned and unpinned together), ``promote_blocks`` per
-    promotion (its host slots reserved together)."""
+    promotion (its host slots reserved together); ``max_in_flight_blocks``: blocks it
+    works on at once (the chain pins no more for it)."""
 
     medium: Medium
     demote_below: float = 0.0
@@ -161,6 +161,7 @@ class TierPolicy:
     max_queued_blocks: int = 256
     job_blocks: int = 4
     promote_blocks: int = 32
+    max_in_flight_blocks: int = 32  # blocks it reads at once (its threads x job_blocks)
     stop_timeout_s: float = 5.0  # a stop waits this long for its transfers, then abandons them
     # the tier knows every key it holds (a disk); a pool only learns of other nodes'
     # objects by asking, so its holdings are neither announced nor counted as exact

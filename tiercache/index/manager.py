@@ -13,42 +13,24 @@ the free list, quarantine, the ledger mirror); this module is the verbs over it,
 lock, so the control server, the tier chain and the exporter may call from different
 threads.
 
-**Owners.** Every reservation (WRITING) and every pin belongs to an *owner*, an int the
-caller names (the control server gives each client session its own; in-process users
-get ``LOCAL_OWNER``; the tier chain is ``TIER_OWNER``). A pin comes from ``prepare_load``
-(one per key, dropped by ``complete_load``) or from ``lease`` (one per hit, for a
-scheduler that must find its HIT still there when it loads: the lease answers the run's
-slots, so its holder loads under the lease's pin, with no ``prepare_load``); both count in
-the slot's one per-owner pin counter. ``release`` drops every pin an owner holds on some
-keys; ``end_session`` frees every reservation and drops every pin of an owner (its client
-is gone). An underflow raises; nothing is ever repaired.
-
-The engine's verbs (``prepare_store``/``complete_store``, ``prepare_load``/
-``complete_load``) have the tier chain's beside them, named for what the chain does with
-host memory: ``prepare_write``/``complete_write`` (a promotion writes reserved slots) and
+**Owners.** Every reservation (WRITING) and pin belongs to an *owner*: a client session
+(the control server numbers them), ``LOCAL_OWNER`` in-process, or the tier chain
+(``TIER_OWNER``). A pin comes from ``prepare_load`` (one per key, until
+``complete_load``) or ``lease`` (one per hit: the lease answers the run's fenced slots,
+so its holder loads under it with no ``prepare_load``), one per-owner counter on the
+slot; ``release`` drops an owner's pins on some keys, ``end_session`` everything it holds
+(``tiercache.index.owners``). An underflow raises; nothing is ever repaired. The tier
+chain's verbs stand beside the engine's, named for what it does with host memory:
+``prepare_write``/``complete_write`` (a promotion writes reserved slots) and
 ``prepare_read``/``complete_read`` (a demotion or a publish reads pinned slots).
 
-Only READY blocks that are not part of the calling ``prepare_store`` are evicted;
-WRITING and pinned blocks never are. Every method is atomic: it validates the whole
-batch before changing anything, and raises ``ManagerError`` subclasses
-(``UnknownKeyError``, ``StateError``, ``InvalidKeyError``) on misuse.
-
-**Durability.** With a ``ledger`` (``tiercache.region.ledger.IndexLedger`` over the
-region), every slot's key, state, generation, writer and pins are mirrored into the region
-before the call returns, and a new manager over the same ledger starts with the READY
-blocks it holds, plus the reservations and pins of ``surviving_owners``
-(``tiercache.index.recovery``). A coordinator restarted after SIGKILL keeps its cache, and
-a load or store in flight keeps its slot.
-
-**Fencing.** Every spec handed out carries ``region_id`` and each slot's generation, new
-each time the slot is given to a key, so a worker can refuse a copy for another region or
-into a slot given away since (``tiercache.transfer.fence``).
-
-**Bounds.** ``max_session_blocks`` caps the keys one owner may hold at once, under
-contention only (``tiercache.index.caps``): past it a lease stops short, a
-``prepare_store`` is refused like a full cache, a ``prepare_load`` raises
-``SessionLimitError``. With a ledger, one slot can be pinned by at most ``PIN_OWNERS``
-owners at once. ``expire_reservations`` frees reservations older than a deadline.
+Only READY blocks outside the calling ``prepare_store`` are evicted. Every method is
+atomic (the whole batch validated first) and raises ``ManagerError`` subclasses on misuse.
+With a ``ledger`` (``tiercache.region.ledger``) every slot's key, state, generation,
+writer and pins are in the region before a call returns, and a new manager over it starts
+from them (``tiercache.index.recovery``). Every spec carries ``region_id`` and each slot's
+generation (``tiercache.transfer.fence``). ``max_session_blocks`` caps what one owner
+holds at once, under contention only (``tiercache.index.caps``).
 """
 
 from __future__ import annotations
@@ -65,7 +47,7 @@ from tiercache.index.events import EventLog
 from tiercache.index.lower_tier import LowerTier
 from tiercache.index.node_events import NodeEvents
 from tiercache.index.owners import OwnerVerbs
-from tiercache.index.policies import EvictionPolicy, make_policy
+from tiercache.eviction import EvictionPolicy, make_policy
 from tiercache.index.recovery import restore
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
 from tiercache.index.lower_tier import BlockSource
-from tiercache.index.policies import EvictionPolicy
+from tiercache.eviction import EvictionPolicy
 from tiercache.index.slots import Holdings, Ledger, Slot, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
 

@@ -16,16 +16,8 @@ listeners (the presence map) and the node's events. It runs as the index's owner
   for keys answered ``MAYBE`` the tier gets a ``PROBE`` job, and what it finds is promoted
   when it reports. The asker hears "not yet" (pending) and asks again. A key is promoted
   once however many ask (it is WRITING from the reservation on, or being probed).
-* **Demotion ahead of eviction** (tiers with ``policy.demote_below``): while fewer host
-  slots than that fraction are free, the blocks the eviction policy would evict next,
-  not on the tier yet, are pinned in jobs of ``job_blocks`` and demoted. **Admission:
-  reused first.** A block that was reused in host memory (leased or loaded since it was
-  stored) is always admitted; one that never was only while the tier's queue is less than
-  half full. Under pressure the unproven spill is dropped, never waited for.
-* **Publish, write-through** (tiers with ``policy.publish``): a block that became READY,
-  stored by an engine or promoted from another tier (never the tier's own promotions), is
-  queued unless the tier says it holds it; past ``max_queued_blocks`` it is dropped and
-  counted. The chain pins a batch when the tier has room and hands it over.
+* **Demotion ahead of eviction and write-through publish**: what goes down, admitted
+  reused-first and waiting unpinned until the tier has room (``tiercache.index.feeds``).
 * **Reads that may still land** (``JobResult.may_land``) hold their host slots out of use
   until the job settles; while more than ``1 / QUARANTINE_SHARE`` of host memory is held
   out, no promotion starts (``promoting`` is False in the tier's stats).
@@ -43,7 +35,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -52,6 +43,7 @@ from tiercache.errors import InvalidKeyError
 from tiercache.index.lower_tier import (
     BlockSource, JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierStats,
 )
+from tiercache.index.feeds import Feeds
 from tiercache.index.node_events import NodeEvents
 from tiercache.index.slots import SlotState
 from tiercache.index.table import KeyListener, SlotTable
@@ -77,21 +69,6 @@ class _Job:
         self.reported = False  # its first result came
 
 
-class _Feed:
-    """One tier's blocks waiting to go down (publishes) and in flight (both ways)."""
-
-    __slots__ = ("waiting", "in_flight", "dropped")
-
-    def __init__(self) -> None:
-        self.waiting: deque[bytes] = deque()
-        self.in_flight: set[bytes] = set()  # keys of its demote and publish jobs
-        self.dropped = 0
-
-    @property
-    def queued(self) -> int:
-        return len(self.waiting) + len(self.in_flight)
-
-
 class TierChain:
     """See the module docstring. Built by the manager, which it serves under ``lock``."""
 
@@ -100,7 +77,7 @@ class TierChain:
         self._lock = lock
         self._table = table
         self._tiers: tuple[LowerTier, ...] = ()
-        self._feeds: dict[LowerTier, _Feed] = {}
+        self._feeds = Feeds(table, TIER_OWNER)
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
         self._probing: dict[bytes, LowerTier] = {}  # keys of PROBE jobs in flight
@@ -115,7 +92,7 @@ class TierChain:
         """Use ``tiers`` (fastest first) from now on; ``start`` runs them."""
         with self._lock:
             self._tiers = tuple(tiers)
-            self._feeds = {tier: self._feeds.get(tier) or _Feed() for tier in self._tiers}
+            self._feeds.use(self._tiers)
 
     def start(self, tiers: Sequence[LowerTier]) -> None:
         """Start ``tiers`` and the chain's thread."""
@@ -175,11 +152,8 @@ class TierChain:
             (self._sink.removed if removed else self._sink.stored)(keys, Medium.CPU)
 
     def host_cleared(self) -> None:
-        """Host memory was reset (under the lock): the queued publishes go, in-flight jobs
-        finish on their doomed slots (``tiercache.index.table``)."""
-        for feed in self._feeds.values():
-            feed.dropped += len(feed.waiting)
-            feed.waiting.clear()
+        """Host memory was reset (under the lock): what waits to go down goes too."""
+        self._feeds.forget_waiting()
         if self._sink is not None:
             self._sink.cleared(Medium.CPU)
 
@@ -268,6 +242,11 @@ class TierChain:
                 self._submit(tier, JobKind.PROMOTE, out.keys_to_store,
                              tuple(out.store_spec.block_ids.tolist()))
 
+    def _hand_over(self, tier: LowerTier, kind: JobKind, keys: list[bytes]) -> None:
+        """Under the lock: pin ``keys`` (readable) for ``tier`` to read and give it the job."""
+        spec = self._manager.pin_locked(keys, TIER_OWNER, f"prepare_read ({kind.value})")
+        self._submit(tier, kind, keys, tuple(spec.block_ids.tolist()))
+
     def _submit(self, tier: LowerTier, kind: JobKind, keys: Sequence[bytes],
                 slots: tuple[int, ...], run: tuple[bytes, ...] = (), asker: int = 0) -> None:
         job = TierJob(next(self._ids), kind, tuple(keys), slots, asker)
@@ -280,16 +259,8 @@ class TierChain:
     def became_ready(self, keys: Sequence[bytes], source: BlockSource) -> None:
         """Under the lock: ``keys`` became READY in host memory; queue them for the tiers
         that publish (all but the one they came up from)."""
-        for tier in self._tiers:
-            if not tier.policy.publish or tier.source is source or not keys:
-                continue
-            feed = self._feeds[tier]
-            new = [k for k in keys if tier.holds(k, TIER_OWNER) is not Presence.YES]
-            room = max(0, tier.policy.max_queued_blocks - feed.queued)
-            feed.waiting.extend(new[:room])
-            feed.dropped += max(0, len(new) - room)
-            if new:
-                self._wake.set()
+        if self._feeds.publish(self._tiers, keys, source):
+            self._wake.set()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -307,7 +278,7 @@ class TierChain:
                 self._changed(tier.policy.medium, tier.policy.exact_holdings,
                               tier.take_changes())
                 with self._lock:
-                    self._feed(tier)
+                    self._feeds.refill(tier, self._hand_over)
             except Exception:  # a bug: keep the chain serving, say it loudly
                 log.exception("tier chain: serving the %s tier failed", tier.name)
 
@@ -390,50 +361,6 @@ class TierChain:
                 run.append(key)
             if found and run:
                 self._promote(entry.tier, run)
-
-    def _feed(self, tier: LowerTier) -> None:
-        """Under the lock: hand the tier what waits for it, and demotions below the
-        watermark, ``job_blocks`` at a time, while its queue has room."""
-        policy, feed = tier.policy, self._feeds[tier]
-        if policy.demote_below > 0:
-            self._demote(tier, policy, feed)
-        while feed.waiting and len(feed.in_flight) < policy.max_queued_blocks:
-            batch = [feed.waiting.popleft()
-                     for _ in range(min(policy.job_blocks, len(feed.waiting)))]
-            self._pin_and_submit(tier, JobKind.PUBLISH, batch, feed)
-
-    def _demote(self, tier: LowerTier, policy, feed: _Feed) -> None:
-        table = self._table
-        low = max(1, int(table.capacity * policy.demote_below))
-        free = table.num_free()
-        if free >= low or feed.queued * 2 > policy.max_queued_blocks:
-            return  # refill only once the queue is down to half: a refill walks the policy
-        want = min(policy.max_queued_blocks - feed.queued, low - free + policy.job_blocks)
-        slots, ready = table.slots, SlotState.READY
-        keys = table.policy.peek(want, lambda key: slots[key].state is ready
-                                 and key not in feed.in_flight
-                                 and tier.holds(key, TIER_OWNER) is not Presence.YES)
-        admitted = []
-        for key in keys:
-            if slots[key].hits > 0 or (feed.queued + len(admitted)) * 2 < policy.max_queued_blocks:
-                admitted.append(key)
-            else:
-                feed.dropped += 1  # unproven, and the tier is busy: not worth it
-        for start in range(0, len(admitted), policy.job_blocks):
-            self._pin_and_submit(tier, JobKind.DEMOTE, admitted[start:start + policy.job_blocks],
-                                 feed)
-
-    def _pin_and_submit(self, tier: LowerTier, kind: JobKind, keys: list[bytes],
-                        feed: _Feed) -> None:
-        table = self._table  # evicted meanwhile, or pinned by as many owners as a slot
-        readable = [k for k in keys  # records: nothing to move now
-                    if k in table.readable and table.can_pin(table.slots[k], TIER_OWNER)]
-        feed.dropped += len(keys) - len(readable)
-        keys = readable
-        if not keys:
-            return
-        spec = self._manager.pin_locked(keys, TIER_OWNER, f"prepare_read ({kind.value})")
-        self._submit(tier, kind, keys, tuple(spec.block_ids.tolist()))
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict[str, TierStats]:

@@ -51,6 +51,7 @@ from prometheus_client.utils import floatToGoString
 
 from tiercache import __version__
 from tiercache.metrics.exporter import Exporter, start_exporter
+from tiercache.numa.placement import NumaPlacement, NumaState
 from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.attachments import AttachmentReader, RankSummary
 from tiercache.region.layout import FORMAT_VERSION, RegionLayout
@@ -117,6 +118,15 @@ class Family(Enum):
     PREFAULT_SECONDS = ("gauge", "tiercache_prefault_duration_seconds",
                         "Time the rank's worker took to pre-fault its slice at attach (the "
                         "slowest attachment).", _RANK)
+    NUMA_NODE = ("gauge", "tiercache_numa_node",
+                 "NUMA node of the device the rank's worker copies to and from (its GPU's), "
+                 "where its slice belongs; -1 when not known.", _RANK)
+    NUMA_LOCAL_RATIO = ("gauge", "tiercache_numa_local_ratio",
+                        "Fraction of the rank's slice pages on that node (0-1), counted by "
+                        "the worker at attach; absent when not counted.", _RANK)
+    NUMA_PLACEMENT = ("gauge", "tiercache_numa_placement",
+                      "1 for the state of the rank's slice placement (the worst of its live "
+                      "attachments'), else 0.", _RANK + ("state",))
     BACKEND = ("gauge", "tiercache_transfer_backend_info",
                "Copy backend of the rank's handlers per direction; the value is always 1.",
                _RANK_DIR + ("backend",))
@@ -378,6 +388,7 @@ class TiercacheCollector(Collector):
                               (Family.PIN_SECONDS, max(s.pin_seconds for s in current)),
                               (Family.PREFAULT_SECONDS, max(s.prefault_seconds for s in current))):
             f[family].add_metric([rank], value)
+        self._collect_numa(f, rank, summary.numa)
         directions = summary.directions
         for direction in Direction:
             d = directions[direction]
@@ -393,6 +404,15 @@ class TiercacheCollector(Collector):
             f[Family.SIZE].add_metric(labels, _cumulative(_SIZE_LE, d.size_counts),
                                       d.bytes_total)
         self._collect_attachments(f, summary)
+
+    @staticmethod
+    def _collect_numa(f: Families, rank: str, numa: NumaPlacement) -> None:
+        f[Family.NUMA_NODE].add_metric([rank], -1 if numa.node is None else numa.node)
+        if numa.local_ratio is not None:
+            f[Family.NUMA_LOCAL_RATIO].add_metric([rank], numa.local_ratio)
+        for state in NumaState:
+            f[Family.NUMA_PLACEMENT].add_metric([rank, state.label],
+                                                1 if numa.state == state else 0)
 
     @staticmethod
     def _collect_attachments(f: Families, summary: RankSummary) -> None:

@@ -53,6 +53,7 @@ import threading
 from dataclasses import dataclass
 
 from tiercache.errors import RankError, RegionError, StatsStuckError
+from tiercache.numa.placement import NumaPlacement
 from tiercache.region.hostmem import process_alive
 from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import (
@@ -63,8 +64,8 @@ from tiercache.specs import Direction
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)  # Linux values (Python 3.9+ names them)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-_PIN_RANK = {PinState.FAILED: 3, PinState.UNPINNED: 2, PinState.NONE: 1, PinState.PINNED: 0,
-             PinState.NOT_NEEDED: -1}
+_PIN_RANK = {PinState.FAILED: 4, PinState.UNKNOWN: 3, PinState.UNPINNED: 2, PinState.NONE: 1,
+             PinState.PINNED: 0, PinState.NOT_NEEDED: -1}  # a rank's state: its worst one
 
 
 class AttachmentSlotsFullError(RankError):
@@ -231,6 +232,12 @@ class RankSummary:
     def pin_state(self) -> PinState:
         states = [s.pin_state for s in self.current]
         return max(states, key=_PIN_RANK.__getitem__) if states else PinState.NONE
+
+    @property
+    def numa(self) -> NumaPlacement:
+        """The slice's NUMA placement the rank reports: the worst of its current
+        attachments' (``NumaPlacement.worst``: an engine on the other socket shows)."""
+        return NumaPlacement.worst([s.numa for s in self.current])
 
     @property
     def attach_count(self) -> int:

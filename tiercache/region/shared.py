@@ -15,7 +15,8 @@ Decisions and their reasons:
   fill only the coordinator's, and registration would still fault every page in the
   worker (measurements: docs/benchmarks.md, "Region set-up and pinning").
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
-  promise (no SIGBUS later), paid once per coordinator lifetime.
+  promise (no SIGBUS later), paid once per coordinator lifetime. It allocates every page,
+  so the slices' NUMA binding comes first, on the sparse file (``region.placement``).
 * A region whose owner lock is free is stale (``tiercache.region.claim`` takes its name
   over). ``create`` re-adopts it when it is ours (regular file, our uid, mode 0600) and
   its geometry matches and it was READY and it is as long as its header says (workers'
@@ -49,6 +50,7 @@ from tiercache.errors import (
     LayoutMismatchError, PinError, RegionError, RegionExistsError, RegionNotFoundError,
     RegionNotReadyError,
 )
+from tiercache.numa.topology import HostTopology, NodeChoice
 from tiercache.region.attachments import SlotLock, slot_held
 from tiercache.region.claim import claim_stale
 from tiercache.region.header import HeaderInfo, RegionHeader, RegionState
@@ -57,6 +59,7 @@ from tiercache.region.hostmem import (
 )
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
+from tiercache.region.placement import SlicePlacer, bind_rank_slices
 from tiercache.region.shm import (
     SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry, read_header,
     still_named, truncation, unlink_if_same,
@@ -128,9 +131,12 @@ class SharedOffloadRegion:
 
     # ------------------------------------------------------------------ create
     @classmethod
-    def create(cls, config: Config,
-               log_step: Callable[[str], None] = log.info) -> SharedOffloadRegion:
+    def create(cls, config: Config, log_step: Callable[[str], None] = log.info,
+               topology: HostTopology | None = None) -> SharedOffloadRegion:
         """Create (or re-adopt a stale) region for ``config``; the caller owns it until close.
+        With ``region.numa_placement``, each rank's slice is bound to its node before the
+        pages are allocated (``tiercache.region.placement``; ``topology``: the host's,
+        read from /sys unless given).
 
         Raises ``RegionExistsError`` over a live coordinator, ``RegionTrustError`` over
         anything under the name that is not ours (see the module docstring),
@@ -169,9 +175,14 @@ class SharedOffloadRegion:
                 raise RegionExistsError(f"{entry.path} was replaced while this coordinator "
                                         f"started: another coordinator of name {config.name!r} "
                                         "is starting")
-            fallocate(entry.fd, layout.total_bytes, entry.path)
+            os.ftruncate(entry.fd, layout.total_bytes)  # sparse: mapped to bind, no page yet
             region = cls(entry, layout, rank=None, owner=True)
             undo.callback(region._release_mapping)
+            if config.region.numa_placement:  # before fallocate allocates the pages
+                nodes = (topology or HostTopology.read()).rank_nodes(layout.world_size)
+                for line in bind_rank_slices(region.base_address, layout, nodes):
+                    log_step(line)
+            fallocate(entry.fd, layout.total_bytes, entry.path)
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
                                 created_ns=time.time_ns(), region_id=new_region_id())
@@ -330,16 +341,27 @@ class SharedOffloadRegion:
         return self._region_id
 
     # ------------------------------------------------------------------ preparing
-    def prefault_slice(self, num_threads: int) -> float:
+    def prefault_slice(self, num_threads: int, node: NodeChoice | None = None,
+                       numa_placement: bool = True) -> float:
         """Pre-fault this worker's slice in its own page tables, ``num_threads`` in parallel
         (MADV_POPULATE_WRITE: a shortage is an InsufficientMemoryError here, never a SIGBUS
-        later); returns seconds and records them in the rank's stats block."""
+        later); returns seconds and records them in the rank's stats block. Given the
+        ``node`` of the worker's device, the slice is bound to it first and its pages are
+        counted (and moved there, with ``numa_placement``) after: the stats block records
+        the ``NumaPlacement`` (``tiercache.region.placement``)."""
         if self.rank is None:
             raise RegionError("prefault_slice() needs a region attached with a rank")
-        ranges = self.layout.prefault_ranges(num_threads, self.layout.slice_offset(self.rank),
-                                             self.layout.slice_used_bytes)
+        start, layout = self.layout.slice_offset(self.rank), self.layout
+        placer = None if node is None else SlicePlacer(
+            self.base_address + start, layout.slice_bytes, layout.slice_used_bytes, node,
+            numa_placement, self.rank)
+        if placer is not None:
+            placer.before_touch()
+        ranges = layout.prefault_ranges(num_threads, start, layout.slice_used_bytes)
         seconds = prefault(self.base_address, self._bytes, ranges, num_threads)
         self.stats(self.rank).set_prefault(seconds)
+        if placer is not None:
+            self.stats(self.rank).set_numa(placer.after_touch(num_threads))
         return seconds
 
     # ------------------------------------------------------------------ pinning

@@ -1,4 +1,5 @@
-"""The region's POSIX shared-memory object: create, open, check, lock and unlink it.
+"""tiercache's POSIX shared-memory objects (the region, the key presence map beside it):
+create, open, check, lock and unlink them.
 
 Decisions and their reasons:
 
@@ -23,6 +24,8 @@ Decisions and their reasons:
 * Size is checked against the header before anything maps the region (``truncation``): a
   file cut short (a stale region truncated by hand or by a full disk tool) would map, then
   fault on the first touch past its end; mmap itself refuses only with a bare ValueError.
+  Probes (headers, magics, recorded owners) read with ``pread``, never through a mapping:
+  a file cut short under a probe is a short read, not a SIGBUS.
 * ``shm_unlink`` removes by name, so ``unlink_if_same`` first compares the name's inode
   with the one that was checked, while the caller holds that object's lock: nobody can
   then have replaced it legitimately, and a replacement made anyway is left alone.
@@ -37,10 +40,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
 import os
 import pwd
 import stat
+import struct
 from dataclasses import dataclass
 
 import posix_ipc
@@ -49,12 +52,16 @@ from tiercache.errors import (
     LayoutMismatchError, RegionError, RegionExistsError, RegionNotFoundError, RegionTruncatedError,
     RegionTrustError,
 )
-from tiercache.region.header import HeaderInfo, RegionHeader
+from tiercache.region.header import MAGIC, HeaderInfo, RegionHeader
 from tiercache.region.layout import HEADER_FIXED_BYTES
 
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps its objects
 NAME_PREFIX = "tiercache-"
 REGION_MODE = 0o600
+# The header's owner_pid and owner_start_ns (``tiercache.region.header``).
+HEADER_OWNER_OFFSET = 40
+_OWNER = struct.Struct("<QQ")
+HEADER_OWNER_END = HEADER_OWNER_OFFSET + _OWNER.size
 
 _KINDS = (
     (stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
@@ -121,35 +128,36 @@ def create_entry(shm_name: str) -> OpenEntry:
         raise RegionError(f"cannot set up {path}: {e}") from e
 
 
-def open_entry(shm_name: str, *, writable: bool) -> OpenEntry:
+def open_entry(shm_name: str, *, writable: bool, what: str = "region") -> OpenEntry:
     """Open an existing object without blocking and check that it is a regular file.
 
     Raises ``RegionNotFoundError`` if nothing has the name, ``RegionTrustError`` if what
     has it is not a regular file or cannot be opened by this user. Owner and mode are
-    ``check_trusted``'s business: listings show regions they may not use."""
+    ``check_trusted``'s business: listings show regions they may not use. ``what`` names
+    the kind of object in messages (the region, the key presence map)."""
     path = shm_path(shm_name)
     try:
         shm = posix_ipc.SharedMemory("/" + shm_name, flags=posix_ipc.O_NONBLOCK,
                                      read_only=not writable)
     except posix_ipc.ExistentialError:
-        raise RegionNotFoundError(f"no region {path}") from None
+        raise RegionNotFoundError(f"no {what} {path}") from None
     except (posix_ipc.Error, OSError, ValueError) as e:
         found = describe_name(path)
         if found == "gone":
-            raise RegionNotFoundError(f"no region {path}") from None
+            raise RegionNotFoundError(f"no {what} {path}") from None
         if not found.startswith("a regular file"):
-            raise RegionTrustError(_not_a_region(path, found)) from None
+            raise RegionTrustError(_not_ours(path, found, what)) from None
         raise RegionTrustError(f"{path} is {found}: {user_label(os.geteuid())} may not open "
                                f"it ({_reason(e)}); tiercache leaves it alone") from e
     st = os.fstat(shm.fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(shm.fd)
-        raise RegionTrustError(_not_a_region(path, describe(st)))
+        raise RegionTrustError(_not_ours(path, describe(st), what))
     return OpenEntry(shm_name, shm.fd, st)
 
 
-def _not_a_region(path: str, found: str) -> str:
-    return (f"{path} is {found}: not a region file; tiercache leaves it alone (remove it, or "
+def _not_ours(path: str, found: str, what: str) -> str:
+    return (f"{path} is {found}: not a {what} file; tiercache leaves it alone (remove it, or "
             "choose another instance.name)")
 
 
@@ -159,12 +167,12 @@ def _reason(e: BaseException) -> str:
     return str(e)
 
 
-def check_trusted(entry: OpenEntry) -> None:
-    """Refuse a region that is not ours with mode 0600 (see the module docstring)."""
+def check_trusted(entry: OpenEntry, what: str = "region") -> None:
+    """Refuse an object that is not ours with mode 0600 (see the module docstring)."""
     st = entry.st
     if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != REGION_MODE:
         raise RegionTrustError(
-            f"{entry.path} is {describe(st)}; tiercache uses a region only if it is a regular "
+            f"{entry.path} is {describe(st)}; tiercache uses a {what} only if it is a regular "
             f"file owned by {user_label(os.geteuid())} with mode {REGION_MODE:04o} (check who "
             "made it, then remove it or choose another instance.name)")
 
@@ -210,18 +218,41 @@ def owner_lock_held(fd: int) -> bool:
 
 
 # ---------------------------------------------------------------------- the header
+def read_prefix(fd: int, num_bytes: int) -> bytes:
+    """The first ``num_bytes`` of an open object (fewer if it is shorter), read with
+    ``pread``: a probe never maps what it has not checked, so a file cut short under it
+    is a short read, never a SIGBUS."""
+    return os.pread(fd, num_bytes, 0)
+
+
+def has_region_magic(fd: int) -> bool:
+    """Whether the open object starts with the region header's magic: provably a region
+    (perhaps cut short), not some other file that happens to carry a region's name."""
+    return read_prefix(fd, len(MAGIC)) == MAGIC
+
+
 def read_header(fd: int) -> HeaderInfo | None:
     """The header of an open region, or None if it is too short or not (yet) valid."""
-    if os.fstat(fd).st_size < HEADER_FIXED_BYTES:
+    raw = read_prefix(fd, HEADER_FIXED_BYTES)
+    if len(raw) < HEADER_FIXED_BYTES:
         return None
-    with mmap.mmap(fd, HEADER_FIXED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as m:
-        header = RegionHeader(m)
-        if not header.has_magic():
-            return None
-        try:
-            return header.read()
-        except LayoutMismatchError:
-            return None
+    header = RegionHeader(raw)
+    if not header.has_magic():
+        return None
+    try:
+        return header.read()
+    except LayoutMismatchError:
+        return None
+
+
+def recorded_owner(fd: int) -> tuple[int, int] | None:
+    """(pid, process start time) of the coordinator a region's header names, read from
+    the fixed fields even when the rest of the header is cut short or inconsistent; None
+    without the magic or those fields."""
+    raw = read_prefix(fd, HEADER_OWNER_END)
+    if len(raw) < HEADER_OWNER_END or raw[:len(MAGIC)] != MAGIC:
+        return None
+    return _OWNER.unpack_from(raw, HEADER_OWNER_OFFSET)
 
 
 def truncation(fd: int, info: HeaderInfo | None) -> str | None:

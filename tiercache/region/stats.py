@@ -22,16 +22,23 @@ Word layout (index = byte offset / 8)::
     8     pinned_bytes     bytes registered with the GPU driver
     9     pin_ns           time the registration took, ns
     10    prefault_ns      time the worker took to pre-fault its slice at attach, ns
-    11    engine           EngineKind code of the attached process (0: a GPU worker)
-    12    engine_rank      its rank in its engine (SGLang: the TP rank)
-    13    engine_ranks     its engine's ranks (SGLang: the TP size; 0 unknown)
-    14-15 reserved
+    11    numa_state       NumaState code of the slice's placement (tiercache.region.placement)
+    12    numa_node        the node of the worker's device, as int64 (-1: unknown)
+    13    numa_pages       OS pages of the slice's rows the worker counted (0: none counted)
+    14    numa_local_pages of those, the pages on numa_node
+    15    numa_ns          time binding, counting and moving took at attach, ns
     16..  direction gpu_to_cpu, then cpu_to_gpu, DIRECTION_WORDS each:
           +0 bytes_total, +1 busy_ns_total (GPU-timed), +2 transfers_ok, +3 transfers_failed,
           +4 .. duration histogram counts (len(DURATION_BUCKETS_S) + 1, last is +Inf),
           then size histogram counts (len(SIZE_BUCKETS_BYTES) + 1, last is +Inf)
+    then  engine           EngineKind code of the attached process (0: a GPU worker)
+    +1    engine_rank      its rank in its engine (SGLang: the TP rank)
+    +2    engine_ranks     its engine's ranks (SGLang: the TP size; 0 unknown)
 
-Histogram counts are per bucket (not cumulative); readers accumulate them.
+Histogram counts are per bucket (not cumulative); readers accumulate them. Words 11-15
+were reserved (zero) before the NUMA fields: a block an older worker wrote reads as
+``NumaState.NONE``; the engine words after the direction blocks were zero too: such a
+block reads as ``EngineKind.WORKER``.
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
 
 from tiercache.backend_kind import BackendKind
+from tiercache.numa.placement import NumaPlacement, NumaState
 from tiercache.specs import Direction
 from tiercache.errors import StatsStuckError
 
@@ -56,12 +64,16 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4096 * 4**k for k in range(12))  # 4 KiB .. 16 GiB
 
 _SEQ, _PID, _PID_START, _ATTACH, _HEARTBEAT, _PIN_STATE, _BACKEND_G2C, _BACKEND_C2G = range(8)
-_PINNED_BYTES, _PIN_NS, _PREFAULT_NS, _ENGINE, _ENGINE_RANK, _ENGINE_RANKS = 8, 9, 10, 11, 12, 13
+_PINNED_BYTES, _PIN_NS, _PREFAULT_NS = 8, 9, 10
+_NUMA_STATE, _NUMA_NODE, _NUMA_PAGES, _NUMA_LOCAL, _NUMA_NS = 11, 12, 13, 14, 15
+_INT64 = 1 << 64
 _DIR_BASE = 16
 _N_DUR = len(DURATION_BUCKETS_S) + 1
 _N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
 DIRECTION_WORDS = 4 + _N_DUR + _N_SIZE
-_WORDS = _DIR_BASE + 2 * DIRECTION_WORDS
+_ENGINE = _DIR_BASE + 2 * DIRECTION_WORDS
+_ENGINE_RANK, _ENGINE_RANKS = _ENGINE + 1, _ENGINE + 2
+_WORDS = _ENGINE + 3
 assert _WORDS * 8 <= STATS_BLOCK_BYTES
 _READ_TIMEOUT_S = 0.002  # a write takes microseconds; longer means its writer died mid-update
 
@@ -72,6 +84,11 @@ class PinState(IntEnum):
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
     NOT_NEEDED = 4  # host-to-host copies only (an SGLang host pool): no GPU to pin for
+    UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
+
+    @classmethod
+    def _missing_(cls, value: object) -> PinState:
+        return cls.UNKNOWN  # a stats block another version wrote is read, never a traceback
 
     @property
     def label(self) -> str:
@@ -84,6 +101,11 @@ class EngineKind(IntEnum):
 
     WORKER = 0
     SGLANG = 1
+    UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
+
+    @classmethod
+    def _missing_(cls, value: object) -> EngineKind:
+        return cls.UNKNOWN
 
     @property
     def label(self) -> str:
@@ -117,6 +139,7 @@ class RankStatsSnapshot:
     pin_seconds: float
     prefault_seconds: float
     directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
+    numa: NumaPlacement = field(default_factory=NumaPlacement)
     engine: EngineKind = EngineKind.WORKER
     engine_rank: int = 0
     engine_ranks: int = 0
@@ -161,11 +184,23 @@ class RankStats:
             backends=(BackendKind(int(w[_BACKEND_G2C])), BackendKind(int(w[_BACKEND_C2G]))),
             pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
             prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
-            directions=(dirs[0], dirs[1]),
-            engine=EngineKind(int(w[_ENGINE])) if int(w[_ENGINE]) in EngineKind._value2member_map_
-            else EngineKind.WORKER,
-            engine_rank=int(w[_ENGINE_RANK]), engine_ranks=int(w[_ENGINE_RANKS]),
+            directions=(dirs[0], dirs[1]), numa=self._decode_numa(w),
+            engine=EngineKind(int(w[_ENGINE])), engine_rank=int(w[_ENGINE_RANK]),
+            engine_ranks=int(w[_ENGINE_RANKS]),
         )
+
+    @staticmethod
+    def _decode_numa(w: np.ndarray) -> NumaPlacement:
+        node = int(w[_NUMA_NODE])
+        node = node - _INT64 if node >= _INT64 >> 1 else node
+        try:
+            state = NumaState(int(w[_NUMA_STATE]))
+        except ValueError:  # a newer worker's state: not ours to name
+            state = NumaState.NONE
+        if state is NumaState.NONE:  # nothing recorded (or an older worker's zero words)
+            return NumaPlacement()
+        return NumaPlacement(state, node if node >= 0 else None, int(w[_NUMA_PAGES]),
+                             int(w[_NUMA_LOCAL]), int(w[_NUMA_NS]) / 1e9)
 
     # ---------------------------------------------------------------- writer side
     def _update(self, sets: dict[int, int], adds: dict[int, int] | None = None) -> None:
@@ -183,8 +218,9 @@ class RankStats:
 
     def mark_attached(self, pid: int, pid_start_ns: int) -> None:
         self._update({_PID: pid, _PID_START: pid_start_ns, _PIN_STATE: PinState.NONE,
-                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0, _ENGINE: EngineKind.WORKER,
-                      _ENGINE_RANK: 0, _ENGINE_RANKS: 0}, adds={_ATTACH: 1})
+                      _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0,
+                      _ENGINE: EngineKind.WORKER, _ENGINE_RANK: 0, _ENGINE_RANKS: 0,
+                      **self._numa_words(NumaPlacement())}, adds={_ATTACH: 1})
 
     def set_engine(self, engine: EngineKind, rank: int, ranks: int) -> None:
         """Name the attached process's engine and its rank there (status and metrics)."""
@@ -199,6 +235,17 @@ class RankStats:
 
     def set_prefault(self, seconds: float) -> None:
         self._update({_PREFAULT_NS: int(seconds * 1e9)})
+
+    def set_numa(self, placement: NumaPlacement) -> None:
+        """The slice's placement as this attachment found and left it (kept after detach:
+        the pages stay where they are)."""
+        self._update(self._numa_words(placement))
+
+    @staticmethod
+    def _numa_words(p: NumaPlacement) -> dict[int, int]:
+        node = -1 if p.node is None else p.node
+        return {_NUMA_STATE: p.state, _NUMA_NODE: node % _INT64, _NUMA_PAGES: p.slice_pages,
+                _NUMA_LOCAL: p.local_pages, _NUMA_NS: int(p.seconds * 1e9)}
 
     def set_backend(self, direction: Direction, backend: BackendKind) -> None:
         self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})

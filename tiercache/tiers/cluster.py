@@ -96,7 +96,8 @@ class ClusterTier(LowerTier):
         self._format = block_format
         self.policy = TierPolicy(Medium.CPU, publish=True, max_queued_blocks=publish_queue_blocks,
                                  job_blocks=PUBLISH_BATCH, promote_blocks=PROMOTE_BATCH,
-                                 exact_holdings=False, stop_timeout_s=stop_timeout_s)
+                                 exact_holdings=False, stop_timeout_s=stop_timeout_s,
+                                 max_in_flight_blocks=publish_threads * PUBLISH_BATCH)
         self._ttl_s = exists_ttl_s
         self._wait_s = exists_wait_s
         self._retry_s = retry_s

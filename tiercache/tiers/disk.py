@@ -63,7 +63,8 @@ class DiskTier(LowerTier):
         self._io_threads = io_threads
         self.policy = TierPolicy(Medium.STORAGE, demote_below=low_watermark,
                                  max_queued_blocks=queue_blocks, job_blocks=DEMOTE_BATCH,
-                                 promote_blocks=PROMOTE_BATCH, stop_timeout_s=stop_timeout_s)
+                                 promote_blocks=PROMOTE_BATCH, stop_timeout_s=stop_timeout_s,
+                                 max_in_flight_blocks=io_threads * DEMOTE_BATCH)
         self._max_errors, self._down_s = max_errors, down_s
         self._warn = LogLimiter(log, log_interval_s)
         self._lock = threading.Lock()

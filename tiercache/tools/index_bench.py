@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiercache.control.client import Client
-from tiercache.control.server import serve_forever
+from tiercache.control.standalone import serve_forever
 from tiercache.index.manager import OffloadingManager
 
 SPAWN = mp.get_context("spawn")

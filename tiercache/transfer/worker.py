@@ -5,7 +5,8 @@
 per engine may attach the same rank: ``tiercache.region.attachments``), check
 ``gpu_caches`` against the region's geometry and the backend against the caches' device,
 mark the attachment in its own stats block (pid and process start time; counters continue
-from the slot's earlier holders), page-lock the slice per ``region.pinning`` (host-only
+from the slot's earlier holders), pre-fault the slice with its NUMA placement around it
+(``tiercache.region.placement``), page-lock it per ``region.pinning`` (host-only
 backends need none: state UNPINNED), build the backend of each direction (recorded in the
 stats block) and the handlers. Anything failing on the way undoes what was done and raises.
 ``Worker.close`` drains the handlers, unregisters the slice, marks the attachment detached,
@@ -40,10 +41,12 @@ from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
+from tiercache.device.locality import caches_node
 from tiercache.device.pinning import HostPinner
 from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
 from tiercache.errors import ArgumentError, PinUnavailableError
+from tiercache.numa.topology import HostTopology
 from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
@@ -216,15 +219,17 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     (default: one group of all). ``device`` is needed only when ``gpu_caches`` holds no
     tensor. ``auto`` over CPU tensors is the ``cpu`` backend. The slice is pre-faulted
     with ``prefault_threads`` threads (default: the config's ``region.prefault_threads``)
-    before it is pinned.
+    before it is pinned, bound around it to the NUMA node of the caches' device
+    (``tiercache.device.locality``; ``region.numa_placement``, default on).
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
     zero_copy = (config_or_name.zero_copy_bytes if isinstance(config_or_name, Config)
                  else Config.zero_copy_bytes)
+    region_config = (config_or_name.region if isinstance(config_or_name, Config)
+                     else RegionConfig())
     if prefault_threads is None:
-        prefault_threads = (config_or_name.region.prefault_threads
-                            if isinstance(config_or_name, Config)
-                            else RegionConfig.prefault_threads)
+        prefault_threads = region_config.prefault_threads
+    numa_placement = region_config.numa_placement
     with ExitStack() as undo:  # each step registers its undo; success keeps them all
         region = SharedOffloadRegion.attach(name, rank, layout=expected_layout,
                                             timeout_s=ready_timeout_s)
@@ -250,7 +255,10 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
 
         undo.callback(detach)
         undo.callback(region.unpin)
-        region.prefault_slice(prefault_threads)  # a failure leaves the pin state as it was
+        node = caches_node(torch_device, gpu_pages[0].base_address, HostTopology.read())
+        # bound before the pre-fault, counted (and moved) after: a failure leaves the pin
+        # state as it was; NUMA trouble never raises (stats block: tiercache.region.placement)
+        region.prefault_slice(prefault_threads, node, numa_placement)
         pin_failed = True
         pin_state = _pin(region, rank, policy, torch_device)
         pin_failed = False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tiercache.index.results import BlockSource
 
 if TYPE_CHECKING:
-    from tiercache.vllm.leases import RequestLeases
+    from tiercache.vllm.lease_records import RequestLeases
 
 
 class Answers(NamedTuple):

@@ -7,8 +7,8 @@ would put ~2000 round trips on that path, so the book answers every lookup from 
 * a key this engine holds a lease on (``held``) is a HIT: the coordinator keeps the block
   pinned for this engine's session until the book releases it, so it cannot be evicted
   between the HIT and vLLM's ``prepare_load`` (which is answered from the book as well);
-* a key this engine is storing right now is HIT_PENDING;
-* a key answered by the last probe is MISS or HIT_PENDING, for one step;
+* a key this engine is storing right now is HIT_PENDING; one the last probe answered,
+  MISS or HIT_PENDING for one step;
 * a new request's first key that no tier holds (``maybe_held``: the coordinator's key
   presence map, ``tiercache.region.presence``) is MISS at once: a cold request is
   admitted in the step it is first looked up, with no round trip;
@@ -20,13 +20,11 @@ would put ~2000 round trips on that path, so the book answers every lookup from 
   answer is not filed by then (steps shorter than the round trip), that lookup waits for
   it (``await_answers``, bounded), so a hit is loaded in the step after its first lookup.
 
-Refs: a held key counts its local users (each request lease and each load in flight);
-the coordinator may hold several pins for it (one per lease that answered it), and
-``release`` drops them all once the local count reaches zero, so a release never takes a
-pin another user still needs. A load takes no pin of its own: the lease answer carried
-the key's fenced slot, and the load reads it under the lease's pins.
-A request's leases end when its load is prepared (the load holds its own ref until
-``complete_load``) or when the request finishes.
+Refs: a held key counts its local users (request leases, loads in flight); the
+coordinator may hold several pins for it, and ``release`` drops them all once the count
+reaches zero, so a release never takes a pin another user needs. A load takes no pin of
+its own: it reads the lease's fenced slot under the lease's pins.
+A request's leases end when its load is prepared or the request finishes.
 
 Reservations: the keys of a probe past its leased run are the chunks the request is about
 to compute and store, so the flusher reserves their slots in the same flush (one
@@ -47,12 +45,11 @@ oldest requests first, at most ``num_stored`` keys), so a request waiting its tu
 its reservations before it computes and a full cache does not put an RPC on the
 scheduler's path for every request.
 
-The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; whatever is queued for the
-coordinator is a wire key (``prefix + key``, the engine's namespace digest) or, for probes,
-carries its prefix, so a reset that moves the engine to a new namespace can never confuse
-an old key with a new one. The four answers are passed in (vLLM's ``LookupResult``
-members), so this module imports nothing of vLLM and answers with no translation on the
-hot path. Not thread safe: every call is made under the manager's lock.
+The hot dictionaries are keyed by vLLM's ``OffloadKey`` bytes; what goes to the
+coordinator is a wire key (``prefix + key``) or carries its prefix, so a reset that moves
+the engine to a new namespace never confuses old and new keys. The four answers are
+vLLM's ``LookupResult`` members, passed in: nothing of vLLM is imported, nothing is
+translated on the hot path. Not thread safe: called under the manager's lock.
 """
 
 from __future__ import annotations
@@ -64,44 +61,7 @@ from typing import Any
 from tiercache.errors import StateError
 from tiercache.index.results import BlockSource
 from tiercache.vllm.batch import Answers, Batch, FencedSlot, LeaseAnswer, Probe
-
-
-_ABSENT = object()
-
-
-def _always(key: bytes) -> bool:
-    return True
-
-
-class _Held:
-    __slots__ = ("slot_id", "refs", "source")
-
-    def __init__(self, slot_id: FencedSlot, source: BlockSource = BlockSource.HOST):
-        self.slot_id = slot_id
-        self.refs = 0
-        self.source = source  # the tier it was promoted from (vLLM's load source)
-
-
-class RequestLeases:
-    """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
-
-    __slots__ = ("req_id", "context_id", "fresh", "leased", "answers", "answers_step", "probe",
-                 "in_flight", "reserved", "skip", "unreserved", "retrying", "finished")
-
-    def __init__(self, req_id: str, context_id: int = 0):
-        self.req_id = req_id
-        self.context_id = context_id  # id() of the vLLM ReqContext it belongs to
-        self.fresh = True  # no lease, answer, reservation or probe sent yet (fast path)
-        self.leased: dict[bytes, None] = {}  # keys this request holds a ref on (ordered)
-        self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
-        self.answers_step = -1
-        self.probe: list[bytes] = []  # keys to probe at the next flush
-        self.in_flight = 0  # probes sent, answers not filed yet
-        self.reserved: dict[bytes, FencedSlot] = {}  # stores reserved for this request: key -> slot
-        self.skip: set[bytes] = set()  # keys of its probes held by someone already
-        self.unreserved: dict[bytes, None] = {}  # keys of its probes that found no room
-        self.retrying = 0  # retries of ``unreserved`` sent, answers not filed yet
-        self.finished = False
+from tiercache.vllm.lease_records import ABSENT, Held, RequestLeases, always
 
 
 class LeaseBook:
@@ -111,9 +71,8 @@ class LeaseBook:
                  maybe_held: Callable[[bytes], bool] | None = None,
                  await_answers: Callable[[RequestLeases], bool] | None = None):
         self.answers = answers
-        # A request's first key: False means no tier holds it (the coordinator's key
-        # presence map), so the request is a cold miss, answered at once.
-        self.maybe_held = maybe_held if maybe_held is not None else _always
+        # a request's first key: False means no tier holds it (a cold miss, at once)
+        self.maybe_held = maybe_held if maybe_held is not None else always
         # Until the request's probe in flight is answered (filed), or a bound: True if it was.
         self.await_answers = await_answers
         # Plain attributes for the hot path (a NamedTuple field costs a descriptor call).
@@ -122,7 +81,7 @@ class LeaseBook:
         self._last_request: RequestLeases | None = None
         self.prefix = prefix
         self.generation = 0  # resets so far: answers of an older generation are stale
-        self.held: dict[bytes, _Held] = {}
+        self.held: dict[bytes, Held] = {}
         self.writing: dict[bytes, FencedSlot] = {}  # stores handed to vLLM, not completed yet
         self._requests: dict[str, RequestLeases] = {}
         self._by_context: dict[int, RequestLeases] = {}  # id(ReqContext) -> its leases
@@ -197,10 +156,10 @@ class LeaseBook:
         leased = request.leased
         before = len(leased)
         pop = leased.pop
-        leases = [pop(key, _ABSENT) for key in keys]
+        leases = [pop(key, ABSENT) for key in keys]
         if before - len(leased) != len(keys):  # some key had no lease of this request
             for key, lease in zip(keys, leases):
-                if lease is _ABSENT:  # a ref of the load's own
+                if lease is ABSENT:  # a ref of the load's own
                     held_map[key].refs += 1
         self._end_leases(request)
         return slots
@@ -375,7 +334,7 @@ class LeaseBook:
             for i, (key, slot_id) in enumerate(zip(leased, answer.slot_ids, strict=True)):
                 held = self.held.get(key)
                 if held is None:
-                    held = self.held[key] = _Held(slot_id, promoted.get(i, BlockSource.HOST))
+                    held = self.held[key] = Held(slot_id, promoted.get(i, BlockSource.HOST))
                 elif held.slot_id != slot_id:
                     raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
                                      f"lease says slot {slot_id}")

@@ -75,7 +75,8 @@ from tiercache.index.results import BlockSource
 from tiercache.specs import CPULoadStoreSpec
 from tiercache.vllm.flusher import Flusher, IndexSession
 from tiercache.vllm.batch import Answers, FencedSlot, fenced_slots
-from tiercache.vllm.leases import LeaseBook, RequestLeases
+from tiercache.vllm.lease_records import RequestLeases
+from tiercache.vllm.leases import LeaseBook
 from tiercache.vllm.namespace import Namespace
 
 _HOST = CacheHitSource.HOST

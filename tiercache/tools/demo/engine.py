@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -115,6 +115,12 @@ class DemoEngine:
 
     def worker_pids(self) -> list[int]:
         return self.pool.pids()
+
+    def numa(self) -> list[dict[str, Any]]:
+        """Each rank's slice placement, as its stats blocks record it."""
+        placements = [self._counters.read(r).numa for r in range(self.world_size)]
+        return [{"rank": r, "state": p.state.label, "node": p.node,
+                 "local_ratio": p.local_ratio} for r, p in enumerate(placements)]
 
     def stall(self, ranks: Sequence[int]) -> None:
         """Fault injection: block these ranks' compute streams (their transfers wait)."""

@@ -148,6 +148,12 @@ def format_summary(doc: dict[str, Any]) -> str:
     if "stats_agree" in doc:
         lines.append(f"  stats blocks agree with the workers' reports: "
                      f"{'yes' if doc['stats_agree'] else 'NO'}")
+    if doc.get("numa"):
+        lines.append("  NUMA: " + ", ".join(
+            f"r{n['rank']} {n['state']}"
+            + ("" if n["node"] is None else f" node {n['node']}")
+            + ("" if n["local_ratio"] is None else f" {n['local_ratio']:.1%}")
+            for n in doc["numa"]))
     bench = doc.get("bench")
     if bench:
         lines.append(f"  bench ({bench['blocks']} blocks = {bench['transfer_bytes'] / GB:.3f} GB "

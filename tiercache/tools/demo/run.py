@@ -232,7 +232,7 @@ def _run(config: Config, options: RankOptions, spec: WorkloadSpec, args, link: C
             "stale_acks": engine.tracker.stale_acks, "stats_agree": engine.stats_agree(),
             "backends": [[b.label for b in engine.pool.channel(r).attached.backends]
                          for r in range(config.world_size)],
-            "bench": bench,
+            "numa": engine.numa(), "bench": bench,
         }
         doc = summary(engine.totals, progress.elapsed_s, extra)
     finally:

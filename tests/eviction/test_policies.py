@@ -9,7 +9,7 @@ import pytest
 
 from tiercache.errors import ConfigError
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.policies import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from tiercache.eviction import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 def k(*ints: int) -> list[bytes]:
