@@ -56,11 +56,7 @@ from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.attachments import AttachmentReader, RankSummary
 from tiercache.region.layout import FORMAT_VERSION, RegionLayout
 from tiercache.region.stats import (
-    DURATION_BUCKETS_S,
-    SIZE_BUCKETS_BYTES,
-    EngineKind,
-    PinState,
-    RankStats,
+    DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, EngineKind, PinState, RankStats,
 )
 from tiercache.specs import Direction
 
@@ -137,10 +133,9 @@ class Family(Enum):
                       "Process id of the attachment's worker (0 after it detached).", _ATTACHMENT)
     ATTACHMENT_PIN_STATE = ("gauge", "tiercache_attachment_pin_state",
                             "1 for the attachment's pin state, else 0.", _ATTACHMENT + ("state",))
-    ATTACHMENT_ENGINE = ("gauge", "tiercache_attachment_engine",
-                         "1 for the kind of process holding the attachment slot (worker: a GPU "
-                         "worker such as a vLLM rank; sglang: an SGLang rank copying host to "
-                         "host), else 0.", _ATTACHMENT + ("engine",))
+    ATTACHMENT_ENGINE = ("gauge", "tiercache_attachment_engine", "1 for the kind of process "
+                         "holding the slot (worker: a GPU worker, e.g. a vLLM rank; sglang: an "
+                         "SGLang rank copying host to host), else 0.", _ATTACHMENT + ("engine",))
     ATTACHMENT_BYTES = ("counter", "tiercache_attachment_transfer_bytes",
                         "Bytes moved by successful transfers through this attachment slot (all "
                         "its holders); the rank's tiercache_transfer_bytes_total is the sum.",
