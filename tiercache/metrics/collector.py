@@ -56,10 +56,7 @@ from tiercache.region.header import HeaderInfo, RegionState
 from tiercache.region.attachments import AttachmentReader, RankSummary
 from tiercache.region.layout import FORMAT_VERSION, RegionLayout
 from tiercache.region.stats import (
-    DURATION_BUCKETS_S,
-    SIZE_BUCKETS_BYTES,
-    PinState,
-    RankStats,
+    DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, EngineKind, PinState, RankStats,
 )
 from tiercache.specs import Direction
 
@@ -136,6 +133,9 @@ class Family(Enum):
                       "Process id of the attachment's worker (0 after it detached).", _ATTACHMENT)
     ATTACHMENT_PIN_STATE = ("gauge", "tiercache_attachment_pin_state",
                             "1 for the attachment's pin state, else 0.", _ATTACHMENT + ("state",))
+    ATTACHMENT_ENGINE = ("gauge", "tiercache_attachment_engine", "1 for the kind of process "
+                         "holding the slot (worker: a GPU worker, e.g. a vLLM rank; sglang: an "
+                         "SGLang rank copying host to host), else 0.", _ATTACHMENT + ("engine",))
     ATTACHMENT_BYTES = ("counter", "tiercache_attachment_transfer_bytes",
                         "Bytes moved by successful transfers through this attachment slot (all "
                         "its holders); the rank's tiercache_transfer_bytes_total is the sum.",
@@ -420,6 +420,9 @@ class TiercacheCollector(Collector):
             for state in PinState:
                 f[Family.ATTACHMENT_PIN_STATE].add_metric(
                     labels + [state.label], 1 if a.snapshot.pin_state == state else 0)
+            for engine in EngineKind:
+                f[Family.ATTACHMENT_ENGINE].add_metric(
+                    labels + [engine.label], 1 if a.snapshot.engine == engine else 0)
             for direction in Direction:
                 f[Family.ATTACHMENT_BYTES].add_metric(
                     labels + [direction.label], a.snapshot.directions[direction].bytes_total)

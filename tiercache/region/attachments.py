@@ -65,7 +65,7 @@ F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)  # Linux values (Python 3.9+ nam
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 _PIN_RANK = {PinState.FAILED: 4, PinState.UNKNOWN: 3, PinState.UNPINNED: 2, PinState.NONE: 1,
-             PinState.PINNED: 0}  # the worst state of a rank's attachments is its state
+             PinState.PINNED: 0, PinState.NOT_NEEDED: -1}  # a rank's state: its worst one
 
 
 class AttachmentSlotsFullError(RankError):

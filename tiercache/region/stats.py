@@ -31,10 +31,14 @@ Word layout (index = byte offset / 8)::
           +0 bytes_total, +1 busy_ns_total (GPU-timed), +2 transfers_ok, +3 transfers_failed,
           +4 .. duration histogram counts (len(DURATION_BUCKETS_S) + 1, last is +Inf),
           then size histogram counts (len(SIZE_BUCKETS_BYTES) + 1, last is +Inf)
+    then  engine           EngineKind code of the attached process (0: a GPU worker)
+    +1    engine_rank      its rank in its engine (SGLang: the TP rank)
+    +2    engine_ranks     its engine's ranks (SGLang: the TP size; 0 unknown)
 
 Histogram counts are per bucket (not cumulative); readers accumulate them. Words 11-15
 were reserved (zero) before the NUMA fields: a block an older worker wrote reads as
-``NumaState.NONE``.
+``NumaState.NONE``; the engine words after the direction blocks were zero too: such a
+block reads as ``EngineKind.WORKER``.
 """
 
 from __future__ import annotations
@@ -67,7 +71,9 @@ _DIR_BASE = 16
 _N_DUR = len(DURATION_BUCKETS_S) + 1
 _N_SIZE = len(SIZE_BUCKETS_BYTES) + 1
 DIRECTION_WORDS = 4 + _N_DUR + _N_SIZE
-_WORDS = _DIR_BASE + 2 * DIRECTION_WORDS
+_ENGINE = _DIR_BASE + 2 * DIRECTION_WORDS
+_ENGINE_RANK, _ENGINE_RANKS = _ENGINE + 1, _ENGINE + 2
+_WORDS = _ENGINE + 3
 assert _WORDS * 8 <= STATS_BLOCK_BYTES
 _READ_TIMEOUT_S = 0.002  # a write takes microseconds; longer means its writer died mid-update
 
@@ -77,11 +83,29 @@ class PinState(IntEnum):
     PINNED = 1
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
+    NOT_NEEDED = 4  # host-to-host copies only (an SGLang host pool): no GPU to pin for
     UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
 
     @classmethod
     def _missing_(cls, value: object) -> PinState:
         return cls.UNKNOWN  # a stats block another version wrote is read, never a traceback
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class EngineKind(IntEnum):
+    """What kind of process holds an attachment: a GPU worker (``tiercache.attach``: vLLM's
+    ranks, the demo) or an SGLang rank copying host to host (``tiercache.sglang``)."""
+
+    WORKER = 0
+    SGLANG = 1
+    UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
+
+    @classmethod
+    def _missing_(cls, value: object) -> EngineKind:
+        return cls.UNKNOWN
 
     @property
     def label(self) -> str:
@@ -116,6 +140,9 @@ class RankStatsSnapshot:
     prefault_seconds: float
     directions: tuple[DirectionStats, DirectionStats]  # indexed by Direction
     numa: NumaPlacement = field(default_factory=NumaPlacement)
+    engine: EngineKind = EngineKind.WORKER
+    engine_rank: int = 0
+    engine_ranks: int = 0
 
 
 class RankStats:
@@ -158,6 +185,8 @@ class RankStats:
             pinned_bytes=int(w[_PINNED_BYTES]), pin_seconds=int(w[_PIN_NS]) / 1e9,
             prefault_seconds=int(w[_PREFAULT_NS]) / 1e9,
             directions=(dirs[0], dirs[1]), numa=self._decode_numa(w),
+            engine=EngineKind(int(w[_ENGINE])), engine_rank=int(w[_ENGINE_RANK]),
+            engine_ranks=int(w[_ENGINE_RANKS]),
         )
 
     @staticmethod
@@ -190,7 +219,12 @@ class RankStats:
     def mark_attached(self, pid: int, pid_start_ns: int) -> None:
         self._update({_PID: pid, _PID_START: pid_start_ns, _PIN_STATE: PinState.NONE,
                       _PINNED_BYTES: 0, _PIN_NS: 0, _PREFAULT_NS: 0,
+                      _ENGINE: EngineKind.WORKER, _ENGINE_RANK: 0, _ENGINE_RANKS: 0,
                       **self._numa_words(NumaPlacement())}, adds={_ATTACH: 1})
+
+    def set_engine(self, engine: EngineKind, rank: int, ranks: int) -> None:
+        """Name the attached process's engine and its rank there (status and metrics)."""
+        self._update({_ENGINE: engine, _ENGINE_RANK: rank, _ENGINE_RANKS: ranks})
 
     def mark_detached(self) -> None:
         self._update({_PID: 0, _PID_START: 0, _PIN_STATE: PinState.NONE, _PINNED_BYTES: 0,
