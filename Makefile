@@ -26,7 +26,7 @@ SGLANG_VERSION := 0.5.23
 SGLANG_REQS    := requirements/sglang-cpu.txt
 SGLANG_PINS    := requirements/sglang-cpu-constraints.txt
 
-.PHONY: install test test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
+.PHONY: install test lint test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
 	mooncake systemd venv-sglang test-sglang sglang-jit
 
 $(STAMP): pyproject.toml
@@ -105,10 +105,14 @@ systemd:
 	@command -v systemd-analyze >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd)
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) prometheus cc fuse mooncake systemd sglang-jit
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) prometheus cc fuse mooncake systemd sglang-jit lint
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 	$(SGLANG_BIN)/python -m pytest -q tests/sglang
+
+# ruff (pyproject.toml's [tool.ruff]) over the tree.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Only the vLLM integration tests (real vLLM 0.33.0 scheduler and connector, no GPU).
 test-vllm: $(VLLM_STAMP)

@@ -94,7 +94,7 @@ def start_master(workdir: str):
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     proc.kill()
-                    raise SystemExit("mooncake_master did not start: see " + log.name)
+                    raise SystemExit("mooncake_master did not start: see " + log.name) from None
                 time.sleep(0.05)
     return proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
 

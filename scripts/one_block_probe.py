@@ -156,7 +156,7 @@ def torch_control(rig: GpuRig, n: int, steps: int, spin: bool) -> dict:
 def noop_control(steps: int) -> dict:
     """A fixed bit of Python (about a call's length), timed as the calls are."""
     took = []
-    for i in range(WARM + steps):
+    for _ in range(WARM + steps):
         python_for(STEP_PYTHON_S)
         t0 = time.monotonic_ns()
         python_work(40)

@@ -95,7 +95,8 @@ def _print_index(socket_path: str) -> None:
         if name == BlockSource.CLUSTER.label:
             state = "up" if t.up else "DOWN (the pool's master is unreachable; retrying)"
             if not t.promoting:
-                state += ", NOT PROMOTING (too many host slots held out; they come back as their reads end, or at a restart)"
+                state += (", NOT PROMOTING (too many host slots held out; they come back as "
+                          "their reads end, or at a restart)")
             print(f"  {name} tier: {state}, this node's segment holds {t.capacity_blocks} "
                   f"blocks; {t.used_blocks} published by this node and in the pool at their "
                   f"last check; {t.promotions} promoted, {t.demotions} published, "

@@ -55,7 +55,8 @@ class PageArray:
     @property
     def end_address(self) -> int:
         """One past the last byte any page of this array occupies."""
-        return self.base_address + (self.num_blocks - 1) * self.block_stride_bytes + self.block_bytes
+        last = (self.num_blocks - 1) * self.block_stride_bytes
+        return self.base_address + last + self.block_bytes
 
     @classmethod
     def from_tensor(cls, tensor: Any, page_bytes: int, pages_per_block: int = 1) -> PageArray:

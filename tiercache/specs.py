@@ -124,7 +124,8 @@ class GPULoadStoreSpec:
                 f"group_sizes {list(sizes)} add up to {sum(sizes)}, "
                 f"but there are {ids.size} block ids"
             )
-        indices = (0,) * len(sizes) if block_indices is None else tuple(int(i) for i in block_indices)
+        indices = ((0,) * len(sizes) if block_indices is None
+                   else tuple(int(i) for i in block_indices))
         if len(indices) != len(sizes):
             raise SpecError(
                 f"block_indices has {len(indices)} entries, group_sizes has {len(sizes)}; "

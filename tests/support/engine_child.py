@@ -54,7 +54,7 @@ class _Engine:
 
         gpu = GPULoadStoreSpec(list(range(n)))
         jobs = []
-        for rank, worker in self.workers.items():
+        for worker in self.workers.values():
             job, self.next_job = self.next_job, self.next_job + 1
             if store:
                 worker.submit_store(job, gpu, cpu_spec)

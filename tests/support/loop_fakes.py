@@ -217,7 +217,7 @@ class FakeGpu:
     def batch(self, dsts, srcs, sizes, count, attrs, attr_idx, num_attrs, *rest):
         stream = rest[-1]
         if len(rest) == 2:
-            ctypes.c_size_t.from_address(rest[0]).value  # the 12.8 ABI's failIdx is writable
+            _ = ctypes.c_size_t.from_address(rest[0]).value  # the 12.8 ABI's failIdx is writable
         order = ctypes.c_int.from_address(attrs).value
         assert num_attrs == 1 and ctypes.c_size_t.from_address(attr_idx).value == 0
         assert order == (1 if self.case.store else 3)

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from tiercache.config import DiskConfig, KVGeometry, RegionConfig, config_to_toml
+from tiercache.config import DiskConfig, KVGeometry, RegionConfig
 from tiercache.control.client import Client
 from tiercache.service.process import CoordinatorProcess
 

@@ -163,7 +163,7 @@ def test_the_verbs_say_the_direction_and_refuse_specs_of_the_other(served):
         worker.wait([2, 3])
         results = {r.job_id: (r.success, r.transfer_type) for r in worker.get_finished()}
         assert results == {1: (True, G2C), 2: (True, C2G), 3: (True, C2G)}
-        for t, cache in enumerate(caches):
+        for cache in caches:
             assert torch.equal(cache[6], cache[5]) and torch.equal(cache[8], cache[5])
         with pytest.raises(SpecError, match=r"gpu_to_cpu transfer takes \(src_spec, dst_spec\) "
                            r"= \(GPULoadStoreSpec, CPULoadStoreSpec\); got \(CPULoadStoreSpec, "

@@ -215,7 +215,7 @@ def direct_steps(coordinator, num_requests: int, num_keys: int, full_cache: bool
             return None
     null, ctx = Null(), object()
     start = perf()
-    for r in range(num_requests):
+    for _ in range(num_requests):
         for i in range(2 * num_keys):
             null.call(i, ctx)
     floor = f"floor: {2 * num_requests * num_keys} calls of a no-op method"

@@ -4,9 +4,8 @@ addresses."""
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from tiercache.errors import ConfigError
@@ -52,7 +51,8 @@ class KVGeometry:
         if not self.page_bytes:
             raise ConfigError("kv: at least one tensor is needed (kv.num_tensors >= 1)")
         if len(self.page_bytes) > MAX_TENSORS:
-            raise ConfigError(f"kv: {len(self.page_bytes)} tensors; at most {MAX_TENSORS} are allowed")
+            raise ConfigError(f"kv: {len(self.page_bytes)} tensors; at most {MAX_TENSORS} are "
+                              "allowed")
         for t, b in enumerate(self.page_bytes):
             if not isinstance(b, int) or b <= 0:
                 raise ConfigError(f"kv.page_bytes[{t}] = {b!r}: must be a positive byte count")

@@ -156,7 +156,8 @@ def _kv_from(raw: dict[str, Any]) -> KVGeometry:
         raise ConfigError(f"kv.kv_tensors_per_layer = {raw['kv_tensors_per_layer']} belongs to the "
                           "model shape; with kv.page_bytes give kv.num_tensors instead")
     if not explicit and "num_tensors" in raw:
-        raise ConfigError(f"kv.num_tensors = {raw['num_tensors']} goes with kv.page_bytes; with the "
+        raise ConfigError(f"kv.num_tensors = {raw['num_tensors']} goes with kv.page_bytes; "
+                          "with the "
                           "model shape there are num_layers x kv_tensors_per_layer tensors")
     block_tokens = raw.get("block_tokens", KVGeometry.block_tokens)
     factor = raw.get("block_size_factor", KVGeometry.block_size_factor)
@@ -182,7 +183,8 @@ def _kv_from(raw: dict[str, Any]) -> KVGeometry:
                 raise ConfigError(f"kv.{key} = {raw[key]}: must be >= 1")
         per_layer = raw.get("kv_tensors_per_layer", 2)
         if per_layer not in (1, 2):
-            raise ConfigError(f"kv.kv_tensors_per_layer = {per_layer}: allowed 1 (fused K/V or MLA) "
+            raise ConfigError(f"kv.kv_tensors_per_layer = {per_layer}: allowed 1 (fused K/V or "
+                              "MLA) "
                               "or 2 (K and V apart)")
         page = block_tokens * raw["num_kv_heads"] * raw["head_dim"] * DTYPE_BYTES[dtype]
         pages = (page,) * (raw["num_layers"] * per_layer)
@@ -332,7 +334,8 @@ def config_to_toml(config: Config) -> str:
             "publish_threads": c.publish_threads, "promote_threads": c.promote_threads,
             "exists_ttl_s": c.exists_ttl_s,
             "exists_wait_s": c.exists_wait_s, "retry_s": c.retry_s,
-            "census_period_s": c.census_period_s, "start_timeout_s": c.start_timeout_s, "stop_timeout_s": c.stop_timeout_s}
+            "census_period_s": c.census_period_s, "start_timeout_s": c.start_timeout_s,
+            "stop_timeout_s": c.stop_timeout_s}
     if config.events is not None:
         e = config.events
         tables["events"] = {

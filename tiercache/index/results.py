@@ -81,7 +81,8 @@ class ManagerStats:
 
     ``free + writing + ready + loading + quarantined == capacity``; ``loading`` counts every
     pinned block, whether a load or a lease holds it; ``quarantined`` slots are held out of
-    use after a write that may still land (``OffloadingManager.quarantine``). ``recovered_blocks`` came back from the
+    use after a write that may still land (``OffloadingManager.quarantine``).
+    ``recovered_blocks`` came back from the
     region's ledger when the index was built, with ``recovered_pins`` and
     ``recovered_writing_blocks`` of the sessions that survived, and ``damaged_records``
     (ledger records that failed their checksum: dropped, never served); ``sessions_ended``,

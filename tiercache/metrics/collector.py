@@ -447,4 +447,5 @@ def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str
     return out
 
 
-__all__ = ["Exporter", "Family", "METRIC_NAMES", "RegionView", "TiercacheCollector", "start_exporter"]
+__all__ = ["Exporter", "Family", "METRIC_NAMES", "RegionView", "TiercacheCollector",
+           "start_exporter"]

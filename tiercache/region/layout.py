@@ -181,7 +181,8 @@ class RegionLayout:
 
     def check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.attachments_per_rank:
-            raise RankError(f"attachment slot {slot!r} is outside 0..{self.attachments_per_rank - 1}"
+            raise RankError(f"attachment slot {slot!r} is outside "
+                            f"0..{self.attachments_per_rank - 1}"
                             f" (attachments_per_rank {self.attachments_per_rank})")
 
     # ------------------------------------------------------------ work splitting
@@ -202,7 +203,8 @@ class RegionLayout:
         """Disjoint, OS-page-aligned (offset, length) ranges covering [start, start+length)."""
         length = self.total_bytes - start if length is None else length
         step = round_up(-(-length // max(num_threads, 1)), OS_PAGE)
-        return [(off, min(step, start + length - off)) for off in range(start, start + length, step)]
+        end = start + length
+        return [(off, min(step, end - off)) for off in range(start, end, step)]
 
     # ------------------------------------------------------------ identity
     def encode(self) -> bytes:
@@ -226,7 +228,8 @@ class RegionLayout:
 
     def describe(self) -> str:
         return (
-            f"{self.world_size} rank(s) x {self.num_blocks} blocks x {format_bytes(self.row_stride)} "
+            f"{self.world_size} rank(s) x {self.num_blocks} blocks x "
+            f"{format_bytes(self.row_stride)} "
             f"rows ({self.num_tensors} tensors, block_size_factor {self.block_size_factor}, "
             f"{self.attachments_per_rank} attachment(s) per rank); "
             f"{format_bytes(self.total_bytes)} in all"

@@ -41,7 +41,8 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
 
 import numpy as np
 

@@ -13,7 +13,8 @@ Word layout (index = byte offset / 8)::
     word  field            meaning
     0     seq              sequence lock (odd while the writer is mid-update)
     1     pid              pid of the attached worker, 0 when none
-    2     pid_start_ns     that process's start time, ns after boot (tiercache.region.hostmem): pid reuse check
+    2     pid_start_ns     that process's start time, ns after boot (tiercache.region.hostmem):
+                           the pid reuse check
     3     attach_count     how many times a worker attached this rank
     4     heartbeat_ns     wall-clock ns of the writer's last update
     5     pin_state        PinState code

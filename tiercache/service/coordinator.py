@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tiercache.config import Config
 from tiercache.sizes import format_bytes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

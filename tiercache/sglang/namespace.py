@@ -14,11 +14,11 @@ fields under another engine name).
 **Weights.** SGLang passes the served model name (by default its ``--model-path``, tagged
 with the host pool's format tag). The same name or path can hold other weights tomorrow, so
 the namespace also carries a fingerprint of what is at ``--model-path`` (the backend reads
-it from SGLang's published server args; ``weights_fingerprint``): ``config.json``'s bytes and, per weight file, its
-name, size and content identity (the blob's SHA-256 where the file is a Hugging Face cache
-symlink, whose target is named by it; else its mtime). An operator who serves other
-weights under an unchanged path without touching the files (a remote mount) adds
-``tiercache_namespace_salt``.
+it from SGLang's published server args; ``weights_fingerprint``): ``config.json``'s bytes
+and, per weight file, its name, size and content identity (the blob's SHA-256 where the file
+is a Hugging Face cache symlink, whose target is named by it; else its mtime). An operator
+who serves other weights under an unchanged path without touching the files (a remote mount)
+adds ``tiercache_namespace_salt``.
 
 **Keys carry the rank.** ``page_key(hash, shard)``: digest | shard (u16) | hash. Every
 TP rank of an MHA model stores its own shard of a page under its own key (shard =

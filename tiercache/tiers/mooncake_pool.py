@@ -95,7 +95,7 @@ def check_host(config: ClusterConfig) -> None:
     wanted = [d.strip() for d in config.rdma_devices.split(",") if d.strip()]
     missing = [d for d in wanted if d not in present]
     if not present or missing:
-        raise ConfigError(f"cluster.protocol = 'rdma', but this host has "
+        raise ConfigError("cluster.protocol = 'rdma', but this host has "
                           + (f"no RDMA device {', '.join(missing)} (it has "
                              f"{', '.join(present) or 'none'})" if missing else
                              f"no RDMA device ({RDMA_DEVICES_DIR} is empty or missing)")

@@ -158,7 +158,8 @@ def _us(seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tiercache.tools.index_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tiercache.tools.index_bench",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--calls", type=int, default=3000, help="timed lookups per client")

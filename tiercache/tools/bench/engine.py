@@ -21,10 +21,10 @@ one-way ceilings), the host time of every ``transfer_async`` call (p50, p99), a 
 load from call to result (p50, p99; the wire time of its bytes beside it), seen by a
 poller that lets go of the GIL between polls and by one that keeps it (``spin``: the other
 thread's bursts cannot delay seeing it), and the controls: two plain torch copies of the
-same bytes, issued the same way on two streams in the same process, and one plain torch
-copy of a block's bytes for the one-block figure. Two counts say where a slow call's time went: the calls during
-which the other thread ran (the call lost the GIL, or waited for it), and the garbage
-collections during the pattern with the longest one.
+same bytes, issued the same way on two streams in the same process, and one plain torch copy
+of a block's bytes for the one-block figure. Two counts say where a slow call's time went:
+the calls during which the other thread ran (the call lost the GIL, or waited for it), and
+the garbage collections during the pattern with the longest one.
 """
 
 from __future__ import annotations
