@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from control_support import SPAWN, wait_for
+from control_support import ClientProcess, SPAWN, wait_for
 from index_scenarios import k, store
 from tiercache.config import RegionConfig
 from tiercache.errors import SessionLimitError
@@ -26,15 +26,19 @@ def small(make_config, **kw):
 
 def test_one_session_holds_at_most_its_share_of_the_cache_under_contention(make_config,
                                                                           tmp_path):
-    """The default share (half) bites once another session holds something or was refused
-    room: alone, an engine may fill the cache (a long prompt, issue 33); beside another, a
-    greedy client cannot reserve or pin more than half."""
+    """The default share (half) bites once a session of another process holds something or
+    was refused room: alone, an engine may fill the cache whatever sessions its process
+    opens (a long prompt, issue 33); beside another engine, a greedy client cannot reserve
+    or pin more than half."""
     config = small(make_config, index_max_session_share=0.5)
-    with CoordinatorProcess(config, tmp_path), Client(config) as greedy, Client(config) as other:
-        alone = greedy.prepare_store(k(*range(16)))  # nobody else wants room: all of it
-        assert alone is not None and len(alone.keys_to_store) == 16
-        greedy.complete_store(k(*range(16)), success=False)
-        assert other.prepare_store(k(200)) is not None  # another session holds something
+    with CoordinatorProcess(config, tmp_path), Client(config) as greedy, \
+            Client(config) as sibling, ClientProcess(config) as other:
+        assert sibling.prepare_store(k(300)) is not None  # its own process's other session
+        alone = greedy.prepare_store(k(*range(15)))  # no other engine wants room: all of it
+        assert alone is not None and len(alone.keys_to_store) == 15
+        greedy.complete_store(k(*range(15)), success=False)
+        sibling.complete_store(k(300), success=False)
+        assert other.call("prepare_store", k(200)) is not None  # another engine holds one
         assert greedy.prepare_store(k(*range(9))) is None  # 9 of 16: past the share
         ahead = greedy.prepare_store(k(*range(50, 59)), max_evictions=0)  # free slots only:
         assert len(ahead.keys_to_store) == 8 and ahead.no_room_keys == tuple(k(58))  # to the share
@@ -42,11 +46,12 @@ def test_one_session_holds_at_most_its_share_of_the_cache_under_contention(make_
         store(greedy, *range(8))
         assert greedy.lease(k(*range(8))).num_hit == 8  # it holds 8 pins now
         assert greedy.prepare_store(k(100)) is None  # one more would pass the share
-        store(other, *range(100, 107))  # the other half is there for everyone else
+        out = other.call("prepare_store", k(*range(100, 107)))  # the other half is there
+        other.call("complete_store", list(out.keys_to_store))  # for everyone else
         assert greedy.lease(k(100)).num_hit == 0  # a lease stops short of the share
         with pytest.raises(SessionLimitError, match="at most 8"):
             greedy.prepare_load(k(100))
-        assert other.stats().session_limit_rejections >= 2
+        assert other.call("stats").session_limit_rejections >= 2
 
 
 def test_a_live_idle_client_keeps_what_it_holds_past_the_liveness_deadline(make_config,

@@ -227,3 +227,18 @@ def grab_and_wait(config_toml: str, tag: int, num_keys: int, key_space: int, hol
     client.lease([b"key-%d" % ((tag + i) % key_space) for i in range(4)])
     holding.set()
     threading.Event().wait(WAIT_S)
+
+
+def client_calls(config_toml: str, conn) -> None:
+    """Child: a ``Client`` of its own process, calling what the parent sends (verb, args)
+    and answering ``("ok", result)`` or ``("error", "Name: message")``, until None."""
+    from tiercache.config import config_from_dict
+    import tomllib
+
+    with Client(config_from_dict(tomllib.loads(config_toml))) as client:
+        while (call := conn.recv()) is not None:
+            verb, args = call
+            try:
+                conn.send(("ok", getattr(client, verb)(*args)))
+            except Exception as e:  # the parent asserts on it
+                conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -162,3 +162,43 @@ def kill_all(procs) -> None:
             os.kill(proc.pid, signal.SIGKILL)
     for proc in procs:
         proc.join(STOP_TIMEOUT_S)
+
+
+class ClientProcess:
+    """A ``Client`` in a process of its own (another engine, as the index sees it: sessions
+    of one process do not contend with each other for the cache): ``call(verb, *args)``."""
+
+    def __init__(self, config):
+        from tiercache.config import config_to_toml
+
+        self._conn, child = mp.get_context("spawn").Pipe()
+        self._proc = mp.get_context("spawn").Process(
+            target=_client_calls, args=(config_to_toml(config), child), daemon=True)
+        self._proc.start()
+
+    def call(self, verb: str, *args):
+        self._conn.send((verb, args))
+        status, result = self._conn.recv()
+        if status != "ok":
+            raise AssertionError(f"{verb} in the child: {result}")
+        return result
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(None)
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _client_calls(config_toml: str, conn) -> None:
+    from control_children import client_calls
+
+    client_calls(config_toml, conn)

@@ -72,6 +72,23 @@ def test_eviction_under_pressure_drops_old_prefixes_and_reports_them(start_coord
     assert engine.loaded_tokens("old-again") == 2 * BLOCK_TOKENS, "4 of its 6 chunks were evicted"
 
 
+def test_a_lone_engines_long_prompt_is_stored_whole_with_the_default_share(start_coordinator,
+                                                                          make_engine):
+    """Issue 33: with index.max_session_share at its default (0.5, what config-for-vllm
+    prints), one engine alone on the node stored nothing of a 16-chunk prompt in a
+    24-chunk cache. The share bites only under contention now: it is stored whole."""
+    from tiercache.control.client import Client
+
+    small = start_coordinator(num_chunks=24)
+    assert small.config.index_max_session_share == 0.5
+    engine = make_engine(small, num_gpu_blocks=40)
+    engine.add_request("long", prompt(5, 16 * BLOCK_TOKENS + 4))
+    engine.run()
+    with Client(small.config) as client:
+        stats = client.stats()
+    assert (stats.stored_blocks, stats.session_limit_rejections) == (16, 0)
+
+
 def test_a_preempted_request_resumes_from_tiercache(coordinator, make_engine):
     # 15 usable GPU blocks; two requests of 6 prompt blocks decoding 90 tokens each need
     # 12 blocks apiece: the later one is preempted, and its prompt comes back from tiercache.

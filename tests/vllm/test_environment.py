@@ -41,11 +41,13 @@ GPU_ONLY_MODULES = ("triton", "cuda", "cuda.bindings")
 
 
 def test_the_core_never_imports_vllm():
-    """Every tiercache module outside tiercache.vllm loads without pulling vllm in."""
+    """Every tiercache module outside the engine adapters (tiercache.vllm, and
+    tiercache.sglang, which imports SGLang) loads without pulling vllm in."""
     probe = (
         "import importlib, pkgutil, sys, tiercache\n"
+        "ADAPTERS = (['tiercache', 'vllm'], ['tiercache', 'sglang'])\n"
         "for m in pkgutil.walk_packages(tiercache.__path__, 'tiercache.'):\n"
-        "    if m.name.endswith('__main__') or m.name.split('.')[:2] == ['tiercache', 'vllm']:\n"
+        "    if m.name.endswith('__main__') or m.name.split('.')[:2] in ADAPTERS:\n"
         "        continue\n"
         "    try:\n"
         "        importlib.import_module(m.name)\n"

@@ -85,10 +85,7 @@ class TinyModel:
                       region=RegionConfig(capacity_bytes=None, num_blocks=num_chunks,
                                           prefault_threads=1),
                       exporter=ExporterConfig(enabled=False), control_socket=socket,
-                      index_events=index_events,
-                      # caches of a few chunks, which one engine's session may fill; the cap
-                      # itself is tested against the index (tests/index/test_liveness.py)
-                      index_max_session_share=1.0)
+                      index_events=index_events)  # the session share as users get it
 
 
 def offloading_config(coordinator, model, *, events=False, **extra) -> OffloadingConfig:

@@ -91,6 +91,7 @@ class SessionTable:
                               pid_start_ns=record.pid_start_ns, last_seen=now, restored=True,
                               deadline=now + max(timeout_s, grace_s))
             self._by_token[record.token] = self._restored[record.token] = session
+            manager.set_owner_process(record.owner, record.pid)
 
     def hello(self, conn: Hashable, token: bytes, name: str, pid: int = 0, now: float = 0.0
               ) -> tuple[Session, Hello, Hashable | None]:
@@ -116,6 +117,7 @@ class SessionTable:
                 if self._store is not None:
                     self._store.moved(session.owner, session.pid, session.pid_start_ns)
         session.conn, session.deadline, session.last_seen = conn, None, now
+        self._manager.set_owner_process(session.owner, session.pid)
         return session, Hello(session.token, resumed, self.grace_s, self.timeout_s), displaced
 
     def _new_owner(self, token: bytes, pid: int, start_ns: int) -> int:

@@ -1,11 +1,11 @@
 """``SessionCaps``: how much of the cache one session may hold at once, and when.
 
-``max_session_blocks`` (from ``index.max_session_share``) caps the keys one owner holds at
-once (reservations plus pinned keys) **under contention only**: while another session
-holds something, or was refused room within ``CONTENTION_S``. One engine alone on the node
-is never capped (a long prompt may fill the whole cache); once another engine wants room,
-neither may hold more than its share, so one cannot crowd out the others. The tier chain
-(``TIER_OWNER``) is never capped. Called under the manager's lock.
+``max_session_blocks`` (``index.max_session_share``) caps what one owner holds at once
+(reservations plus pinned keys) **under contention only**: while a session of another
+process holds something or was refused room within ``CONTENTION_S``. An engine alone on the
+node, whatever sessions its process opens, may fill the cache; beside another, neither holds
+more than its share. The tier chain is never capped; an owner of unknown process counts as
+a process of its own. Called under the manager's lock.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class SessionCaps:
         self.max_session_blocks = max_session_blocks
         self._tier_owner = tier_owner
         self._refused_at: dict[int, float] = {}  # owner -> when it was last refused room
+        self._process: dict[int, int] = {}  # owner -> the pid of the process it serves
 
     def cap(self, owner: int) -> int | None:
         """``owner``'s cap now, or None (no cap: the tier chain, an unbounded index, or no
@@ -35,10 +36,21 @@ class SessionCaps:
         if cap is None or owner == self._tier_owner:
             return None
         now = time.monotonic()
-        tier = self._tier_owner
-        others = any(o != owner and o != tier for o in self._table.holdings) or any(
-            o != owner and now - at < CONTENTION_S for o, at in self._refused_at.items())
+        tier, mine, process = self._tier_owner, self._process.get(owner), self._process.get
+
+        def another(o: int) -> bool:  # an owner of another process (not the chain)
+            return o != owner and o != tier and (mine is None or process(o) != mine)
+
+        others = any(another(o) for o in self._table.holdings) or any(
+            another(o) and now - at < CONTENTION_S for o, at in self._refused_at.items())
         return cap if others else None
+
+    def set_process(self, owner: int, pid: int) -> None:
+        """``owner`` serves process ``pid`` (0: unknown)."""
+        if pid:
+            self._process[owner] = pid
+        else:
+            self._process.pop(owner, None)
 
     def refused(self, owner: int) -> None:
         """``owner`` was refused room: the others contend with it for ``CONTENTION_S``."""
@@ -50,10 +62,10 @@ class SessionCaps:
 
     def forget(self, owner: int) -> None:
         self._refused_at.pop(owner, None)
+        self._process.pop(owner, None)
 
     def pinnable_run(self, keys: Sequence[bytes], owner: int, holdings: Holdings) -> int:
-        """How many of ``keys`` (all readable) ``owner`` may pin, in order: the run stops
-        at the session cap or at a slot already pinned by ``PIN_OWNERS`` other owners."""
+        """How many of ``keys`` (readable) ``owner`` may pin, in order (see ``cap``)."""
         cap = self.cap(owner)
         room = None if cap is None else cap - holdings.num_blocks
         for i, key in enumerate(keys):
@@ -69,9 +81,8 @@ class SessionCaps:
 
     def check_can_load(self, keys: Sequence[bytes], owner: int, holdings: Holdings,
                        verb: str) -> None:
-        """Raise unless ``owner`` may pin every one of ``keys`` (readable) now:
-        ``StateError`` at a slot pinned by as many owners as the ledger records,
-        ``SessionLimitError`` past the cap (counted by the caller)."""
+        """``StateError`` at a slot pinned by as many owners as the ledger records,
+        ``SessionLimitError`` past the cap (counted by the caller); else nothing."""
         new = {key for key in keys if key not in holdings.pinned}
         table = self._table
         for key in new:

@@ -1,8 +1,7 @@
 """``EventLog``: the index's stored/removed events, kept until an engine takes them.
 
-Engines that publish KV-cache events (vLLM's ``take_events``) read them in batches; a
-batch is bounded in keys (the control plane's frame bound), so a larger event is split
-and its rest stays first in line. Not thread-safe: the index calls it under its lock."""
+Engines read them in batches bounded in keys (a larger event is split, its rest first in
+line). Not thread-safe: the index calls it under its lock."""
 
 from __future__ import annotations
 

@@ -11,19 +11,16 @@ A tier never imports the index and never calls it. What passes between them:
   (``PROMOTE``: the tier writes them) or pinned (``DEMOTE`` / ``PUBLISH``: the tier reads
   them), or of keys alone (``PROBE``). Quick: it queues, the tier's threads move bytes.
   A tier refusing a job (full, down, stopping) reports it failed; it never raises.
-* ``take_finished() -> list[JobResult]``: every job's outcome, exactly once, per key:
-  ``done`` (moved and verified: a promoted block's header, checksum and, for the pool,
-  the cluster's MAC checked before it is reported), ``failed`` (nothing moved into a host
-  slot, and nothing will), ``may_land`` (not moved, but a transfer into its host slot may
-  still run: the chain holds that slot out of use). A result with ``settled=False``
-  promises a later one of the same job, ``settled=True``, once every transfer of it has
-  provably ended: its held-out slots come back then. For a ``PROBE`` job, ``done`` is the
-  leading run of its keys the tier holds.
-* ``take_changes() -> list[KeyChange]``: keys the tier came to hold or stopped holding
-  (a demotion written, a slot of its own reused, a copy that did not check), for the
-  node's events and the presence map.
-* ``wake``: a callable the chain hands the tier at ``start``; the tier calls it when it
-  has results or changes (it only sets an event: it is not a call into the index).
+* ``take_finished() -> list[JobResult]``: each job's outcome once, per key: ``done``
+  (moved and verified: header, checksum and, for the pool, the cluster's MAC checked
+  first), ``failed`` (nothing moved into a host slot, nor will), ``may_land`` (a transfer
+  into its host slot may still run: the chain holds the slot out). ``settled=False``
+  promises a later result, ``settled=True``, once every transfer of the job provably
+  ended. A ``PROBE``'s ``done`` is the leading run of its keys the tier holds.
+* ``take_changes() -> list[KeyChange]``: keys the tier came to hold or stopped holding,
+  for the node's events and the presence map.
+* ``wake``: given at ``start``; the tier calls it when it has results or changes (it sets
+  an event: not a call into the index).
 
 Stats (``snapshot()``) are the tier's own; tiers come from ``tiercache.tiers``'s registry.
 """

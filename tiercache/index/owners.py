@@ -1,12 +1,7 @@
-"""What owners hold, and when it goes back: the index's verbs about owners rather than
-blocks (``OffloadingManager`` has them from here). An owner is a client session, the
-tier chain (``TIER_OWNER``) or an in-process user; its reservations and pins are given
-back when it ends (``end_session``), when a reservation is never completed
-(``expire_reservations``), or, for a write that may still land, held out of use
-(``quarantine``) until it provably ended (``release_quarantine``).
-
-Mixed into ``tiercache.index.manager.OffloadingManager``, whose lock, table and counters
-these use; nothing here is called without them.
+"""The index's verbs about owners rather than blocks (mixed into ``OffloadingManager``,
+whose lock, table and counters they use): what an owner holds goes back when it ends
+(``end_session``) or never completes a reservation (``expire_reservations``); a write that
+may still land is held out (``quarantine``) until it provably ended (``release_quarantine``).
 """
 
 from __future__ import annotations
@@ -108,6 +103,12 @@ class OwnerVerbs:
             self._counters["expired_reservations"] += expired
             self._counters["failed_store_blocks"] += held_out
             return expired + held_out
+
+    def set_owner_process(self, owner: int, pid: int) -> None:
+        """``owner`` (a session) serves process ``pid``: sessions of one process (an
+        engine's scheduler and flusher) do not contend with each other for the cache."""
+        with self._lock:
+            self._caps.set_process(owner, pid)
 
     def holds(self, owner: int) -> bool:
         """Whether ``owner`` holds any reservation or pin."""

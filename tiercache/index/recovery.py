@@ -1,11 +1,9 @@
 """A restarted index: the slot table rebuilt from the durable ledger in the region.
 
-READY blocks come back (oldest first: their store order is the policy's recency), with
-the reservations and pins of the owners named ``surviving`` (sessions a restarted
-coordinator found alive). Other owners' pins are dropped; their reservations' slots go to
-the bottom of the free stack with the abandoned ones: a copy of that time may still be
-landing in them, so they are reused last.
-"""
+READY blocks come back (oldest first: the policy's recency), with the reservations and
+pins of ``surviving`` owners (sessions whose processes live). Other owners' pins are
+dropped; their reservations' slots, where a copy of that time may still land, are reused
+last."""
 
 from __future__ import annotations
 

@@ -8,12 +8,10 @@ or left the index and which became readable or stopped being. It never locks: th
 manager (``tiercache.index.manager``) calls it under its one lock.
 
 **A slot is handed out only when nothing touches it.** A reset forgets every key, but a
-slot that is still being written (a reservation: an engine's copy, a lower tier's read) or
-read (a pin: an engine's load, a tier's demotion or publish) is *doomed*, not freed: its
-key is no longer readable (lookups miss it, a new store of the key waits for it to go),
-and it goes back to the free list only when its last reservation or pin ends (its write
-completing does not make it READY). So a copy still in flight after a reset never lands
-in, or reads from, a slot given to another block.
+slot still being written (a reservation) or read (a pin) is *doomed*, not freed: its key is
+not readable (a new store of it waits for it to go), and it is free again only when its
+last reservation or pin ends (a completed write does not make it READY). So a copy in
+flight across a reset never lands in, or reads from, a slot given to another block.
 """
 
 from __future__ import annotations

@@ -21,12 +21,10 @@ listeners (the presence map) and the node's events. It runs as the index's owner
 * **Reads that may still land** (``JobResult.may_land``) hold their host slots out of use
   until the job settles; while more than ``1 / QUARANTINE_SHARE`` of host memory is held
   out, no promotion starts (``promoting`` is False in the tier's stats).
-* **A promotion's read that hangs** (a stuck disk, a frozen node) makes its keys misses
-  after ``PROMOTION_WAIT_S`` instead of pending (``overdue``).
+* **A promotion's read that hangs** makes its keys misses after ``PROMOTION_WAIT_S``.
 
-Threads: the chain's own thread books results and refills queues; lookups call in under
-the index's lock. Tiers' ``holds`` and ``submit`` are called under that lock (they are
-quick); ``take_finished``/``take_changes`` without it. A tier never calls the index.
+Threads: the chain's thread books results and refills; lookups call in under the index's
+lock, as do tiers' quick ``holds`` and ``submit``. A tier never calls the index.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ is derived from it, and the dashboards' tests check their queries against it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 from collections.abc import Callable, Iterator
@@ -440,11 +441,7 @@ class TiercacheCollector(Collector):
 
 def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
     """Per-bucket counts (as stored) to Prometheus' cumulative ``le`` buckets."""
-    total, out = 0, []
-    for le, count in zip(les, counts, strict=True):
-        total += count
-        out.append((le, total))
-    return out
+    return list(zip(les, itertools.accumulate(counts), strict=True))
 
 
 __all__ = ["Exporter", "Family", "METRIC_NAMES", "RegionView", "TiercacheCollector",
