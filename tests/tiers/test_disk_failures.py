@@ -27,6 +27,17 @@ pytestmark = pytest.mark.skipif(not faulty_fs.available(),
                                 reason="needs /dev/fuse for the fault-injecting filesystem")
 
 
+def faulty_disk_config(make_config, mount):
+    """A host tier of HOST_BLOCKS rows of ROW bytes over a disk tier in ``mount`` (the
+    fault-injecting filesystem: buffered I/O, FUSE takes no O_DIRECT)."""
+    return make_config(kv=KVGeometry(page_bytes=(ROW,)),
+                       region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
+                                           prefault_threads=1),
+                       disk=DiskConfig(path=str(mount),
+                                       capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
+                                       low_watermark=0.5, direct_io=False, retry_s=5.0))
+
+
 @pytest.fixture
 def faulty(make_config, tmp_path):
     """(the filesystem, the config, the metrics URL): a coordinator whose disk tier lives on
@@ -34,11 +45,7 @@ def faulty(make_config, tmp_path):
     backing, mount = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     fs = faulty_fs.FaultyFS(str(backing), str(mount), str(tmp_path))
-    config = make_config(kv=KVGeometry(page_bytes=(ROW,)),
-                         region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
-                                             prefault_threads=1),
-                         disk=DiskConfig(path=str(mount), capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
-                                         low_watermark=0.5, direct_io=False, retry_s=5.0))
+    config = faulty_disk_config(make_config, mount)
     try:
         with CoordinatorProcess(config, tmp_path / "c") as coordinator:
             url = metrics_url(coordinator)
@@ -90,11 +97,7 @@ def test_serve_stops_while_the_disk_stalls(make_config, tmp_path):
     backing, mount = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     fs = faulty_fs.FaultyFS(str(backing), str(mount), str(tmp_path))
-    config = make_config(kv=KVGeometry(page_bytes=(ROW,)),
-                         region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
-                                             prefault_threads=1),
-                         disk=DiskConfig(path=str(mount), capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
-                                         low_watermark=0.5, direct_io=False, retry_s=5.0))
+    config = faulty_disk_config(make_config, mount)
     try:
         coordinator = CoordinatorProcess(config, tmp_path / "c")
         try:

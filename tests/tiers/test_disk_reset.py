@@ -15,12 +15,11 @@ import faulty_fs
 from control_children import block_pattern, rows_hold
 from control_support import wait_for
 from e2e_support import metrics_url
-from test_disk_tier import HOST_BLOCKS, KEYS, ROW, lease_when_settled, store_paced, tier
-from tiercache.config import DiskConfig, KVGeometry, RegionConfig
+from test_disk_failures import faulty_disk_config
+from test_disk_tier import HOST_BLOCKS, KEYS, lease_when_settled, store_paced, tier
 from tiercache.control.client import Client
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
-from tiercache.tiers.disk_file import HEADER_BYTES
 
 pytestmark = pytest.mark.skipif(not faulty_fs.available(),
                                 reason="needs /dev/fuse for the fault-injecting filesystem")
@@ -67,11 +66,7 @@ def slow_disk(make_config, tmp_path):
     backing, mount = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     fs = faulty_fs.FaultyFS(str(backing), str(mount), str(tmp_path))
-    config = make_config(kv=KVGeometry(page_bytes=(ROW,)),
-                         region=RegionConfig(capacity_bytes=None, num_blocks=HOST_BLOCKS,
-                                             prefault_threads=1),
-                         disk=DiskConfig(path=str(mount), capacity_bytes=64 * (HEADER_BYTES + 2 * ROW),
-                                         low_watermark=0.5, direct_io=False, retry_s=5.0))
+    config = faulty_disk_config(make_config, mount)
     try:
         yield fs, config
     finally:

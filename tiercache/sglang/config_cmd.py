@@ -13,15 +13,12 @@ coordinator's host.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
+from tiercache.config.hf_model import HFModel
 from tiercache.errors import ConfigError
 from tiercache.sglang.geometry import LAYOUTS, SGLangModelShape, coordinator_toml
 from tiercache.sizes import parse_size
 
-_MODEL_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
-                 "float32": "float32", "float": "float32"}
 # SGLang's --kv-cache-dtype values whose pages tiercache can size (no float16: fp16 KV
 # follows a float16 model's own dtype under "auto")
 KV_CACHE_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -30,34 +27,17 @@ DEFAULT_PAGE_SIZE = 64
 
 
 def shape_from_hf_config(path: str, kv_cache_dtype: str = "auto") -> SGLangModelShape:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        hf = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model config {str(p)!r} does not exist (give a local model "
-                          "directory or its config.json)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model config {str(p)!r} is not JSON: {e}") from None
-    hf = hf.get("text_config", hf)  # multimodal wrappers keep the decoder here
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if k not in hf]
-    if missing:
-        raise ConfigError(f"{p}: no {', '.join(missing)}; not a decoder config tiercache can size")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r}: allowed "
                           f"{', '.join(KV_CACHE_DTYPES)}")
-    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or _MODEL_DTYPES.get(
-        str(hf.get("torch_dtype", hf.get("dtype", "bfloat16"))))
-    if dtype is None:
-        raise ConfigError(f"{p}: torch_dtype {hf.get('torch_dtype')!r}; pass --kv-cache-dtype")
+    model = HFModel.read(path)
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype()
+    hf = model.fields
     if "kv_lora_rank" in hf:  # MLA: one latent per token and layer, the same on every rank
         latent = int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim", 0))
-        return SGLangModelShape(hf["num_hidden_layers"], 1, latent, dtype, is_mla=True)
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads", heads)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return SGLangModelShape(hf["num_hidden_layers"], kv_heads, head_dim, dtype)
+        return SGLangModelShape(model.num_layers, 1, latent, dtype, is_mla=True)
+    kv_heads, head_dim = model.kv_heads_and_head_dim
+    return SGLangModelShape(model.num_layers, kv_heads, head_dim, dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,43 +13,20 @@ the coordinator's host.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from tiercache.config import DTYPE_BYTES
-from tiercache.errors import ConfigError
+from tiercache.config.hf_model import HFModel
 from tiercache.sizes import parse_size
 from tiercache.vllm.geometry import ModelShape, coordinator_toml
 
-_TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
-                 "float32": "float32", "float": "float32"}
-
-
 def shape_from_hf_config(path: str, kv_cache_dtype: str = "auto") -> ModelShape:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        hf = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model config {str(p)!r} does not exist (give a local model "
-                          "directory or its config.json)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model config {str(p)!r} is not JSON: {e}") from None
-    hf = hf.get("text_config", hf)  # multimodal wrappers keep the decoder here
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if k not in hf]
-    if missing:
-        raise ConfigError(f"{p}: no {', '.join(missing)}; not a decoder config tiercache can size")
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads", heads)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    model = HFModel.read(path)
+    kv_heads, head_dim = model.kv_heads_and_head_dim
     if kv_cache_dtype == "auto":
-        dtype = _TORCH_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", "bfloat16"))))
-        if dtype is None:
-            raise ConfigError(f"{p}: torch_dtype {hf.get('torch_dtype')!r}; pass --kv-cache-dtype")
+        dtype = model.dtype()
     else:
         dtype = "fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype
-    return ModelShape(hf["num_hidden_layers"], kv_heads, head_dim, dtype)
+    return ModelShape(model.num_layers, kv_heads, head_dim, dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
