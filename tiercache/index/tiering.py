@@ -223,8 +223,9 @@ class TierChain:
 
     def _promote(self, tier: LowerTier, run: Sequence[bytes]) -> None:
         """Reserve host slots for ``run`` (what is not in host memory yet) and hand them to
-        ``tier``, ``promote_blocks`` at a time; a reservation that finds no room ends it
-        (those keys are misses)."""
+        ``tier``, ``promote_blocks`` at a time: as many of its leading keys as free and
+        evictable slots allow now (blocks pinned a moment, by a demotion say, are not); the
+        rest wait for a later lookup."""
         if self._paused(tier):
             return
         try:
@@ -233,12 +234,13 @@ class TierChain:
             return
         step = tier.policy.promote_blocks
         for start in range(0, len(run), step):
-            out = self._manager.reserve_locked(run[start:start + step], TIER_OWNER, None)
-            if out is None:
-                return
+            chunk = run[start:start + step]
+            out = self._manager.reserve_locked(chunk, TIER_OWNER, len(chunk))
             if out.keys_to_store:
                 self._submit(tier, JobKind.PROMOTE, out.keys_to_store,
                              tuple(out.store_spec.block_ids.tolist()))
+            if out.no_room_keys:
+                return
 
     def _hand_over(self, tier: LowerTier, kind: JobKind, keys: list[bytes]) -> None:
         """Under the lock: pin ``keys`` (readable) for ``tier`` to read and give it the job."""
