@@ -318,7 +318,7 @@ class ChunkLoop:
     def transfer_spans(self) -> tuple[int, int, int, int]:
         """Of the last ``transfer``, ns from its start until validated, fenced, marked and
         queued (the last includes an inline issue): where the native call's time went."""
-        return tuple(self._outcome.spans_ns)  # type: ignore[return-value]
+        return tuple(self._outcome.spans_ns)
 
     def set_inline(self, max_pairs: int) -> None:
         """Jobs of at most ``max_pairs`` pairs that find the loop idle (nothing queued,

@@ -123,7 +123,7 @@ class SharedOffloadRegion:
         self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
-        self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
+        self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES].data)
         self._region_id = 0  # read once the header is written (create) or checked (attach)
         self._stats: dict[tuple[int, int], RankStats] = {}
         self._slot_lock: SlotLock | None = None  # the attachment slot of a worker's mapping
