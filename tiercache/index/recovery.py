@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from tiercache.region.ledger import Recovery
 
 
-def restore(table: SlotTable, recovery: Recovery, surviving: set[int], counters: dict[str, int]) -> None:
+def restore(table: SlotTable, recovery: Recovery, surviving: set[int],
+            counters: dict[str, int]) -> None:
     """Fill the empty ``table`` from ``recovery`` (``IndexLedger.recover()``); the counts
     go to ``counters``."""
     by_slot: dict[int, bytes] = {}

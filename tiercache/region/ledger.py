@@ -177,7 +177,8 @@ class IndexLedger:
     def clear(self) -> None:
         self.free(np.arange(self._table.size))
 
-    def _rewrite(self, slot_ids: Sequence[int] | np.ndarray, body: tuple[tuple[str, object], ...]) -> None:
+    def _rewrite(self, slot_ids: Sequence[int] | np.ndarray,
+                 body: tuple[tuple[str, object], ...]) -> None:
         """The one way a record changes; the store order is the crash-safety argument
         (module docstring)."""
         ids = np.asarray(slot_ids, dtype=np.int64)
