@@ -408,8 +408,9 @@ class SharedOffloadRegion:
         for stats in self._stats.values():
             stats.release()
         self._stats.clear()
-        self.header = None  # type: ignore[assignment]
-        self._bytes = None  # type: ignore[assignment]
+        # unmapped: a later use fails loudly, never reads freed memory
+        self.header = None  # type: ignore[assignment]  # (the line above)
+        self._bytes = None  # type: ignore[assignment]  # (the line above)
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None

@@ -397,7 +397,7 @@ class StagedBackend(StreamBackend[Plan]):
             self.driver.event_destroy(event)
         if self._blocks is not None:
             self._blocks[2].close()
-        self._ring = None  # type: ignore[assignment]
+        self._ring = None  # type: ignore[assignment]  # closed: the ring's memory goes now
 
 
 def create(context: BackendContext) -> StagedBackend:
