@@ -110,9 +110,10 @@ test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) prometheus cc fuse mooncake systemd
 	$(VLLM_BIN)/python -m pytest -q tests/vllm
 	$(SGLANG_BIN)/python -m pytest -q tests/sglang
 
-# ruff (pyproject.toml's [tool.ruff]) over the tree.
+# ruff (pyproject.toml's [tool.ruff]) over the tree, then mypy ([tool.mypy]) over the package.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Only the vLLM integration tests (real vLLM 0.33.0 scheduler and connector, no GPU).
 test-vllm: $(VLLM_STAMP)

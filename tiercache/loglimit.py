@@ -35,7 +35,7 @@ class LogLimiter:
             return False
         self._last[kind] = now
         suppressed = self._suppressed.pop(kind, 0)
-        if suppressed:
+        if suppressed and last is not None:  # a suppressed event had a last line
             message += f" ({suppressed} more like this in the last {now - last:.0f} s not logged)"
         self._log.log(level, message, *args)
         return True

@@ -16,10 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from typing import TypeVar
 
 import numpy as np
 
 from tiercache.errors import SpecError
+
+_Side = TypeVar("_Side")
 
 
 class Medium(Enum):
@@ -192,7 +195,7 @@ class Direction(IntEnum):
         raise SpecError(f"a {self.label} transfer takes (src_spec, dst_spec) = ({want}); "
                         f"got {_type_names((src_spec, dst_spec))}")
 
-    def src_dst(self, gpu_side, cpu_side):
+    def src_dst(self, gpu_side: _Side, cpu_side: _Side) -> tuple[_Side, _Side]:
         """Order a (GPU side, CPU side) pair as (source, destination); the same swap
         turns (source, destination) back into (GPU side, CPU side)."""
         return (gpu_side, cpu_side) if self is Direction.GPU_TO_CPU else (cpu_side, gpu_side)

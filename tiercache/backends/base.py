@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 from tiercache.backend_kind import BackendKind
 from tiercache.device.events import Event, Stream, Ticket
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the region's page-locking loads this module, and no native 
     from tiercache.native.chunk_loop import ChunkLoop
 
 Plan = CopyPlan | BlockPlan
+_P = TypeVar("_P", bound=Plan)  # the plans a StreamBackend's copy takes
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,11 @@ class CopyBackend(ABC):
         return None
 
 
-class StreamBackend(CopyBackend):
+class StreamBackend(CopyBackend, Generic[_P]):
     """A backend that enqueues on the calling thread: ``submit`` makes the stream wait for
     the ``after`` events, records ``start``, ``copy``-s the plan and records ``end`` (in a
-    ``finally``: always). A plan of the wrong form is a ``BackendError``."""
+    ``finally``: always). A plan of the wrong form is a ``BackendError``. ``_P``: the plans
+    ``copy`` takes (those of ``plan_form``)."""
 
     def submit(self, plan: Plan | None, ordering: Ordering) -> Submission:
         stream = ordering.stream
@@ -167,12 +169,12 @@ class StreamBackend(CopyBackend):
             if not isinstance(plan, CopyPlan if self.plan_form is PlanForm.PAGES else BlockPlan):
                 raise BackendError(f"the {self.kind.label} backend takes "
                                    f"{self.plan_form.value} plans, got {type(plan).__name__}")
-            return Submission(self.copy(plan, stream))
+            return Submission(self.copy(cast(_P, plan), stream))  # of plan_form: checked above
         finally:
             if ordering.end is not None:
                 ordering.end.record(stream)
 
     @abstractmethod
-    def copy(self, plan: Plan, stream: Stream) -> tuple[object, ...]:
+    def copy(self, plan: _P, stream: Stream) -> tuple[object, ...]:
         """Enqueue the copies of ``plan`` (of ``plan_form``, non-empty) on ``stream``;
         return what the device still reads (the ``Submission``'s ``keep``)."""

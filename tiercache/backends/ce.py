@@ -42,7 +42,7 @@ FIRST_BATCH = 16  # descriptors in the first call: the engines start after ~10 �
 MAX_BATCH = 256  # per-call cost (~5 µs) stays small against 256 x ~0.5 µs
 
 
-class CeBackend(StreamBackend):
+class CeBackend(StreamBackend[CopyPlan]):
     """Copy engines through ``cuMemcpyBatchAsync``, in batches growing per plan."""
 
     kind = BackendKind.CE
@@ -103,7 +103,7 @@ class CeBackend(StreamBackend):
                                f"{self.driver.error_name(failure.code)}")
 
 
-class CeLoopBackend(StreamBackend):
+class CeLoopBackend(StreamBackend[CopyPlan]):
     """One ``cuMemcpyAsync`` per descriptor: for drivers without the batch API.
 
     Several µs of host time per descriptor, so slow on small pages; chosen by name, or

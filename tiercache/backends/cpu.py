@@ -11,6 +11,7 @@ import ctypes
 
 from tiercache.backends.base import BackendContext, StreamBackend
 from tiercache.backend_kind import BackendKind
+from tiercache.device.events import Stream
 from tiercache.device.host_streams import HostStream
 from tiercache.errors import BackendError
 from tiercache.planning.plans import CopyPlan
@@ -22,12 +23,12 @@ def _execute(plan: CopyPlan) -> None:
         memmove(dst, src, size)
 
 
-class CpuCopyBackend(StreamBackend):
+class CpuCopyBackend(StreamBackend[CopyPlan]):
     """memmove on a host thread; the submission holds the plan."""
 
     kind = BackendKind.CPU
 
-    def copy(self, plan: CopyPlan, stream: HostStream) -> tuple[object, ...]:
+    def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         if not isinstance(stream, HostStream):
             raise BackendError(f"the cpu backend runs on a HostStream, got {type(stream).__name__}")
         stream.launch(lambda: _execute(plan))

@@ -12,6 +12,8 @@ is lost). The handler only builds plans over the worker's registered slice.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from tiercache.backends.base import BackendContext, StreamBackend
@@ -25,7 +27,7 @@ from tiercache.planning.plans import CopyPlan
 DEFAULT_NUM_PROGRAMS = 32  # enough bytes in flight to fill PCIe (16 CTAs reach 0.93)
 
 
-class KernelBackend(StreamBackend):
+class KernelBackend(StreamBackend[CopyPlan]):
     """Triton copy over UVA with at most ``num_programs`` programs (SMs held)."""
 
     kind = BackendKind.KERNEL
@@ -38,9 +40,10 @@ class KernelBackend(StreamBackend):
     def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         stream_handle(stream)  # refuses the legacy default stream
         src, dst, sizes = plan.arrays()
+        cuda = cast(torch.cuda.Stream, stream)  # a GPU kind's stream is torch's (Ordering)
         try:
-            with torch.cuda.stream(stream):
-                table = upload_table(src, dst, sizes, stream)
+            with torch.cuda.stream(cuda):
+                table = upload_table(src, dst, sizes, cuda)
                 self.kernel.launch(table)
         except Exception as e:  # torch/Triton raise several types; re-raised with the cause
             raise BackendError(f"kernel copy of {sizes.size} descriptors could not be "

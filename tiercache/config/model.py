@@ -84,10 +84,10 @@ class Config:
                  0, 65536)):
             if not low <= value <= high:
                 raise ConfigError(f"control.{key} = {value!r}: allowed {low} .. {high}")
-        for key, value, high in (("hello_timeout_s", self.control_hello_timeout_s, 3600),
-                                 ("idle_timeout_s", self.control_idle_timeout_s, 86400)):
-            if not 0 < value <= high:
-                raise ConfigError(f"control.{key} = {value!r}: allowed 0 .. {high} (seconds, "
+        for key, value_s, high in (("hello_timeout_s", self.control_hello_timeout_s, 3600),
+                                   ("idle_timeout_s", self.control_idle_timeout_s, 86400)):
+            if not 0 < value_s <= high:
+                raise ConfigError(f"control.{key} = {value_s!r}: allowed 0 .. {high} (seconds, "
                                   "not 0)")
         if self.control_trusted_uid < -1:
             raise ConfigError(f"control.trusted_uid = {self.control_trusted_uid!r}: a uid "

@@ -126,12 +126,12 @@ class ClusterConfig:
                            ("promote_threads", self.promote_threads)):
             if not 1 <= value <= 64:
                 raise ConfigError(f"cluster.{key} = {value}: allowed 1..64")
-        for key, value, top in (("exists_ttl_s", self.exists_ttl_s, 60),
-                                ("exists_wait_s", self.exists_wait_s, 60),
-                                ("retry_s", self.retry_s, 3600),
-                                ("census_period_s", self.census_period_s, 86400),
-                                ("start_timeout_s", self.start_timeout_s, 3600),
-                                ("stop_timeout_s", self.stop_timeout_s, 3600)):
-            if not 0 < value <= top:
-                raise ConfigError(f"cluster.{key} = {value}: allowed above 0 up to {top} "
+        for key, value_s, top in (("exists_ttl_s", self.exists_ttl_s, 60),
+                                  ("exists_wait_s", self.exists_wait_s, 60),
+                                  ("retry_s", self.retry_s, 3600),
+                                  ("census_period_s", self.census_period_s, 86400),
+                                  ("start_timeout_s", self.start_timeout_s, 3600),
+                                  ("stop_timeout_s", self.stop_timeout_s, 3600)):
+            if not 0 < value_s <= top:
+                raise ConfigError(f"cluster.{key} = {value_s}: allowed above 0 up to {top} "
                                   "(seconds)")

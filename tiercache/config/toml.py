@@ -74,7 +74,8 @@ def _check_types(raw: dict[str, Any]) -> None:
                 raise ConfigError(
                     f"unknown key {section}.{key}; allowed in [{section}]: {', '.join(allowed)}"
                 )
-            types = allowed[key] if isinstance(allowed[key], tuple) else (allowed[key],)
+            kind = allowed[key]
+            types = kind if isinstance(kind, tuple) else (kind,)
             bad_bool = isinstance(value, bool) and bool not in types
             if bad_bool or not isinstance(value, types):
                 want = " or ".join(_TYPE_NAMES[t] for t in types)
@@ -89,7 +90,7 @@ def _enum(enum_type: type[Enum], value: str, key: str) -> Any:
         raise ConfigError(f"{key} = {value!r}: allowed {allowed}") from None
 
 
-def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
+def _disk_from(raw: dict[str, Any], base_dir: str | os.PathLike[str] | None) -> DiskConfig:
     for key in ("path", "capacity"):
         if key not in raw:
             raise ConfigError(f"disk.{key} is missing: the disk tier needs disk.path (a "
@@ -107,7 +108,8 @@ def _disk_from(raw: dict[str, Any], base_dir) -> DiskConfig:
                                        "retry_s": "retry_s"}))
 
 
-def _cluster_from(raw: dict[str, Any], base_dir) -> ClusterConfig:
+def _cluster_from(raw: dict[str, Any], base_dir: str | os.PathLike[str] | None,
+                  ) -> ClusterConfig:
     for key in ("master", "metadata_server", "local_hostname"):
         if key not in raw:
             raise ConfigError(f"cluster.{key} is missing: the cluster tier needs cluster.master "
@@ -291,7 +293,7 @@ def config_to_toml(config: Config) -> str:
     reg, kv, exp = config.region, config.kv, config.exporter
     size = {"num_blocks": reg.num_blocks} if reg.num_blocks is not None else {
         "capacity": reg.capacity_bytes}
-    tables = {
+    tables: dict[str, dict[str, Any]] = {
         "instance": {"name": config.name, "world_size": config.world_size},
         "region": {**size, "prefault_threads": reg.prefault_threads, "pinning": reg.pinning.value,
                    "check_host_memory": reg.check_host_memory,

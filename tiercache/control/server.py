@@ -179,7 +179,7 @@ class ControlServer:
     def _release(self) -> None:
         if self._selector is not None:
             for key in list(self._selector.get_map().values()):
-                key.fileobj.close()  # type: ignore[union-attr]
+                key.fileobj.close()  # type: ignore[union-attr]  # only sockets are registered
             self._selector.close()
             self._selector = None
         for sock in (self._listener, self._wake_r, self._wake_w):

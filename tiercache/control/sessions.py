@@ -154,7 +154,9 @@ class SessionTable:
         server calls it once per tick: it reads /proc)."""
         ended = []
         for token, session in list(self._restored.items()):
-            if now >= session.deadline or not process_alive(session.pid, session.pid_start_ns):
+            deadline = session.deadline
+            assert deadline is not None, "a restored session keeps its deadline until it resumes"
+            if now >= deadline or not process_alive(session.pid, session.pid_start_ns):
                 del self._restored[token]
                 ended.append((session, self._end(session)))
         return ended

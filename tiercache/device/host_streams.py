@@ -90,8 +90,8 @@ class HostStream:
                                         name=f"tiercache-host-stream-{next(_stream_numbers)}")
         self._thread.start()
 
-    def launch(self, fn: Callable[[], None]) -> None:
-        """Enqueue ``fn`` to run after everything enqueued before it."""
+    def launch(self, fn: Callable[[], object]) -> None:
+        """Enqueue ``fn`` to run after everything enqueued before it (its result is dropped)."""
         self._put(functools.partial(self._call, fn))
 
     def wait_event(self, event: HostEvent) -> None:
@@ -130,7 +130,7 @@ class HostStream:
             op()
 
     # The ops below run on the stream's thread, in queue order.
-    def _call(self, fn: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[[], object]) -> None:
         try:
             fn()
         except Exception as e:  # not swallowed: the next event recorded here raises it

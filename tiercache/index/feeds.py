@@ -52,7 +52,7 @@ class Feed:
     def take(self, count: int) -> tuple[JobKind, list[bytes]]:
         """The next up to ``count`` waiting keys of one kind, in order."""
         kind = next(iter(self.waiting.values()))
-        batch = []
+        batch: list[bytes] = []
         for key, of in self.waiting.items():
             if of is not kind or len(batch) == count:
                 break

@@ -8,12 +8,17 @@ last."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from tiercache.index.slots import Slot, SlotState
 from tiercache.index.table import SlotTable
 
+if TYPE_CHECKING:
+    from tiercache.region.ledger import Recovery
 
-def restore(table: SlotTable, recovery, surviving: set[int], counters: dict[str, int]) -> None:
+
+def restore(table: SlotTable, recovery: Recovery, surviving: set[int],
+            counters: dict[str, int]) -> None:
     """Fill the empty ``table`` from ``recovery`` (``IndexLedger.recover()``); the counts
     go to ``counters``."""
     by_slot: dict[int, bytes] = {}

@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tiercache.errors import InvalidKeyError, ManagerError
 from tiercache.index.lower_tier import BlockSource
+
+if TYPE_CHECKING:
+    from tiercache.region.ledger import Recovery
 
 
 class SlotState(Enum):
@@ -66,9 +69,11 @@ class Ledger(Protocol):
 
     max_key_bytes: int
     max_pin_owners: int
-    num_records: int
 
-    def recover(self): ...
+    @property
+    def num_records(self) -> int: ...
+
+    def recover(self) -> Recovery: ...
 
     def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes], writer: int,
                 gens: Sequence[int]) -> None: ...

@@ -223,7 +223,8 @@ class SlotTable:
     def make_ready(self, slots: Sequence[Slot], source: BlockSource) -> list[bytes]:
         """Written blocks become READY (the doomed ones are freed instead); the keys that
         became readable."""
-        ready, doomed = [], []
+        ready: list[Slot] = []
+        doomed: list[Slot] = []
         for slot in slots:
             (doomed if slot.doomed else ready).append(slot)
         for slot in ready:

@@ -36,10 +36,10 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -288,9 +288,10 @@ class Family(Enum):
 
 
 METRIC_NAMES: tuple[str, ...] = tuple(f.wire_name for f in Family)
-_INDEX_COUNTERS = tuple(f for f in Family if f.read_stat is not None and f.of_index)
-_TIER_FAMILIES = tuple(f for f in Family if f.of_tiers)
-Families = dict[Family, Metric]
+_INDEX_COUNTERS = tuple((f, f.read_stat) for f in Family if f.read_stat is not None and f.of_index)
+_TIER_FAMILIES = tuple((f, f.read_stat) for f in Family if f.of_tiers and f.read_stat is not None)
+# the client's counter, gauge and histogram families: add_metric's arguments differ by kind
+Families = dict[Family, Any]
 
 
 def _families(include_index: bool, include_tiers: bool = False) -> Families:
@@ -326,7 +327,7 @@ class TiercacheCollector(Collector):
 
     def __init__(self, region: RegionView,
                  manager_stats: Callable[[], ManagerStats] | None = None,
-                 tier_stats: Callable[[], dict[str, object]] | None = None):
+                 tier_stats: Callable[[], Mapping[str, object]] | None = None):
         self._region = region
         self._layout = region.layout
         self._reader = AttachmentReader(region, self._layout)
@@ -342,8 +343,8 @@ class TiercacheCollector(Collector):
         f = _families(self._manager_stats is not None, self._tier_stats is not None)
         if self._tier_stats is not None:
             for tier, stats in self._tier_stats().items():
-                for family in _TIER_FAMILIES:
-                    f[family].add_metric([tier], float(family.read_stat(stats)))
+                for family, read_stat in _TIER_FAMILIES:
+                    f[family].add_metric([tier], float(read_stat(stats)))
         self._collect_region(f, self._region.info())
         for rank in range(self._layout.world_size):
             self._collect_rank(f, self._reader.read(rank))
@@ -429,8 +430,8 @@ class TiercacheCollector(Collector):
                     labels + [direction.label], a.snapshot.directions[direction].bytes_total)
 
     def _collect_index(self, f: Families, stats: ManagerStats) -> None:
-        for family in _INDEX_COUNTERS:
-            f[family].add_metric([], family.read_stat(stats))
+        for family, read_stat in _INDEX_COUNTERS:
+            f[family].add_metric([], read_stat(stats))
         f[Family.INDEX_CAPACITY].add_metric([], stats.capacity_blocks)
         by_state = (stats.free_blocks, stats.writing_blocks, stats.ready_blocks,
                     stats.loading_blocks, stats.quarantined_blocks)
@@ -439,7 +440,7 @@ class TiercacheCollector(Collector):
         f[Family.OCCUPANCY].add_metric([], stats.occupancy)
 
 
-def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
+def _cumulative(les: tuple[str, ...], counts: tuple[int, ...]) -> list[tuple[str, int]]:
     """Per-bucket counts (as stored) to Prometheus' cumulative ``le`` buckets."""
     return list(zip(les, itertools.accumulate(counts), strict=True))
 

@@ -290,7 +290,7 @@ class ChunkLoop:
         if len(group_sizes) != num_groups or len(block_indices) != num_groups:
             return Outcome(TransferCode.SPEC_GROUPS, 0, 0, None)  # not one entry per group
         groups = checks.groups
-        groups[:] = (*group_sizes, *block_indices)  # type: ignore[call-overload]
+        groups[:] = [*group_sizes, *block_indices]
         # the arrays go by their objects' addresses (tc_ndarray): flat, of the C's types
         if gpu_ids.dtype is not _I64 or not gpu_ids.flags.c_contiguous:
             gpu_ids = np.ascontiguousarray(gpu_ids, dtype=_I64).reshape(-1)
@@ -318,7 +318,7 @@ class ChunkLoop:
     def transfer_spans(self) -> tuple[int, int, int, int]:
         """Of the last ``transfer``, ns from its start until validated, fenced, marked and
         queued (the last includes an inline issue): where the native call's time went."""
-        return tuple(self._outcome.spans_ns)  # type: ignore[return-value]
+        return tuple(self._outcome.spans_ns)
 
     def set_inline(self, max_pairs: int) -> None:
         """Jobs of at most ``max_pairs`` pairs that find the loop idle (nothing queued,

@@ -76,7 +76,7 @@ def _numbers() -> tuple[int, int, int]:
     return _SYSCALLS[machine]
 
 
-def _mask(node: int) -> ctypes.Array:
+def _mask(node: int) -> ctypes.Array[ctypes.c_ulong]:
     if not isinstance(node, int) or not 0 <= node < MAX_NODES:
         raise ArgumentError(f"NUMA node {node!r}: allowed 0..{MAX_NODES - 1}")
     mask = (ctypes.c_ulong * _MASK_WORDS)()

@@ -90,7 +90,8 @@ class PlanBuffers:
         if count > self.capacity:
             self._arrays = tuple(np.empty(max(count, 2 * self.capacity), dtype=_U64)
                                  for _ in range(3))
-        return tuple(a[:count] for a in self._arrays)  # type: ignore[return-value]
+        gpu_addr, cpu_addr, sizes = (a[:count] for a in self._arrays)
+        return gpu_addr, cpu_addr, sizes
 
 
 class TransferPlanner:

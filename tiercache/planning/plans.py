@@ -59,8 +59,9 @@ class CopyPlan:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, dst, sizes) as C-contiguous uint64 (no copy when they already are)."""
-        return tuple(np.ascontiguousarray(a, dtype=np.uint64)  # type: ignore[return-value]
-                     for a in (self.src, self.dst, self.sizes))
+        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.uint64)
+                           for a in (self.src, self.dst, self.sizes))
+        return src, dst, sizes
 
 
 @dataclass(frozen=True)

@@ -51,13 +51,14 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 from tiercache.errors import RankError, RegionError, StatsStuckError
 from tiercache.numa.placement import NumaPlacement
 from tiercache.region.hostmem import process_alive
 from tiercache.region.layout import RegionLayout
 from tiercache.region.stats import (
-    DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, DirectionStats, PinState, RankStatsSnapshot,
+    DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, DirectionStats, PinState, RankStats, RankStatsSnapshot,
 )
 from tiercache.specs import Direction
 
@@ -99,7 +100,7 @@ def slot_held(fd: int, layout: RegionLayout, rank: int, slot: int) -> bool:
     """True while another open file description holds the slot: a live attachment, or a
     process that inherited one's (``F_OFD_GETLK`` names no pid for OFD locks)."""
     out = _lock(fd, F_OFD_GETLK, fcntl.F_WRLCK, layout.stats_offset(rank, slot))
-    return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
+    return bool(_FLOCK.unpack(out)[0] != fcntl.F_UNLCK)
 
 
 def _reopen(fd: int) -> int:
@@ -273,15 +274,21 @@ _ZERO = DirectionStats(0, 0.0, 0, 0, (0,) * (len(DURATION_BUCKETS_S) + 1),
                        (0,) * (len(SIZE_BUCKETS_BYTES) + 1))
 
 
+class StatsBlocks(Protocol):
+    """The attachment blocks of a mapped region, as ``SharedOffloadRegion`` has them."""
+
+    def stats(self, rank: int, slot: int | None = None) -> RankStats: ...
+
+    def slot_held(self, rank: int, slot: int) -> bool: ...
+
+
 class AttachmentReader:
     """Reads every attachment block of every rank, keeping each block's last consistent
     snapshot: a worker SIGKILLed between the two sequence bumps of an update leaves its
     block odd for good, and its counters must still count. ``read_failures[rank]``: reads
     that found one of the rank's blocks mid-update. Safe to call from several threads."""
 
-    def __init__(self, region, layout: RegionLayout):
-        """``region``: ``stats(rank, slot)`` and ``slot_held(rank, slot)``, as
-        ``SharedOffloadRegion`` has them."""
+    def __init__(self, region: StatsBlocks, layout: RegionLayout):
         self.layout = layout
         self._region = region
         self._views = [[region.stats(r, s) for s in range(layout.attachments_per_rank)]
@@ -292,8 +299,11 @@ class AttachmentReader:
         self.stuck_errors: list[str] = []  # messages of the last read's failures
 
     def read(self, rank: int) -> RankSummary:
-        attachments, unreadable, empty = [], [], None
+        attachments: list[Attachment] = []
+        unreadable: list[int] = []
+        empty: RankStatsSnapshot | None = None
         for slot, view in enumerate(self._views[rank]):
+            snap: RankStatsSnapshot | None
             try:
                 snap = view.snapshot()
                 with self._lock:

@@ -75,9 +75,10 @@ class HeaderInfo:
 
 
 class RegionHeader:
-    """Reads and writes the fixed header over a writable buffer (the region's first page)."""
+    """Reads and writes the fixed header over a buffer: the region's first page (writable),
+    or the bytes read from a region's file (for reading only)."""
 
-    def __init__(self, buffer):
+    def __init__(self, buffer: bytes | bytearray | memoryview):
         self._buf = buffer
 
     def write(self, layout: RegionLayout, *, generation: int, owner_pid: int,

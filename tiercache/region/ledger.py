@@ -71,9 +71,10 @@ RECORD = np.dtype([
     ("checksum", "<u8"), ("seq_end", "<u8"),
 ])
 RECORD_BYTES = RECORD.itemsize
-assert RECORD_BYTES == 336 and RECORD_BYTES % 8 == 0
+_FIELDS = RECORD.fields
+assert RECORD_BYTES == 336 and RECORD_BYTES % 8 == 0 and _FIELDS is not None
 _WORDS = RECORD_BYTES // 8
-_BODY = slice(1, RECORD.fields["checksum"][1] // 8)  # the words the checksum covers
+_BODY = slice(1, _FIELDS["checksum"][1] // 8)  # the words the checksum covers
 
 
 class LedgerState(IntEnum):
@@ -168,7 +169,7 @@ class IndexLedger:
                 counts[row, col] = min(count, 0xFFFF)
         self._rewrite(slot_ids, (("pin_owner", owners), ("pin_count", counts)))
 
-    def free(self, slot_ids: Sequence[int]) -> None:
+    def free(self, slot_ids: Sequence[int] | np.ndarray) -> None:
         if len(slot_ids):
             self._rewrite(slot_ids, (("state", LedgerState.FREE), ("key_len", 0), ("stamp", 0),
                                      ("writer", 0), ("pin_owner", 0), ("pin_count", 0)))
@@ -176,7 +177,8 @@ class IndexLedger:
     def clear(self) -> None:
         self.free(np.arange(self._table.size))
 
-    def _rewrite(self, slot_ids: Sequence[int], body: tuple[tuple[str, object], ...]) -> None:
+    def _rewrite(self, slot_ids: Sequence[int] | np.ndarray,
+                 body: tuple[tuple[str, object], ...]) -> None:
         """The one way a record changes; the store order is the crash-safety argument
         (module docstring)."""
         ids = np.asarray(slot_ids, dtype=np.int64)
@@ -197,8 +199,10 @@ class IndexLedger:
         t = self._table if ids is None else self._table[ids]
         ids = np.arange(self._table.size) if ids is None else ids
         sums = record_checksums(self._words[ids, _BODY], ids)
-        return ((t["seq"] == t["seq_end"]) & (t["seq"] % 2 == 0) & (t["checksum"] == sums)
-                & (t["key_len"] <= KEY_BYTES) & (t["state"] <= LedgerState.READY))
+        whole: np.ndarray = ((t["seq"] == t["seq_end"]) & (t["seq"] % 2 == 0)
+                             & (t["checksum"] == sums) & (t["key_len"] <= KEY_BYTES)
+                             & (t["state"] <= LedgerState.READY))
+        return whole
 
     def recover(self) -> Recovery:
         """Read what a previous coordinator left. Torn and damaged records are rewritten

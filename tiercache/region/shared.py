@@ -123,7 +123,7 @@ class SharedOffloadRegion:
         self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self._bytes = np.ctypeslib.as_array(
             (ctypes.c_uint8 * layout.total_bytes).from_address(self.base_address))
-        self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES])
+        self.header = RegionHeader(self._bytes[:HEADER_FIXED_BYTES].data)
         self._region_id = 0  # read once the header is written (create) or checked (attach)
         self._stats: dict[tuple[int, int], RankStats] = {}
         self._slot_lock: SlotLock | None = None  # the attachment slot of a worker's mapping
@@ -408,8 +408,9 @@ class SharedOffloadRegion:
         for stats in self._stats.values():
             stats.release()
         self._stats.clear()
-        self.header = None  # type: ignore[assignment]
-        self._bytes = None  # type: ignore[assignment]
+        # unmapped: a later use fails loudly, never reads freed memory
+        self.header = None  # type: ignore[assignment]  # (the line above)
+        self._bytes = None  # type: ignore[assignment]  # (the line above)
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None

@@ -149,7 +149,7 @@ class RankStatsSnapshot:
 class RankStats:
     """A view of one rank's stats block: ``snapshot()`` for readers, the rest for the writer."""
 
-    def __init__(self, buffer, offset: int, rank: int):
+    def __init__(self, buffer: np.ndarray | bytearray | memoryview, offset: int, rank: int):
         self.rank = rank
         self._words = np.frombuffer(buffer, dtype="<u8", count=_WORDS, offset=offset)
         self._lock = threading.Lock()  # the writer's threads take turns; readers never lock
@@ -265,4 +265,4 @@ class RankStats:
 
     def release(self) -> None:
         """Drop the view so the underlying mmap can close."""
-        self._words = None  # type: ignore[assignment]
+        self._words = None  # type: ignore[assignment]  # released: a later use fails loudly

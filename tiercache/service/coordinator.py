@@ -25,16 +25,30 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tiercache.config import Config
 from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.notify import notify
 
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
+    from tiercache.config import EventsConfig
+    from tiercache.control.options import ControlOptions
+    from tiercache.control.server import ControlServer
+    from tiercache.events import NodeEventStream
+    from tiercache.index.lower_tier import LowerTier
+    from tiercache.index.manager import OffloadingManager
+    from tiercache.metrics.exporter import Exporter
+    from tiercache.region.presence import PresenceMap
+    from tiercache.region.sessions import SessionLedger, SessionRecord
+
 log = logging.getLogger(__name__)
 
 
-def control_options(config: Config):
+def control_options(config: Config) -> ControlOptions:
     """The control server's options from the config (``tiercache.control.server``)."""
     from tiercache.control.server import ControlOptions
 
@@ -56,12 +70,12 @@ class Coordinator:
         self.config = config
         self.say = say
         self.region: SharedOffloadRegion | None = None
-        self.manager = None
-        self.control = None
-        self.exporter = None
-        self.tiers: list = []  # below host memory, fastest first (tiercache.tiers)
-        self.presence = None
-        self.events = None  # the node's KV event stream (NodeEventStream), with [events]
+        self.manager: OffloadingManager | None = None
+        self.control: ControlServer | None = None
+        self.exporter: Exporter | None = None
+        self.tiers: list[LowerTier] = []  # below host memory, fastest first (tiercache.tiers)
+        self.presence: PresenceMap | None = None
+        self.events: NodeEventStream | None = None  # the node's KV event stream, with [events]
         # what stop left blocked in a tier (a disk read, the cluster tier's pool calls,
         # Mooncake's close): daemon threads; the region stays mapped under them, and `serve`
         # ends the process without Mooncake's teardown (which would hang or abort under them)
@@ -75,49 +89,51 @@ class Coordinator:
         cfg = self.config
         t0 = time.perf_counter()
         try:
-            self.region = SharedOffloadRegion.create(cfg, log_step=self.say)
-            layout = self.region.layout
-            store, restored, (total, damaged) = self._restore_sessions()
-            self.manager = self._build_index({r.owner for r in restored})
-            self._report_sessions(restored, total, damaged)
-            self._start_tiers()
+            self.region = region = SharedOffloadRegion.create(cfg, log_step=self.say)
+            layout = region.layout
+            store, restored, (total, damaged) = self._restore_sessions(region)
+            self.manager = manager = self._build_index(region, {r.owner for r in restored})
+            self._report_sessions(manager, restored, total, damaged)
+            self._start_tiers(region, manager)
             if cfg.events is not None:
-                self._start_events()
-            self.presence = self._start_presence()
+                self._start_events(cfg.events, manager)
+            self.presence = self._start_presence(region, manager)
             socket_path = os.path.abspath(cfg.socket_path)
-            control = ControlServer(self.manager, socket_path, control_options(cfg),
+            control = ControlServer(manager, socket_path, control_options(cfg),
                                     session_store=store, restored=restored, events=self.events)
             control.start()  # cleans up after itself when it fails
             self.control = control
-            self.region.header.set_socket_path(socket_path)  # found whatever a client's env
+            region.header.set_socket_path(socket_path)  # found whatever a client's env
             if cfg.exporter.enabled:
-                collector = TiercacheCollector(
-                    self.region, manager_stats=self.control.stats,
-                    tier_stats=self.manager.tier_stats if self.tiers else None)
+                node = TiercacheCollector(region, manager_stats=control.stats,
+                                          tier_stats=manager.tier_stats if self.tiers else None)
+                collector: Collector = node
                 if self.events is not None:
                     from tiercache.metrics.events import EventsCollector, collectors
 
-                    collector = collectors(collector, EventsCollector(self.events.stats))
+                    collector = collectors(node, EventsCollector(self.events.stats))
                 self.exporter = start_exporter(cfg.exporter, collector)
         except BaseException:
             self.close()
             raise
-        self.say(f"region {self.region.path}: {layout.describe()}")
+        self.say(f"region {region.path}: {layout.describe()}")
         self.say(f"index: {layout.num_blocks} blocks, policy {cfg.index_policy}; "
                  f"control socket {cfg.socket_path}")
         if self.exporter is not None:
             self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
                  f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
-        notify("READY=1", f"STATUS=serving {self.region.path}")
+        notify("READY=1", f"STATUS=serving {region.path}")
 
-    def _restore_sessions(self):
+    @staticmethod
+    def _restore_sessions(region: SharedOffloadRegion,
+                          ) -> tuple[SessionLedger, list[SessionRecord], tuple[int, int]]:
         """The region's session table, and the sessions of a previous coordinator whose
         processes still run (their records are kept; the others' are freed)."""
         from tiercache.region.hostmem import process_alive
         from tiercache.region.sessions import SessionLedger
 
-        store = SessionLedger(self.region.sessions_array())
+        store = SessionLedger(region.sessions_array())
         records, damaged = store.recover()
         alive = [r for r in records if process_alive(r.pid, r.pid_start_ns)]
         for record in records:
@@ -125,11 +141,12 @@ class Coordinator:
                 store.close(record.owner)
         return store, alive, (len(records), damaged)
 
-    def _report_sessions(self, alive, total: int, damaged: int) -> None:
+    def _report_sessions(self, manager: OffloadingManager, alive: list[SessionRecord],
+                         total: int, damaged: int) -> None:
         """The live previous sessions are restored (until they resume, their process ends,
         or they stay away for ``index.session_timeout_s``): those holding something keep
         it fenced, the others keep their tokens, so a restart is invisible to clients."""
-        holding = sum(self.manager.holds(r.owner) for r in alive)
+        holding = sum(manager.holds(r.owner) for r in alive)
         if total or damaged:
             self.say(f"sessions: {len(alive)} of the previous coordinator's {total} session(s) "
                      f"have live processes and are kept ({holding} holding reservations or "
@@ -137,7 +154,8 @@ class Coordinator:
                      f"{self.config.index_session_timeout_s:g} s pass"
                      + (f"; {damaged} damaged session record(s) dropped" if damaged else ""))
 
-    def _build_index(self, surviving_owners: set[int]):
+    def _build_index(self, region: SharedOffloadRegion, surviving_owners: set[int],
+                     ) -> OffloadingManager:
         """The index over the region, rebuilt from the region's ledger (READY blocks of a
         re-adopted region come back, with the reservations and pins of surviving
         sessions; a new region's ledger is empty)."""
@@ -145,14 +163,14 @@ class Coordinator:
         from tiercache.region.ledger import IndexLedger
 
         cfg = self.config
-        num_blocks = self.region.layout.num_blocks
+        num_blocks = region.layout.num_blocks
         manager = OffloadingManager(
             num_blocks, policy=cfg.index_policy, enable_events=cfg.index_events,
-            ledger=IndexLedger(self.region.ledger_array()), region_id=self.region.region_id,
+            ledger=IndexLedger(region.ledger_array()), region_id=region.region_id,
             surviving_owners=surviving_owners,
             max_session_blocks=max(1, int(num_blocks * cfg.index_max_session_share)))
         stats = manager.stats()
-        if self.region.setup_times.adopted:
+        if region.setup_times.adopted:
             self.say(f"index: {stats.recovered_blocks} ready block(s) recovered from the "
                      f"region's ledger, {stats.recovered_pins} pin(s) and "
                      f"{stats.recovered_writing_blocks} reservation(s) of live sessions kept"
@@ -160,44 +178,46 @@ class Coordinator:
                         if stats.damaged_records else ""))
         return manager
 
-    def _start_tiers(self) -> None:
+    def _start_tiers(self, region: SharedOffloadRegion, manager: OffloadingManager) -> None:
         """The configured lower tiers (``tiercache.tiers.TIER_FACTORIES``), fastest first,
         driven by the index's tier chain."""
         from tiercache.tiers import build_tier, configured_tiers
 
         try:
             for name in configured_tiers(self.config):
-                self.tiers.append(build_tier(name, self.config, self.region, self.say))
+                self.tiers.append(build_tier(name, self.config, region, self.say))
         except BaseException:
             for tier in self.tiers:
                 tier.close(tier.policy.stop_timeout_s)
             self.tiers = []
             raise
         if self.tiers:
-            self.manager.chain.start(self.tiers)
+            manager.chain.start(self.tiers)
 
-    def _start_presence(self):
+    def _start_presence(self, region: SharedOffloadRegion, manager: OffloadingManager,
+                        ) -> PresenceMap:
         """The key presence map engines read to answer definite misses without asking
         (``tiercache.region.presence``), filled with what the tiers hold now."""
         from tiercache.region.presence import PresenceMap
 
         exact = [t for t in self.tiers if t.policy.exact_holdings]
-        num_keys = self.manager.num_blocks + sum(t.snapshot().capacity_blocks for t in exact)
-        presence = PresenceMap(self.config.name, num_keys, self.region.region_id)
+        num_keys = manager.num_blocks + sum(t.snapshot().capacity_blocks for t in exact)
+        presence = PresenceMap(self.config.name, num_keys, region.region_id)
         if len(exact) < len(self.tiers):  # a pool's keys are not counted: no zero is sure
             presence.set_exact(False)  # for good: nothing reads the counts, none are kept
             self.say("key presence map: not exact (a cluster tier's keys are not counted on "
                      "this node): every new request is looked up in the coordinator, one step")
             return presence
         try:
-            self.manager.set_key_listener(presence.update)
-            self.manager.chain.set_tier_key_listener(presence.update)
+            manager.set_key_listener(presence.update)
+            manager.chain.set_tier_key_listener(presence.update)
         except BaseException:
             presence.close()
             raise
         return presence
 
     def _stop_presence(self) -> None:
+        assert self.manager is not None and self.presence is not None, "started after the index"
         self.manager.set_key_listener(None)
         self.manager.chain.set_tier_key_listener(None)
         self.presence.close()
@@ -205,6 +225,7 @@ class Coordinator:
     def _stop_tiers(self) -> None:
         """Each tier within its own stop bound (``cluster.stop_timeout_s``, the disk's
         ``DISK_STOP_S``); what is still blocked then is abandoned (one line says what)."""
+        assert self.manager is not None, "the tiers start after the index"
         self.abandoned = self.manager.chain.close()
         if self.abandoned:
             self.say("tiers: stop waited each tier's bound (cluster.stop_timeout_s; the disk's "
@@ -212,16 +233,16 @@ class Coordinator:
                      f"{'; '.join(self.abandoned)}. Daemon threads holding nothing the next "
                      "start needs; this process ends without their teardown")
 
-    def _start_events(self) -> None:
+    def _start_events(self, config: EventsConfig, manager: OffloadingManager) -> None:
         """The node's KV event stream (``[events]``, ``tiercache.events``): bound and
         publishing, then hung on the index's ``NodeEvents`` hook (which first tells it
         everything the node holds), before any engine can change anything."""
         from tiercache.events import NodeEventStream
 
-        stream = NodeEventStream(self.config.events)
+        stream = NodeEventStream(config)
         stream.start()  # a ServiceError naming the endpoint if it cannot bind
         self.events = stream
-        self.manager.set_node_events(stream.sink)
+        manager.set_node_events(stream.sink)
         publisher = stream.publisher
         self.say(f"events: publishing on {publisher.endpoint}"
                  + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint
@@ -229,6 +250,7 @@ class Coordinator:
                  "their namespaces")
 
     def _stop_events(self) -> None:
+        assert self.manager is not None and self.events is not None, "started after the index"
         self.manager.set_node_events(None)
         self.events.close()
 
@@ -269,6 +291,6 @@ class Coordinator:
             [f"socket {self.control.socket_path}"] if self.control else [])
         kept = (f"; kept region {self.region.path} with its cache for the next `serve` "
                 f"({attached} worker attachment(s) still map it; `tiercache clean` removes it "
-                "once they are gone)" if keep else "")
+                "once they are gone)" if keep and self.region else "")
         self.say((f"stopped; removed {' and '.join(removed)}" if removed else
                   "stopped; nothing to remove (this start created no region or socket)") + kept)

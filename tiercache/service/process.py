@@ -24,8 +24,11 @@ class CoordinatorProcess:
     def __init__(self, config: Config, workdir: str | os.PathLike[str] | None = None,
                  timeout_s: float = DEFAULT_START_TIMEOUT_S):
         self.config = config
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tiercache-coord-")
-        self.workdir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if not workdir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tiercache-coord-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / f"{config.name}.toml"
         self.config_path.write_text(config_to_toml(config))

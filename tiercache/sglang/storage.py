@@ -282,15 +282,16 @@ class TierCacheHiCacheStorage(HiCacheStorage):
               ) -> HostOutcome | None:
         """``move`` on the mapping of the spec's region (re-attached if the coordinator
         replaced the region), held for the copy; None (a miss) when none has its identity."""
-        transfer = self.region.acquire(region_id) if self.region is not None else None
-        if transfer is None:
+        region = self.region
+        transfer = region.acquire(region_id) if region is not None else None
+        if region is None or transfer is None:
             self._logs.warn("region", "tiercache: a spec of region %#018x, which this process "
                             "does not map: a miss", region_id)
             return None
         try:
             return move(transfer)
         finally:
-            self.region.release(transfer)
+            region.release(transfer)
 
     def _count_failed(self, failed: CallFailed, **pages: int) -> None:
         self.counters.add(coordinator_down_calls=1 if failed.gone else 0,

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tiercache.config import Config
 from tiercache.index.lower_tier import LowerTier
+
+if TYPE_CHECKING:
+    from tiercache.tiers.builders import TierRegion
 
 TIER_FACTORIES: dict[str, str] = {
     "disk": "tiercache.tiers.builders:build_disk",
@@ -33,6 +37,7 @@ def configured_tiers(config: Config) -> list[str]:
     return [name for name in TIER_FACTORIES if getattr(config, name) is not None]
 
 
-def build_tier(name: str, config: Config, region, say: Callable[[str], None]) -> LowerTier:
+def build_tier(name: str, config: Config, region: TierRegion, say: Callable[[str], None],
+               ) -> LowerTier:
     module, _, attr = TIER_FACTORIES[name].partition(":")
     return getattr(importlib.import_module(module), attr)(config, region, say)

@@ -52,10 +52,14 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from crc32c import crc32c
 
 from tiercache.errors import TierError
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 KEY_BYTES = 256
 DIGEST_BYTES = 16  # format and instance fields
@@ -78,7 +82,7 @@ class Container(Enum):
     POOL_OBJECT = b"TCPOOL02"
 
 
-def checksum(buffers: Sequence[object], crc: int = 0) -> int:
+def checksum(buffers: Sequence[ReadableBuffer], crc: int = 0) -> int:
     """CRC-32C over ``buffers`` in order (anything with the buffer protocol)."""
     for buf in buffers:
         crc = crc32c(buf, crc)
@@ -123,7 +127,7 @@ class BlockHeader:
                               len(self.key), 0, self.key)
         return fields + _U32.pack(checksum([fields]))
 
-    def seal(self, mac: BlockMac | None, data: Sequence[object] = ()) -> bytes:
+    def seal(self, mac: BlockMac | None, data: Sequence[ReadableBuffer] = ()) -> bytes:
         """``SEALED_BYTES``: the header and, with ``mac``, its tag over the header and
         ``data`` (the block's bytes, in order); zeros in its place without."""
         head = self.encode()
@@ -146,7 +150,7 @@ class BlockHeader:
         return cls(container, fmt, instance, seq, rank, world, data_bytes, data_crc,
                    key[:key_len])
 
-    def holds(self, data: Sequence[object]) -> bool:
+    def holds(self, data: Sequence[ReadableBuffer]) -> bool:
         """Whether ``data`` (the block's bytes, in order) has the header's length and CRC."""
         return (sum(memoryview(d).nbytes for d in data) == self.data_bytes
                 and checksum(data) == self.data_crc)
@@ -166,13 +170,13 @@ class BlockMac:
             raise TierError(f"a MAC key of {len(key)} bytes; give at least {MIN_KEY_BYTES}")
         self._key = bytes(key)
 
-    def tag(self, header: bytes, data: Sequence[object]) -> bytes:
+    def tag(self, header: bytes, data: Sequence[ReadableBuffer]) -> bytes:
         mac = hmac.new(self._key, header[:HEADER_BYTES], hashlib.sha256)
         for buf in data:
             mac.update(buf)
         return mac.digest()
 
-    def verify(self, raw: bytes, data: Sequence[object]) -> bool:
+    def verify(self, raw: bytes, data: Sequence[ReadableBuffer]) -> bool:
         """Whether the sealed header ``raw`` carries the tag of its header and ``data``."""
         return len(raw) >= SEALED_BYTES and hmac.compare_digest(
             self.tag(raw, data), sealed_tag(raw))

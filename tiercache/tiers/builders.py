@@ -6,20 +6,38 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from tiercache.config import Config
 from tiercache.sizes import format_bytes
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tiercache.index.lower_tier import LowerTier
+    from tiercache.region.layout import RegionLayout
+
 DISK_STOP_S = 5.0  # a stop waits this long for disk I/O in flight, then abandons it
 
 
-def build_disk(config: Config, region, say: Callable[[str], None]):
+class TierRegion(Protocol):
+    """What a builder reads of the coordinator's region (``SharedOffloadRegion``): its
+    layout, and each rank's slice as ``(num_blocks, row_stride)`` bytes."""
+
+    @property
+    def layout(self) -> RegionLayout: ...
+
+    def rank_array(self, rank: int) -> np.ndarray: ...
+
+
+def build_disk(config: Config, region: TierRegion, say: Callable[[str], None]) -> LowerTier:
     """The disk tier over its file (created, or reopened and its index rebuilt from the
     slot headers)."""
     from tiercache.tiers.disk import DiskTier
     from tiercache.tiers.disk_file import DiskSlotFile
 
     disk, layout = config.disk, region.layout
+    assert disk is not None, "the registry builds a tier only when its section is configured"
     t0 = time.perf_counter()
     file = DiskSlotFile(disk.file_path(config.name), disk.capacity_bytes,
                         world_size=layout.world_size, row_stride=layout.row_stride,
@@ -45,7 +63,7 @@ def build_disk(config: Config, region, say: Callable[[str], None]):
     return tier
 
 
-def build_cluster(config: Config, region, say: Callable[[str], None]):
+def build_cluster(config: Config, region: TierRegion, say: Callable[[str], None]) -> LowerTier:
     """The cluster tier: the cluster's key read, this node's segment mounted in the pool
     (waiting up to ``cluster.start_timeout_s`` for the master). The region is never
     registered with the pool (peers could reach it): blocks move through the tier's
@@ -56,6 +74,7 @@ def build_cluster(config: Config, region, say: Callable[[str], None]):
     from tiercache.tiers.mooncake_pool import MooncakePool
 
     cfg, layout = config.cluster, region.layout
+    assert cfg is not None, "the registry builds a tier only when its section is configured"
     block_format = BlockFormat.of(layout, load_cluster_key(cfg.key_file))
     t0 = time.perf_counter()
     pool = MooncakePool(cfg)

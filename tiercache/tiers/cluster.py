@@ -137,6 +137,7 @@ class ClusterTier(LowerTier):
         must be queued (docs/benchmarks.md: 2 publishers kept that thread busy about half
         the time on the development VM)."""
         self._wake = wake
+        work: list[tuple[Callable[..., None], str, tuple[int, ...]]]
         work = [(self._publisher, f"publish-{i}", (i,)) for i in range(self._publish_threads)]
         work += [(self._promoter, f"promote-{i}", (self._publish_threads + i,))
                  for i in range(self._promote_threads)]  # each thread its header buffers
@@ -298,7 +299,7 @@ class ClusterTier(LowerTier):
         due = time.monotonic() - self._census_period_s
         with self._lock:
             count = max(1, CENSUS_NAMES // self._format.world_size)
-            keys = []
+            keys: list[bytes] = []
             for key, checked in self._published.items():
                 if checked > due or len(keys) == count:
                     break

@@ -31,12 +31,16 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from tiercache.errors import TierError
 from tiercache.region.layout import RegionLayout
 from tiercache.tiers.block_header import (
     SEALED_BYTES, ZERO_ID, BlockHeader, BlockMac, Container, checksum,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 FORMAT_VERSION = 2  # 2: the shared header codec with the cluster's MAC
 HEADER_BYTES = 512
@@ -73,7 +77,7 @@ class BlockFormat:
     def name(self, key: bytes, rank: int) -> str:
         return f"tiercache/{self.digest.hex()}/r{rank}/{key.hex()}"
 
-    def header(self, key: bytes, rank: int, row: object) -> bytes:
+    def header(self, key: bytes, rank: int, row: ReadableBuffer) -> bytes:
         """The sealed header (``SEALED_BYTES``) of ``key``'s object for ``rank`` whose row
         is ``row``: its CRC and MAC taken now, over ``row`` as it is (the caller holds it
         still until the object is written)."""
@@ -82,11 +86,12 @@ class BlockFormat:
                            self.world_size, self.row_stride, checksum([row]), key)
         return head.seal(mac, [row])
 
-    def check(self, header: object, key: bytes, rank: int, row: object) -> bool:
+    def check(self, header: ReadableBuffer, key: bytes, rank: int, row: ReadableBuffer,
+              ) -> bool:
         """Whether ``header`` (the first bytes of a fetched object) names exactly this
         block, format and rank, ``row`` matches its CRC, and the MAC over both is the
         cluster key's. Never raises for what came from the pool."""
-        raw = bytes(memoryview(header)[:SEALED_BYTES])  # type: ignore[arg-type]
+        raw = bytes(memoryview(header)[:SEALED_BYTES])
         got = BlockHeader.decode(raw, Container.POOL_OBJECT)
         if (got is None or got.format != self.digest or got.rank != rank
                 or got.world_size != self.world_size or got.key != key

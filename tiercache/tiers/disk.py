@@ -266,6 +266,7 @@ class DiskTier(LowerTier):
     def _take_slot(self) -> int | None:
         """A disk slot to write (under the lock): a free one, else the oldest block's
         (its key leaves the tier first), never one being read or written."""
+        slot: int | None
         if self._free:
             slot = self._free.pop()
         else:

@@ -177,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     runs = [(1, None), (args.clients, args.interval_ms / 1e3), (args.clients, None)]
     for num_clients, interval_s in runs:
-        r = bench_control_plane(num_clients, num_calls=args.calls, interval_s=interval_s)
+        c = bench_control_plane(num_clients, num_calls=args.calls, interval_s=interval_s)
         mode = ("closed loop" if interval_s is None
                 else f"paced: Poisson, mean 1 call / {interval_s * 1e3:g} ms per client")
-        print(f"| {mode} | {num_clients} | {r.calls_per_s:,.0f} | {_us(r.p50_s)} | {_us(r.p99_s)} "
-              f"| {_us(r.p999_s)} | {_us(r.max_s)} |")
+        print(f"| {mode} | {num_clients} | {c.calls_per_s:,.0f} | {_us(c.p50_s)} | {_us(c.p99_s)} "
+              f"| {_us(c.p999_s)} | {_us(c.max_s)} |")
     return 0
 
 

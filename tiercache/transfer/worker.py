@@ -56,7 +56,9 @@ from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState, RankStats
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.planner import TransferPlanner
-from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
+from tiercache.specs import (
+    CPULoadStoreSpec, Direction, GPULoadStoreSpec, LoadStoreSpec, TransferSpec,
+)
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
@@ -129,7 +131,7 @@ class Worker:
         self._follow(direction.src_dst(*transfer)[1])  # (src, dst) back to (GPU, CPU)
         return self.handlers.handler(direction).transfer_async(job_id, transfer)
 
-    def _follow(self, cpu_spec: CPULoadStoreSpec) -> None:
+    def _follow(self, cpu_spec: LoadStoreSpec) -> None:
         """Re-attach when ``cpu_spec`` is for the region now under this worker's name (the
         coordinator replaced ours); a spec of any other region is left to the fence."""
         if not isinstance(cpu_spec, CPULoadStoreSpec) or not cpu_spec.fenced \

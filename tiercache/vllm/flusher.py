@@ -65,7 +65,8 @@ RECONNECT_INTERVAL_S = 1.0
 class IndexSession(Protocol):
     """The part of ``tiercache.Client`` the adapter uses."""
 
-    resumed: bool
+    @property
+    def resumed(self) -> bool: ...
 
     def lease_batch(self, key_lists: Sequence[Sequence[bytes]]) -> list[Any]: ...
     def release(self, keys: Sequence[bytes]) -> int: ...
@@ -104,7 +105,7 @@ class Flusher:
                  writer: IndexSession, *, reserve: bool = True,
                  reconnect_interval_s: float = RECONNECT_INTERVAL_S,
                  on_flush: Callable[[float], None] | None = None,
-                 on_evicted: Callable[[list[bytes]], None] | None = None):
+                 on_evicted: Callable[[list[bytes]], object] | None = None):
         self._book = book
         self._lock = lock
         self._bulk = bulk

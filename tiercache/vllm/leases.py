@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 from tiercache.errors import StateError
 from tiercache.index.results import BlockSource
@@ -98,14 +98,13 @@ class LeaseBook:
         self.down = False  # the coordinator is unreachable: unknown keys are MISS
 
     # ------------------------------------------------------------------ the hot path
-    def lookup(self, key: bytes, context: object) -> Any:
+    def lookup(self, key: bytes, req_context: object) -> Any:
         """vLLM's ``lookup(key, req_context)``: the manager hands vLLM's call straight here
         (one Python frame per key; the request is found by its context's identity)."""
-        if context is self._last_context:
-            request = self._last_request
-        else:
-            request = self._last_request = self._by_context[id(context)]
-            self._last_context = context
+        request = self._last_request
+        if req_context is not self._last_context or request is None:
+            request = self._last_request = self._by_context[id(req_context)]
+            self._last_context = req_context
         if request.fresh:  # nothing known for this request yet: its admission step
             if key not in self.held and key not in self.writing:
                 if not request.probe and (self.down or not self.maybe_held(key)):
@@ -137,7 +136,7 @@ class LeaseBook:
         # waited for now (bounded), so a hit loads in the step after its first lookup
         # however short the steps are.
         if self.await_answers is not None and self.await_answers(request):
-            return self.lookup(key, context)
+            return self.lookup(key, req_context)
         return self._retry
 
     # ------------------------------------------------------------------ loads
@@ -178,9 +177,10 @@ class LeaseBook:
         pop = reserved.pop
         found = [pop(key, None) for key in keys]
         if before - len(reserved) == len(keys):  # the usual case: all of them were reserved
-            self.writing.update(zip(keys, found))
+            taken = cast("list[FencedSlot]", found)  # so none of them is None
+            self.writing.update(zip(keys, taken))
             self._num_stored += len(keys)
-            return keys, found, []
+            return keys, taken, []
         skip = request.skip
         to_store, slots, unknown = [], [], []
         for key, slot in zip(keys, found):

@@ -172,8 +172,9 @@ class TierCacheManager(OffloadingManager):
             maybe_held=presence.maybe_held if presence is not None else None,
             await_answers=lambda request: self._flusher.await_answers(
                 lambda: not request.in_flight, lookup_wait_s))
-        # The hot path: vLLM's lookup(key, req_context) lands in the book directly.
-        self.lookup = self._book.lookup
+        # The hot path: vLLM's lookup(key, req_context) lands in the book directly (an
+        # instance attribute over the method: one Python frame per key, not two).
+        self.lookup = self._book.lookup  # type: ignore[method-assign]  # the line above
         self._flush_seconds: deque[float] = deque()  # appended by the flusher thread
         self._flusher = Flusher(self._book, self._lock, bulk, writer, reserve=reserve_on_probe,
                                 reconnect_interval_s=reconnect_interval_s,

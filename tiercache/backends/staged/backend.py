@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -100,9 +101,10 @@ DEFAULT_DIRECT_BYTES = 1 << 20  # units the copy engines move at the ceiling una
 PACK_PROGRAMS_PER_SM = 2
 
 log = logging.getLogger(__name__)
+BlockPath = tuple[BlockStaging, BlockKernel, PairTables]  # what block plans are issued with
 
 
-class StagedBackend(StreamBackend):
+class StagedBackend(StreamBackend[Plan]):
     """Staging ring of ``num_ring_slots`` x (``chunk_bytes`` + ``direct_bytes``) on the GPU."""
 
     kind = BackendKind.STAGED
@@ -151,7 +153,8 @@ class StagedBackend(StreamBackend):
         self._kernel = CopyKernel(pack_programs or PACK_PROGRAMS_PER_SM * sms, num_warps=4)
         self._blocks = None if geometry is None else self._block_path(geometry, load_whole_rows,
                                                                         pack_programs)
-        self._loop = self._chunk_loop() if native and self._blocks is not None else None
+        self._loop = self._chunk_loop(self._blocks) if native and self._blocks is not None \
+            else None
         self.zero_copy_pairs = 0
         if self._loop is not None and geometry is not None and zero_copy_bytes:
             self.zero_copy_pairs = zero_copy_bytes // max(geometry.pair_bytes)
@@ -159,8 +162,7 @@ class StagedBackend(StreamBackend):
         self.plan_form = PlanForm.PAGES if self._blocks is None else PlanForm.BLOCKS
 
     def _block_path(self, geometry: TransferGeometry, load_whole_rows: bool,
-                    max_programs: int | None
-                    ) -> tuple[BlockStaging, BlockKernel, PairTables] | None:
+                    max_programs: int | None) -> BlockPath | None:
         try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
             staging = BlockStaging.of_geometry(geometry, self.chunk_bytes, load_whole_rows)
         except BackendError as e:
@@ -171,18 +173,18 @@ class StagedBackend(StreamBackend):
                                      compiled_launch=True),
                 PairTables(self.device, self.driver))
 
-    def _chunk_loop(self) -> ChunkLoop:
+    def _chunk_loop(self, blocks: BlockPath) -> ChunkLoop:
         """The native chunk loop over this ring; raises BackendError when it cannot be
         built or started (no quiet fallback to the Python loop)."""
-        staging, kernel, _ = self._blocks
+        staging, kernel, _ = blocks
         if self.ring_slot_bytes % SLOT_ALIGN:
             raise BackendError(f"ring_slot_bytes = {self.ring_slot_bytes}: not a multiple of "
                                f"{SLOT_ALIGN}")
-        attrs = tuple(bytes(self._ce.attributes(order))
-                      for order in (self.load_order, SrcAccessOrder.STREAM))
+        attrs = (bytes(self._ce.attributes(self.load_order)),
+                 bytes(self._ce.attributes(SrcAccessOrder.STREAM)))
         loop_kernel = kernel.loop_kernel(self._ring_base)  # compiles both directions
         drv = self.driver
-        if not drv.batch_address:
+        if not drv.batch_address or drv.batch_abi is None:  # found together, or neither
             raise BackendError(f"CUDA driver {drv.driver_version} has no cuMemcpyBatchAsync "
                                "(needs R570 / CUDA 12.8 or newer)")
         entry = drv.entry_point
@@ -206,7 +208,8 @@ class StagedBackend(StreamBackend):
     def transfer_loop(self, geometry: TransferGeometry) -> ChunkLoop | None:
         """The chunk loop, when this backend issues block plans natively and was built for
         ``geometry`` (its tables lay out only that geometry's pairs); else None."""
-        if self._loop is None or self._blocks[0].groups is not geometry.groups:
+        if self._loop is None or self._blocks is None \
+                or self._blocks[0].groups is not geometry.groups:
             return None
         return self._loop
 
@@ -231,6 +234,7 @@ class StagedBackend(StreamBackend):
         return super().submit(plan, ordering)
 
     def _queue(self, plan: BlockPlan | None, ordering: Ordering) -> Submission:
+        assert self._loop is not None and self._blocks is not None, "a loop has a block path"
         staging = self._blocks[0]
         handle = self.driver.enter(ordering.stream, self._ce.device)
         if len(ordering.after) > 2:
@@ -281,6 +285,7 @@ class StagedBackend(StreamBackend):
         return kept
 
     def _copy_blocks(self, plan: BlockPlan, stream: Stream) -> tuple[object, ...]:
+        assert self._blocks is not None, "block plans are planned only with a block path"
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
         store = plan.direction is Direction.GPU_TO_CPU
@@ -288,7 +293,7 @@ class StagedBackend(StreamBackend):
         self._begin(handle)
         kept: tuple[object, ...] = (layout,)
         if layout.num_chunks:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(cast(torch.cuda.Stream, stream)):  # a GPU kind's (Ordering)
                 pairs, token = tables.upload(layout.pairs, stream)
                 move = kernel.pack if store else kernel.unpack
 
@@ -329,9 +334,10 @@ class StagedBackend(StreamBackend):
             return DescriptorArrays.of(stage, d.address, d.num_bytes) if store else \
                 DescriptorArrays.of(d.address, stage, d.num_bytes)
 
-        with torch.cuda.stream(stream):
+        cuda = cast(torch.cuda.Stream, stream)  # a GPU kind's stream is torch's (Ordering)
+        with torch.cuda.stream(cuda):
             table = upload_table(*((p.gpu, p.packed) if store else (p.packed, p.gpu)),
-                                 p.num_bytes, stream)
+                                 p.num_bytes, cuda)
             pieces, chunk_start = p.first.tolist(), p.chunk_start.tolist()
 
             # piece i of chunk k sits at packed[i] - chunk_start[k] in its slot: one shift
@@ -391,7 +397,7 @@ class StagedBackend(StreamBackend):
             self.driver.event_destroy(event)
         if self._blocks is not None:
             self._blocks[2].close()
-        self._ring = None  # type: ignore[assignment]
+        self._ring = None  # type: ignore[assignment]  # closed: the ring's memory goes now
 
 
 def create(context: BackendContext) -> StagedBackend:

@@ -161,6 +161,7 @@ class BlockKernel:
             functions.append(int(kernel.function))
             shared.append(int(meta.shared))
             sizes, warps = params, int(meta.num_warps)
+        assert sizes is not None and warps is not None  # both directions were compiled
         return LoopKernel((functions[0], functions[1]), 32 * warps, (shared[0], shared[1]),
                           self.num_tensor_columns, self.max_pair_programs or 0, len(sizes),
                           self._static)

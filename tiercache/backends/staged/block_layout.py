@@ -232,7 +232,8 @@ class BlockStaging:
         return int(self.group_first.size)
 
     def _build_templates(self) -> None:
-        f, starts, counts, runs = self.factor, [], [], []
+        f, starts, counts = self.factor, [], []
+        runs: list[tuple[int, int]] = []
         for g in range(self.num_groups):
             cols = self.tensors[:, self.group_first[g]:self.group_first[g] + self.group_count[g]]
             offsets, pages = cols[3].tolist(), cols[2].tolist()
@@ -303,6 +304,7 @@ class BlockStaging:
         g = w.group
         f, n = self.factor, int(w.gpu_ids.size)
         ids, rows = w.gpu_ids, w.slots
+        tpl: int | np.ndarray  # one template for all rows, or one per row
         tpl = self.num_groups * f * f + g if whole else g  # (F = 1: sub-page 0..0 is g)
         if f == 1:
             if rows.size > 1 and not (rows[1:] >= rows[:-1]).all():
@@ -353,12 +355,12 @@ class BlockStaging:
             first[-1] = num_rows
             return first, slots[:num_rows]
         end = np.cumsum(pitch)
-        firsts, at, base = [0], 0, 0
+        cuts, at, base = [0], 0, 0
         while at < num_rows:
             at = int(np.searchsorted(end, base + self.chunk_bytes, side="right"))
-            firsts.append(at)
+            cuts.append(at)
             base = int(end[at - 1])
-        first = np.array(firsts, dtype=_I64)
+        first = np.array(cuts, dtype=_I64)
         start = end - pitch
         return first, start - np.repeat(start[first[:-1]], np.diff(first))
 
@@ -369,7 +371,9 @@ class BlockStaging:
         rows' runs continue each other in the slot only when the run is the whole pitch;
         the group's own pitch, not the geometry's uniform one (0 when groups' pitches
         differ), or such rows would never merge where the C loop merges them."""
-        offset, length = self._tpl_run[tpl]
+        run = self._tpl_run[tpl]
+        assert run is not None, "the caller checked: the template is one run"
+        offset, length = run
         num_rows = row_host.size
         if offset or length != pitch or num_rows < 2:  # rows never meet in a slot
             return (row_host + offset, row_slot + offset, np.full(num_rows, length, dtype=_I64),

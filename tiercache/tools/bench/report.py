@@ -125,10 +125,13 @@ def _pattern_lines(report: Report) -> list[str]:
     return lines
 
 
+_ISSUES: dict[tuple[object, object], str] = {(True, True): "native", (False, False): "python"}
+
+
 def _issue(row: dict) -> str:
     """How the handlers issued: one native call per transfer, or plan + submit (Python)."""
     native = (row.get("pattern_native_store"), row.get("pattern_native_load"))
-    return {(True, True): "native", (False, False): "python"}.get(native, "mixed")
+    return _ISSUES.get(native, "mixed")
 
 
 def _matmul_lines(report: Report) -> list[str]:

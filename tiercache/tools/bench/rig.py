@@ -200,8 +200,9 @@ class GpuRig:
 
     def time_both(self, submit_store: Callable[[object], object],
                   submit_load: Callable[[object], object], reps: int, warm: int = 2,
-                  stat: Callable = np.median) -> float:
-        """The same for a store and a load started together on two streams (until both end)."""
+                  stat: Callable[[list[float]], Any] = np.median) -> Any:
+        """The same for a store and a load started together on two streams (until both end):
+        ``stat`` of the seconds (``list``: all of them)."""
         event = partial(self.torch.cuda.Event, enable_timing=True)
         s1, s2 = self.streams[0], self.streams[1]
         start, e1, e2 = event(), event(), event()

@@ -39,6 +39,13 @@ class RankChannel:
     def connection(self):
         return self._conn
 
+    @property
+    def attachment(self) -> Report:
+        """The worker's ATTACHED report; ``WorkerError`` while it has not attached."""
+        if self.attached is None:
+            raise WorkerError(f"rank {self.rank} (pid {self.pid}) has not attached")
+        return self.attached
+
     def wait_attached(self, timeout_s: float) -> Report:
         """The worker's ATTACHED report; raises ``WorkerError`` if it failed or took too long."""
         deadline = time.monotonic() + timeout_s

@@ -113,7 +113,7 @@ class GpuIds:
 
     def write(self, cache: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Copy ``rows`` into the blocks (``None``: zero them)."""
-        if self._slice is not None:
+        if self._index is None:  # consecutive: the slice
             target = cache[self._slice]
             if rows is None:
                 target.zero_()

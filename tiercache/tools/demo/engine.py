@@ -165,6 +165,7 @@ class DemoEngine:
         load_job = store_job = None
         if hits:
             spec = lease.spec
+            assert spec is not None, "a lease with hits names their slots"
             t.loaded_blocks += hits
             load_job = self._start_job(JobKind.LOAD, keys[:hits], spec.block_ids, range(hits))
         stored: tuple[bytes, ...] = ()

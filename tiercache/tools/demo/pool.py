@@ -25,8 +25,8 @@ class RankPool:
         old = self._channels[rank]
         if old is not None:
             old.kill()
-        self._channels[rank] = RankChannel(self.config, rank, self.options)
-        return self._channels[rank].wait_attached(timeout_s)
+        channel = self._channels[rank] = RankChannel(self.config, rank, self.options)
+        return channel.wait_attached(timeout_s)
 
     def spawn_all(self, timeout_s: float) -> None:
         """Start every rank at once (they import and attach in parallel)."""

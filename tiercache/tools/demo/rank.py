@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from tiercache.config import Config
+from tiercache.device.host_streams import HostStream
 from tiercache.errors import SpecError
 from tiercache.transfer.handlers import TransferResult
-from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 from tiercache.tools.demo.content import BlockContent, GpuIds
 from tiercache.tools.demo.wire import Command, Op, Report
 from tiercache.transfer.worker import Worker, attach
@@ -112,6 +113,7 @@ class RankSession:
 
     def _submit(self, command: Command) -> list[Report]:
         gpu_ids = GpuIds(command.gpu_ids, self.device)
+        transfer: TransferSpec
         if command.op is Op.STORE:
             self.content.fill(self.caches, gpu_ids, command.seeds)
             transfer = (GPULoadStoreSpec(command.gpu_ids), CPULoadStoreSpec(command.cpu_ids))
@@ -144,11 +146,12 @@ class RankSession:
     # ---------------------------------------------------------------- fault injection
     def _stall(self) -> None:
         streams = self.worker.handlers.streams
-        if self.device.type != "cpu" or streams is None:
+        stream = streams.current_stream() if streams is not None else None
+        if self.device.type != "cpu" or not isinstance(stream, HostStream):
             raise SpecError(f"rank {self.rank}: STALL needs the cpu backend (host streams)")
         if self._gate is None:
             gate = self._gate = threading.Event()
-            streams.current_stream().launch(lambda: gate.wait(STALL_LIMIT_S))
+            stream.launch(lambda: gate.wait(STALL_LIMIT_S))
 
     def _release(self) -> None:
         if self._gate is not None:
@@ -160,6 +163,7 @@ class RankSession:
         """``repetitions`` back-to-back transfers of one direction over the same blocks."""
         gpu_ids = GpuIds(command.gpu_ids, self.device)
         store = command.direction is Direction.GPU_TO_CPU
+        transfer: TransferSpec
         if store:
             self.content.fill(self.caches, gpu_ids, command.seeds)
             transfer = (GPULoadStoreSpec(command.gpu_ids), CPULoadStoreSpec(command.cpu_ids))

@@ -189,7 +189,7 @@ def _run(config: Config, options: RankOptions, spec: WorkloadSpec, args, link: C
     try:
         engine.start(ATTACH_TIMEOUT_S)
         for rank in range(config.world_size):
-            a = engine.pool.channel(rank).attached
+            a = engine.pool.channel(rank).attachment
             _say(f"rank {rank}: worker pid {a.pid} on {options.device}, backends store "
                  f"{a.backends[0].label} / load {a.backends[1].label}, pin {a.pin_state.label}")
         progress = Progress(engine.totals, target=args.requests or None)
@@ -230,7 +230,7 @@ def _run(config: Config, options: RankOptions, spec: WorkloadSpec, args, link: C
             "coordinator": "spawned" if link.spawned else "joined",
             "coordinator_pid": link.pid, "worker_pids": engine.worker_pids(),
             "stale_acks": engine.tracker.stale_acks, "stats_agree": engine.stats_agree(),
-            "backends": [[b.label for b in engine.pool.channel(r).attached.backends]
+            "backends": [[b.label for b in engine.pool.channel(r).attachment.backends]
                          for r in range(config.world_size)],
             "numa": engine.numa(), "bench": bench,
         }
