@@ -236,6 +236,7 @@ class TierChain:
         for start in range(0, len(run), step):
             chunk = run[start:start + step]
             out = self._manager.reserve_locked(chunk, TIER_OWNER, len(chunk))
+            assert out is not None, "a reservation with max_evictions is never refused"
             if out.keys_to_store:
                 self._submit(tier, JobKind.PROMOTE, out.keys_to_store,
                              tuple(out.store_spec.block_ids.tolist()))
