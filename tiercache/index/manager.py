@@ -1,17 +1,14 @@
-"""The cache index: which block hash lives in which slot of the region, in what state, and
-which client session holds it.
-
-Pure Python (numpy for the spec only; never torch or mmap)::
+"""The cache index: which key lives in which slot of the region, in what state, held by
+whom. Pure Python (numpy for the spec only)::
 
     FREE ──prepare_store──► WRITING ──complete_store(ok)──► READY ◄──► LOADING (pinned)
       ▲                        │                              │
       └─complete_store(fail)───┤                              └──evicted (policy)──► FREE
         or end_session(writer) ┘
 
-The state lives in a ``SlotTable`` (``tiercache.index.table``: slots, owners' holdings,
-the free list, quarantine, the ledger mirror); this module is the verbs over it, under one
-lock, so the control server, the tier chain and the exporter may call from different
-threads.
+The state is a ``SlotTable`` (``tiercache.index.table``); this module is the verbs over
+it, under one lock (the control server, the tier chain and the exporter call from their
+threads).
 
 **Owners.** Every reservation (WRITING) and pin belongs to an *owner*: a client session
 (the control server numbers them), ``LOCAL_OWNER`` in-process, or the tier chain
@@ -43,9 +40,8 @@ from itertools import takewhile
 
 from tiercache.errors import ConfigError, ManagerError, SessionLimitError, StateError
 from tiercache.index.caps import SessionCaps
-from tiercache.index.events import EventLog
+from tiercache.index.events import EventLog, NodeEvents
 from tiercache.index.lower_tier import LowerTier
-from tiercache.index.node_events import NodeEvents
 from tiercache.index.owners import OwnerVerbs
 from tiercache.eviction import EvictionPolicy, make_policy
 from tiercache.index.recovery import restore
@@ -128,7 +124,7 @@ class OffloadingManager(OwnerVerbs):
 
     def set_node_events(self, sink: NodeEvents | None) -> None:
         """Tell ``sink`` every change to what the node holds (host memory and the tiers'
-        own holdings; ``tiercache.index.node_events``), first everything held now."""
+        own holdings; ``tiercache.index.events``), first everything held now."""
         self._chain.set_node_events(sink)
 
     def set_lower_tiers(self, tiers: Sequence[LowerTier]) -> None:

@@ -80,15 +80,12 @@ class ManagerStats:
     """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.
 
     ``free + writing + ready + loading + quarantined == capacity``; ``loading`` counts every
-    pinned block, whether a load or a lease holds it; ``quarantined`` slots are held out of
-    use after a write that may still land (``OffloadingManager.quarantine``).
-    ``recovered_blocks`` came back from the
-    region's ledger when the index was built, with ``recovered_pins`` and
-    ``recovered_writing_blocks`` of the sessions that survived, and ``damaged_records``
-    (ledger records that failed their checksum: dropped, never served); ``sessions_ended``,
-    ``released_writing_blocks`` and ``released_pins`` count what ended sessions gave back;
-    ``expired_reservations``: reservations freed because their writer never completed
-    them; ``session_limit_rejections``: calls refused at ``max_session_blocks``.
+    pinned block (a load's or a lease's); ``quarantined`` slots are held out after a write
+    that may still land. ``recovered_blocks`` came back from the ledger, with
+    ``recovered_pins`` and ``recovered_writing_blocks`` of surviving sessions, and
+    ``damaged_records`` were dropped; ``sessions_ended``, ``released_writing_blocks`` and
+    ``released_pins`` count what ended sessions gave back; ``expired_reservations``: never
+    completed; ``session_limit_rejections``: calls refused at ``max_session_blocks``.
     """
 
     lookups: int

@@ -1,11 +1,9 @@
 """``SlotTable``: the index's state and the moves every verb is made of.
 
-One ``Slot`` record per held key is the single owner of that block's state, its writer and
-its pins; one ``Holdings`` per owner names what it reserved and pinned. The table keeps
-the free list, the slots held out of use (quarantine), the counts by state, the eviction
-policy's view and the durable ledger in step, and tells its listeners which keys entered
-or left the index and which became readable or stopped being. It never locks: the
-manager (``tiercache.index.manager``) calls it under its one lock.
+One ``Slot`` per held key owns its state, writer and pins; one ``Holdings`` per owner names
+what it reserved and pinned. The table keeps the free list, quarantine, the counts by
+state, the policy and the ledger in step, and tells its listeners what entered or left
+the index and what became readable or stopped being. It never locks (the manager does).
 
 **A slot is handed out only when nothing touches it.** A reset forgets every key, but a
 slot still being written (a reservation) or read (a pin) is *doomed*, not freed: its key is

@@ -41,8 +41,8 @@ from tiercache.errors import InvalidKeyError
 from tiercache.index.lower_tier import (
     BlockSource, JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierStats,
 )
+from tiercache.index.events import NodeEvents
 from tiercache.index.feeds import Feeds
-from tiercache.index.node_events import NodeEvents
 from tiercache.index.slots import SlotState
 from tiercache.index.table import KeyListener, SlotTable
 from tiercache.specs import Medium
