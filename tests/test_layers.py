@@ -164,3 +164,19 @@ def test_the_module_graph_has_no_cycle():
         if module not in state:
             visit(module, [module])
     assert not cycles, cycles
+
+
+def test_tiers_know_the_index_only_by_its_one_way_contract():
+    """A lower tier imports nothing of the index but ``lower_tier`` (it answers, moves bytes
+    and reports; the tier chain alone reserves, pins and books), and calls no index verb."""
+    modules = _modules()
+    wrong = sorted(f"{module} imports {other}"
+                   for module, path in modules.items() if module.startswith("tiercache.tiers")
+                   for other in _imports(path, modules)
+                   if other.startswith("tiercache.index") and other != "tiercache.index.lower_tier")
+    assert not wrong, wrong
+    verbs = ("prepare_store", "complete_store", "prepare_load", "complete_load", "lease(",
+             "prepare_write", "complete_write", "prepare_read", "complete_read", "quarantine")
+    calls = sorted(f"{path.name}: {verb}" for path in (PACKAGE / "tiers").glob("*.py")
+                   for verb in verbs if f".{verb}" in path.read_text())
+    assert not calls, calls
