@@ -1,8 +1,11 @@
 """Shared fixtures: unique instance names, and leak checks after every test.
 
-Every test that creates IPC objects names them ``tiercache-test-<uuid>`` (through the
-``make_config`` fixture); after each test nothing with that prefix may remain in
-/dev/shm and no child process may still run.
+Every test that creates IPC objects names them ``tiercache-test-<pid>-<uuid>`` (through
+the ``make_config`` fixture); after each test nothing with this process's prefix may
+remain in /dev/shm and no child process of this process may still run. Under xdist each
+worker is its own process with its own pid, so a worker judges only what it made, never
+what another worker has live. Tests marked ``serial`` (they change what every other
+test's regions rely on) are skipped on xdist workers: ``make test`` runs them alone.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ def pytest_sessionstart(session):
         if not listing.live and of_a_dead_session(listing.name):
             remove_stale(name_prefix=listing.name)
     remove_stale_maps(names=[m.name for m in list_maps() if of_a_dead_session(m.name)])
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker, skip what must not run beside other tests (``serial``)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    skip = pytest.mark.skip(reason="serial: never beside other tests; run alone with "
+                                   "`pytest -m serial` (make test does, after the parallel run)")
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(skip)
 
 
 def _is_mp_helper(proc: psutil.Process) -> bool:

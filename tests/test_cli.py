@@ -110,6 +110,7 @@ def test_sigkilled_coordinator_is_reclaimed_by_serve_and_clients_reconnect(make_
     first.cleanup()
 
 
+@pytest.mark.serial  # `clean` without a name: every stale region on the machine
 def test_clean_removes_stale_regions_and_never_a_live_one(make_config, tmp_path):
     dead_cfg, live_cfg = make_config(), make_config(name=make_config().name + "x",
                                                     control_socket=str(tmp_path / "live.sock"))

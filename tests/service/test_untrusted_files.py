@@ -65,6 +65,7 @@ KIND_WORDS = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symlin
               "device": "a character device"}
 
 
+@pytest.mark.serial  # `clean` without a name: every stale region on the machine
 @pytest.mark.parametrize("kind", list(KIND_WORDS))
 def test_a_non_file_named_like_a_region_neither_hangs_nor_crashes_status_clean_serve(
         kind, make_config, tmp_path):
@@ -119,6 +120,7 @@ def test_serve_does_not_readopt_a_region_with_another_mode(make_config, tmp_path
     os.unlink(path)
 
 
+@pytest.mark.serial  # `clean` without a name: every stale region on the machine
 def test_serve_does_not_readopt_a_region_another_user_owns(make_config, tmp_path, other_user):
     cfg, path = _stale_region(make_config, tmp_path)
     other_user.own(path)  # as if that user had left it there for us to adopt
