@@ -16,6 +16,7 @@ import numpy as np
 
 from control_children import block_pattern
 from control_support import wait_for
+from mooncake_master import short_transfer_timeouts
 from test_cluster_tier import KEYS, master, start_node, store  # noqa: F401
 from tiercache.config import ClusterConfig
 from tiercache.region.layout import RegionLayout
@@ -25,10 +26,11 @@ from tiercache.tiers.cluster_transfer import BlockTransfers
 from tiercache.tiers.mooncake_pool import NOTHING_MOVED, MooncakePool
 
 SENTINEL = 0x5A
-TRANSFER_TIMEOUT_S = 60  # Mooncake gives up on a get from a frozen peer after this
 
 
-def test_a_read_given_up_on_lands_in_a_held_staging_area_never_a_host_row(start_node, master):
+def test_a_read_given_up_on_lands_in_a_held_staging_area_never_a_host_row(start_node, master,
+                                                                           monkeypatch):
+    short_transfer_timeouts(monkeypatch)  # this process's pool gives up sooner than 60 s
     a = start_node("a")
     keys = KEYS[:4]
     assert store(a, keys)

@@ -21,7 +21,7 @@ import pytest
 from control_children import block_pattern, rows_hold
 from control_support import wait_for
 from e2e_support import metrics_url, sample, scrape
-from mooncake_master import MooncakeMaster
+from mooncake_master import TRANSFER_TIMEOUT_S, MooncakeMaster, short_transfer_timeouts
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
 from tiercache.control.client import Client
 from tiercache.index.results import BlockSource
@@ -464,22 +464,26 @@ def test_the_blocks_a_node_published_that_the_pool_still_holds(start_node, maste
     assert "5 published by this node and in the pool at their last check" in out.stdout
 
 
-def test_a_read_from_a_frozen_node_lands_in_staging_and_holds_no_host_slot(start_node):
+def test_a_read_from_a_frozen_node_lands_in_staging_and_holds_no_host_slot(start_node,
+                                                                         monkeypatch):
     """Node a frozen (SIGSTOP) after publishing: node b's reads of a's objects wait on a's
-    segment; Mooncake gives up on them after 60 s (TRANSFER_FAIL) without stopping them,
+    segment; Mooncake gives up on them (TRANSFER_FAIL; after 60 s by default, here after
+    2 x TRANSFER_TIMEOUT_S) without stopping them,
     and node a, thawed, answers them — into the staging area b registered for the read,
     never a host slot (only staging is registered with the pool). Meanwhile b's lookups
     miss those blocks after PROMOTION_WAIT_S instead of waiting; b holds that staging area
     out of use and frees the reads' host slots at once, so its own blocks, stored into
     every slot before node a thaws, are exact after it, nothing is held out of host memory,
     and b keeps promoting from the pool."""
+    short_transfer_timeouts(monkeypatch)  # node b (started now) gives up sooner
     a, b = start_node("a"), start_node("b", num_blocks=16)
     keys = KEYS[:4]
     assert store(a, keys)
     os.kill(a.pid, signal.SIGSTOP)
     try:
         with Client(b.config) as client:
-            answers = lease_settled(client, keys, timeout_s=30)  # not the read's 60 s
+            # settled within half the read's give-up: the lookups do not wait for the read
+            answers = lease_settled(client, keys, timeout_s=TRANSFER_TIMEOUT_S)
             assert answers[0].pending and answers[-1].num_hit == 0
             wait_for(lambda: cluster_stats(b).errors >= len(keys),
                      "Mooncake gives up on node b's reads", 120)
