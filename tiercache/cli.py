@@ -118,11 +118,7 @@ def _print_ranks(listing: RegionListing) -> None:
     from tiercache.region.attachments import AttachmentReader
     from tiercache.region.shared import SharedOffloadRegion
 
-    try:
-        region = SharedOffloadRegion.attach(listing.name)
-    except RegionNotFoundError:  # its coordinator stopped and removed it since the listing
-        print("  gone: removed since it was listed")
-        return
+    region = SharedOffloadRegion.attach(listing.name)
     try:
         reader = AttachmentReader(region, region.layout)
         for rank in range(region.layout.world_size):

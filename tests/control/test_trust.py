@@ -215,10 +215,11 @@ def test_without_xdg_runtime_dir_the_socket_is_not_in_bare_tmp(monkeypatch):
 # ---------------------------------------------------------------- finding the coordinator
 
 def test_clients_and_status_find_a_coordinator_started_with_another_runtime_dir(
-        make_config, tmp_path, monkeypatch):
+        make_config, tmp_path, tmp_path_factory, monkeypatch):
     from tiercache.service.process import CoordinatorProcess
 
-    theirs, mine = tmp_path / "runtime-a", tmp_path / "runtime-b"
+    runtime = tmp_path_factory.mktemp("rt")  # short: under xdist tmp_path is 10 bytes longer
+    theirs, mine = runtime / "a", runtime / "b"  # and the socket path at most 107 bytes
     for d in (theirs, mine):
         d.mkdir(mode=0o700)
     config = make_config(control_socket="")  # the path is derived from the environment
