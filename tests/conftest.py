@@ -4,8 +4,9 @@ Every test that creates IPC objects names them ``tiercache-test-<pid>-<uuid>`` (
 the ``make_config`` fixture); after each test nothing with this process's prefix may
 remain in /dev/shm and no child process of this process may still run. Under xdist each
 worker is its own process with its own pid, so a worker judges only what it made, never
-what another worker has live. Tests marked ``serial`` (they change what every other
-test's regions rely on) are skipped on xdist workers: ``make test`` runs them alone.
+what another worker has live. Tests marked ``serial`` (they change what other tests'
+regions rely on, or their outcome depends on an idle CPU) are skipped on xdist workers:
+``make test`` runs them alone after the parallel run (scripts/run_tests.sh).
 """
 
 from __future__ import annotations

@@ -73,6 +73,10 @@ def slow_disk(make_config, tmp_path):
         fs.close()
 
 
+# beside other tests, the new keys' demotions queue behind the slow reads and some are
+# dropped (unproven spills, tiercache.index.feeds): those keys then miss, never wrong (seen
+# in 2 of 5 runs at 4 xdist workers: dropped_spills 4, errors 0)
+@pytest.mark.serial
 def test_a_reset_under_promotions_never_serves_their_late_reads(slow_disk, tmp_path):
     fs, config = slow_disk
     with CoordinatorProcess(config, tmp_path / "c") as coordinator:
