@@ -26,6 +26,14 @@ SGLANG_VERSION := 0.5.23
 SGLANG_REQS    := requirements/sglang-cpu.txt
 SGLANG_PINS    := requirements/sglang-cpu-constraints.txt
 
+# `make test` runs the main suite on TEST_WORKERS pytest-xdist workers with the vLLM and
+# SGLang suites beside it (VLLM_/SGLANG_TEST_WORKERS), then the tests marked `serial` alone
+# (scripts/run_tests.sh; more workers than the 2 cores pay off: most tests wait on processes
+# they start, see docs/benchmarks.md, "The test suite's wall time").
+TEST_WORKERS        ?= 4
+VLLM_TEST_WORKERS   ?= 2
+SGLANG_TEST_WORKERS ?= 2
+
 .PHONY: install test lint test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
 	mooncake systemd venv-sglang test-sglang sglang-jit
 
@@ -106,9 +114,9 @@ systemd:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd)
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) prometheus cc fuse mooncake systemd sglang-jit lint
-	$(BIN)/python -m pytest -q
-	$(VLLM_BIN)/python -m pytest -q tests/vllm
-	$(SGLANG_BIN)/python -m pytest -q tests/sglang
+	scripts/run_tests.sh $(BIN)/python $(TEST_WORKERS) \
+	  $(VLLM_BIN)/python:tests/vllm:$(VLLM_TEST_WORKERS) \
+	  $(SGLANG_BIN)/python:tests/sglang:$(SGLANG_TEST_WORKERS)
 
 # ruff (pyproject.toml's [tool.ruff]) over the tree, then mypy ([tool.mypy]) over the package.
 lint: $(STAMP)
@@ -117,11 +125,11 @@ lint: $(STAMP)
 
 # Only the vLLM integration tests (real vLLM 0.33.0 scheduler and connector, no GPU).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q tests/vllm
+	$(VLLM_BIN)/python -m pytest -q -n $(VLLM_TEST_WORKERS) tests/vllm
 
 # Only the SGLang integration tests (real SGLang 0.5.23 HiCache controller and radix cache, no GPU).
 test-sglang: $(SGLANG_STAMP) cc sglang-jit
-	$(SGLANG_BIN)/python -m pytest -q tests/sglang
+	$(SGLANG_BIN)/python -m pytest -q -n $(SGLANG_TEST_WORKERS) tests/sglang
 
 # On a machine with a GPU (torch with CUDA already installed): only the gpu-marked tests.
 test-gpu:
