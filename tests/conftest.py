@@ -5,7 +5,7 @@ the ``make_config`` fixture); after each test nothing with this process's prefix
 remain in /dev/shm and no child process of this process may still run. Under xdist each
 worker is its own process with its own pid, so a worker judges only what it made, never
 what another worker has live. Tests marked ``serial`` (they change what other tests'
-regions rely on, or their outcome depends on an idle CPU) are skipped on xdist workers:
+regions rely on: ``tiercache clean`` without a name) are skipped on xdist workers:
 ``make test`` runs them alone after the parallel run (scripts/run_tests.sh).
 """
 
