@@ -19,7 +19,7 @@ import pytest
 from control_children import serve_with_fd_limit
 from control_support import (
     SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, closed_by_peer, is_open, raw_connection,
-    unread_bytes, wait_for,
+    stop_process, unread_bytes, wait_for,
 )
 from index_scenarios import k, store
 from tiercache.config import config_from_dict
@@ -173,7 +173,7 @@ def test_a_full_backlog_is_waited_out_not_taken_for_a_dead_coordinator(servers, 
     """A burst of clients fills the listen backlog (here: 2, the server stopped); a client
     that finds it full retries until the server accepts (it used to say "no coordinator")."""
     server = servers(socket_path, options=ControlOptions(listen_backlog=2))
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    stop_process(server.proc.pid)
     burst: list[socket.socket] = []
     seen = _Seen("listen backlog full")
     client_log = logging.getLogger("tiercache.control.client")

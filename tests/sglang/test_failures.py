@@ -14,7 +14,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from control_support import wait_for  # noqa: E402
+from control_support import stop_process, wait_for  # noqa: E402
 from sglang_harness import tokens_of  # noqa: E402
 from tiercache.config import DiskConfig, load_config  # noqa: E402
 from tiercache.control.client import Client  # noqa: E402
@@ -67,7 +67,7 @@ def test_a_coordinator_that_is_gone_or_frozen_costs_sglang_misses_not_waits(coor
                                          "tiercache_call_timeout_s": 1.0})
     tokens = tokens_of(33, 3)
     assert rank.backup(tokens) == len(tokens)
-    os.kill(coordinator.pid, signal.SIGSTOP)  # frozen: its socket accepts, nothing answers
+    stop_process(coordinator.pid)  # frozen: its socket accepts, nothing answers
     try:
         assert rank.prefetch(tokens) == (0, [])  # the call's timeout bounds the wait
         down = rank.counters()["coordinator_down_calls"]

@@ -145,6 +145,18 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = STAR
         time.sleep(0.01)
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped: the signal is delivered asynchronously,
+    and a process that runs on for a moment (a loaded machine) may still accept a
+    connection, answer a call or write a log line."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    wait_for(stopped, f"process {pid} stopped")
+
+
 def drained_stats(config):
     """The index's stats of ``config``'s coordinator once nothing is WRITING or LOADING,
     else None (a ``wait_for`` condition: a dead client's session ends after its grace)."""

@@ -16,6 +16,8 @@ import signal
 
 import numpy as np
 
+from control_support import stop_process
+
 SPAWN = mp.get_context("spawn")
 REPLY_TIMEOUT_S = 60.0
 
@@ -167,7 +169,7 @@ class EngineProcess:
         return self.call("finish_load")
 
     def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        stop_process(self.proc.pid)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

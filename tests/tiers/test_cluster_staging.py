@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from control_children import block_pattern
-from control_support import wait_for
+from control_support import stop_process, wait_for
 from mooncake_master import short_transfer_timeouts
 from test_cluster_tier import KEYS, master, start_node, store  # noqa: F401
 from tiercache.config import ClusterConfig
@@ -57,7 +57,7 @@ def test_a_read_given_up_on_lands_in_a_held_staging_area_never_a_host_row(start_
         assert moves.get(0, blocks).done == keys  # through staging, checked in the rows
         assert all(exact(slot, key) for key, slot in blocks)
         rows_of[:] = SENTINEL
-        os.kill(a.pid, signal.SIGSTOP)
+        stop_process(a.pid)
         try:
             got = moves.get(0, blocks)  # waits for Mooncake's transfer timeout
         finally:

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from control_children import block_pattern, rows_hold
-from control_support import wait_for
+from control_support import stop_process, wait_for
 from e2e_support import metrics_url, sample, scrape
 from mooncake_master import TRANSFER_TIMEOUT_S, MooncakeMaster, short_transfer_timeouts
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
@@ -332,7 +332,7 @@ def test_a_frozen_master_never_stalls_a_lookup(start_node, master):
     looks the same): the tier's calls wait, the lookups do not."""
     a, b = start_node("a"), start_node("b")
     assert store(a, KEYS[:4])
-    os.kill(master.proc.pid, signal.SIGSTOP)
+    stop_process(master.proc.pid)
     try:
         with Client(b.config, timeout_s=5.0) as client:
             first = client.lease(KEYS[:4])  # asks the pool in the background: "not yet"
@@ -364,7 +364,7 @@ def test_a_node_stops_without_waiting_on_calls_a_frozen_master_holds(start_node,
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", str(3600 * 1000))
     a, b = start_node("a"), start_node("b")
     assert store(a, KEYS[:4])
-    os.kill(master.proc.pid, signal.SIGSTOP)
+    stop_process(master.proc.pid)
     try:
         with Client(b.config) as client:
             assert client.lease(KEYS[:4]).pending  # b's promoter asks the frozen pool
@@ -479,7 +479,7 @@ def test_a_read_from_a_frozen_node_lands_in_staging_and_holds_no_host_slot(start
     a, b = start_node("a"), start_node("b", num_blocks=16)
     keys = KEYS[:4]
     assert store(a, keys)
-    os.kill(a.pid, signal.SIGSTOP)
+    stop_process(a.pid)
     try:
         with Client(b.config) as client:
             # settled within half the read's give-up: the lookups do not wait for the read
