@@ -246,9 +246,13 @@ class Engine:
         self._compute(out)
         if model_s:
             time.sleep(model_s)
-        if out.total_num_scheduled_tokens > 0:
-            wc.wait_for_save()
-        else:  # no forward pass to overlap with: let the copies finish, as a GPU step would
+        # vLLM's model runner calls wait_for_save in every step, a step without a forward
+        # pass included (``kv_connector_no_forward``): it queues the step's store jobs for the
+        # next step. (Skipping it there lost a store job that the scheduler issued in a step
+        # with nothing to compute, and the engine never went idle.)
+        wc.wait_for_save()
+        if out.total_num_scheduled_tokens == 0:
+            # no forward pass to overlap with: let the copies finish, as a GPU step would
             self.tiercache_worker.wait(self.tiercache_worker.jobs_in_flight)
         sending, recving = wc.get_finished(out.finished_req_ids)
         worker_meta = wc.build_connector_worker_meta()
