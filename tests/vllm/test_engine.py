@@ -89,6 +89,37 @@ def test_a_lone_engines_long_prompt_is_stored_whole_with_the_default_share(start
     assert (stats.stored_blocks, stats.session_limit_rejections) == (16, 0)
 
 
+def test_a_store_refused_for_want_of_room_lands_in_the_step_after_its_request_finished(
+        start_coordinator, make_engine):
+    """vLLM retries a store that found no room (``prepare_store`` None: "cannot store
+    chunks") in every later step, the one after its request finished included, which
+    schedules nothing. Room appears only then here: the finished request's chunks are
+    stored by a step without a forward pass, and the engine goes idle."""
+    from tiercache.control.client import Client
+
+    small = start_coordinator(num_chunks=8)
+    engine = make_engine(small, num_gpu_blocks=16)
+    with Client(small.config) as other:  # another engine fills the cache and pins all of it
+        keys = [b"other-%d" % i for i in range(8)]
+        other.complete_store(list(other.prepare_store(keys).keys_to_store))
+        other.prepare_load(keys)
+        engine.add_request("r", prompt(8))
+        while "r" not in engine.finished:
+            engine.step()
+        with Client(small.config) as client:
+            assert client.stats().stored_blocks == 8, "nothing of r found room"
+        other.complete_load(keys)  # room, from the next step on
+    engine.run()
+    with Client(small.config) as client:
+        stats = client.stats()
+    assert stats.writing_blocks == 0
+    assert stats.stored_blocks > 8, "r's chunks were stored after it finished"
+    fresh = make_engine(small, num_gpu_blocks=16)  # nothing in its GPU prefix cache
+    fresh.add_request("again", prompt(8) + [1])
+    fresh.run()
+    assert fresh.loaded_tokens("again") > 0  # checked byte for byte
+
+
 def test_a_preempted_request_resumes_from_tiercache(coordinator, make_engine):
     # 15 usable GPU blocks; two requests of 6 prompt blocks decoding 90 tokens each need
     # 12 blocks apiece: the later one is preempted, and its prompt comes back from tiercache.

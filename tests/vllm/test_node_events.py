@@ -107,7 +107,10 @@ def test_an_engines_prefix_with_vllms_hashes_another_engines_pressure_and_two_na
     assert seen.held()[(topic, "CPU")] >= mine - removed
     other = _other_engine(coordinator, model_dir, seed=1, salt="other-weights")
     other_topic = f"{a.manager.namespace.model}@{other['namespace']}"
-    subscriber.until(lambda s: len(s.held().get((other_topic, "CPU"), ())) == 6)
+    # 6 stored, and the 6 of A's namespace they evicted: one round of the publisher, but
+    # a batch per topic, so wait for both before a late subscriber compares
+    subscriber.until(lambda s: len(s.held().get((other_topic, "CPU"), ())) == 6
+                     and len(s.held()[(topic, "CPU")]) == 2)
     assert seen.held()[(other_topic, "CPU")] == mine  # same tokens, same hashes: the topic
     assert not seen.gaps and seen.seqs == list(range(len(seen.seqs)))
     assert not seen.errors
