@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiercache.config.sections import DTYPE_BYTES
 from tiercache.errors import ConfigError
 
 _TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -60,3 +61,22 @@ class HFModel:
             raise ConfigError(f"{self.path}: torch_dtype {self.fields.get('torch_dtype')!r}; "
                               "pass --kv-cache-dtype")
         return _TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A decoder's KV per layer and token, checked: ``num_kv_heads`` heads of ``head_dim``
+    in ``kv_dtype``. Each engine adapter derives its pages from it (``vllm.geometry``,
+    ``sglang.geometry``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
+        if self.kv_dtype not in DTYPE_BYTES:
+            raise ConfigError(f"kv dtype {self.kv_dtype!r}: allowed {', '.join(DTYPE_BYTES)}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml
+from tiercache.config.hf_model import KVShape
 from tiercache.config import MAX_ATTACHMENTS_PER_RANK
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
@@ -107,22 +108,11 @@ class PoolGeometry:
 
 
 @dataclass(frozen=True)
-class SGLangModelShape:
+class SGLangModelShape(KVShape):
     """A decoder's KV shape under SGLang: full attention with K/V heads (Llama, Qwen,
     Mistral...) or MLA (DeepSeek: ``kv_lora_rank + qk_rope_head_dim`` per token)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: str
     is_mla: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
-        if self.kv_dtype not in DTYPE_BYTES:
-            raise ConfigError(f"kv dtype {self.kv_dtype!r}: allowed {', '.join(DTYPE_BYTES)}")
 
     def pool(self, *, page_size: int, tp_size: int = 1, layout: str = "page_first_direct"
              ) -> PoolGeometry:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml
+from tiercache.config.hf_model import KVShape
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
 from tiercache.sizes import format_bytes
@@ -85,21 +86,9 @@ def _pages(page_bytes: tuple[int, ...]) -> str:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(KVShape):
     """A decoder whose every layer is full attention with K and V heads (Llama, Qwen,
     Mistral, ...): what its per-rank pages are under vLLM's per-layer (LBHNC) KV layout."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: str
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
-        if self.kv_dtype not in DTYPE_BYTES:
-            raise ConfigError(f"kv dtype {self.kv_dtype!r}: allowed {', '.join(DTYPE_BYTES)}")
 
     def geometry(self, *, block_tokens: int, tp_size: int = 1, pp_size: int = 1,
                  blocks_per_chunk: int = 1) -> EngineGeometry:
