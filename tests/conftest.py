@@ -83,6 +83,17 @@ def no_leaks():
     assert not leaked, f"test left /dev/shm entries: {sorted(leaked)}"
 
 
+@pytest.fixture(scope="module")
+def subscriber():
+    """A KV-event subscriber process decoding with vLLM 0.33's own classes (one per test
+    module: importing vLLM takes seconds); see ``tests/support/event_support.py``."""
+    from event_support import VllmSubscriber
+
+    sub = VllmSubscriber()
+    yield sub
+    sub.close()
+
+
 @pytest.fixture
 def instance_name() -> str:
     return f"{SESSION_TAG}{uuid.uuid4().hex[:8]}"

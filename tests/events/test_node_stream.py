@@ -24,15 +24,8 @@ from tiercache.service.process import CoordinatorProcess
 
 from e2e_support import metrics_url, sample, scrape
 from event_support import (
-    VllmSubscriber, free_port, namespace, stream_endpoints, vllm_int_hash, vllm_key,
+    free_port, namespace, stream_endpoints, vllm_int_hash, vllm_key,
 )
-
-
-@pytest.fixture(scope="module")
-def subscriber():
-    sub = VllmSubscriber()
-    yield sub
-    sub.close()
 
 
 def _keys(ns, first, n):

@@ -16,14 +16,7 @@ from tiercache.errors import ServiceError
 from tiercache.events import EngineFamily, NodeEventStream
 from tiercache.specs import Medium
 
-from event_support import VllmSubscriber, namespace, vllm_int_hash, vllm_key
-
-
-@pytest.fixture(scope="module")
-def subscriber():
-    sub = VllmSubscriber()
-    yield sub
-    sub.close()
+from event_support import namespace, vllm_int_hash, vllm_key
 
 
 @pytest.fixture

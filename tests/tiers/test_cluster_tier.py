@@ -129,8 +129,12 @@ def load_all(node: CoordinatorProcess, keys: list[bytes]) -> list:
     ``PROMOTION_WAIT_S`` (a loaded machine) is a miss by design, not a wait: the key lands
     in host memory a moment later (its source kept), so ask again until it does."""
     tries = []
-    wait_for(lambda: (tries.append(load(node, keys)) or tries[-1][2][-1].num_hit == len(keys)),
-             f"node {node.config.name} brings up {len(keys)} blocks")
+
+    def all_hit() -> bool:
+        tries.append(load(node, keys))
+        return tries[-1][2][-1].num_hit == len(keys)
+
+    wait_for(all_hit, f"node {node.config.name} brings up {len(keys)} blocks")
     assert all(wrong == 0 for _, wrong, _ in tries)
     return tries[-1][2]
 

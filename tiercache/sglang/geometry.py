@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml
+from tiercache.config import (
+    DTYPE_BYTES, MAX_ATTACHMENTS_PER_RANK, Config, KVGeometry, RegionConfig, config_to_toml,
+)
 from tiercache.config.hf_model import KVShape
-from tiercache.config import MAX_ATTACHMENTS_PER_RANK
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
 from tiercache.sizes import format_bytes
