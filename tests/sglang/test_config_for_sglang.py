@@ -76,6 +76,7 @@ def test_a_real_sglang_pool_fits_the_printed_config_and_another_is_refused_by_na
         rank = SGLangRank(str(coordinator.config_path), model=model)
         try:
             assert rank.backup(list(range(32))) == 32
+            assert rank.prefetch(list(range(32))) == (32, [])  # every page exact
         finally:
             rank.close()
         wrong = SGLangRank.__new__(SGLangRank)  # an engine of twice the page size
