@@ -6,8 +6,9 @@
 Edit the panels here, not in the JSON. Every query filters on ``$instance`` (and
 per-rank queries on ``$rank``), uses ``$__rate_interval`` in every ``rate`` and
 ``$__range`` only in whole-range ``increase`` tiles, and names only metrics that
-``tiercache.metrics.collector`` exports; ``tests/test_dashboards.py`` checks all of it, and
-``tests/test_prometheus_e2e.py`` runs every query against a real Prometheus.
+the collectors export (``tiercache.metrics.collector``, ``tiercache.metrics.events``);
+``tests/metrics/test_dashboards.py`` checks all of it, and
+``tests/metrics/test_prometheus_e2e.py`` runs every query against a real Prometheus.
 """
 
 from __future__ import annotations
@@ -295,8 +296,43 @@ def engines() -> list[Panel]:
     ]
 
 
+def events() -> list[Panel]:
+    """The node's KV event stream (a coordinator with an ``[events]`` section)."""
+    per_s = lambda metric, legend: Target(sum_rate(metric, selector=INST), legend)  # noqa: E731
+    return [
+        Panel("Events published", "KV events per second the node's stream published, by "
+              "vLLM event type and medium (CPU: host memory; STORAGE: the disk tier; none for "
+              "AllBlocksCleared), and batches per second (one sequence number each).",
+              [Target(sum_rate("tiercache_events_published_total", "type, medium", INST),
+                      "{{type}} {{medium}}"),
+               per_s("tiercache_events_batches_total", "batches")], unit="ops"),
+        Panel("Stream queue and namespaces", "Changed keys waiting to be published (past "
+              "events.queue_keys they are dropped and the stream resyncs), and the namespaces "
+              "engines described (a key of a namespace no engine described is not published).",
+              [Target(f"tiercache_events_queued_keys{{{INST}}}", "queued keys"),
+               Target(f"tiercache_events_namespaces{{{INST}}}", "namespaces")]),
+        Panel("Replay", "Replay requests answered per second, the batches sent again for "
+              "them, and messages on the replay socket that were not a request (ignored). "
+              "Steady replays: subscribers lose batches (slower than events.hwm allows).",
+              [per_s("tiercache_events_replay_requests_total", "replay requests"),
+               per_s("tiercache_events_replayed_batches_total", "replayed batches"),
+               per_s("tiercache_events_bad_replay_requests_total", "bad requests")],
+              unit="ops"),
+        Panel("Dropped, unpublished and resyncs", "Changed keys per second the stream's "
+              "bounded queue dropped (each overflow resyncs); keys not published, by reason "
+              "(undescribed: no engine described their namespace; unreadable: not of their "
+              "engine's key shape); resyncs (AllBlocksCleared, then every block held: a start, "
+              "a reset, an overflow). Routers see every change only while the first two are 0.",
+              [per_s("tiercache_events_dropped_total", "dropped keys"),
+               Target(sum_rate("tiercache_events_unpublished_keys_total", "reason", INST),
+                      "unpublished {{reason}}"),
+               per_s("tiercache_events_resyncs_total", "resyncs")], unit="ops"),
+    ]
+
+
 ROWS = (("Overview", overview), ("Transfers", transfers), ("Workers and pinning", workers),
-        ("Engines", engines), ("Cache index", index), ("Tiers below host memory", tiers))
+        ("Engines", engines), ("Cache index", index), ("Tiers below host memory", tiers),
+        ("Node events", events))
 
 
 def variables() -> list[dict]:
@@ -349,7 +385,8 @@ def dashboard() -> dict:
         y += row_height
     return {
         "id": None, "uid": UID, "title": "tiercache", "tags": ["tiercache", "kv-cache"],
-        "description": "tiercache host KV-cache tier: transfers, workers, pinning, cache index.",
+        "description": "tiercache host KV-cache tier: transfers, workers, pinning, cache "
+                       "index, lower tiers, node events.",
         "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,
         "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "timezone": "",
         "annotations": {"list": []}, "links": [],

@@ -8,12 +8,17 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.metrics.exposition import encode_text
+from tiercache.events.publisher import PublisherStats
+from tiercache.events.sink import SinkStats
+from tiercache.events.stream import EventStats
 from tiercache.metrics.collector import TiercacheCollector
+from tiercache.metrics.events import EventsCollector, collectors
 from tiercache.numa.placement import NumaPlacement, NumaState
 from tiercache.region.stats import PinState
 from tiercache.specs import Direction
@@ -145,8 +150,12 @@ def _exposition() -> tuple[set[str], set[str]]:
     from tiercache.index.results import TierStats
 
     disk = TierStats(capacity_blocks=8, used_blocks=2)  # a coordinator with a disk tier
-    text = encode_text(TiercacheCollector(region, sample_manager_stats,
-                                          tier_stats=lambda: {"disk": disk}).collect()).decode()
+    node = TiercacheCollector(region, sample_manager_stats, tier_stats=lambda: {"disk": disk})
+    events = EventsCollector(lambda: EventStats(  # ... and an event stream
+        SinkStats(queued_keys=3, namespaces=1),
+        PublisherStats(batches=2, events=Counter({("AllBlocksCleared", ""): 1,
+                                                  ("BlockStored", "CPU"): 4}))))
+    text = encode_text(collectors(node, events).collect()).decode()
     samples, labels = set(), {"instance", "job"}  # added by Prometheus at scrape time
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -222,6 +231,35 @@ def test_overview_dashboard_covers_what_operators_need():
                    "tiercache_index_miss_blocks_total", "tiercache_index_evicted_blocks_total",
                    "tiercache_index_store_rejections_total"):
         assert needed in exprs, needed
+
+
+def test_every_event_stream_family_has_a_panel():
+    """The node's event stream is watched: each ``tiercache_events_*`` family the collector
+    exports is in a query of the dashboard (a new family fails here until it has a panel)."""
+    model = dict(DASHBOARDS)["tiercache.json"]
+    named = set().union(*(metric_names(q.expr) for q in dq.queries(model)))
+    families = {name for name in _exposition()[0] if name.startswith("tiercache_events_")}
+    assert len(families) >= 10
+    assert not families - named, f"families without a panel: {sorted(families - named)}"
+
+
+def test_observability_doc_lists_every_row_and_panel_in_order():
+    """docs/observability.md's panel list is the dashboard's: each row (bold) with each of
+    its panels (a bullet naming it in italics), in the dashboard's order."""
+    text = (dq.DASHBOARD_DIR.parent / "docs" / "observability.md").read_text()
+    listed: list[tuple[str, list[str]]] = []
+    for line in text.split("### Panels", 1)[1].split("\n## ", 1)[0].splitlines():
+        if row := re.match(r"\*\*(.+?)\*\*", line):
+            listed.append((row.group(1), []))
+        elif panel := re.match(r"\* \*(.+?)\* — ", line):
+            listed[-1][1].append(panel.group(1))
+    rows: list[tuple[str, list[str]]] = []
+    for panel in dict(DASHBOARDS)["tiercache.json"]["panels"]:
+        if panel["type"] == "row":
+            rows.append((panel["title"], []))
+        else:
+            rows[-1][1].append(panel["title"])
+    assert listed == rows
 
 
 def test_provisioning_files_point_grafana_at_the_dashboards():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tiercache.control.client import Client
-from tiercache.config import BackendKind, DiskConfig
+from tiercache.config import BackendKind, DiskConfig, EventsConfig
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.service.process import CoordinatorProcess
 from tiercache.transfer.worker import attach
@@ -120,9 +120,10 @@ def keys(first: int, count: int) -> list[bytes]:
 @pytest.fixture
 def cluster(make_config, tmp_path):
     """Coordinator + Prometheus scraping it + one worker per rank; torn down in reverse."""
-    (tmp_path / "disk").mkdir()  # a disk tier too: the dashboard's tier row has data
-    config = make_config(backend=BackendKind.CPU, disk=DiskConfig(
-        path=str(tmp_path / "disk"), capacity_bytes=1 << 20))
+    (tmp_path / "disk").mkdir()  # a disk tier and an event stream too: the dashboard's
+    config = make_config(backend=BackendKind.CPU,  # tier and node events rows have data
+                         disk=DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 20),
+                         events=EventsConfig(endpoint="tcp://127.0.0.1:0"))
     ctx = mp.get_context("spawn")
     with CoordinatorProcess(config, workdir=tmp_path / "coordinator") as coordinator:
         url = re.search(r"metrics: http://(\S+)/metrics", coordinator.output())
