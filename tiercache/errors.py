@@ -7,6 +7,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
 
     TiercacheError
     ├── ConfigError                 bad config file, key, type or value   (also ValueError)
+    │   └── UnsupportedModelError   a model whose KV layout tiercache cannot serve (the
+    │                               config commands name the model and why)
     ├── ArgumentError               a call with an argument the API does not allow: wrong
     │                               type, out of range, inconsistent      (also ValueError)
     ├── RegionError                 the shared-memory region
@@ -47,6 +49,9 @@ errors are re-raised as one of these with the original as ``__cause__``.
     ├── JobError                    the completion loop misused: a repeated job id or ack
     │   └── RanksDownError          a job begun while a rank is down (restart it, retry)
     ├── WorkerError                 a worker process failed to start or stopped answering
+    ├── EngineDependencyError       engine-side code run without torch, which the engine's
+    │                               environment brings (the coordinator installs without
+    │                               it)                                  (also ImportError)
     ├── ProtocolError               a malformed, oversized or unexpected frame
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
     ├── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
@@ -56,6 +61,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
     └── ServiceError                `tiercache serve` did not start, or its exporter did not stop
 """
 
+from typing import Self
+
 
 class TiercacheError(Exception):
     """Base of every error tiercache raises on purpose."""
@@ -63,6 +70,11 @@ class TiercacheError(Exception):
 
 class ConfigError(TiercacheError, ValueError):
     """A config file, key, type or value that is not allowed; the message names it."""
+
+
+class UnsupportedModelError(ConfigError):
+    """A model whose KV-cache layout tiercache cannot serve; the message names the model, the
+    layers at fault and why."""
 
 
 class ArgumentError(TiercacheError, ValueError):
@@ -196,6 +208,18 @@ class RanksDownError(JobError):
 
 class WorkerError(TiercacheError):
     """A worker process (one rank of an engine) failed to start or stopped answering."""
+
+
+class EngineDependencyError(TiercacheError, ImportError):
+    """Engine-side code (a worker's ``attach``, the demo's ranks) imported where torch is
+    missing. torch is not a dependency of the package: ``tiercache serve`` never imports it,
+    and an engine brings its own build (CUDA or not); ``pip install 'tiercache[engine]'``
+    adds one where there is none."""
+
+    @classmethod
+    def torch_for(cls, what: str) -> Self:
+        return cls(f"{what} needs torch (the engine's own; pip install 'tiercache[engine]')",
+                   name="torch")
 
 
 class ProtocolError(TiercacheError):

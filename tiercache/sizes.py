@@ -43,4 +43,13 @@ def format_bytes(num_bytes: int | float) -> str:
     return f"{value:.2f} TiB"
 
 
-__all__ = ["format_bytes", "parse_size"]
+def size_text(num_bytes: int) -> str | int:
+    """How a config file writes a size: ``"256GiB"`` where a binary unit divides it exactly
+    (``parse_size`` reads it back to the same bytes), the plain byte count otherwise."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= factor and num_bytes % factor == 0:
+            return f"{num_bytes // factor}{unit}"
+    return num_bytes
+
+
+__all__ = ["format_bytes", "parse_size", "size_text"]

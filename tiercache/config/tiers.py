@@ -25,10 +25,9 @@ class DiskConfig:
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("disk.path = '': give a directory for the disk tier's file")
-        path = os.path.abspath(self.path)
-        object.__setattr__(self, "path", path)
-        if not os.path.isdir(path):
-            raise ConfigError(f"disk.path = {path!r}: not an existing directory")
+        # made absolute here; that it is a directory of ours is a start-up check of
+        # `serve` (a config is written before the node's directory exists: config-for-vllm)
+        object.__setattr__(self, "path", os.path.abspath(self.path))
         if self.capacity_bytes < 1:
             raise ConfigError(f"disk.capacity = {self.capacity_bytes}: must be > 0")
         if not 1 <= self.io_threads <= 64:

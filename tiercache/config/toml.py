@@ -19,7 +19,7 @@ from tiercache.config.sections import (
 )
 from tiercache.config.tiers import ClusterConfig, DiskConfig
 from tiercache.errors import ConfigError
-from tiercache.sizes import parse_size
+from tiercache.sizes import parse_size, size_text
 
 
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -292,7 +292,7 @@ def config_to_toml(config: Config) -> str:
 
     reg, kv, exp = config.region, config.kv, config.exporter
     size = {"num_blocks": reg.num_blocks} if reg.num_blocks is not None else {
-        "capacity": reg.capacity_bytes}
+        "capacity": size_text(reg.capacity_bytes) if reg.capacity_bytes else reg.capacity_bytes}
     tables: dict[str, dict[str, Any]] = {
         "instance": {"name": config.name, "world_size": config.world_size},
         "region": {**size, "prefault_threads": reg.prefault_threads, "pinning": reg.pinning.value,
@@ -320,7 +320,7 @@ def config_to_toml(config: Config) -> str:
     }
     if config.disk is not None:
         d = config.disk
-        tables["disk"] = {"path": d.path, "capacity": d.capacity_bytes,
+        tables["disk"] = {"path": d.path, "capacity": size_text(d.capacity_bytes),
                           "io_threads": d.io_threads, "low_watermark": d.low_watermark,
                           "retry_s": d.retry_s,
                           "direct_io": "auto" if d.direct_io is None else d.direct_io}
@@ -329,8 +329,8 @@ def config_to_toml(config: Config) -> str:
         tables["cluster"] = {
             "backend": c.backend, "master": c.master, "metadata_server": c.metadata_server,
             "local_hostname": c.local_hostname, "key_file": c.key_file,
-            "segment_size": c.segment_bytes,
-            "local_buffer_size": c.local_buffer_bytes, "protocol": c.protocol,
+            "segment_size": size_text(c.segment_bytes),
+            "local_buffer_size": size_text(c.local_buffer_bytes), "protocol": c.protocol,
             "rdma_devices": c.rdma_devices, "replicas": c.replicas,
             "publish_queue_blocks": c.publish_queue_blocks,
             "publish_threads": c.publish_threads, "promote_threads": c.promote_threads,

@@ -7,15 +7,15 @@ blocks per chunk are exactly those; anything else is refused with one error that
 both sides and the ``[instance]``/``[kv]`` lines a matching coordinator config needs
 (``tiercache config-for-vllm`` prints a whole config from the model's shape).
 
-No vllm import here: the same arithmetic serves the CLI on a host without vLLM.
+No vllm import here: the scheduler and the workers check against it; what vLLM announces
+for a model is asked of vLLM (``tiercache.vllm.model_kv``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.config import DTYPE_BYTES, Config, KVGeometry, RegionConfig, config_to_toml
-from tiercache.config.hf_model import KVShape
+from tiercache.config import Config, KVGeometry, RegionConfig, config_to_toml
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
 from tiercache.sizes import format_bytes
@@ -85,33 +85,11 @@ def _pages(page_bytes: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, page_bytes)) + "]"
 
 
-@dataclass(frozen=True)
-class ModelShape(KVShape):
-    """A decoder whose every layer is full attention with K and V heads (Llama, Qwen,
-    Mistral, ...): what its per-rank pages are under vLLM's per-layer (LBHNC) KV layout."""
-
-    def geometry(self, *, block_tokens: int, tp_size: int = 1, pp_size: int = 1,
-                 blocks_per_chunk: int = 1) -> EngineGeometry:
-        """One page per layer per rank: K and V of the rank's heads for one block. With
-        more TP ranks than KV heads vLLM replicates heads (one per rank)."""
-        if self.num_layers % pp_size:
-            raise ConfigError(f"{self.num_layers} layers do not split evenly over PP {pp_size}: "
-                              "tiercache regions need the same geometry on every rank")
-        heads = max(1, self.num_kv_heads // tp_size)
-        if self.num_kv_heads >= tp_size and self.num_kv_heads % tp_size:
-            raise ConfigError(f"{self.num_kv_heads} KV heads do not split evenly over TP {tp_size}")
-        page = 2 * heads * block_tokens * self.head_dim * DTYPE_BYTES[self.kv_dtype]
-        return EngineGeometry(world_size=tp_size * pp_size, block_size_factor=blocks_per_chunk,
-                              block_tokens=block_tokens,
-                              page_bytes=(page,) * (self.num_layers // pp_size))
-
-
-def coordinator_toml(geometry: EngineGeometry, name: str, capacity_bytes: int) -> str:
-    """The TOML `tiercache serve --config` needs for this engine, with a header comment."""
-    config = geometry.config(name, capacity_bytes)
+def coordinator_toml(geometry: EngineGeometry, config: Config, model: str) -> str:
+    """The TOML `tiercache serve --config` runs for this engine, with a header comment."""
     layout = RegionLayout.from_config(config)
-    head = (f"# tiercache coordinator for a vLLM engine: {geometry.world_size} rank(s), "
-            f"{len(geometry.page_bytes or ())} KV tensors of "
+    head = (f"# tiercache coordinator for vLLM engines of {model}: {geometry.world_size} "
+            f"rank(s), {len(geometry.page_bytes or ())} KV tensors of "
             f"{format_bytes(max(geometry.page_bytes or (0,)))} per block per rank, "
             f"{geometry.block_size_factor} block(s) per chunk; {layout.num_blocks} chunks "
             f"({format_bytes(layout.total_bytes)} of /dev/shm)\n")
