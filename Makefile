@@ -1,9 +1,17 @@
 # Everything a fresh clone needs: `make test`, `make serve`, `make demo`.
+# One venv (.venv), filled in steps, each with its stamp, so that any order works: the
+# coordinator alone (`make serve`: `pip install -e .`, no torch), then the CPU torch (the
+# engine side: demo, bench), then the test and lint tools (`make test`, `make lint`).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+SERVE_STAMP  := $(VENV)/.installed-serve
+ENGINE_STAMP := $(VENV)/.installed-engine
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.toml
+DEMO_ARGS ?=
+TORCH_VERSION := 2.13.0
+TORCH_PIN := torch==$(TORCH_VERSION)
 
 # The vLLM test environment (tests/vllm): vLLM 0.33.0 beside the CPU torch, kept apart from
 # the light default venv (it is ~2.2 GB). vllm pins a CUDA torch, so it goes in last with
@@ -37,11 +45,21 @@ SGLANG_TEST_WORKERS ?= 2
 .PHONY: install test lint test-vllm venv-vllm test-gpu serve demo bench clean-venv prometheus cc fuse \
 	mooncake systemd venv-sglang test-sglang sglang-jit
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	# torch first and pinned: the local CPU wheel, no CUDA packages downloaded
-	$(BIN)/pip install -q torch==2.13.0
+$(SERVE_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# torch before any extra that names it, and pinned: the local CPU wheel, no CUDA packages
+$(ENGINE_STAMP): pyproject.toml $(SERVE_STAMP)
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[engine]'
+	touch $(ENGINE_STAMP)
+
+$(STAMP): pyproject.toml $(ENGINE_STAMP)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import torch; v = torch.__version__.split('+')[0]; \
+	  assert v == '$(TORCH_VERSION)', f'torch {v} != $(TORCH_VERSION): pip upgraded it'"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,7 +67,7 @@ install: $(STAMP)
 $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q $(TORCH_PIN)
 	$(VLLM_BIN)/pip install -q -c $(VLLM_PINS) -r $(VLLM_REQS)
 	# xgrammar's Linux dependency is triton (~1 GB), which nothing here needs
 	$(VLLM_BIN)/pip install -q --no-deps -c $(VLLM_PINS) xgrammar
@@ -58,7 +76,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_BIN)/python -c "import torch, vllm; \
 	  assert vllm.__version__ == '$(VLLM_VERSION)', f'vllm {vllm.__version__} != $(VLLM_VERSION)'; \
-	  assert torch.__version__.split('+')[0] == '2.13.0', f'torch {torch.__version__} != 2.13.0'"
+	  assert torch.__version__.split('+')[0] == '$(TORCH_VERSION)', f'torch {torch.__version__} != $(TORCH_VERSION)'"
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -66,14 +84,14 @@ venv-vllm: $(VLLM_STAMP)
 $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS) $(SGLANG_PINS)
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_BIN)/pip install -q torch==2.13.0
+	$(SGLANG_BIN)/pip install -q $(TORCH_PIN)
 	$(SGLANG_BIN)/pip install -q -c $(SGLANG_PINS) -r $(SGLANG_REQS)
 	$(SGLANG_BIN)/pip install -q --no-deps -e .
 	$(SGLANG_BIN)/pip install -q -c $(SGLANG_PINS) $(MOONCAKE) "crc32c>=2.4"
 	$(SGLANG_BIN)/pip install -q --no-deps sglang==$(SGLANG_VERSION)
 	$(SGLANG_BIN)/python -c "import torch, importlib.metadata as m; \
 	  assert m.version('sglang') == '$(SGLANG_VERSION)', m.version('sglang'); \
-	  assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+	  assert torch.__version__.split('+')[0] == '$(TORCH_VERSION)', torch.__version__"
 	touch $(SGLANG_STAMP)
 
 venv-sglang: $(SGLANG_STAMP)
@@ -135,13 +153,14 @@ test-sglang: $(SGLANG_STAMP) cc sglang-jit
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu
 
-serve: $(STAMP)
+# The coordinator only: .venv without torch (unless `make test` or `make demo` added it).
+serve: $(SERVE_STAMP)
 	$(BIN)/tiercache serve --config $(CONFIG)
 
-demo: $(STAMP)
-	$(BIN)/tiercache demo --config $(CONFIG)
+demo: $(ENGINE_STAMP)
+	$(BIN)/tiercache demo --config $(CONFIG) $(DEMO_ARGS)
 
-bench: $(STAMP)
+bench: $(ENGINE_STAMP)
 	$(BIN)/tiercache bench --backend cpu
 
 clean-venv:

@@ -35,7 +35,14 @@ from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-import torch
+from tiercache.errors import ArgumentError, EngineDependencyError, PinUnavailableError
+
+try:
+    import torch
+except ModuleNotFoundError as e:  # the package does not depend on torch: the engine brings it
+    if e.name != "torch":
+        raise
+    raise EngineDependencyError.torch_for("tiercache.attach") from e
 
 from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
@@ -45,7 +52,6 @@ from tiercache.device.locality import caches_node
 from tiercache.device.pinning import HostPinner
 from tiercache.device.streams import StreamPlatform
 from tiercache.config import Config, PinningPolicy, RegionConfig
-from tiercache.errors import ArgumentError, PinUnavailableError
 from tiercache.numa.topology import HostTopology
 from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns

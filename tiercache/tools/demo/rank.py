@@ -21,11 +21,18 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from tiercache.errors import EngineDependencyError, SpecError
+
+try:
+    import torch
+except ModuleNotFoundError as e:  # the demo's ranks are engine workers: they need torch
+    if e.name != "torch":
+        raise
+    raise EngineDependencyError.torch_for("tiercache demo") from e
 
 from tiercache.config import Config
 from tiercache.device.host_streams import HostStream
-from tiercache.errors import SpecError
 from tiercache.transfer.handlers import TransferResult
 from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, TransferSpec
 from tiercache.tools.demo.content import BlockContent, GpuIds
