@@ -31,11 +31,12 @@ def check_tcp_endpoint(endpoint: str, key: str) -> str:
     """``endpoint`` if it is ``tcp://ADDRESS:PORT`` (address an IP literal or ``*``, port
     0..65535), else a ``ConfigError`` naming ``key``."""
     allowed = ("allowed tcp://ADDRESS:PORT with ADDRESS an IPv4 address, [IPv6] or * (all "
-               "interfaces) and PORT 0..65535 (0: any free port)")
+               "interfaces) and PORT 0..65535 in ASCII digits (0: any free port)")
     if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         raise ConfigError(f"{key} = {endpoint!r}: {allowed}")
     host, _, port = endpoint[6:].rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only: str.isdigit and int() take '٥٥٥٥' for 5555, ZMQ does not
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{key} = {endpoint!r}: port {port!r}; {allowed}")
     if host != "*":
         literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -47,6 +48,15 @@ def check_tcp_endpoint(endpoint: str, key: str) -> str:
             raise ConfigError(f"{key} = {endpoint!r}: write an IPv6 address in brackets; "
                               f"{allowed}")
     return endpoint
+
+
+def tcp_address(endpoint: str) -> tuple[str, int]:
+    """The (address, port) a checked ``endpoint`` binds: ``*`` is every IPv4 interface
+    (ZMQ's meaning), an ``[IPv6]`` address loses its brackets."""
+    host, _, port = endpoint[6:].rpartition(":")
+    if host == "*":
+        host = "0.0.0.0"
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -80,3 +90,10 @@ class EventsConfig:
         if not 0 < self.batch_interval_s <= 1:
             raise ConfigError(f"events.batch_interval_s = {self.batch_interval_s!r}: allowed "
                               "above 0 up to 1 (seconds: events leave within a second)")
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """The endpoints the coordinator binds, by config key."""
+        return {"events.endpoint": self.endpoint,
+                **({"events.replay_endpoint": self.replay_endpoint}
+                   if self.replay_endpoint else {})}

@@ -110,8 +110,8 @@ def host_port(key: str, value: str, need_port: bool) -> tuple[str, int | None]:
         if need_port:
             raise ConfigError(f"{key} = {value!r}: expected {want} (no port given)")
         return host, None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"{key} = {value!r}: the port must be 1..65535")
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key} = {value!r}: the port must be 1..65535 (ASCII digits)")
     return host, int(port)
 
 

@@ -79,6 +79,11 @@ def prepare_directory(path: str, trusted: frozenset[int]) -> None:
         raise ControlSocketError(f"cannot create the control socket directory "
                                  f"{directory!r}: {e}") from e
     check_directory(directory, trusted)
+    _check_private(directory)
+
+
+def _check_private(directory: str) -> None:
+    """Our private default directory (``/tmp/tiercache-<uid>``) must be 0700."""
     if os.path.basename(directory) == f"tiercache-{os.geteuid()}":
         mode = stat.S_IMODE(os.stat(directory).st_mode)
         if mode & 0o077:
@@ -118,13 +123,56 @@ class SocketFile:
         self.path, self._trusted, self._backlog = path, trusted, backlog
         self._inode: tuple[int, int] | None = None
 
+    def check(self) -> None:
+        """What ``bind`` would refuse, found without creating or removing anything (the
+        coordinator's start checks it before it allocates the region): a path too long,
+        a directory that is not trusted or cannot be made, a file that is not a socket of
+        ours, a live process serving it."""
+        self._check_length()
+        directory = os.path.dirname(os.path.abspath(self.path))
+        try:
+            check_directory(directory, self._trusted)
+        except FileNotFoundError:
+            parent = os.path.dirname(directory)
+            if not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
+                raise ControlSocketError(
+                    f"cannot create the control socket directory {directory!r}: "
+                    f"{parent!r} is missing or not writable by {describe_uid(os.geteuid())} "
+                    "(control.socket)") from None
+            return
+        _check_private(directory)
+        try:
+            check_socket_file(self.path, self._trusted)
+        except FileNotFoundError:
+            return
+        if self._served():
+            raise ControlSocketError(self._live_message())
+
+    def _check_length(self) -> None:
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH_BYTES:
+            raise ControlSocketError(
+                f"control socket path {self.path!r} is {len(os.fsencode(self.path))} bytes; "
+                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}")
+
+    def _served(self) -> bool:
+        """Whether a process accepts connections on the socket at ``path`` now."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        finally:
+            probe.close()
+        return True
+
+    def _live_message(self) -> str:
+        return (f"control socket {self.path!r} is served by a live process; is another "
+                "coordinator running with this config?")
+
     def bind(self) -> socket.socket:
         """A listening, non-blocking socket on ``path``."""
         path = self.path
-        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-            raise ControlSocketError(
-                f"control socket path {path!r} is {len(os.fsencode(path))} bytes; "
-                f"Unix sockets allow at most {MAX_SOCKET_PATH_BYTES}")
+        self._check_length()
         prepare_directory(path, self._trusted)
         self._remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,20 +194,13 @@ class SocketFile:
             check_socket_file(path, self._trusted)  # never probe or unlink someone else's
         except FileNotFoundError:
             return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self._served():
+            raise ControlSocketError(self._live_message())
+        log.info("removing stale control socket %s", path)
         try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale control socket %s", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            return
-        finally:
-            probe.close()
-        raise ControlSocketError(f"control socket {path!r} is served by a live process; "
-                                 "is another coordinator running with this config?")
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def unlink(self) -> None:
         if self._inode is None:

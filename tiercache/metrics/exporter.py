@@ -109,18 +109,9 @@ class _Server:
     waiting for their request belong to the loop; a complete request hands its
     connection to a worker, which answers and hands it back (or to be closed)."""
 
-    def __init__(self, address: tuple[str, int], collector: Collector, limits: ExporterLimits):
+    def __init__(self, listener: socket.socket, collector: Collector, limits: ExporterLimits):
         self._limits = limits
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.listener.bind(address)
-            self.listener.listen(LISTEN_BACKLOG)
-            self.listener.setblocking(False)
-        except OSError:
-            self.listener.close()
-            raise
+        self.listener = listener
         self.port: int = self.listener.getsockname()[1]
         self._collector = collector
         self._wake_r, self._wake_w = socket.socketpair()
@@ -343,17 +334,40 @@ class _Server:
         self._wake_w.close()
 
 
+def bind_listener(config: ExporterConfig) -> socket.socket:
+    """The exporter's listening socket at ``config.address:config.port``, non-blocking;
+    ``ConfigError`` naming both when it cannot listen there. The coordinator binds it
+    before it allocates anything and hands it to ``start_exporter`` (scrapers that
+    connect meanwhile wait in the backlog)."""
+    family = socket.AF_INET6 if ":" in config.address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((config.address, config.port))
+        listener.listen(LISTEN_BACKLOG)
+        listener.setblocking(False)
+    except OSError as e:
+        listener.close()
+        raise ConfigError(f"exporter.address/exporter.port = {config.address}:{config.port}: "
+                          f"cannot listen there ({e.strerror or e}); give a free port, or "
+                          "exporter.port = 0 for any free one") from e
+    return listener
+
+
 class Exporter:
-    """A running ``/metrics`` endpoint (``port`` is the bound one when 0 was asked for)."""
+    """A running ``/metrics`` endpoint (``port`` is the bound one when 0 was asked for).
+    It serves on ``listener`` when given (``bind_listener``'s, now owned by the exporter),
+    else binds its own."""
 
     def __init__(self, config: ExporterConfig, collector: Collector,
-                 limits: ExporterLimits = DEFAULT_LIMITS):
+                 limits: ExporterLimits = DEFAULT_LIMITS, listener: socket.socket | None = None):
+        if listener is None:
+            listener = bind_listener(config)
         try:
-            self._server: _Server | None = _Server((config.address, config.port), collector,
-                                                   limits)
-        except OSError as e:
-            raise ConfigError(f"exporter.address/exporter.port = {config.address}:{config.port}: "
-                              f"cannot listen there ({e.strerror or e})") from e
+            self._server: _Server | None = _Server(listener, collector, limits)
+        except BaseException:
+            listener.close()
+            raise
         self.address = config.address
         self.port: int = self._server.port
 
@@ -372,10 +386,12 @@ class Exporter:
 
 
 def start_exporter(config: ExporterConfig, collector: Collector,
-                   limits: ExporterLimits = DEFAULT_LIMITS) -> Exporter:
+                   limits: ExporterLimits = DEFAULT_LIMITS,
+                   listener: socket.socket | None = None) -> Exporter:
     """Serve ``collector`` at ``config.address:config.port`` (port 0: any free port), in
-    Prometheus text format. The caller checks ``config.enabled``."""
-    return Exporter(config, collector, limits)
+    Prometheus text format, on ``listener`` if given (``bind_listener``). The caller checks
+    ``config.enabled``."""
+    return Exporter(config, collector, limits, listener)
 
 
-__all__ = ["DEFAULT_LIMITS", "Exporter", "ExporterLimits", "start_exporter"]
+__all__ = ["DEFAULT_LIMITS", "Exporter", "ExporterLimits", "bind_listener", "start_exporter"]

@@ -17,7 +17,8 @@ from contextlib import ExitStack
 from tiercache.errors import RegionExistsError, RegionNotFoundError
 from tiercache.region.hostmem import process_alive
 from tiercache.region.shm import (
-    OpenEntry, check_trusted, open_entry, read_header, still_named, take_owner_lock,
+    OpenEntry, check_trusted, open_entry, owner_lock_held, read_header, still_named,
+    take_owner_lock,
 )
 from tiercache.region.stale import YOUNG_S, may_be_mid_creation
 
@@ -53,9 +54,7 @@ def claim_stale(shm_name: str) -> OpenEntry | None:
                 return entry
             info = read_header(entry.fd)
             if info is not None and process_alive(info.owner_pid, info.owner_start_ns):
-                raise RegionExistsError(f"{entry.path} belongs to a live coordinator (pid "
-                                        f"{info.owner_pid}); stop it first, or choose another "
-                                        "instance.name")
+                raise RegionExistsError(_live_owner(entry, info.owner_pid))
             if time.monotonic() >= deadline:
                 owner = f"pid {info.owner_pid}" if info else "unknown"
                 raise RegionExistsError(
@@ -64,3 +63,30 @@ def claim_stale(shm_name: str) -> OpenEntry | None:
                     "that inherited the coordinator's descriptor, or a `tiercache clean` that "
                     "hangs); stop it first, or choose another instance.name")
         time.sleep(POLL_S)
+
+
+def check_claimable(shm_name: str, what: str = "region") -> None:
+    """What ``claim_stale`` refuses at once, found without taking the name or its lock:
+    anything under ``shm_name`` that is not ours (``RegionTrustError``; ``what`` names the
+    kind of object: the key presence map beside a region is checked too) and a region
+    whose recorded coordinator is alive and holds its lock (``RegionExistsError``). A
+    stale object of ours passes: the start re-adopts or replaces it. The coordinator's
+    start runs this before it allocates anything; ``claim_stale`` still decides."""
+    try:
+        entry = open_entry(shm_name, writable=True, what=what)
+    except RegionNotFoundError:
+        return
+    try:
+        check_trusted(entry, what)
+        if not owner_lock_held(entry.fd):
+            return
+        info = read_header(entry.fd) if what == "region" else None
+        if info is not None and process_alive(info.owner_pid, info.owner_start_ns):
+            raise RegionExistsError(_live_owner(entry, info.owner_pid))
+    finally:
+        entry.close()
+
+
+def _live_owner(entry: OpenEntry, pid: int) -> str:
+    return (f"{entry.path} belongs to a live coordinator (pid {pid}); stop it first, or "
+            "choose another instance.name")

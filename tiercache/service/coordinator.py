@@ -1,12 +1,15 @@
 """The coordinator: owns the region, the cache index behind the control socket, and the
 Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it.
 
-Start order: region (create or re-adopt, READY written last) → sessions and index (rebuilt
-from the region's session table and ledger) → control socket (its path recorded in the
-region header) → exporter. Shutdown runs the reverse; it is idempotent, so a signal during
-start-up still leaves nothing behind. Each part is kept only once it started, so shutdown
-removes (and reports) exactly what this coordinator made: a start refused over a live
-coordinator's region removes nothing of it.
+Start order: preflight (``tiercache.service.preflight``: every cheap precondition, the
+exporter's port bound and kept, nothing allocated; a refusal here is the start's only
+line) → region (create or re-adopt, READY written last) → sessions and index (rebuilt
+from the region's session table and ledger) → lower tiers, event stream, key presence
+map → control socket (its path recorded in the region header) → exporter (on the port
+preflight holds). Shutdown runs the reverse; it is idempotent, so a signal during
+start-up still leaves nothing behind. Each part is kept only once it started, so
+shutdown removes (and reports) exactly what this coordinator made: a start refused over
+a live coordinator's region removes nothing of it.
 
 **A stop keeps the cache warm when engines are attached.** Unlinking a region that
 workers still map frees no memory, and a new region would leave them mapping the old one.
@@ -31,6 +34,7 @@ from tiercache.config import Config
 from tiercache.sizes import format_bytes
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.notify import notify
+from tiercache.service.preflight import Preflight
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -80,6 +84,7 @@ class Coordinator:
         # Mooncake's close): daemon threads; the region stays mapped under them, and `serve`
         # ends the process without Mooncake's teardown (which would hang or abort under them)
         self.abandoned: list[str] = []
+        self._preflight: Preflight | None = None  # once every precondition passed
         self._closed = False
 
     def start(self) -> None:
@@ -88,6 +93,7 @@ class Coordinator:
 
         cfg = self.config
         t0 = time.perf_counter()
+        self._preflight = preflight = Preflight.run(cfg)  # raises holding nothing
         try:
             self.region = region = SharedOffloadRegion.create(cfg, log_step=self.say)
             layout = region.layout
@@ -112,7 +118,8 @@ class Coordinator:
                     from tiercache.metrics.events import EventsCollector, collectors
 
                     collector = collectors(node, EventsCollector(self.events.stats))
-                self.exporter = start_exporter(cfg.exporter, collector)
+                self.exporter = start_exporter(cfg.exporter, collector,
+                                               listener=preflight.take_exporter_listener())
         except BaseException:
             self.close()
             raise
@@ -261,6 +268,9 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        if self._preflight is None:  # refused before it made anything: the error says all
+            return
+        self._preflight.close()
         notify("STOPPING=1")
         errors: dict[str, BaseException] = {}
         attached = self.region.live_attachments() if self.region and self.control else 0

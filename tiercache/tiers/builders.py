@@ -1,6 +1,8 @@
 """Each lower tier built from its config section over the coordinator's region: the
 registry's factories (``tiercache.tiers.TIER_FACTORIES``). A builder either returns a
-tier ready to start or raises having closed what it opened."""
+tier ready to start or raises having closed what it opened. Each tier's checker
+(``tiercache.tiers.TIER_CHECKS``) refuses, before the coordinator allocates anything,
+what its builder would refuse for a cheap reason (a file, a directory, free room)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,26 @@ class TierRegion(Protocol):
     def layout(self) -> RegionLayout: ...
 
     def rank_array(self, rank: int) -> np.ndarray: ...
+
+
+def check_disk(config: Config, layout: RegionLayout) -> None:
+    """The disk tier's directory, the file under its name, and the room it needs
+    (``DiskSlotFile.check``)."""
+    from tiercache.tiers.disk_file import DiskSlotFile
+
+    disk = config.disk
+    assert disk is not None, "the registry checks a tier only when its section is configured"
+    DiskSlotFile.check(disk.file_path(config.name), disk.capacity_bytes,
+                       world_size=layout.world_size, row_stride=layout.row_stride)
+
+
+def check_cluster(config: Config, layout: RegionLayout) -> None:
+    """The cluster's key file (``load_cluster_key``); the pool's master is waited for at
+    build time, not here (``cluster.start_timeout_s``)."""
+    from tiercache.tiers.cluster_key import load_cluster_key
+
+    assert config.cluster is not None, "the registry checks a tier only when configured"
+    load_cluster_key(config.cluster.key_file)
 
 
 def build_disk(config: Config, region: TierRegion, say: Callable[[str], None]) -> LowerTier:

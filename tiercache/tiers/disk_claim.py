@@ -156,33 +156,96 @@ def check_directory(directory: str, st: os.stat_result) -> None:
                           "replace the disk tier's file; use a private directory")
 
 
-def claim(path: str) -> int:
+@dataclass(frozen=True)
+class Claim:
+    """The claimed file's descriptor, and whether this claim created the file (a start
+    that fails after it removes what it made: ``unclaim``)."""
+
+    fd: int
+    created: bool
+
+
+def claim(path: str) -> Claim:
     """The file at ``path`` opened read-write (created 0600 if missing) in a checked
     directory, checked on its descriptor, and locked for this process; ``ConfigError``
     (one line) otherwise."""
     directory, name = os.path.split(os.path.abspath(path))
     dir_fd = open_directory(directory)
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
+            try:
+                fd, created = os.open(name, flags | os.O_CREAT | os.O_EXCL, FILE_MODE,
+                                      dir_fd=dir_fd), True
+            except FileExistsError:
+                fd, created = os.open(name, flags, dir_fd=dir_fd), False
         except OSError as e:
-            raise ConfigError(f"disk tier file {path}: cannot open it ({e.strerror}"
-                              + ("; a symlink is never followed" if e.errno == errno.ELOOP else "")
-                              + ")") from e
+            raise ConfigError(_cannot_open(path, e)) from e
     finally:
         os.close(dir_fd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ConfigError(f"disk tier file {path} is not ours with mode 0600 ("
-                              f"{describe(st)}); remove it or choose another disk.path")
+        _check_file(path, os.fstat(fd))
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         _lock(fd, path)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return Claim(fd, created)
+
+
+def unclaim(path: str, claimed: Claim) -> None:
+    """Close the claim's descriptor; remove the file if this claim created it and the
+    name still refers to it (a start that failed leaves no empty file behind)."""
+    try:
+        if claimed.created:
+            st, now = os.fstat(claimed.fd), os.lstat(path)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(claimed.fd)
+
+
+def check_claimable(path: str) -> int:
+    """What ``claim`` would refuse, found without creating or locking anything: the
+    directory's rules, a directory we cannot write a new file in, a file under the name
+    that is not ours with mode 0600 or that another coordinator holds. Returns the bytes
+    the file already has allocated (0 without one); ``ConfigError`` otherwise."""
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = open_directory(directory)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not os.access(directory, os.W_OK | os.X_OK, effective_ids=True):
+                raise ConfigError(f"disk.path = {directory!r} is not writable by "
+                                  f"{user_label(os.geteuid())}: the disk tier's file "
+                                  f"{name} cannot be created there") from None
+            return 0
+        except OSError as e:
+            raise ConfigError(_cannot_open(path, e)) from e
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        _check_file(path, st)
+        _lock(fd, path)  # released as the descriptor closes: a probe of the holder
+    finally:
+        os.close(fd)
+    return st.st_blocks * 512
+
+
+def _cannot_open(path: str, e: OSError) -> str:
+    return (f"disk tier file {path}: cannot open it ({e.strerror}"
+            + ("; a symlink is never followed" if e.errno == errno.ELOOP else "") + ")")
+
+
+def _check_file(path: str, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(f"disk tier file {path} is not ours with mode 0600 ("
+                          f"{describe(st)}); remove it or choose another disk.path")
 
 
 def _lock(fd: int, path: str) -> None:

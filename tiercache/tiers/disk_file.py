@@ -56,10 +56,27 @@ from dataclasses import dataclass
 from tiercache.errors import ConfigError
 from tiercache.region.layout import round_up
 from tiercache.tiers.block_header import ALL_RANKS, BlockHeader, Container, checksum
-from tiercache.tiers.disk_claim import FILE_HEADER_BYTES, FileHeader, claim, new_instance
+from tiercache.sizes import format_bytes
+from tiercache.tiers.disk_claim import (
+    FILE_HEADER_BYTES, FileHeader, check_claimable, claim, new_instance, unclaim,
+)
 
 HEADER_BYTES = 4096
 ALIGN = 4096
+
+
+def _slot_bytes(world_size: int, row_stride: int) -> int:
+    return HEADER_BYTES + world_size * round_up(row_stride, ALIGN)
+
+
+def _num_slots(capacity_bytes: int, world_size: int, row_stride: int) -> int:
+    """How many slots ``capacity_bytes`` holds; ``ConfigError`` when not one."""
+    slot_bytes = _slot_bytes(world_size, row_stride)
+    if capacity_bytes < slot_bytes:
+        raise ConfigError(f"disk.capacity = {capacity_bytes} bytes holds no block of "
+                          f"{slot_bytes} bytes (header + {world_size} row(s)); "
+                          "give at least one block")
+    return capacity_bytes // slot_bytes
 
 
 @dataclass(frozen=True)
@@ -81,30 +98,50 @@ class DiskSlotFile:
         self.world_size = world_size
         self.row_stride = row_stride
         self.row_span = round_up(row_stride, ALIGN)
-        self.slot_bytes = HEADER_BYTES + world_size * self.row_span
-        self.num_slots = capacity_bytes // self.slot_bytes
-        if self.num_slots < 1:
-            raise ConfigError(f"disk.capacity = {capacity_bytes} bytes holds no block of "
-                              f"{self.slot_bytes} bytes (header + {world_size} row(s)); "
-                              "give at least one block")
+        self.slot_bytes = _slot_bytes(world_size, row_stride)
+        self.num_slots = _num_slots(capacity_bytes, world_size, row_stride)
         self.layout_digest = layout_digest
         self.direct_io_reason = ""
         self.fresh_reason = ""  # why the file started empty ("" when its blocks were kept)
-        self._fd = claim(path)
+        claimed = claim(path)
+        self._fd = claimed.fd
         try:
             self._preallocate(FILE_HEADER_BYTES + self.num_slots * self.slot_bytes)
             self.instance = self._adopt()
             self.direct_io = self._choose_direct(direct_io, row_stride % ALIGN == 0)
         except BaseException:
-            os.close(self._fd)
+            unclaim(path, claimed)  # a file this start made goes with it
             self._fd = -1
             raise
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def check(path: str, capacity_bytes: int, *, world_size: int, row_stride: int) -> None:
+        """What the constructor would refuse, found before anything is created or
+        allocated (the coordinator checks it before it allocates the region): no block
+        fits ``capacity_bytes``, the directory or a file under the name may not be used
+        (``disk_claim.check_claimable``), or the filesystem has not the room the file
+        still needs. ``ConfigError`` (one line)."""
+        num_slots = _num_slots(capacity_bytes, world_size, row_stride)
+        need = FILE_HEADER_BYTES + num_slots * _slot_bytes(world_size, row_stride)
+        missing = need - check_claimable(path)
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        free = st.f_bavail * st.f_frsize
+        if missing > free:
+            raise ConfigError(
+                f"disk.capacity = {capacity_bytes} bytes: {path} needs {need} bytes "
+                f"({format_bytes(need)}), {missing} more than it has, and its filesystem has "
+                f"{free} bytes ({format_bytes(free)}) free; shrink disk.capacity or free "
+                "room there")
+
     def _preallocate(self, num_bytes: int) -> None:
+        size = os.fstat(self._fd).st_size
         try:
             os.posix_fallocate(self._fd, 0, num_bytes)
         except OSError as e:
+            # a failed allocation may keep what it got before the disk ran full (73 GB in a
+            # test here): give it back, keeping the file's own bytes
+            os.ftruncate(self._fd, size)
             free = os.fstatvfs(self._fd)
             raise ConfigError(
                 f"disk.capacity: cannot allocate {num_bytes} bytes in {self.path} "
