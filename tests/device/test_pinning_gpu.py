@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig  # noqa: E402
 from tiercache.errors import PinError  # noqa: E402
 from tiercache.device.pinning import HostPinner  # noqa: E402
+from tiercache.progress import Progress  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
 from tiercache.region.stats import PinState  # noqa: E402
 
@@ -127,8 +128,13 @@ def test_a_failed_registration_rolls_back_the_ones_before_it(make_config):
             pinner.pin(ranges + [ranges[0]])  # registering a range twice fails
         assert pinner.pinned_bytes == 0
         again = HostPinner(0)
-        again.pin(ranges)  # would fail if the rollback had left anything registered
-        assert again.pinned_bytes == region.layout.slice_used_bytes
+        lines: list[str] = []
+        ticks = iter(range(0, 1_000_000, 2))  # 2 s a reading: every range reports
+        progress = Progress("pinning", region.layout.slice_used_bytes, lines.append,
+                            clock=lambda: float(next(ticks)))
+        again.pin(ranges, progress)  # would fail if the rollback had left anything registered
+        assert again.pinned_bytes == region.layout.slice_used_bytes == progress.done_bytes
+        assert len(lines) == len(ranges)
         again.unpin()
         torch.zeros(1, device="cuda").add_(1)  # no stale CUDA error surfaces in torch
         torch.cuda.synchronize()

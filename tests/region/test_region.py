@@ -87,6 +87,30 @@ def test_attach_refusals_are_specific(region, make_config, instance_name):
     SharedOffloadRegion.attach(instance_name, 0, layout=region.layout).close()
 
 
+def test_attach_to_a_missing_region_suggests_the_instance_name_not_the_shm_name(make_config):
+    """A worker attaches by ``config.shm_name``: the hint said ``instance.name =
+    'tiercache-default'`` for an instance named ``default``, a name the config refuses."""
+    cfg = make_config()
+    for name in (cfg.shm_name, cfg.name):
+        with pytest.raises(RegionNotFoundError) as refused:
+            SharedOffloadRegion.attach(name, 0)
+        assert str(refused.value).endswith(f"(is `tiercache serve` running with "
+                                           f"instance.name = {cfg.name!r}?)"), refused.value
+
+
+def test_a_too_small_dev_shm_is_advised_as_the_hosts_tmpfs_never_an_emptydir():
+    """The region must outlive the coordinator's pod (docs/deploy.md: a hostPath of the
+    host's /dev/shm); the advice used to be an emptyDir of medium Memory, which dies with
+    the pod and loses the warm restart."""
+    from tiercache.region.hostmem import check_space
+
+    with pytest.raises(InsufficientMemoryError) as refused:
+        check_space(1 << 60, "/dev/shm", check_host_memory=False)
+    said = str(refused.value)
+    assert "hostPath" in said and "size the host's tmpfs" in said, said
+    assert "medium: Memory" not in said
+
+
 def test_attach_waits_for_ready_within_its_timeout(region, instance_name):
     import threading
 

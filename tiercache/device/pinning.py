@@ -18,6 +18,7 @@ import time
 
 from tiercache.device.driver import CUDA_SUCCESS, CudaDriver
 from tiercache.errors import BackendError, PinError, PinUnavailableError
+from tiercache.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,9 @@ class HostPinner:
     def pinned_bytes(self) -> int:
         return sum(n for _, n in self._registered)
 
-    def pin(self, ranges: list[tuple[int, int]]) -> float:
-        """Register every (address, length) range; returns seconds. All or nothing."""
+    def pin(self, ranges: list[tuple[int, int]], progress: Progress | None = None) -> float:
+        """Register every (address, length) range, each told to ``progress`` once
+        registered; returns seconds. All or nothing."""
         if self._registered:
             raise PinError(f"already pinned {self.pinned_bytes} bytes; unpin() first")
         torch, driver = _driver()
@@ -65,6 +67,8 @@ class HostPinner:
                 raise PinError(f"cuMemHostRegister({address:#x}, {length} bytes) on "
                                f"cuda:{self.device} failed: {driver.error_name(rc)}")
             self._registered.append((address, length))
+            if progress is not None:
+                progress.advance(length)
         return time.perf_counter() - start
 
     def _rollback(self, driver: CudaDriver) -> None:

@@ -1,5 +1,11 @@
 """Host memory preparation: space checks, fallocate, parallel pre-fault, process identity.
 
+Both long steps go in pieces (``FALLOCATE_PIECE_BYTES``, ``PREFAULT_PIECE_BYTES``) and
+tell a ``tiercache.progress.Progress`` after each, so a large region's start-up reports
+GiB done, rate and ETA while it runs; a piece is small enough to take well under the
+progress interval at the slowest rates measured (docs/benchmarks.md, "Region set-up and
+pinning"), and large enough that the extra calls cost nothing measurable.
+
 Pre-faulting runs ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which releases the
 GIL, so threads over disjoint ranges really run in parallel); on kernels without it
 (EINVAL) it touches one byte per page instead, preserving the bytes.
@@ -20,9 +26,19 @@ import psutil
 
 from tiercache.sizes import format_bytes
 from tiercache.errors import InsufficientMemoryError, RegionError
+from tiercache.progress import Progress
 from tiercache.region.layout import OS_PAGE  # touching every 4 KiB touches every page
 
 log = logging.getLogger(__name__)
+
+# the region must outlive the coordinator's container (a restart re-adopts it warm): the
+# host's /dev/shm, never a per-pod tmpfs (docs/deploy.md)
+SHM_ADVICE = ("the host's /dev/shm tmpfs (mount -o remount,size=... /dev/shm; in Kubernetes "
+              "mount the host's /dev/shm into the pod as a hostPath and size the host's "
+              "tmpfs, not an emptyDir, which dies with the pod; in Docker --ipc=host or a "
+              "bind mount of the host's /dev/shm)")
+FALLOCATE_PIECE_BYTES = 1 << 30
+PREFAULT_PIECE_BYTES = 256 << 20  # a multiple of OS_PAGE: pieces stay page-aligned
 
 MADV_POPULATE_WRITE = 23  # linux >= 5.14; Python < 3.13 lacks the constant
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -42,7 +58,7 @@ def check_space(num_bytes: int, directory: str, check_host_memory: bool) -> None
         raise InsufficientMemoryError(
             f"{directory} has {format_bytes(free)} ({free} bytes) free; the region needs "
             f"{format_bytes(num_bytes)} ({num_bytes} bytes). Shrink region.capacity or grow "
-            f"{directory} (docker --shm-size, a k8s emptyDir with medium: Memory)"
+            f"{SHM_ADVICE}"
         )
     if check_host_memory:
         available = psutil.virtual_memory().available
@@ -55,10 +71,16 @@ def check_space(num_bytes: int, directory: str, check_host_memory: bool) -> None
             )
 
 
-def fallocate(fd: int, num_bytes: int, path: str) -> None:
-    """Back the whole file now, so a later overflow of tmpfs is a startup error, not SIGBUS."""
+def fallocate(fd: int, num_bytes: int, path: str, progress: Progress | None = None,
+              piece_bytes: int = FALLOCATE_PIECE_BYTES) -> None:
+    """Back the whole file now, so a later overflow of tmpfs is a startup error, not SIGBUS;
+    ``piece_bytes`` at a time, each told to ``progress``."""
     try:
-        os.posix_fallocate(fd, 0, num_bytes)
+        for offset in range(0, num_bytes, piece_bytes):
+            length = min(piece_bytes, num_bytes - offset)
+            os.posix_fallocate(fd, offset, length)
+            if progress is not None:
+                progress.advance(length)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise InsufficientMemoryError(
@@ -83,12 +105,21 @@ def _populate(address: int, length: int, view: np.ndarray, offset: int) -> None:
     view[offset:offset + length:OS_PAGE] |= 0  # kernel < 5.14: touch a byte per page
 
 
-def prefault(address: int, view: np.ndarray, ranges: list[tuple[int, int]], num_threads: int
+def prefault(address: int, view: np.ndarray, ranges: list[tuple[int, int]], num_threads: int,
+             progress: Progress | None = None, piece_bytes: int = PREFAULT_PIECE_BYTES
              ) -> float:
-    """Pre-fault disjoint, page-aligned (offset, length) ranges in parallel; returns seconds."""
+    """Pre-fault disjoint, page-aligned (offset, length) ranges in parallel (a thread per
+    range, ``piece_bytes`` at a time, each piece told to ``progress``); returns seconds."""
+    def populate(offset: int, length: int) -> None:
+        for piece in range(offset, offset + length, piece_bytes):
+            n = min(piece_bytes, offset + length - piece)
+            _populate(address, n, view, piece)
+            if progress is not None:
+                progress.advance(n)
+
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="prefault") as pool:
-        for future in [pool.submit(_populate, address, n, view, off) for off, n in ranges]:
+        for future in [pool.submit(populate, off, n) for off, n in ranges]:
             future.result()
     return time.perf_counter() - start
 

@@ -52,6 +52,7 @@ from tiercache.errors import (
     RegionNotReadyError,
 )
 from tiercache.numa.topology import HostTopology, NodeChoice
+from tiercache.progress import Progress
 from tiercache.region.attachments import SlotLock, slot_held
 from tiercache.region.claim import claim_stale
 from tiercache.region.header import HeaderInfo, RegionHeader, RegionState
@@ -62,8 +63,8 @@ from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
 from tiercache.region.shm import (
-    SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry, read_header,
-    still_named, truncation, unlink_if_same,
+    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
+    read_header, still_named, truncation, unlink_if_same,
 )
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
@@ -84,12 +85,13 @@ _POLL_S = 0.005
 class HostRegistrar(Protocol):
     """What page-locks host ranges for one GPU in this process (the worker's
     ``tiercache.device.pinning.HostPinner``): ``pin`` registers every (address, length)
-    range, all or nothing, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
+    range, all or nothing, telling ``progress`` each range's length once it is
+    registered, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
 
     @property
     def pinned_bytes(self) -> int: ...
 
-    def pin(self, ranges: list[tuple[int, int]]) -> float: ...
+    def pin(self, ranges: list[tuple[int, int]], progress: Progress) -> float: ...
 
     def unpin(self) -> float: ...
 
@@ -183,7 +185,9 @@ class SharedOffloadRegion:
                 nodes = (topology or HostTopology.read()).rank_nodes(layout.world_size)
                 for line in bind_rank_slices(region.base_address, layout, nodes):
                     log_step(line)
-            fallocate(entry.fd, layout.total_bytes, entry.path)
+            with Progress(f"allocating {entry.path} (fallocate)", layout.total_bytes,
+                          log_step) as progress:
+                fallocate(entry.fd, layout.total_bytes, entry.path, progress)
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
                                 created_ns=time.time_ns(), region_id=new_region_id())
@@ -236,8 +240,9 @@ class SharedOffloadRegion:
                 break
             except RegionNotFoundError as e:
                 if time.monotonic() >= deadline:
+                    instance = shm_name.removeprefix(NAME_PREFIX)  # what the config says
                     raise RegionNotFoundError(f"{e} (is `tiercache serve` running with "
-                                              f"instance.name = {name!r}?)") from None
+                                              f"instance.name = {instance!r}?)") from None
                 time.sleep(_POLL_S)
         try:
             check_trusted(entry)
@@ -343,13 +348,15 @@ class SharedOffloadRegion:
 
     # ------------------------------------------------------------------ preparing
     def prefault_slice(self, num_threads: int, node: NodeChoice | None = None,
-                       numa_placement: bool = True) -> float:
+                       numa_placement: bool = True,
+                       log_step: Callable[[str], None] = log.info) -> float:
         """Pre-fault this worker's slice in its own page tables, ``num_threads`` in parallel
         (MADV_POPULATE_WRITE: a shortage is an InsufficientMemoryError here, never a SIGBUS
         later); returns seconds and records them in the rank's stats block. Given the
         ``node`` of the worker's device, the slice is bound to it first and its pages are
         counted (and moved there, with ``numa_placement``) after: the stats block records
-        the ``NumaPlacement`` (``tiercache.region.placement``)."""
+        the ``NumaPlacement`` (``tiercache.region.placement``). A long pre-fault reports
+        its progress to ``log_step`` (``tiercache.progress``)."""
         if self.rank is None:
             raise RegionError("prefault_slice() needs a region attached with a rank")
         start, layout = self.layout.slice_offset(self.rank), self.layout
@@ -359,17 +366,20 @@ class SharedOffloadRegion:
         if placer is not None:
             placer.before_touch()
         ranges = layout.prefault_ranges(num_threads, start, layout.slice_used_bytes)
-        seconds = prefault(self.base_address, self._bytes, ranges, num_threads)
+        with Progress(f"rank {self.rank} pre-faulting its slice", layout.slice_used_bytes,
+                      log_step) as progress:
+            seconds = prefault(self.base_address, self._bytes, ranges, num_threads, progress)
         self.stats(self.rank).set_prefault(seconds)
         if placer is not None:
             self.stats(self.rank).set_numa(placer.after_touch(num_threads))
         return seconds
 
     # ------------------------------------------------------------------ pinning
-    def pin(self, policy: PinningPolicy, pinner: HostRegistrar) -> PinState:
+    def pin(self, policy: PinningPolicy, pinner: HostRegistrar,
+            log_step: Callable[[str], None] = log.info) -> PinState:
         """Page-lock this worker's slice with ``pinner`` (the worker's: registration is per
         process and per device, ``tiercache.device.pinning.HostPinner``); the outcome goes
-        to the rank's stats block.
+        to the rank's stats block, a long pin's progress to ``log_step``.
 
         Under ``REQUIRED`` a failure raises (state FAILED is exported first); under
         ``ALLOW_UNPINNED`` it is logged loudly and the state UNPINNED is exported.
@@ -380,7 +390,9 @@ class SharedOffloadRegion:
         ranges = [(self.base_address + off, n)
                   for off, n in self.layout.registrations(self.rank)]
         try:
-            seconds = pinner.pin(ranges)
+            with Progress(f"rank {self.rank} pinning its slice", sum(n for _, n in ranges),
+                          log_step) as progress:
+                seconds = pinner.pin(ranges, progress)
         except PinError as e:
             if policy is PinningPolicy.REQUIRED:
                 stats.set_pin(PinState.FAILED)
