@@ -1,6 +1,7 @@
 """`tiercache serve | status | clean` as a user runs them: real processes, real signals."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def _stop_with(sig: signal.Signals, cfg, workdir) -> tuple:
     try:
         coord.proc.send_signal(sig)
         returncode = coord.proc.wait(30)
-        said = coord.output().partition(f"tiercache: {sig.name}: shutting down\n")
+        said = coord.output().partition(f" tiercache.serve: {sig.name}: shutting down\n")
         return (returncode, said[2] if said[1] else None,
                 os.path.exists(f"/dev/shm/{cfg.shm_name}"), os.path.exists(cfg.socket_path))
     finally:
@@ -68,8 +69,10 @@ def test_sighup_stops_serve_exactly_as_sigterm_does(make_config, tmp_path):
     """The terminal closing (SIGHUP) used to kill serve without its shutdown."""
     cfg = make_config()
     on_sigterm = _stop_with(signal.SIGTERM, cfg, tmp_path / "term")
-    assert on_sigterm[0] == 0 and on_sigterm[1].startswith("tiercache: stopped; removed region")
-    assert _stop_with(signal.SIGHUP, cfg, tmp_path / "hup") == on_sigterm
+    assert on_sigterm[0] == 0 and " tiercache.serve: stopped; removed region" in on_sigterm[1]
+    on_sighup = _stop_with(signal.SIGHUP, cfg, tmp_path / "hup")
+    assert on_sighup[0] == 0 and " tiercache.serve: stopped; removed region" in on_sighup[1]
+    assert on_sighup[2:] == on_sigterm[2:]
 
 
 def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(make_config,
@@ -79,9 +82,8 @@ def test_second_serve_of_the_same_name_is_refused_and_the_first_keeps_running(ma
         result = tiercache("serve", "--config", str(first.config_path))
         assert result.returncode == 1
         assert f"belongs to a live coordinator (pid {first.pid})" in result.stderr
-        assert result.stderr.count("\n") == 1
-        # it created nothing, so it says so instead of claiming to have removed something
-        assert "removed" not in result.stdout and "nothing to remove" in result.stdout
+        # refused before it made anything (tiercache.service.preflight): the error is all
+        assert result.stderr.count("\n") == 1 and result.stdout == "", result.stderr
         with Client(cfg) as client:
             assert client.lookup([b"k"]) == 0
 
@@ -327,3 +329,75 @@ def test_a_relative_control_socket_is_relative_to_the_config_file(make_config, t
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(30) == 0, log_path.read_text()
     assert "stopped; removed region" in log_path.read_text()
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = tiercache("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"tiercache {version('tiercache')}\n"
+    import tiercache as package
+
+    assert package.__version__ == version("tiercache")  # one source: pyproject.toml
+
+
+def test_python_m_tiercache_is_the_tiercache_command_and_importing_it_runs_nothing():
+    """``import tiercache.__main__`` (pydoc, a module walker) used to run the command."""
+    script = os.path.join(os.path.dirname(sys.executable), "tiercache")
+    for args in (["--version"], ["status", "--name", "x-none"], []):
+        as_module = tiercache(*args)
+        as_script = subprocess.run([script, *args], capture_output=True, text=True, timeout=60)
+        assert (as_module.returncode, as_module.stdout, as_module.stderr) == (
+            as_script.returncode, as_script.stdout, as_script.stderr), args
+    imported = subprocess.run([sys.executable, "-c", "import tiercache.__main__"],
+                              capture_output=True, text=True, timeout=60)
+    assert (imported.returncode, imported.stdout, imported.stderr) == (0, "", "")
+
+
+def test_help_lists_every_command_from_the_parser():
+    """The description listed serve, status, clean, bench, demo by hand: not the
+    config-for-* commands."""
+    from tiercache.cli import build_parser
+
+    commands = list(build_parser()._subparsers._group_actions[0].choices)  # type: ignore
+    assert {"serve", "status", "clean", "bench", "demo", "config-for-vllm",
+            "config-for-sglang"} <= set(commands)
+    text = tiercache("-h").stdout
+    listed = text.split("\ncommands:\n", 1)[1]
+    for command in commands:
+        assert re.search(rf"^    {re.escape(command)}\s+\S", listed, re.M), (command, text)
+    assert "Commands: serve" not in text
+
+
+def test_status_after_a_clean_detach_says_so_and_not_down(make_config):
+    from tiercache.region.hostmem import process_start_ns
+    from tiercache.region.shared import SharedOffloadRegion
+
+    cfg = make_config()
+    region = SharedOffloadRegion.create(cfg)
+    try:
+        worker = SharedOffloadRegion.attach(cfg.name, 1)
+        worker.stats(1).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+        worker.stats(1).mark_detached()  # what Worker.close does
+        worker.close()
+        result = tiercache("status", "--name", cfg.name)
+        assert result.returncode == 0, result.stderr
+        assert "rank 1: no worker (every worker detached cleanly), attached 1x" in result.stdout
+        assert "DOWN" not in result.stdout and "rank 0: no worker," in result.stdout
+    finally:
+        region.close()
+
+
+def test_status_of_a_stale_region_says_serve_re_adopts_it(make_config, tmp_path):
+    cfg = make_config()
+    coordinator = CoordinatorProcess(cfg, tmp_path)
+    coordinator.kill()  # SIGKILL: its READY region stays, stale
+    try:
+        result = tiercache("status", "--name", cfg.name)
+        assert result.returncode == 0, result.stderr
+        assert ("  stale: `tiercache serve` with the same geometry re-adopts it warm (its "
+                "cache, the engines' mappings and pins kept); `tiercache clean` removes it\n"
+                ) in result.stdout
+    finally:
+        coordinator.cleanup()

@@ -2,13 +2,13 @@
 
 The public API (DESIGN §9) is re-exported here. Names resolve lazily, so
 ``import tiercache`` stays light (no torch) for the coordinator and the scheduler.
+``__version__`` is the installed distribution's (pyproject.toml's ``version``, the one
+place it is written), read when first asked for.
 """
 
 from __future__ import annotations
 
 import importlib
-
-__version__ = "0.1.0"
 
 _EXPORTS = {
     "load_config": "tiercache.config",
@@ -29,7 +29,18 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiercache")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":
+        return _version()
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'tiercache' has no attribute {name!r}")

@@ -1,8 +1,10 @@
-"""The ``tiercache`` command line: serve, status, clean, bench, demo,
-config-for-vllm, config-for-sglang.
+"""The ``tiercache`` command line: one subcommand per job, each with its own ``-h``;
+``tiercache -h`` lists them all from the parser (``build_parser``), with a line each.
 
-Errors are one line on stderr (``tiercache: error: ...``) and exit status 1; bad usage is
-argparse's message and exit status 2.
+Errors are one line on stderr (``tiercache: error: ...``; with ``--log-format json`` a
+JSON record of level ERROR) and exit status 1; bad usage is argparse's message and exit
+status 2. Logging goes to stderr in one timestamped format (``tiercache.logs``), ``serve``'s
+start-up steps included.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from tiercache.config import Config, check_name, load_config
 from tiercache.errors import (
     RegionError, RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
 )
+from tiercache.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat, configure
 from tiercache.region.header import RegionState
 from tiercache.region.stale import (
     MapListing, RegionListing, list_maps, list_regions, remove_stale, remove_stale_maps,
@@ -25,20 +29,20 @@ from tiercache.service.signals import stop_on_signals
 from tiercache.specs import Direction
 from tiercache.sizes import format_bytes
 
+if TYPE_CHECKING:
+    from tiercache.region.attachments import RankSummary
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-
-
-def _say(message: str) -> None:
-    print(f"tiercache: {message}", flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tiercache.service.coordinator import Coordinator
 
     config = load_config(args.config)
-    stop = stop_on_signals(_say, "shutting down")
-    coordinator = Coordinator(config, say=_say)
+    say = logging.getLogger(STEP_LOGGER).info
+    stop = stop_on_signals(say, "shutting down")
+    coordinator = Coordinator(config, say=say)
     try:
         coordinator.start()
         coordinator.serve_until(stop)
@@ -129,8 +133,7 @@ def _print_ranks(listing: RegionListing) -> None:
             if not summary.readable:
                 continue
             current, live = summary.current, len(summary.live)
-            state = f"{live} attachment(s) up" if live else (
-                "no worker" if not summary.attachments else "worker DOWN")
+            state = f"{live} attachment(s) up" if live else _no_live_worker(summary)
             if summary.held_by_others:  # attach cannot take those slots: say so
                 state += (f" ({len(summary.held_by_others)} slot(s) of DOWN workers still held "
                           "by other processes)")
@@ -155,6 +158,16 @@ def _print_ranks(listing: RegionListing) -> None:
                       f"{s.numa.describe()}")
     finally:
         region.close()
+
+
+def _no_live_worker(summary: RankSummary) -> str:
+    """A rank none of whose workers runs: never attached, every worker detached cleanly
+    (``Worker.close`` clears its pid), or some died attached (DOWN: their pid is kept)."""
+    if not summary.attachments:
+        return "no worker"
+    if all(a.snapshot.pid == 0 for a in summary.attachments):
+        return "no worker (every worker detached cleanly)"
+    return "worker DOWN"
 
 
 def _moved(directions, backends: tuple[str, ...]) -> str:
@@ -200,6 +213,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  state {info.state.label}, generation {info.generation}, coordinator pid "
               f"{info.owner_pid}, format {info.format_version}")
         print(f"  geometry: {info.layout.describe()}")
+        if not listing.live:
+            fate = ("with the same geometry re-adopts it warm (its cache, the engines' "
+                    "mappings and pins kept)" if info.state == RegionState.READY else
+                    f"replaces it (a region in state {info.state.label} is not re-adopted)")
+            print(f"  stale: `tiercache serve` {fate}; `tiercache clean` removes it")
         if info.state != RegionState.READY:
             continue
         if listing.live:  # at the path its header records, unless --config names one
@@ -303,16 +321,30 @@ def cmd_config_for_sglang(args: argparse.Namespace) -> int:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = tuple(f.value for f in LogFormat)
+
+
+def version() -> str:
+    from tiercache import __version__
+
+    return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiercache",
-        description="tiercache: a node-local host-memory KV-cache tier. Commands: serve, "
-                    "status, clean, bench, demo.")
+        description="tiercache: a node-local host-memory KV-cache tier. Each command has "
+                    "its own -h.")
+    parser.add_argument("--version", action="version", version=f"tiercache {version()}")
     parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
-                        help="log threshold (also accepted after the command)")
-    sub = parser.add_subparsers(dest="command", required=True)
+                        help="log threshold (also accepted after the command; serve's "
+                             "start-up steps are always logged)")
+    parser.add_argument("--log-format", default=None, choices=LOG_FORMATS,
+                        help=f"text (timestamp, level, logger, message) or json (one object "
+                             f"per line) on stderr; default ${LOG_FORMAT_ENV}, else text "
+                             "(also accepted after the command)")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                                metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the coordinator (region, index, exporter)")
     serve.add_argument("--config", required=True, help="TOML config file")
     serve.set_defaults(func=cmd_serve)
@@ -330,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (serve, status, clean):
         command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                              help="log threshold")
+        command.add_argument("--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS,
+                             help=f"text or json on stderr (default ${LOG_FORMAT_ENV}, else "
+                                  "text)")
     for name, func, text in (("bench", cmd_bench, "transfer benchmark (see tiercache bench -h)"),
                              ("demo", cmd_demo, "engine-shaped workload (see tiercache demo -h)"),
                              ("config-for-vllm", cmd_config_for_vllm,
@@ -357,12 +392,19 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = argv[argv.index(args.command) + 1:]
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    try:
+        log_format = (LogFormat(args.log_format) if args.log_format is not None
+                      else LogFormat.from_env())
+    except TiercacheError as e:
+        parser.error(str(e))
+    configure(args.log_level, log_format)
     try:
         return args.func(args)
     except TiercacheError as e:
-        print(f"tiercache: error: {e}", file=sys.stderr)
+        if log_format is LogFormat.JSON:  # every line on stderr is one JSON object
+            logging.getLogger("tiercache").error("error: %s", e)
+        else:
+            print(f"tiercache: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # `tiercache status | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

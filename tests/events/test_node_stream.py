@@ -157,7 +157,7 @@ def test_descriptions_are_checked_and_bounded(make_config, tmp_path):
         client.ping()  # a description that does not parse leaves the connection up
         with pytest.raises(ProtocolError, match=str(MAX_DESCRIPTION_BYTES)):
             client.describe(EngineFamily.VLLM, "x" * (MAX_DESCRIPTION_BYTES + 1))
-        assert "tiercache: ready" in coordinator.output()
+        assert "tiercache.serve: ready in " in coordinator.output()
 
 
 def test_without_a_stream_the_answer_says_so_and_nothing_is_kept(make_config, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 import threading
@@ -118,8 +119,8 @@ class CoordinatorLink:
             raise CoordinatorGoneError(f"the coordinator the demo started did not come up: "
                                        f"{e}") from e
         self.pid = self.process.pid
-        metrics = [line for line in self.process.output().splitlines() if "metrics:" in line]
-        _say(f"started a coordinator (pid {self.pid}){': ' + metrics[0] if metrics else ''}")
+        url = re.search(r"metrics: (http://\S+)", self.process.output())
+        _say(f"started a coordinator (pid {self.pid}){', metrics at ' + url[1] if url else ''}")
 
     def recover(self, client_ping, wait_s: float) -> None:
         """After CoordinatorGoneError: restart our own, or wait for someone else's."""
