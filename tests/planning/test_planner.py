@@ -252,9 +252,25 @@ def test_same_cpu_block_in_two_groups_is_fine(planner):
     assert plan.num_bytes == 3 * 512 * 2 - 512  # group 0: 2 tensors x 2 pages, group 1: 1 x 1
 
 
+@pytest.mark.parametrize("direction", [G2C, C2G])
+def test_groups_overlaid_on_the_same_tensors_each_move_their_own_blocks(direction):
+    """vLLM's hybrid allocator overlays its KV-cache groups (full attention, sliding window)
+    on the same tensors: each group's blocks and slots are its own, every byte is moved."""
+    gpu, cpu = _dense_rank(num_tensors=3, page=512, factor=1)
+    groups = [[0, 1, 2], [0, 1, 2]]
+    planner = TransferPlanner(gpu, cpu, 1, groups)
+    gpu_spec, cpu_spec = GPULoadStoreSpec([4, 5, 6, 9, 10], [3, 2]), CPULoadStoreSpec(
+        [1, 2, 3, 7, 8])
+    spec = (gpu_spec, cpu_spec) if direction is G2C else (cpu_spec, gpu_spec)
+    plan = planner.plan(direction, spec)
+    expected = reference_pages(gpu, cpu, 1, groups, gpu_spec, cpu_spec, direction is G2C)
+    assert plan.num_bytes == 5 * 3 * 512
+    assert canonical(plan.src, plan.dst, plan.sizes) == canonical(*zip(*expected))
+
+
 @pytest.mark.parametrize("groups, message", [
     ([[0, 3]], "names tensor 3"),
-    ([[0, 1], [1, 2]], "tensor 1 is in two groups"),
+    ([[0, 1, 1]], "names a tensor twice"),
     ([[0], []], "group_tensors\\[1\\] is empty"),
 ])
 def test_bad_group_tensors_are_refused(groups, message):

@@ -1,63 +1,80 @@
-"""`tiercache config-for-vllm` (no vLLM needed): the geometry vLLM 0.33 announces under its
-per-layer KV layout, from a model's config.json and the serving options."""
+"""`tiercache config-for-vllm`: what it prints besides the geometry (the node's flags), and its
+errors. The geometry of each model family: test_model_matrix.py."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import tomllib
 
-import pytest
+from vllm_env import require_vllm
 
-from tiercache.config import config_from_dict, load_config
-from tiercache.errors import ConfigError
-from tiercache.vllm.config_cmd import shape_from_hf_config
-from tiercache.vllm.geometry import ModelShape
+require_vllm()
 
-LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "hidden_size": 4096, "torch_dtype": "bfloat16"}
+import pytest  # noqa: E402
 
+from tiercache.cli import main  # noqa: E402
+from tiercache.config import config_from_dict, load_config  # noqa: E402
+from test_model_matrix import MODELS  # noqa: E402
 
-@pytest.fixture
-def llama_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
-    return tmp_path
+LLAMA = str(MODELS / "Llama-3.1-8B-Instruct")
 
 
-@pytest.mark.parametrize("tp, page", [(1, 64 << 10), (4, 16 << 10), (8, 8 << 10)])
-def test_llama_8b_pages_per_layer_per_rank(llama_dir, tp, page):
-    geometry = shape_from_hf_config(str(llama_dir)).geometry(block_tokens=16, tp_size=tp)
-    assert geometry.page_bytes == (page,) * 32 and geometry.world_size == tp
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = main(["config-for-vllm", *args])
+    out = capsys.readouterr()
+    return status, out.out, out.err
 
 
-def test_pipeline_stages_split_layers_and_more_ranks_than_kv_heads_replicate(llama_dir):
-    shape = shape_from_hf_config(str(llama_dir))
-    g = shape.geometry(block_tokens=16, tp_size=16, pp_size=2, blocks_per_chunk=4)
-    assert (g.world_size, len(g.page_bytes), g.page_bytes[0], g.block_size_factor) == (
-        32, 16, 2 * 1 * 16 * 128 * 2, 4)
-    with pytest.raises(ConfigError, match="do not split evenly over PP 3"):
-        shape.geometry(block_tokens=16, pp_size=3)
-    assert shape_from_hf_config(str(llama_dir), "fp8_e4m3").kv_dtype == "fp8"
-
-
-def test_the_command_prints_a_config_that_loads(llama_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tiercache", "config-for-vllm", str(llama_dir),
-                          "--name", "llama8b", "--capacity", "1GiB", "-tp", "2"],
-                         capture_output=True, text=True, check=True, timeout=60)
+def test_the_nodes_flags_make_a_file_serve_runs_as_is(capsys, tmp_path):
+    key = tmp_path / "cluster.key"
+    status, out, err = run(
+        capsys, LLAMA, "--name", "node", "--capacity", "256GiB", "-tp", "2",
+        "--socket", "/run/tiercache/node/tiercache-node.sock", "--exporter-address", "0.0.0.0",
+        "--disk-path", "/var/cache/tiercache", "--disk-capacity", "1TiB",
+        "--events-endpoint", "tcp://*:5557", "--events-replay-endpoint", "tcp://*:5558",
+        "--cluster-master", "master:50051", "--cluster-metadata-server",
+        "http://master:8080/metadata", "--cluster-local-hostname", "@POD_IP@",
+        "--cluster-key-file", str(key), "--cluster-segment-size", "16GiB")
+    assert status == 0, err
+    printed = tomllib.loads(out)
+    assert printed["region"]["capacity"] == "256GiB" and printed["instance"]["world_size"] == 2
+    assert printed["region"]["pinning"] == "required"  # a node service pins or fails
+    assert printed["control"]["socket"] == "/run/tiercache/node/tiercache-node.sock"
+    assert printed["exporter"]["address"] == "0.0.0.0"
+    assert printed["disk"] == printed["disk"] | {"path": "/var/cache/tiercache",
+                                                 "capacity": "1TiB"}
+    assert printed["events"]["replay_endpoint"] == "tcp://*:5558"
+    assert printed["cluster"]["segment_size"] == "16GiB"
+    assert printed["cluster"]["local_hostname"] == "@POD_IP@"
     path = tmp_path / "node.toml"
-    path.write_text(out.stdout)
-    config = load_config(path)
-    assert config.world_size == 2 and config.kv.page_bytes == (32 << 10,) * 32
-    assert config == config_from_dict(__import__("tomllib").loads(out.stdout))
+    path.write_text(out)
+    assert load_config(path) == config_from_dict(printed)  # the file loads as printed
 
 
-def test_a_missing_or_foreign_model_config_is_one_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tiercache", "config-for-vllm",
-                          str(tmp_path / "nope"), "--name", "x", "--capacity", "1GiB"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "does not exist" in out.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--disk-path", "/var/cache/tiercache"], "--disk-path and --disk-capacity go together"),
+    (["--events-replay-endpoint", "tcp://*:5558"], "--events-replay-endpoint needs"),
+    (["--cluster-master", "m:1"], "the cluster tier needs --cluster-metadata-server, "
+                                  "--cluster-local-hostname, --cluster-key-file"),
+    (["--capacity", "lots"], "--capacity = 'lots'"),
+    (["--events-endpoint", "tcp://127.0.0.1:٥٥٥٥"], "events.endpoint"),
+])
+def test_a_flag_without_its_partners_is_one_line_and_prints_nothing(capsys, flags, message):
+    args = ["--name", "node", "--capacity", "1GiB", *flags]
+    status, out, err = run(capsys, LLAMA, *args)
+    assert status == 1 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_a_missing_or_foreign_model_config_is_one_clear_error(capsys, tmp_path):
+    status, out, err = run(capsys, str(tmp_path / "nope"), "--name", "x", "--capacity", "1GiB")
+    assert status == 1 and out == "" and "does not exist" in err
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vision"}))
-    with pytest.raises(ConfigError, match="num_hidden_layers"):
-        shape_from_hf_config(str(tmp_path))
-    with pytest.raises(ConfigError, match="kv dtype 'int4'"):
-        ModelShape(2, 2, 16, "int4")
+    status, out, err = run(capsys, str(tmp_path), "--name", "x", "--capacity", "1GiB")
+    assert status == 1 and out == "" and "not a decoder config" in err
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "nonesuch", "architectures": ["NoSuchForCausalLM"],
+        "num_hidden_layers": 2, "num_attention_heads": 2}))
+    status, out, err = run(capsys, str(tmp_path), "--name", "x", "--capacity", "1GiB")
+    assert status == 1 and out == "" and err.startswith(
+        "tiercache: error: vLLM 0.33.0 cannot read the model at") and err.count("\n") == 1, err

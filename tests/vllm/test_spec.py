@@ -177,11 +177,12 @@ def test_the_config_that_config_for_vllm_prints_fits_the_real_engine(model_dir, 
     from vllm_harness import Engine, TinyModel
 
     out = subprocess.run([sys.executable, "-m", "tiercache", "config-for-vllm", str(model_dir),
-                          "--name", instance_name, "--capacity", "1MiB"],
-                         capture_output=True, text=True, check=True, timeout=60)
+                          "--name", instance_name, "--capacity", "1MiB",
+                          "--socket", str(tmp_path / "c.sock"),
+                          "--pinning", "allow_unpinned"],  # host tensors here: nothing to pin
+                         capture_output=True, text=True, check=True, timeout=120)
     printed = config_from_dict(tomllib.loads(out.stdout))
     config = replace(printed, exporter=ExporterConfig(enabled=False),
-                     control_socket=str(tmp_path / "c.sock"),
                      region=replace(printed.region, prefault_threads=1))
     assert isinstance(config.region, RegionConfig)
     with CoordinatorProcess(config, workdir=tmp_path / "coord") as coordinator:

@@ -47,6 +47,7 @@ from vllm.v1.kv_offload.config import (
 from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
 
 BLOCK_TOKENS = 16
+NULL_BLOCK = 0  # vLLM's BlockPool hands block 0 out as the null block (nothing cached there)
 EOS_TOKEN = 255
 SAMPLED_TOKEN = 7
 
@@ -127,9 +128,15 @@ class RecordingPublisher:
 class LoadRecord:
     req_id: str
     job_id: int
-    gpu_blocks: list[int]
+    gpu_blocks: list[int]  # every group's, group by group (vLLM's GPULoadStoreSpec)
     slots: list[int]
+    group_sizes: tuple[int, ...] = ()  # blocks per KV-cache group in gpu_blocks
     checked: bool = False
+
+    def by_group(self) -> list[list[int]]:
+        sizes = self.group_sizes or (len(self.gpu_blocks),)
+        ends = np.cumsum(sizes)
+        return [self.gpu_blocks[end - size:end] for size, end in zip(sizes, ends)]
 
 
 @dataclass
@@ -139,7 +146,8 @@ class Engine:
     scheduler: Scheduler
     worker_connector: OffloadingConnector
     caches: dict[str, torch.Tensor]
-    model: TinyModel
+    model: TinyModel | None  # None: a published model's shape (build_for)
+    layer_groups: list[list[str]]  # each KV-cache group's layers (one group: no HMA)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     loads: dict[int, LoadRecord] = field(default_factory=dict)
     finished_loads: list[LoadRecord] = field(default_factory=list)
@@ -182,17 +190,49 @@ class Engine:
         kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        caches = {name: torch.zeros((num_gpu_blocks, 2, BLOCK_TOKENS, model.num_kv_heads,
+                                     model.head_dim), dtype=getattr(torch, model.dtype))
+                  for name in layers}
+        return cls._start(vllm_config, kv_cache_config, caches, model, [layers],
+                          check_content=check_content)
+
+    @classmethod
+    def build_for(cls, model_dir: Path, coordinator_config_path: Path, options, *,
+                  num_gpu_blocks: int = 64, max_num_batched_tokens: int = 1024,
+                  max_num_seqs: int = 16, extra: dict[str, Any] | None = None) -> Engine:
+        """An engine of a published model's shape (its config.json): the VllmConfig, KV-cache
+        groups and tensors a GPU engine resolves, from ``tiercache.vllm.model_kv``
+        (``options``: its ``ServingOptions``, TP 1)."""
+        from tiercache.vllm.model_kv import (
+            allocate_caches, build_kv_cache_config, build_vllm_config,
+        )
+
+        extra_config = {"spec_name": "TierCacheOffloadingSpec",
+                        "spec_module_path": "tiercache.vllm",
+                        "tiercache_config": str(coordinator_config_path), **(extra or {})}
+        vllm_config = build_vllm_config(model_dir, options, extra_config,
+                                        max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=max_num_batched_tokens,
+                                        language_model_only=True)  # the harness sends text
+        vllm_config.scheduler_config.async_scheduling = False
+        kv_cache_config = build_kv_cache_config(vllm_config, num_gpu_blocks)
+        vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        caches = allocate_caches(vllm_config, kv_cache_config, torch.device("cpu"))
+        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        return cls._start(vllm_config, kv_cache_config, caches, None, groups)
+
+    @classmethod
+    def _start(cls, vllm_config, kv_cache_config, caches, model, layer_groups, *,
+               check_content: bool = True) -> Engine:
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                               log_stats=True,
                               structured_output_manager=StructuredOutputManager(vllm_config),
                               block_size=BLOCK_TOKENS)
         worker_connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        caches = {name: torch.zeros((num_gpu_blocks, 2, BLOCK_TOKENS, model.num_kv_heads,
-                                     model.head_dim), dtype=getattr(torch, model.dtype))
-                  for name in layers}
         worker_connector.register_kv_caches(caches)
         init_none_hash(sha256)
-        engine = cls(scheduler, worker_connector, caches, model, check_content=check_content)
+        engine = cls(scheduler, worker_connector, caches, model, layer_groups,
+                     check_content=check_content)
         scheduler.kv_event_publisher.shutdown()  # vLLM's own binds tcp://*:5557: let it go
         scheduler.kv_event_publisher = engine.kv_events
         return engine
@@ -206,9 +246,15 @@ class Engine:
     def tiercache_worker(self):
         return self.worker_connector.connector_worker.worker
 
-    def block_bytes(self, block_id: int, layer: int) -> np.ndarray:
-        cache = list(self.caches.values())[layer]
-        return cache[block_id].view(torch.uint8).reshape(-1).numpy()
+    def block_bytes(self, block_id: int, layer: int | str) -> np.ndarray:
+        """One layer's page of a GPU block, writable (the layer by index or name)."""
+        cache = self.caches[layer] if isinstance(layer, str) else list(self.caches.values())[layer]
+        page = cache[block_id]
+        assert page.is_contiguous(), "a layer's page of one block is contiguous (LBHNC)"
+        return page.view(torch.uint8).reshape(-1).numpy()
+
+    def _layer_index(self, name: str) -> int:
+        return list(self.caches).index(name)
 
     # ------------------------------------------------------------------ driving
     def add_request(self, req_id: str, tokens: Sequence[int], max_tokens: int = 2) -> None:
@@ -238,7 +284,8 @@ class Engine:
         meta = out.kv_connector_metadata
         for job_id, job in meta.load_jobs.items():
             self.loads[job_id] = LoadRecord(job.req_id, job_id, job.dst_spec.block_ids.tolist(),
-                                            list(job.src_spec.slot_ids))
+                                            list(job.src_spec.slot_ids),
+                                            tuple(job.dst_spec.group_sizes or ()))
         wc = self.worker_connector
         wc.handle_preemptions(meta)
         wc.bind_connector_metadata(meta)
@@ -306,22 +353,33 @@ class Engine:
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - num_new  # schedule() already advanced it
             tokens = self.tokens[req_id] + [SAMPLED_TOKEN] * len(request.output_token_ids)
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for index in range(start // BLOCK_TOKENS):
-                self._check_block(req_id, tokens, index, block_ids[index])
+            groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             end = start + num_new
-            for index in range(start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)):
-                block_end = min((index + 1) * BLOCK_TOKENS, end)
-                for layer in range(self.model.num_layers):
-                    self.block_bytes(block_ids[index], layer)[:] = expected_block(
-                        tokens, block_end, layer, self.model.page_bytes)
+            for layers, block_ids in zip(self.layer_groups, groups):
+                for index in range(min(start // BLOCK_TOKENS, len(block_ids))):
+                    self._check_block(req_id, tokens, index, block_ids[index], layers)
+                for index in range(start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)):
+                    if block_ids[index] == NULL_BLOCK:
+                        continue
+                    block_end = min((index + 1) * BLOCK_TOKENS, end)
+                    for name in layers:
+                        page = self.block_bytes(block_ids[index], name)
+                        page[:] = expected_block(tokens, block_end, self._layer_index(name),
+                                                 page.size)
 
-    def _check_block(self, req_id: str, tokens: list[int], index: int, block_id: int) -> None:
-        for layer in range(self.model.num_layers):
-            want = expected_block(tokens, (index + 1) * BLOCK_TOKENS, layer, self.model.page_bytes)
-            if not np.array_equal(self.block_bytes(block_id, layer), want):
+    def _check_block(self, req_id: str, tokens: list[int], index: int, block_id: int,
+                     layers: list[str] | None = None) -> None:
+        """A block the request holds in full has the bytes the model computed for its
+        prefix (a sliding window's dropped blocks, the null block, hold nothing)."""
+        if block_id == NULL_BLOCK:
+            return
+        for name in layers if layers is not None else list(self.caches):
+            got = self.block_bytes(block_id, name)
+            want = expected_block(tokens, (index + 1) * BLOCK_TOKENS, self._layer_index(name),
+                                  got.size)
+            if not np.array_equal(got, want):
                 raise AssertionError(f"request {req_id}: block {index} (GPU block {block_id}) "
-                                     f"layer {layer} holds wrong KV bytes")
+                                     f"layer {name} holds wrong KV bytes")
 
     def _check_load(self, record: LoadRecord) -> None:
         """Every GPU block a load wrote holds what the model computed for that prefix."""
@@ -329,13 +387,16 @@ class Engine:
             self.finished_loads.append(record)
             return
         tokens = self.tokens[record.req_id]
-        (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(record.req_id)
-        for block_id in record.gpu_blocks:
-            self._check_block(record.req_id, tokens, block_ids.index(block_id), block_id)
+        groups = self.scheduler.kv_cache_manager.get_block_ids(record.req_id)
+        for layers, block_ids, loaded in zip(self.layer_groups, groups, record.by_group()):
+            for block_id in loaded:
+                self._check_block(record.req_id, tokens, block_ids.index(block_id), block_id,
+                                  layers)
         record.checked = True
         self.finished_loads.append(record)
 
     def loaded_tokens(self, req_id: str) -> int:
-        """Tokens this request got from tiercache (checked loads only)."""
-        return BLOCK_TOKENS * sum(len(r.gpu_blocks) for r in self.finished_loads
+        """Tokens this request got from tiercache (checked loads only): a full-attention
+        group's blocks (the most of any group; a sliding window loads only its window)."""
+        return BLOCK_TOKENS * sum(max(map(len, r.by_group())) for r in self.finished_loads
                                   if r.req_id == req_id)

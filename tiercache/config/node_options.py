@@ -91,9 +91,11 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig | None:
     if missing:
         raise ConfigError("the cluster tier needs " + ", ".join(
             "--" + f.replace("_", "-") for f in missing))
-    extra = ({} if args.cluster_segment_size is None else
-             {"segment_bytes": parse_size(args.cluster_segment_size, "cluster.segment_size")})
-    return ClusterConfig(master=args.cluster_master,
-                         metadata_server=args.cluster_metadata_server,
-                         local_hostname=args.cluster_local_hostname,
-                         key_file=args.cluster_key_file, **extra)
+    cluster = ClusterConfig(master=args.cluster_master,
+                            metadata_server=args.cluster_metadata_server,
+                            local_hostname=args.cluster_local_hostname,
+                            key_file=args.cluster_key_file)
+    if args.cluster_segment_size is None:
+        return cluster
+    return replace(cluster, segment_bytes=parse_size(args.cluster_segment_size,
+                                                     "cluster.segment_size"))

@@ -7,7 +7,10 @@ to build the tables it copies with, without the planner: a backend never plans.
 ``gpu_pages[t]`` and ``cpu_pages[t]`` are tensor t on each side (the same ``page_bytes``;
 a CPU page array has ``block_size_factor`` pages per block, a GPU one 1).
 ``group_tensors[g]`` lists the tensors of KV-cache group g (one group of every tensor
-when not given); no tensor belongs to two groups. ``groups`` is each group's page
+when not given). A tensor may be in several groups: vLLM's hybrid allocator overlays its
+groups on the same tensors (a full-attention and a sliding-window layer share one), and a
+block belongs to one group at a time, so each group's copies touch only its own blocks and
+slots. ``groups`` is each group's page
 geometry (``GroupPages``), derived once: a block plan carries this very tuple, and a
 backend's tables lay out only plans of the geometry they were built for (compared by
 identity).
@@ -60,18 +63,16 @@ class TransferGeometry:
                                     f"page_bytes {cpu.page_bytes}")
         tensor_groups = (tuple(range(num_tensors)),) if self.group_tensors is None \
             else self.group_tensors
-        seen: set[int] = set()
         for g, tensors in enumerate(tensor_groups):
             if not tensors:
                 raise ArgumentError(f"group_tensors[{g}] is empty: a group needs a tensor")
+            if len(set(tensors)) != len(tensors):
+                raise ArgumentError(f"group_tensors[{g}] = {list(tensors)} names a tensor "
+                                    "twice")
             for t in tensors:
                 if not 0 <= t < num_tensors:
                     raise ArgumentError(f"group_tensors[{g}] names tensor {t}; allowed "
                                         f"0..{num_tensors - 1}")
-                if t in seen:
-                    raise ArgumentError(f"tensor {t} is in two groups (group_tensors"
-                                        f"[{g}]); each tensor belongs to at most one")
-                seen.add(t)
         object.__setattr__(self, "groups", tuple(
             GroupPages.of(g, self.gpu_pages, self.cpu_pages, factor) for g in tensor_groups))
 

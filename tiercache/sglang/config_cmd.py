@@ -1,43 +1,29 @@
 """``tiercache config-for-sglang``: print the coordinator config SGLang engines of a model fit.
 
-From a model's Hugging Face ``config.json`` (a local model directory or the file) and
-SGLang's own flag names (``--tp-size``, ``--page-size``, ``--hicache-mem-layout``,
-``--kv-cache-dtype``), the page one SGLang TP rank's host pool hands the storage backend:
-``layers x page x kv_heads/TP x head_dim x dtype`` bytes for K and as many for V (MLA,
-e.g. DeepSeek: one latent blob of ``layers x page x (kv_lora_rank + qk_rope_head_dim)``).
-The region has one rank whose rows hold one rank's page; every TP rank process is an
-attachment of it (``tiercache.sglang.geometry``). No SGLang import: this runs on the
-coordinator's host.
+The page is SGLang's own answer for the model (``tiercache.sglang.model_pool``: SGLang
+0.5.23's model config and its device and host pool classes, read through the pool's
+``get_page_buffer_meta`` as the backend reads it at attach), under SGLang's flag names
+(``--tp-size``, ``--page-size``, ``--hicache-mem-layout``, ``--kv-cache-dtype``). The region
+has one rank whose rows hold one rank's page; every TP rank process is an attachment of it
+(``tiercache.sglang.geometry``). Models SGLang runs on hybrid pools are refused in one line.
+It needs SGLang: run it where the engine runs (its image or venv, with tiercache installed).
+The node's flags (socket, pinning, exporter, disk, events, cluster) make the printed file
+deployable as is.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 
-from tiercache.config.hf_model import HFModel
+from tiercache.config.node_options import add_node_arguments, apply_node_arguments
 from tiercache.errors import ConfigError
-from tiercache.sglang.geometry import LAYOUTS, SGLangModelShape, coordinator_toml
+from tiercache.sglang.geometry import LAYOUTS, coordinator_toml
 from tiercache.sizes import parse_size
 
-# SGLang's --kv-cache-dtype values whose pages tiercache can size (no float16: fp16 KV
-# follows a float16 model's own dtype under "auto")
-KV_CACHE_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
-                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+SGLANG_VERSION = "0.5.23"
 DEFAULT_PAGE_SIZE = 64
-
-
-def shape_from_hf_config(path: str, kv_cache_dtype: str = "auto") -> SGLangModelShape:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r}: allowed "
-                          f"{', '.join(KV_CACHE_DTYPES)}")
-    model = HFModel.read(path)
-    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype()
-    hf = model.fields
-    if "kv_lora_rank" in hf:  # MLA: one latent per token and layer, the same on every rank
-        latent = int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim", 0))
-        return SGLangModelShape(model.num_layers, 1, latent, dtype, is_mla=True)
-    kv_heads, head_dim = model.kv_heads_and_head_dim
-    return SGLangModelShape(model.num_layers, kv_heads, head_dim, dtype)
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # SGLang's names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,20 +32,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="local model directory (or its config.json)")
     parser.add_argument("--name", required=True, help="the coordinator's instance name")
     parser.add_argument("--capacity", required=True, help="host memory for the cache, e.g. 64GiB")
-    parser.add_argument("--tp-size", type=int, default=1, help="SGLang's --tp-size")
-    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
-                        help=f"SGLang's --page-size (default {DEFAULT_PAGE_SIZE})")
-    parser.add_argument("--hicache-mem-layout", default="page_first_direct", choices=LAYOUTS,
-                        help="SGLang's --hicache-mem-layout (the page's bytes, not its size)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="SGLang's --kv-cache-dtype")
+    g = parser.add_argument_group("SGLang's serving flags (its own names)")
+    g.add_argument("--tp-size", type=int, default=1, help="SGLang's --tp-size")
+    g.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                   help=f"SGLang's --page-size (default {DEFAULT_PAGE_SIZE})")
+    g.add_argument("--hicache-mem-layout", default="page_first_direct", choices=LAYOUTS,
+                   help="SGLang's --hicache-mem-layout (the page's bytes, not its size)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="SGLang's --kv-cache-dtype")
+    add_node_arguments(parser)
     return parser
+
+
+def require_sglang() -> None:
+    """One line when SGLang is missing or another version: this command asks SGLang."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"config-for-sglang asks SGLang {SGLANG_VERSION} for the model's host pool pages, "
+            "and SGLang is not installed here: run it in the engine's environment (its "
+            "image or venv, with tiercache installed)") from None
+    if version != SGLANG_VERSION:
+        raise ConfigError(f"config-for-sglang serves SGLang {SGLANG_VERSION}; this environment "
+                          f"has SGLang {version}")
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    shape = shape_from_hf_config(args.model, args.kv_cache_dtype)
-    pool = shape.pool(page_size=args.page_size, tp_size=args.tp_size,
-                      layout=args.hicache_mem_layout)
-    print(coordinator_toml(pool, args.name, parse_size(args.capacity, "--capacity")), end="")
+    capacity = parse_size(args.capacity, "--capacity")
+    require_sglang()
+    from tiercache.sglang.model_pool import sglang_pool
+
+    architecture, pool = sglang_pool(args.model, tp_size=args.tp_size, page_size=args.page_size,
+                                     layout=args.hicache_mem_layout,
+                                     kv_cache_dtype=args.kv_cache_dtype)
+    config = apply_node_arguments(pool.config(args.name, capacity), args)
+    print(coordinator_toml(pool, config, architecture), end="")
     return 0

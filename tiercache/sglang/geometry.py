@@ -16,7 +16,8 @@ attaches rank 0, its keys carry its TP rank, so no row of any slice sits empty);
 pages (one replicated object, one writer) always go to rank 0's. Anything else is
 refused with one error naming both sides and the config lines that fit.
 
-No sglang import here: the CLI uses it on hosts without SGLang.
+No sglang import here: the backend checks against it; what SGLang's pool holds for a
+model is asked of SGLang (``tiercache.sglang.model_pool``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiercache.config import (
-    DTYPE_BYTES, MAX_ATTACHMENTS_PER_RANK, Config, KVGeometry, RegionConfig, config_to_toml,
+    MAX_ATTACHMENTS_PER_RANK, Config, KVGeometry, RegionConfig, config_to_toml,
 )
-from tiercache.config.hf_model import KVShape
 from tiercache.errors import ConfigError, LayoutMismatchError
 from tiercache.region.layout import RegionLayout
 from tiercache.sizes import format_bytes
@@ -108,42 +108,12 @@ class PoolGeometry:
                                           attachments_per_rank=max(attachments, 1)))
 
 
-@dataclass(frozen=True)
-class SGLangModelShape(KVShape):
-    """A decoder's KV shape under SGLang: full attention with K/V heads (Llama, Qwen,
-    Mistral...) or MLA (DeepSeek: ``kv_lora_rank + qk_rope_head_dim`` per token)."""
-
-    is_mla: bool = False
-
-    def pool(self, *, page_size: int, tp_size: int = 1, layout: str = "page_first_direct"
-             ) -> PoolGeometry:
-        """Rank 0's pool: SGLang splits KV heads over TP (at least one head per rank)."""
-        if page_size < 1:
-            raise ConfigError(f"--page-size {page_size}: must be >= 1")
-        if tp_size < 1:
-            raise ConfigError(f"--tp-size {tp_size}: must be >= 1")
-        itemsize = DTYPE_BYTES[self.kv_dtype]
-        if self.is_mla:
-            blobs: tuple[int, ...] = (self.num_layers * page_size * self.head_dim * itemsize,)
-        else:
-            if self.num_kv_heads >= tp_size and self.num_kv_heads % tp_size:
-                raise ConfigError(f"{self.num_kv_heads} KV heads do not split evenly over "
-                                  f"--tp-size {tp_size}")
-            heads = max(1, self.num_kv_heads // tp_size)
-            per_layer = page_size * heads * self.head_dim * itemsize
-            blobs = ((per_layer,) * (2 * self.num_layers) if layout == "layer_first"
-                     else (self.num_layers * per_layer,) * 2)
-        return PoolGeometry(layout=layout, kv_dtype=self.kv_dtype, page_size=page_size,
-                            blob_bytes=blobs, tp_size=tp_size, tp_rank=0, is_mla=self.is_mla)
-
-
-def coordinator_toml(pool: PoolGeometry, name: str, capacity_bytes: int) -> str:
-    """The TOML `tiercache serve --config` needs for this engine, with a header comment."""
-    config = pool.config(name, capacity_bytes)
+def coordinator_toml(pool: PoolGeometry, config: Config, model: str) -> str:
+    """The TOML `tiercache serve --config` runs for this engine, with a header comment."""
     layout = RegionLayout.from_config(config)
     kind = "MLA" if pool.is_mla else f"TP {pool.tp_size}"
-    head = (f"# tiercache coordinator for SGLang engines ({kind}, {pool.kv_dtype} KV, page "
-            f"{pool.page_size} tokens, {pool.layout}): {format_bytes(pool.page_bytes)} per "
+    head = (f"# tiercache coordinator for SGLang engines of {model} ({kind}, {pool.kv_dtype} KV, "
+            f"page {pool.page_size} tokens, {pool.layout}): {format_bytes(pool.page_bytes)} per "
             f"page per rank; every rank process attaches rank 0 (its keys carry its TP rank); "
             f"{layout.num_blocks} pages ({format_bytes(layout.total_bytes)} of /dev/shm)\n")
     return head + config_to_toml(config)

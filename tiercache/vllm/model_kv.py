@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiercache.config.hf_model import HFModel
 from tiercache.errors import ConfigError, UnsupportedModelError
 from tiercache.vllm.geometry import EngineGeometry
 
@@ -78,11 +79,8 @@ class ModelKV:
 
 def model_kv(model: str, options: ServingOptions) -> ModelKV:
     """See the module docstring. ``model``: a local model directory (or its config.json)."""
-    path = Path(model)
-    directory = path.parent if path.name == "config.json" else path
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"model config {str(directory / 'config.json')!r} does not exist "
-                          "(give a local model directory or its config.json)")
+    hf = HFModel.read(model)  # a missing file, not JSON, not a decoder: one line, no vLLM
+    directory = hf.path.parent
     with _quiet_vllm():
         return _model_kv(directory, options)
 
@@ -95,32 +93,22 @@ def _model_kv(directory: Path, options: ServingOptions) -> ModelKV:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
         OffloadingConnectorWorker,
     )
-    from vllm.v1.core.kv_cache_planning import (
-        get_kv_cache_config_from_groups, get_kv_cache_groups,
-    )
-    from vllm.v1.worker.utils import allocate_kv_cache
 
-    vllm_config = _vllm_config(directory, options)
+    vllm_config = build_vllm_config(directory, options)
     model_config = vllm_config.model_config
     architecture = model_config.architecture
     pages: list[tuple[int, ...]] = []
     kinds: tuple[str, ...] = ()
     geometry: EngineGeometry | None = None
     for pp_rank in range(options.pipeline_parallel_size):
-        specs = _layer_specs(vllm_config, pp_rank)
-        groups = get_kv_cache_groups(vllm_config, specs)
-        per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
-        kv_config = get_kv_cache_config_from_groups(vllm_config, groups,
-                                                    per_block * PROBE_BLOCKS)
-        offloading = build_offloading_config(vllm_config, kv_config)
-        probe = _ProbeSpec(offloading)
+        kv_config = build_kv_cache_config(vllm_config, PROBE_BLOCKS, pp_rank)
+        probe = _ProbeSpec(build_offloading_config(vllm_config, kv_config))
         worker = OffloadingConnectorWorker(probe, vllm_config, kv_config)
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        worker.register_kv_caches(allocate_kv_cache(kv_config, torch.device("cpu"), layout))
+        worker.register_kv_caches(allocate_caches(vllm_config, kv_config, torch.device("cpu")))
         stage = probe.geometry(options.tensor_parallel_size * options.pipeline_parallel_size)
         if geometry is None:
             geometry = stage
-            kinds = tuple(_kind(g.kv_cache_spec) for g in groups)
+            kinds = tuple(_kind(g.kv_cache_spec) for g in kv_config.kv_cache_groups)
         pages.append(stage.page_bytes or ())
     if len(set(pages)) > 1:
         raise UnsupportedModelError(
@@ -133,34 +121,65 @@ def _model_kv(directory: Path, options: ServingOptions) -> ModelKV:
     return ModelKV(architecture, geometry, kinds, kv_dtype)
 
 
-def _vllm_config(directory: Path, options: ServingOptions) -> Any:
+def build_kv_cache_config(vllm_config: Any, num_blocks: int, pp_rank: int = 0) -> Any:
+    """vLLM's ``KVCacheConfig`` for one pipeline stage: its planner's groups (the hybrid
+    allocator's, one per attention type) and tensors, for ``num_blocks`` GPU blocks."""
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups, get_kv_cache_groups,
+    )
+
+    groups = get_kv_cache_groups(vllm_config, _layer_specs(vllm_config, pp_rank))
+    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    return get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+
+
+def allocate_caches(vllm_config: Any, kv_config: Any, device: Any) -> dict[str, Any]:
+    """The KV tensors a vLLM worker allocates for ``kv_config`` (``allocate_kv_cache``, in
+    the layout the engine resolves), by layer name."""
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    caches: dict[str, Any] = allocate_kv_cache(kv_config, device, layout)
+    return caches
+
+
+def build_vllm_config(directory: Path, options: ServingOptions,
+                      extra_config: dict[str, Any] | None = None, *, max_num_seqs: int = 16,
+                      max_num_batched_tokens: int = 4096, kv_events: bool = False,
+                      language_model_only: bool = False) -> Any:
+    """A ``VllmConfig`` for the model under these options, as a GPU engine with
+    OffloadingConnector resolves it (its KV layout, the hybrid KV-cache manager)."""
     from vllm.config import (
-        CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-        SchedulerConfig, VllmConfig,
+        CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
+        ParallelConfig, SchedulerConfig, VllmConfig,
     )
 
     try:
         model_config = ModelConfig(model=str(directory), skip_tokenizer_init=True,
-                                   max_model_len=4096, seed=0)
+                                   max_model_len=4096, seed=0,
+                                   language_model_only=language_model_only)
     except Exception as e:  # pydantic's ValidationError, vLLM's ValueError: one message
         raise ConfigError(f"vLLM {VLLM_VERSION} cannot read the model at {str(directory)!r}: "
                           f"{_first_line(e)}") from None
     _refuse_stateful(model_config)
     parallel = ParallelConfig(tensor_parallel_size=options.tensor_parallel_size,
                               pipeline_parallel_size=options.pipeline_parallel_size)
-    scheduler = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096,
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=4096, enable_chunked_prefill=True,
                                 is_encoder_decoder=False)
     cache = CacheConfig(block_size=options.block_size, cache_dtype=options.kv_cache_dtype,
                         enable_prefix_caching=True)
-    extra = {"blocks_per_chunk": options.blocks_per_chunk}
+    extra = {**(extra_config or {}), "blocks_per_chunk": options.blocks_per_chunk}
     try:
-        vllm_config = VllmConfig(model_config=model_config, cache_config=cache,
-                          parallel_config=parallel, scheduler_config=scheduler,
-                          device_config=DeviceConfig("cpu"),
-                          kv_transfer_config=KVTransferConfig(
-                              kv_connector="OffloadingConnector", kv_role="kv_both",
-                              kv_connector_extra_config=extra))
+        vllm_config = VllmConfig(
+            model_config=model_config, cache_config=cache, parallel_config=parallel,
+            scheduler_config=scheduler, device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config=extra),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if kv_events else None)
     except Exception as e:
         raise ConfigError(f"vLLM {VLLM_VERSION} refuses these serving options for "
                           f"{model_config.architecture}: {_first_line(e)}") from None
@@ -296,12 +315,14 @@ class _ProbeSpec:
 
 @contextmanager
 def _quiet_vllm() -> Iterator[None]:
-    """vLLM logs its configuration at INFO on import and build; the command prints a config."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    """vLLM logs its configuration on import and build, and warns of the GPU kernels a
+    CPU-only host lacks, and logs what it then raises, which is reported as one line: the
+    command prints a config, or that line."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "CRITICAL")
     loggers = [logging.getLogger(n) for n in ("vllm", "torch")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.WARNING)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
