@@ -135,7 +135,10 @@ def test_a_workers_prefault_and_pin_report_over_exactly_its_slice(make_config):
     region = SharedOffloadRegion.create(cfg)
     worker = SharedOffloadRegion.attach(cfg.name, 1)
     try:
-        worker.prefault_slice(2, log_step=[].append)
+        lines: list[str] = []
+        worker.prefault_slice(2, log_step=lines.append)
+        [line] = lines  # done within 2 s: its final line only
+        assert line.startswith("rank 1 pre-faulted its slice (") and "with 2 thread(s) in" in line
         registrar = Registrar()
         assert worker.pin(PinningPolicy.REQUIRED, registrar) is PinState.PINNED
         assert registrar.progress is not None

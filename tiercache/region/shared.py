@@ -369,6 +369,8 @@ class SharedOffloadRegion:
         with Progress(f"rank {self.rank} pre-faulting its slice", layout.slice_used_bytes,
                       log_step) as progress:
             seconds = prefault(self.base_address, self._bytes, ranges, num_threads, progress)
+        log_step(f"rank {self.rank} pre-faulted its slice ({format_bytes(layout.slice_used_bytes)})"
+                 f" with {num_threads} thread(s) in {seconds:.2f} s")
         self.stats(self.rank).set_prefault(seconds)
         if placer is not None:
             self.stats(self.rank).set_numa(placer.after_touch(num_threads))
