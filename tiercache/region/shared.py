@@ -41,7 +41,7 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 from collections.abc import Callable
 
 import numpy as np
@@ -62,6 +62,7 @@ from tiercache.region.hostmem import (
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
+from tiercache.region.registrar import HostRegistrar
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
     read_header, still_named, truncation, unlink_if_same,
@@ -80,20 +81,6 @@ __all__ = ["HostRegistrar", "SetupTimes", "SharedOffloadRegion", "named_region_i
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.005
-
-
-class HostRegistrar(Protocol):
-    """What page-locks host ranges for one GPU in this process (the worker's
-    ``tiercache.device.pinning.HostPinner``): ``pin`` registers every (address, length)
-    range, all or nothing, telling ``progress`` each range's length once it is
-    registered, and returns seconds, raising ``PinError``; ``unpin`` undoes it."""
-
-    @property
-    def pinned_bytes(self) -> int: ...
-
-    def pin(self, ranges: list[tuple[int, int]], progress: Progress) -> float: ...
-
-    def unpin(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -185,8 +172,7 @@ class SharedOffloadRegion:
                 nodes = (topology or HostTopology.read()).rank_nodes(layout.world_size)
                 for line in bind_rank_slices(region.base_address, layout, nodes):
                     log_step(line)
-            with Progress(f"allocating {entry.path} (fallocate)", layout.total_bytes,
-                          log_step) as progress:
+            with Progress(f"allocating {entry.path}", layout.total_bytes, log_step) as progress:
                 fallocate(entry.fd, layout.total_bytes, entry.path, progress)
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
@@ -366,9 +352,8 @@ class SharedOffloadRegion:
         if placer is not None:
             placer.before_touch()
         ranges = layout.prefault_ranges(num_threads, start, layout.slice_used_bytes)
-        with Progress(f"rank {self.rank} pre-faulting its slice", layout.slice_used_bytes,
-                      log_step) as progress:
-            seconds = prefault(self.base_address, self._bytes, ranges, num_threads, progress)
+        with Progress(f"rank {self.rank} pre-faulting", layout.slice_used_bytes, log_step) as p:
+            seconds = prefault(self.base_address, self._bytes, ranges, num_threads, p)
         log_step(f"rank {self.rank} pre-faulted its slice ({format_bytes(layout.slice_used_bytes)})"
                  f" with {num_threads} thread(s) in {seconds:.2f} s")
         self.stats(self.rank).set_prefault(seconds)
@@ -392,9 +377,8 @@ class SharedOffloadRegion:
         ranges = [(self.base_address + off, n)
                   for off, n in self.layout.registrations(self.rank)]
         try:
-            with Progress(f"rank {self.rank} pinning its slice", sum(n for _, n in ranges),
-                          log_step) as progress:
-                seconds = pinner.pin(ranges, progress)
+            with Progress(f"rank {self.rank} pinning", sum(n for _, n in ranges), log_step) as p:
+                seconds = pinner.pin(ranges, p)
         except PinError as e:
             if policy is PinningPolicy.REQUIRED:
                 stats.set_pin(PinState.FAILED)
@@ -404,8 +388,8 @@ class SharedOffloadRegion:
             return PinState.UNPINNED
         self._pinner = pinner
         stats.set_pin(PinState.PINNED, pinner.pinned_bytes, seconds)
-        log.info("rank %d page-locked %s in %.2f s (%d registration(s))", self.rank,
-                 format_bytes(pinner.pinned_bytes), seconds, len(ranges))
+        log_step(f"rank {self.rank} page-locked {format_bytes(pinner.pinned_bytes)} in "
+                 f"{seconds:.2f} s ({len(ranges)} registration(s))")
         return PinState.PINNED
 
     @property
