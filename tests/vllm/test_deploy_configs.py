@@ -58,7 +58,10 @@ def _command(command: str):
 
 
 def _vllm_flags(argv: list[str], extra: dict) -> dict:
-    """The geometry-bearing flags of a `vllm serve` command line, with vLLM's defaults."""
+    """The geometry-bearing flags of a `vllm serve` command line, with vLLM's defaults. The
+    block size must be given: without it vLLM takes its attention backend's preferred one
+    (FlashMLA's is 64), which no config written ahead of the engine can know."""
+    assert any(a.partition("=")[0] == "--block-size" for a in argv), argv
     flags = {"--tensor-parallel-size": "1", "--block-size": "16", "--kv-cache-dtype": "auto",
              "--pipeline-parallel-size": "1"}
     aliases = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}

@@ -92,5 +92,8 @@ def coordinator_toml(geometry: EngineGeometry, config: Config, model: str) -> st
             f"rank(s), {len(geometry.page_bytes or ())} KV tensors of "
             f"{format_bytes(max(geometry.page_bytes or (0,)))} per block per rank, "
             f"{geometry.block_size_factor} block(s) per chunk; {layout.num_blocks} chunks "
-            f"({format_bytes(layout.total_bytes)} of /dev/shm)\n")
+            f"({format_bytes(layout.total_bytes)} of /dev/shm)\n"
+            f"# serve the engines with --block-size {geometry.block_tokens}: without it vLLM "
+            f"takes its attention backend's preferred size (FlashMLA's is 64), and a worker "
+            f"whose pages differ is refused at attach\n")
     return head + config_to_toml(config)
