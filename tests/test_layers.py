@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tiercache"
 # Each group lists its layers from the bottom up: a module may import its own layer, a
 # lower one of its group, and any layer of a group below its own (``BELOW``).
 GROUPS = {
-    "foundation": ["errors", "specs", "pages", "sizes", "loglimit", "logs", "progress",
-                   "backend_kind", "config", "numa", "region"],
+    "foundation": ["errors", "specs", "pages", "sizes", "loglimit", "backend_kind", "config",
+                   "numa", "region"],
     "worker": ["device", "native", "planning", "backends", "transfer"],
     "coordinator": ["eviction", "index", "tiers", "events", "control", "metrics", "service"],
     "adapters": ["vllm", "sglang"],

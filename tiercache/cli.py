@@ -3,8 +3,8 @@
 
 Errors are one line on stderr (``tiercache: error: ...``; with ``--log-format json`` a
 JSON record of level ERROR) and exit status 1; bad usage is argparse's message and exit
-status 2. Logging goes to stderr in one timestamped format (``tiercache.logs``), ``serve``'s
-start-up steps included.
+status 2. Logging goes to stderr in one timestamped format (``tiercache.service.logs``),
+``serve``'s start-up steps included.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tiercache.config import Config, check_name, load_config
 from tiercache.errors import (
     RegionError, RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
 )
-from tiercache.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat, configure
+from tiercache.service.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat, configure
 from tiercache.region.header import RegionState
 from tiercache.region.stale import (
     MapListing, RegionListing, list_maps, list_regions, remove_stale, remove_stale_maps,

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig  # noqa: E402
 from tiercache.errors import PinError  # noqa: E402
 from tiercache.device.pinning import HostPinner  # noqa: E402
-from tiercache.progress import Progress  # noqa: E402
+from tiercache.region.progress import Progress  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
 from tiercache.region.stats import PinState  # noqa: E402
 

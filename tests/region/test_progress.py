@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from tiercache.progress import GIB, Progress
+from tiercache.region.progress import GIB, Progress
 from tiercache.region.hostmem import fallocate, prefault
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tiercache.config import config_to_toml
-from tiercache.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat
+from tiercache.service.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat
 
 START_TIMEOUT_S = 60
 # 2026-05-01T12:00:00.123+02:00 (local time with its UTC offset)

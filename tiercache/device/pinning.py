@@ -18,7 +18,7 @@ import time
 
 from tiercache.device.driver import CUDA_SUCCESS, CudaDriver
 from tiercache.errors import BackendError, PinError, PinUnavailableError
-from tiercache.progress import Progress
+from tiercache.region.progress import Progress
 
 log = logging.getLogger(__name__)
 

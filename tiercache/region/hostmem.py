@@ -1,8 +1,8 @@
 """Host memory preparation: space checks, fallocate, parallel pre-fault, process identity.
 
 Both long steps go in pieces (``FALLOCATE_PIECE_BYTES``, ``PREFAULT_PIECE_BYTES``) and
-tell a ``tiercache.progress.Progress`` after each, so a large region's start-up reports
-GiB done, rate and ETA while it runs; a piece is small enough to take well under the
+tell a ``tiercache.region.progress.Progress`` after each, so a large region's start-up
+reports GiB done, rate and ETA while it runs; a piece is small enough to take well under the
 progress interval at the slowest rates measured (docs/benchmarks.md, "Region set-up and
 pinning"), and large enough that the extra calls cost nothing measurable.
 
@@ -26,7 +26,7 @@ import psutil
 
 from tiercache.sizes import format_bytes
 from tiercache.errors import InsufficientMemoryError, RegionError
-from tiercache.progress import Progress
+from tiercache.region.progress import Progress
 from tiercache.region.layout import OS_PAGE  # touching every 4 KiB touches every page
 
 log = logging.getLogger(__name__)

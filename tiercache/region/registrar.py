@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tiercache.progress import Progress
+from tiercache.region.progress import Progress
 
 
 class HostRegistrar(Protocol):

@@ -52,7 +52,7 @@ from tiercache.errors import (
     RegionNotReadyError,
 )
 from tiercache.numa.topology import HostTopology, NodeChoice
-from tiercache.progress import Progress
+from tiercache.region.progress import Progress
 from tiercache.region.attachments import SlotLock, slot_held
 from tiercache.region.claim import claim_stale
 from tiercache.region.header import HeaderInfo, RegionHeader, RegionState
@@ -342,7 +342,7 @@ class SharedOffloadRegion:
         ``node`` of the worker's device, the slice is bound to it first and its pages are
         counted (and moved there, with ``numa_placement``) after: the stats block records
         the ``NumaPlacement`` (``tiercache.region.placement``). A long pre-fault reports
-        its progress to ``log_step`` (``tiercache.progress``)."""
+        its progress to ``log_step`` (``tiercache.region.progress``)."""
         if self.rank is None:
             raise RegionError("prefault_slice() needs a region attached with a rank")
         start, layout = self.layout.slice_offset(self.rank), self.layout

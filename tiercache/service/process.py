@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tiercache.config import Config, config_to_toml
 from tiercache.errors import ServiceError
-from tiercache.logs import STEP_LOGGER
+from tiercache.service.logs import STEP_LOGGER
 
 DEFAULT_START_TIMEOUT_S = 60.0
 READY_MARKER = f"{STEP_LOGGER}: ready in "  # the step `serve` logs (text format) once it serves
