@@ -11,7 +11,7 @@ one object per line for log shippers: ``{"ts": ..., "level": ..., "logger": ...,
 
 ``tiercache serve``'s start-up and shutdown steps are INFO records of ``STEP_LOGGER``,
 shown whatever ``--log-level`` says: they are the command's output (journald keeps each
-with its time; a step that runs long reports its progress, ``tiercache.progress``).
+with its time; a step that runs long reports its progress, ``tiercache.region.progress``).
 """
 
 from __future__ import annotations
