@@ -7,8 +7,10 @@ errors are re-raised as one of these with the original as ``__cause__``.
 
     TiercacheError
     ├── ConfigError                 bad config file, key, type or value   (also ValueError)
-    │   └── UnsupportedModelError   a model whose KV layout tiercache cannot serve (the
-    │                               config commands name the model and why)
+    │   ├── UnsupportedModelError   a model whose KV layout tiercache cannot serve (the
+    │   │                           config commands name the model and why)
+    │   └── TraceError              a replay trace line that is not a request (file and
+    │                               line named)
     ├── ArgumentError               a call with an argument the API does not allow: wrong
     │                               type, out of range, inconsistent      (also ValueError)
     ├── RegionError                 the shared-memory region
@@ -79,6 +81,10 @@ class UnsupportedModelError(ConfigError):
 
 class ArgumentError(TiercacheError, ValueError):
     """A call with an argument the API does not allow; the message names it and what is."""
+class TraceError(ConfigError):
+    """A ``tiercache replay`` trace that cannot be read: the file, line and field named."""
+
+
 
 
 class RegionError(TiercacheError):
