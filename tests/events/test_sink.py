@@ -10,6 +10,7 @@ import pytest
 
 from tiercache.errors import StateError
 from tiercache.events.namespaces import EngineFamily, parse_description
+from tiercache.events.namespace_table import MAX_NAMESPACES_PER_SESSION
 from tiercache.events.sink import MAX_NAMESPACES, NodeEventSink, Taken
 from tiercache.specs import Medium
 
@@ -100,21 +101,72 @@ def test_cleared_reannounces_what_the_other_media_still_hold():
     assert sink.stats().clears == 1
 
 
-def test_namespaces_are_bounded_and_one_holding_nothing_makes_room():
-    sink = NodeEventSink(1 << 16)
+def test_namespaces_are_bounded_and_one_no_session_holds_makes_room():
+    """Each of 256 sessions describes a namespace and stores a block: the table is full of
+    held namespaces and a new description is refused; once a session ends, its namespace
+    makes room (its block withdrawn from subscribers: a removal, then forgotten)."""
+    sink, model = NodeEventSink(1 << 16), Model()
     infos = [_info(f"model-{i}") for i in range(MAX_NAMESPACES)]
     for i, info in enumerate(infos):
-        sink.describe(info)
+        sink.describe(info, owner=100 + i)
         sink.stored([_key(info, i)], Medium.CPU)
-    sink.describe(infos[0])  # known: nothing changes
+    sink.describe(infos[0], owner=100)  # known: nothing changes
+    model.apply(sink.take())
     with pytest.raises(StateError, match=str(MAX_NAMESPACES)):
-        sink.describe(_info("one-too-many"))
-    sink.take()
-    sink.removed([_key(infos[7], 7)], Medium.CPU)  # model-7 holds nothing now
-    sink.describe(_info("one-too-many"))
+        sink.describe(_info("one-too-many"), owner=1)
+    sink.session_ended(107)  # model-7's session ends; its block stays held by the node
+    sink.describe(_info("one-too-many"), owner=1)
     taken = sink.take()
-    assert infos[7].digest not in taken.namespaces and len(taken.namespaces) == MAX_NAMESPACES
+    assert [(c.removed, c.keys) for c in taken.changes] == [(True, (_key(infos[7], 7),))]
+    assert infos[7].digest in taken.namespaces  # for its withdrawal, this once
+    model.apply(taken)
+    assert _key(infos[7], 7) not in model.held[Medium.CPU]
+    later = sink.take()
+    assert infos[7].digest not in later.namespaces and len(later.namespaces) == MAX_NAMESPACES
     assert sink.stats().evicted_namespaces == 1
+    sink.session_ended(1)
+    sink.describe(infos[7], owner=107)  # back in the place of one holding nothing
+    back = sink.take()
+    assert [(i.model, keys) for _, i, keys in back.announce] == [("model-7", [_key(infos[7], 7)])]
+    assert sink.stats().namespaces == MAX_NAMESPACES
+
+
+def test_a_session_holds_its_newest_namespaces_and_one_it_let_go_makes_room():
+    sink = NodeEventSink(1 << 16)
+    infos = [_info(f"model-{i}") for i in range(MAX_NAMESPACES)]
+    for i, info in enumerate(infos[:-MAX_NAMESPACES_PER_SESSION]):
+        sink.describe(info, owner=100 + i)
+    for info in infos[-MAX_NAMESPACES_PER_SESSION:]:  # one session, every cache reset anew
+        sink.describe(info, owner=1)
+    assert sink.stats().held_namespaces == MAX_NAMESPACES
+    sink.describe(_info("epoch-next"), owner=1)  # its oldest is let go, then makes room
+    stats = sink.stats()
+    assert stats.namespaces == MAX_NAMESPACES and stats.evicted_namespaces == 1
+    assert sink.foreign_namespace([_key(infos[-1], 0)], owner=1) is None
+    assert sink.foreign_namespace([_key(infos[-1], 0)], owner=2) == infos[-1]
+
+
+def test_keys_stored_under_no_described_namespace_are_never_announced():
+    """After the stream adopted what the node held, a key stored under a prefix nobody
+    described stays unpublished even once the namespace is described (a client storing
+    ahead of an engine under a digest it guessed); what was held at the start is
+    announced, and so is a published key that moves to another medium."""
+    sink, model = NodeEventSink(1 << 16), Model()
+    info = _info()
+    sink.stored([_key(info, 0)], Medium.STORAGE)  # held when the stream began
+    sink.adopted()
+    sink.stored([_key(info, 1)], Medium.CPU)  # nobody described it: no namespace
+    sink.stored([b"client-key-1", b"client-key-2"], Medium.CPU)
+    assert sink.stats().no_namespace_keys == 3
+    sink.describe(info)
+    sink.stored([_key(info, 2), _key(info, 0)], Medium.CPU)  # its own; a promotion
+    sink.stored([_key(info, 1)], Medium.STORAGE)  # the squatted key moves: still not
+    model.apply(sink.take())
+    assert model.held == {Medium.CPU: {_key(info, 0), _key(info, 2)},
+                          Medium.STORAGE: {_key(info, 0)}}
+    sink.removed([_key(info, 1), b"client-key-1"], Medium.CPU)  # gone quietly
+    assert sink.take().changes == []
+    assert sink.stats().no_namespace_keys == 4
 
 
 def test_concurrent_callers_and_a_taker_agree_with_the_mirror():

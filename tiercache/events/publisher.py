@@ -35,6 +35,7 @@ from tiercache.events.namespaces import NAMESPACE_BYTES, KeyHasher, NamespaceInf
 from tiercache.events.replay import ReplayBuffer, parse_request
 from tiercache.events.sink import NodeEventSink, Taken
 from tiercache.loglimit import LogLimiter
+from tiercache.specs import Medium
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,12 @@ class PublisherStats:
 class _Namespace:
     """A namespace's publishing state within one round: its topic, hasher and events."""
 
-    __slots__ = ("topic", "hasher", "events")
+    __slots__ = ("topic", "hasher", "media", "events")
 
     def __init__(self, info: NamespaceInfo, config: EventsConfig):
         self.topic = info.topic(config.topic)
         self.hasher: KeyHasher = info.hasher(config.hash_format)
+        self.media = {m: info.medium_name(m) for m in Medium}  # as its engine names them
         self.events: list[Any] = []  # structs, and stored events already encoded (Raw)
 
 
@@ -206,9 +208,8 @@ class EventPublisher:
         undescribed = unreadable = 0
         for held_in, info, keys in taken.announce:
             ns = touched.setdefault(info.digest, cache[info.digest])
-            unreadable += self._stored(ns, keys, held_in.value)
+            unreadable += self._stored(ns, keys, ns.media[held_in])
         for change in taken.changes:
-            medium = change.medium.value
             by_prefix: dict[bytes, list[bytes]] = {}
             for key in change.keys:
                 by_prefix.setdefault(key[:NAMESPACE_BYTES], []).append(key)
@@ -218,6 +219,7 @@ class EventPublisher:
                     undescribed += len(keys)
                     continue
                 touched[prefix] = found
+                medium = found.media[change.medium]
                 unreadable += (self._removed(found, keys, medium) if change.removed
                                else self._stored(found, keys, medium))
         if undescribed or unreadable:
@@ -230,14 +232,14 @@ class EventPublisher:
         encoder = self._stored_encoders.get(medium)
         if encoder is None:
             encoder = self._stored_encoders[medium] = wire.StoredEncoder(medium)
-        hasher, events, bad = ns.hasher, ns.events, 0
+        hasher, events, bad, before = ns.hasher, ns.events, 0, len(ns.events)
         for key in keys:
             hashed = hasher(key)
             if hashed is None:
                 bad += 1
-            else:
+            elif hashed:  # not ANOTHER_SHARD
                 events.append(encoder(*hashed))
-        self._counts["BlockStored", medium] += len(keys) - bad
+        self._counts["BlockStored", medium] += len(events) - before
         return bad
 
     def _removed(self, ns: _Namespace, keys: list[bytes], medium: str) -> int:
@@ -247,7 +249,7 @@ class EventPublisher:
             hashed = ns.hasher(key)
             if hashed is None:
                 bad += 1
-            else:
+            elif hashed:  # not ANOTHER_SHARD
                 groups.setdefault(hashed[1], []).append(hashed[0])
         for group, hashes in groups.items():
             for i in range(0, len(hashes), MAX_EVENTS_PER_BATCH):

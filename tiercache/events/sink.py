@@ -20,11 +20,24 @@ names no medium: the re-announcement brings back what the other tiers still hold
 sink starts marked, so a (re)started coordinator's first batch is ``AllBlocksCleared``:
 no subscriber keeps believing in a block the previous coordinator held.
 
-Namespaces (``describe``): keys are published only once an engine described their
-namespace. The publisher ``take``s, atomically with the queue, the namespaces described
-since, with a snapshot of what each holds; queued changes of those namespaces are in the
-snapshot and are dropped from the queue, so nothing is announced twice. At most
-``MAX_NAMESPACES`` are kept; a new one takes the place of one that holds no block.
+Namespaces (``describe``; ``tiercache.events.namespace_table``): keys are published only
+once a session described their namespace. The publisher ``take``s, atomically with the
+queue, the namespaces described since, with a snapshot of what each holds; queued changes
+of those namespaces are in the snapshot and are dropped from the queue, so nothing is
+announced twice. A namespace the table gives up to make room is *withdrawn*: its blocks'
+removal is queued (subscribers stop believing in them) and it stays known to the publisher
+for that one take.
+
+**Keys without a namespace.** A key stored while no namespace of its prefix is described
+(``Client`` and ``tiercache demo`` keys, an engine whose DESCRIBE was refused, or a client
+storing ahead of the engine under a digest it guessed) is mirrored apart and never
+published while held, even if its prefix is described later: counted
+(``no_namespace_keys``). Stores under a described namespace come only from sessions that
+hold it (``foreign_namespace``: the control plane refuses the others). Keys the node held
+when the stream started (``adopted()`` ends that phase: a restarted coordinator's
+re-adopted region and rebuilt disk tier) are announced once an engine describes their
+namespace again, and so is a key stored in one medium that another medium holds as a
+published key (a promotion or a demotion).
 """
 
 from __future__ import annotations
@@ -34,10 +47,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiercache.errors import StateError
+from tiercache.events.namespace_table import MAX_NAMESPACES, Entry, NamespaceTable
 from tiercache.events.namespaces import NAMESPACE_BYTES, NamespaceInfo
+from tiercache.index.manager import LOCAL_OWNER
 from tiercache.specs import Medium
 
-MAX_NAMESPACES = 256
+__all__ = ["MAX_NAMESPACES", "Change", "NodeEventSink", "SinkStats", "Taken"]
 
 Held = dict[bytes, set[bytes]]  # namespace prefix -> keys
 
@@ -69,17 +84,22 @@ class SinkStats:
     clears: int = 0  # cleared() calls
     queued_keys: int = 0  # waiting now
     namespaces: int = 0  # described now
-    evicted_namespaces: int = 0  # forgotten to make room (they held no block)
+    held_namespaces: int = 0  # of those, held by a live session
+    evicted_namespaces: int = 0  # given up to make room (no session held them)
+    no_namespace_keys: int = 0  # stored while no session held their namespace: unpublished
+    undescribed_keys: int = 0  # changes of a namespace withdrawn in the same round
 
 
 @dataclass
 class _State:
-    held: dict[Medium, Held] = field(default_factory=dict)
+    held: dict[Medium, Held] = field(default_factory=dict)  # published once described
+    unowned: dict[Medium, set[bytes]] = field(default_factory=dict)  # never published
     queue: list[Change] = field(default_factory=list)
     queued_keys: int = 0
     resync: bool = True  # the first batch of a new stream clears every subscriber's view
-    described: dict[bytes, NamespaceInfo] = field(default_factory=dict)
-    pending: dict[bytes, NamespaceInfo] = field(default_factory=dict)  # not yet taken
+    adopting: bool = True  # until ``adopted()``: what the node held when the stream began
+    table: NamespaceTable = field(default_factory=NamespaceTable)
+    withdrawn: dict[bytes, NamespaceInfo] = field(default_factory=dict)  # until the take
 
 
 class NodeEventSink:
@@ -99,41 +119,73 @@ class NodeEventSink:
         if not keys:
             return
         with self._lock:
-            held = self._state.held.setdefault(medium, {})
+            state = self._state
+            held = state.held.setdefault(medium, {})
+            unowned = state.unowned.setdefault(medium, set())
             new = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
                 bucket = held.get(prefix)
+                if bucket is not None and key in bucket or key in unowned:
+                    continue
+                if not self._owned(key, prefix):
+                    unowned.add(key)
+                    self._stats.no_namespace_keys += 1
+                    continue
                 if bucket is None:
                     held[prefix] = bucket = set()
-                if key not in bucket:
-                    bucket.add(key)
+                bucket.add(key)
+                if prefix in state.withdrawn:
+                    self._stats.undescribed_keys += 1
+                else:
                     new.append(key)
             if new:
                 self._enqueue(Change(False, medium, tuple(new)))
+
+    def _owned(self, key: bytes, prefix: bytes) -> bool:
+        """Whether ``key``, new in a medium, is published (see the module docstring)."""
+        state = self._state
+        if any(key in keys for keys in state.unowned.values()):
+            return False
+        return (state.adopting or prefix in state.table
+                or any(key in held.get(prefix, ()) for held in state.held.values()))
 
     def removed(self, keys: Sequence[bytes], medium: Medium) -> None:
         """``keys`` are gone from ``medium``."""
         if not keys:
             return
         with self._lock:
-            held = self._state.held.get(medium, {})
+            state = self._state
+            held = state.held.get(medium, {})
+            unowned = state.unowned.get(medium, set())
             gone = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
                 bucket = held.get(prefix)
                 if bucket is not None and key in bucket:
                     bucket.remove(key)
-                    gone.append(key)
                     if not bucket:
                         del held[prefix]
+                    if prefix in state.withdrawn:
+                        self._stats.undescribed_keys += 1
+                    else:
+                        gone.append(key)
+                else:
+                    unowned.discard(key)
             if gone:
                 self._enqueue(Change(True, medium, tuple(gone)))
+
+    def adopted(self) -> None:
+        """Everything the node held when the stream began has been stored: from now on a
+        key stored under a namespace nobody holds is never published while held."""
+        with self._lock:
+            self._state.adopting = False
 
     def cleared(self, medium: Medium) -> None:
         """``medium`` was emptied (a reset)."""
         with self._lock:
             self._state.held.pop(medium, None)
+            self._state.unowned.pop(medium, None)
             self._stats.clears += 1
             self._mark_resync()
 
@@ -157,38 +209,69 @@ class NodeEventSink:
         state.queued_keys = 0
 
     # ------------------------------------------------------------------ namespaces
-    def describe(self, info: NamespaceInfo) -> None:
-        """Publish the keys of ``info``'s namespace from now on (idempotent).
-        ``StateError`` if ``MAX_NAMESPACES`` are described and each holds blocks."""
+    def describe(self, info: NamespaceInfo, owner: int = LOCAL_OWNER) -> None:
+        """Session ``owner`` describes ``info``: its keys are published from the next take
+        on, and ``owner`` may store under it (idempotent). ``StateError`` if
+        ``MAX_NAMESPACES`` are described and a live session holds each."""
         with self._lock:
             state = self._state
-            if info.digest in state.described or info.digest in state.pending:
-                return
-            if len(state.described) + len(state.pending) >= MAX_NAMESPACES:
-                idle = next((d for d in state.described
-                             if not any(d in held for held in state.held.values())), None)
-                if idle is None:
-                    raise StateError(
-                        f"the event stream knows {MAX_NAMESPACES} namespaces, each holding "
-                        f"blocks; namespace {info.hex} ({info.model}) is not published")
-                del state.described[idle]
-                self._stats.evicted_namespaces += 1
-            state.pending[info.digest] = info
+            known = info.digest in state.table
+            entry, displaced = state.table.add(info, owner, self._blocks_of)
+            if displaced is not None:
+                self._withdraw(displaced)
+            if not known and info.digest in state.withdrawn:  # back before its withdrawal went
+                del state.withdrawn[info.digest]
+                entry.published = True
+                for medium, held in state.held.items():  # after the queued removal
+                    if keys := held.get(info.digest):
+                        self._enqueue(Change(False, medium, tuple(keys)))
+
+    def _blocks_of(self, digest: bytes) -> int:
+        return sum(len(held.get(digest, ())) for held in self._state.held.values())
+
+    def _withdraw(self, entry: Entry) -> None:
+        """Subscribers stop believing in ``entry``'s blocks (they stay mirrored, for a
+        description that brings the namespace back)."""
+        self._stats.evicted_namespaces += 1
+        if not entry.published:
+            return  # nothing of it was announced
+        state = self._state
+        for medium, held in state.held.items():
+            if keys := held.get(entry.info.digest):
+                self._enqueue(Change(True, medium, tuple(keys)))
+        state.withdrawn[entry.info.digest] = entry.info
+
+    def foreign_namespace(self, keys: Sequence[bytes], owner: int) -> NamespaceInfo | None:
+        """The first described namespace among ``keys``' that session ``owner`` does not
+        hold (it may not store under it), or None."""
+        with self._lock:
+            table = self._state.table
+            for prefix in {key[:NAMESPACE_BYTES] for key in keys}:
+                entry = table.get(prefix)
+                if entry is not None and owner not in entry.holders:
+                    return entry.info
+        return None
+
+    def session_ended(self, owner: int) -> None:
+        """Session ``owner`` ended: it holds no namespace any more."""
+        with self._lock:
+            self._state.table.release(owner)
 
     # ------------------------------------------------------------------ the publisher's side
     def take(self) -> Taken:
         """Everything since the last call, atomically (see the module docstring)."""
         with self._lock:
             state = self._state
-            new, state.pending = state.pending, {}
-            state.described.update(new)
+            new = state.table.take_new()
             changes, state.queue, state.queued_keys = state.queue, [], 0
             resync, state.resync = state.resync, False
-            fresh = state.described if resync else new
+            published = state.table.published()
+            fresh = published if resync else new
             announce = [(medium, fresh[prefix], list(keys))
                         for medium, held in state.held.items()
                         for prefix, keys in held.items() if prefix in fresh]
-            namespaces = dict(state.described)
+            namespaces = {**state.withdrawn, **published}
+            state.withdrawn = {}
         if resync:
             changes = []
         elif new:
@@ -198,11 +281,12 @@ class NodeEventSink:
     def stats(self) -> SinkStats:
         with self._lock:
             self._stats.queued_keys = self._state.queued_keys
-            self._stats.namespaces = len(self._state.described) + len(self._state.pending)
+            self._stats.namespaces = len(self._state.table)
+            self._stats.held_namespaces = self._state.table.num_held
             return SinkStats(**vars(self._stats))
 
     def held_keys(self, medium: Medium) -> set[bytes]:
-        """Every key ``medium`` holds now (tests, tools)."""
+        """Every key ``medium`` holds now that is published once described (tests, tools)."""
         with self._lock:
             return set().union(*self._state.held.get(medium, {}).values())
 

@@ -2,7 +2,8 @@
 
 ``EventsCollector(stats)`` serves ``NodeEventStream.stats``; ``collectors(a, b)`` serves
 several collectors as one (the exporter takes one). Labels are bounded: ``type`` is one
-of vLLM's three event types, ``medium`` one of ``CPU``, ``STORAGE`` or ``""`` (a clear).
+of vLLM's three event types, ``medium`` one of the engines' names for the node's media
+(vLLM's ``CPU``, ``STORAGE``; SGLang's ``CPU_PINNED``, ``DISK``) or ``""`` (a clear).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class EventsCollector(Collector):
             "tiercache_events_published", "KV events the node's stream published, by vLLM "
             "event type and medium (\"\" for AllBlocksCleared)", labels=("type", "medium"))
         unpublished = CounterMetricFamily(
-            "tiercache_events_unpublished_keys", "Changed keys not published: their namespace "
-            "was never described by an engine (reason=undescribed), or the key is not of its "
+            "tiercache_events_unpublished_keys", "Changed keys not published: stored while no "
+            "session had described their namespace, as Client and tiercache demo store "
+            "(reason=no_namespace), held from before the stream began or of a namespace "
+            "given up, and not described (again) (reason=undescribed), or not of their "
             "engine's shape (reason=unreadable)", labels=("reason",))
         counters = {
             "batches": ("Batches published (one sequence number each)", "batches"),
@@ -71,7 +74,9 @@ class EventsCollector(Collector):
         for family, (_, field) in zip(counted, counters.values(), strict=True):
             family.add_metric([], getattr(pub, field))
         dropped.add_metric([], stats.sink.dropped_keys)
-        unpublished.add_metric(["undescribed"], pub.undescribed_keys)
+        unpublished.add_metric(["no_namespace"], stats.sink.no_namespace_keys)
+        unpublished.add_metric(["undescribed"],
+                               pub.undescribed_keys + stats.sink.undescribed_keys)
         unpublished.add_metric(["unreadable"], pub.unreadable_keys)
         queued.add_metric([], stats.sink.queued_keys)
         namespaces.add_metric([], stats.sink.namespaces)

@@ -250,6 +250,7 @@ class Coordinator:
         stream.start()  # a ServiceError naming the endpoint if it cannot bind
         self.events = stream
         manager.set_node_events(stream.sink)
+        stream.sink.adopted()  # what was held is in: new keys publish once a session describes
         publisher = stream.publisher
         self.say(f"events: publishing on {publisher.endpoint}"
                  + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint

@@ -68,9 +68,16 @@ class Namespace:
     key_format: int = KEY_FORMAT_VERSION
 
     @property
+    def description(self) -> str:
+        """The canonical text the digest is the SHA-256 of: what the backend tells the
+        coordinator (DESCRIBE) so its event stream publishes this namespace's pages with
+        SGLang's hashes (``tiercache.events.namespaces``; its prefix there is the digest's
+        first 8 bytes)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
     def digest(self) -> bytes:
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).digest()[:NAMESPACE_BYTES]
+        return hashlib.sha256(self.description.encode()).digest()[:NAMESPACE_BYTES]
 
     def describe(self) -> str:
         parallel = "MLA (one replicated page)" if self.is_mla else f"TP{self.tp_size}"
