@@ -45,8 +45,10 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │   │                           repeated in one prepare_store         (also ValueError)
     │   ├── StateError              a call out of order: double complete, load of a
     │   │                           block being written, ref-count underflow
-    │   └── SessionLimitError       a session would hold more blocks than
-    │                               index.max_session_blocks
+    │   ├── SessionLimitError       a session would hold more blocks than
+    │   │                           index.max_session_blocks
+    │   └── NamespaceError          a store under a namespace of the event stream that the
+    │                               storing session did not describe (DESCRIBE)
     ├── TierError                   a tier below host memory (disk) cannot be used as asked
     ├── JobError                    the completion loop misused: a repeated job id or ack
     │   └── RanksDownError          a job begun while a rank is down (restart it, retry)
@@ -79,12 +81,12 @@ class UnsupportedModelError(ConfigError):
     layers at fault and why."""
 
 
-class ArgumentError(TiercacheError, ValueError):
-    """A call with an argument the API does not allow; the message names it and what is."""
 class TraceError(ConfigError):
     """A ``tiercache replay`` trace that cannot be read: the file, line and field named."""
 
 
+class ArgumentError(TiercacheError, ValueError):
+    """A call with an argument the API does not allow; the message names it and what is."""
 
 
 class RegionError(TiercacheError):
@@ -198,6 +200,11 @@ class StateError(ManagerError):
 
 class SessionLimitError(ManagerError):
     """A session asked to hold more blocks than ``index.max_session_blocks`` allows."""
+
+
+class NamespaceError(ManagerError):
+    """A session stored keys under a namespace the node's event stream publishes that it did
+    not describe itself (``tiercache.events.namespace_table``)."""
 
 
 class JobError(TiercacheError):

@@ -13,30 +13,47 @@ node's event stream can publish that namespace's blocks with the engine's own ha
 A description that does not parse is a ``ConfigError`` (the connection stays: the
 engine's configuration is at fault, not the stream). A client sends it once per namespace
 and again on every reconnect (``Client.describe``), so a restarted coordinator learns its
-namespaces back. Bounded: one description is at
-most 64 KiB, and the stream keeps at most ``MAX_NAMESPACES`` (a new one replaces one that
-holds no block, else it is refused with an error and its blocks are not published). The
-digest is computed here, never taken from the client: a client can describe a namespace
-only as its keys' own prefix says. Without an event stream the answer is the digest and
-0, and nothing is kept.
+namespaces back. Bounded: one description is at most 64 KiB, and the stream keeps at most
+``MAX_NAMESPACES`` (``tiercache.events.namespace_table``: one no session holds makes room;
+if a live session holds each, the description is refused with a ``StateError`` and its
+blocks are not published). The digest is computed here, never taken from the client: a
+client can describe a namespace only as its keys' own prefix says.
+
+**Stored under a namespace** means: a key whose first ``NAMESPACE_BYTES`` are the digest of
+a namespace the stream publishes. The session that describes a namespace holds it (until
+it ends), and only its holders may store under it: PREPARE_STORE and COMPLETE_STORE of a
+key under a namespace described by other sessions alone are refused before any change
+(``NamespaceError``, naming the namespace), so a client cannot make the stream announce
+blocks under a model it read off a topic. Keys under no described namespace (``Client``,
+``tiercache demo``) are stored as ever and never published (``tiercache.events.sink``).
+Without an event stream the answer is the digest and 0, nothing is kept and stores are
+not checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from tiercache.control.protocol import PayloadReader, PayloadWriter
-from tiercache.errors import ConfigError, ProtocolError
+from tiercache.control.verbs import StoreCheck
+from tiercache.errors import ConfigError, NamespaceError, ProtocolError
 from tiercache.events.namespaces import (
     MAX_DESCRIPTION_BYTES, NAMESPACE_BYTES, NamespaceInfo, parse_description,
 )
 
 
 class Describer(Protocol):
-    """What the coordinator's event stream offers DESCRIBE (``NodeEventStream``)."""
+    """What the coordinator's event stream offers the control plane (``NodeEventStream``)."""
 
-    def describe(self, family: int, text: str) -> NamespaceInfo: ...
+    def describe(self, family: int, text: str, owner: int) -> NamespaceInfo:
+        """Session ``owner`` describes a namespace (``ProtocolError``, ``StateError``)."""
+
+    def foreign_namespace(self, keys: Sequence[bytes], owner: int) -> NamespaceInfo | None:
+        """A described namespace of ``keys`` that session ``owner`` does not hold."""
+
+    def session_ended(self, owner: int) -> None:
+        """Session ``owner`` is gone: it holds no namespace any more."""
 
 
 class Described(NamedTuple):
@@ -51,8 +68,9 @@ def encode_describe_request(family: int, text: str) -> bytes:
     return PayloadWriter().u8(family).raw(text.encode()).build()
 
 
-def describe(stream: Describer | None, reader: PayloadReader) -> bytes:
-    """The server's side: learn the namespace (if a stream runs), answer its digest."""
+def describe(stream: Describer | None, reader: PayloadReader, owner: int) -> bytes:
+    """The server's side: learn the namespace for session ``owner`` (if a stream runs),
+    answer its digest."""
     family = reader.u8()
     raw = reader.raw(MAX_DESCRIPTION_BYTES)
     reader.done()
@@ -62,7 +80,7 @@ def describe(stream: Describer | None, reader: PayloadReader) -> bytes:
         raise ProtocolError("namespace description is not UTF-8") from None
     try:
         info = (parse_description(family, text) if stream is None
-                else stream.describe(family, text))
+                else stream.describe(family, text, owner))
     except ProtocolError as e:  # what it says, not how: the connection stays
         raise ConfigError(str(e)) from None
     return PayloadWriter().raw(info.digest).u8(int(stream is not None)).build()
@@ -70,7 +88,25 @@ def describe(stream: Describer | None, reader: PayloadReader) -> bytes:
 
 def describer(stream: Describer | None) -> Callable[[Any, PayloadReader, int], bytes]:
     """DESCRIBE as one of the server's verb handlers (it needs the stream, not the index)."""
-    return lambda manager, reader, owner: describe(stream, reader)
+    return lambda manager, reader, owner: describe(stream, reader, owner)
+
+
+def store_check(stream: Describer | None) -> StoreCheck | None:
+    """The store verbs' check (``tiercache.control.verbs.store_verbs``): keys only under
+    namespaces the storing session holds (see the module docstring); None without a
+    stream."""
+    if stream is None:
+        return None
+
+    def check(keys: Sequence[bytes], owner: int) -> None:
+        info = stream.foreign_namespace(keys, owner)
+        if info is not None:
+            raise NamespaceError(
+                f"keys under namespace {info.hex} ({info.model}), which this session did not "
+                "describe: a session stores only under namespaces it described (DESCRIBE) "
+                "while the node's event stream publishes them")
+
+    return check
 
 
 def decode_described(reader: PayloadReader) -> Described:

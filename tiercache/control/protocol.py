@@ -130,6 +130,7 @@ ERROR_CODES: dict[int, type[errors.TiercacheError]] = {
     7: errors.ConfigError,
     8: errors.ControlSocketError,
     9: errors.SessionLimitError,
+    10: errors.NamespaceError,
 }
 
 

@@ -67,7 +67,7 @@ from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions, RECV_BYTES
 from tiercache.control.turns import Turns, request_units
 from tiercache.control.upkeep import Upkeep
-from tiercache.control.verbs import HANDLERS
+from tiercache.control.verbs import HANDLERS, store_verbs
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
 from tiercache.control.sockets import SocketFile, trusted_uids
@@ -75,7 +75,7 @@ from tiercache.control.payloads import (
     decode_hello_request, encode_error, encode_hello, request_size,
 )
 from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
-from tiercache.control.namespaces import Describer, describer
+from tiercache.control.namespaces import Describer, describer, store_check
 from tiercache.control.sessions import SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord
 
@@ -96,14 +96,17 @@ class ControlServer:
                  session_store: SessionLedger | None = None,
                  restored: Iterable[SessionRecord] = (), events: Describer | None = None):
         self._manager = manager
-        self._handlers = {**HANDLERS, Verb.DESCRIBE: describer(events)}  # events: DESCRIBE's
+        # the event stream's: DESCRIBE, and which session may store under which namespace
+        self._handlers = {**HANDLERS, **store_verbs(store_check(events)),
+                          Verb.DESCRIBE: describer(events)}
         self._path = os.fspath(socket_path)
         self.options = options or ControlOptions()
         self._trusted = trusted_uids(self.options.trusted_uid)
         opts = self.options
         self._sessions = SessionTable(manager, opts.session_grace_s,
                                       timeout_s=opts.session_timeout_s, store=session_store,
-                                      restored=restored, now=time.monotonic())
+                                      restored=restored, now=time.monotonic(),
+                                      on_end=events.session_ended if events else None)
         self._warn = LogLimiter(log, self.options.log_interval_s)
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None

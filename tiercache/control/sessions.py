@@ -39,6 +39,8 @@ Decisions:
   grace period. A session counts against the process that attached it last (``pid``, from
   ``SO_PEERCRED``); beyond the bound its oldest detached one ends at once, as if its grace
   period were over.
+* ``on_end(owner)`` hears of every session that ends (the node's event stream: the
+  namespaces it described are no longer its own).
 * Pure bookkeeping, one thread (the control server's loop); ``now`` is passed in.
 """
 
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from tiercache.errors import ControlSocketError
@@ -76,8 +78,10 @@ class SessionTable:
 
     def __init__(self, manager: OffloadingManager, grace_s: float, *, timeout_s: float = 0.0,
                  store: SessionLedger | None = None,
-                 restored: Iterable[SessionRecord] = (), now: float = 0.0):
+                 restored: Iterable[SessionRecord] = (), now: float = 0.0,
+                 on_end: Callable[[int], None] | None = None):
         self._manager = manager
+        self._on_end = on_end
         self.grace_s = grace_s
         self.timeout_s = timeout_s
         self._store = store
@@ -219,6 +223,8 @@ class SessionTable:
         session.conn = None
         if self._store is not None:
             self._store.close(session.owner)
+        if self._on_end is not None:
+            self._on_end(session.owner)
         return self._manager.end_session(session.owner)
 
     @property

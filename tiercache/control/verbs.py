@@ -5,7 +5,7 @@ the session these handlers act for); see ``tiercache.control.server``."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
@@ -16,6 +16,8 @@ from tiercache.control.payloads import (
 from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
 Handler = Callable[[OffloadingManager, PayloadReader, int], bytes]
+# raises (``NamespaceError``) if session ``owner`` may not store these keys
+StoreCheck = Callable[[Sequence[bytes], int], None]
 _EMPTY = b""
 _U32 = struct.Struct("<I")
 
@@ -44,17 +46,28 @@ def _complete_load(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
     return _EMPTY
 
 
-def _prepare_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    keys, max_evictions = decode_store_request(r)
-    return encode_store_output(m.prepare_store(keys, owner=owner, max_evictions=max_evictions))
+def store_verbs(check: StoreCheck | None) -> dict[Verb, Handler]:
+    """PREPARE_STORE and COMPLETE_STORE, each refusing before any change what ``check``
+    refuses (a completion that reports a failure always goes: it frees the slots)."""
 
+    def prepare_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+        keys, max_evictions = decode_store_request(r)
+        if check is not None:
+            check(keys, owner)
+        return encode_store_output(m.prepare_store(keys, owner=owner,
+                                                   max_evictions=max_evictions))
 
-def _complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
-    success = r.u8()
-    if success not in (0, 1):
-        raise ProtocolError(f"complete_store success flag {success}; expected 0 or 1")
-    m.complete_store(_keys_then(r), success=bool(success), owner=owner)
-    return _EMPTY
+    def complete_store(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
+        success = r.u8()
+        if success not in (0, 1):
+            raise ProtocolError(f"complete_store success flag {success}; expected 0 or 1")
+        keys = _keys_then(r)
+        if check is not None and success:
+            check(keys, owner)
+        m.complete_store(keys, success=bool(success), owner=owner)
+        return _EMPTY
+
+    return {Verb.PREPARE_STORE: prepare_store, Verb.COMPLETE_STORE: complete_store}
 
 
 def _lease_batch(m: OffloadingManager, r: PayloadReader, owner: int) -> bytes:
@@ -84,8 +97,7 @@ HANDLERS: dict[Verb, Handler] = {
     Verb.PREPARE_LOAD: _prepare_load,
     Verb.TOUCH: _touch,
     Verb.COMPLETE_LOAD: _complete_load,
-    Verb.PREPARE_STORE: _prepare_store,
-    Verb.COMPLETE_STORE: _complete_store,
+    **store_verbs(None),
     Verb.TAKE_EVENTS: _no_args(lambda m: encode_events(m.take_events(max_keys=MAX_KEYS_PER_CALL))),
     Verb.RESET: _no_args(_reset),
     Verb.STATS: _no_args(lambda m: encode_stats(m.stats())),
