@@ -314,6 +314,12 @@ def cmd_config_for_vllm(args: argparse.Namespace) -> int:
     return config_for_vllm_main(args.rest)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tiercache.tools.replay import main as replay_main
+
+    return replay_main(args.rest)
+
+
 def cmd_config_for_sglang(args: argparse.Namespace) -> int:
     from tiercache.sglang.config_cmd import main as config_for_sglang_main
 
@@ -371,7 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "the coordinator config a vLLM engine fits (config-for-vllm -h)"),
                              ("config-for-sglang", cmd_config_for_sglang,
                               "the coordinator config SGLang engines fit "
-                              "(config-for-sglang -h)")):
+                              "(config-for-sglang -h)"),
+                             ("replay", cmd_replay,
+                              "real vLLM schedulers over a trace: hits and TTFT per system "
+                              "(replay -h)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
@@ -379,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # these parse their own arguments
-PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang")
+PASSTHROUGH_COMMANDS = ("bench", "demo", "config-for-vllm", "config-for-sglang", "replay")
 
 
 def main(argv: list[str] | None = None) -> int:
