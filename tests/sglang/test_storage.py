@@ -7,10 +7,13 @@ from sglang_env import require_sglang
 
 require_sglang()
 
+import ctypes  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from sglang_harness import tokens_of  # noqa: E402
 from tiercache.control.client import Client  # noqa: E402
@@ -111,3 +114,29 @@ def test_other_host_layouts_round_trip(coordinator, make_rank, layout):
     tokens = tokens_of(8, 3)
     assert rank.backup(tokens) == len(tokens)
     assert rank.prefetch(tokens) == (len(tokens), [])
+
+
+def test_a_key_twice_in_one_backup_is_stored_once_and_every_place_answered(coordinator,
+                                                                          make_rank, model):
+    """As SGLang's file backend answers a key it holds already: True. The distinct pages are
+    stored (a duplicate key failed the whole call: every page answered False)."""
+    rank = make_rank(coordinator)
+    ps = model.page_size
+    hashes = get_storage_hash_str(tokens_of(41, 3), None, page_size=ps)
+    keys = [hashes[0], hashes[1], hashes[0], hashes[2]]
+    src = rank.host.alloc(4 * ps)
+    dst = rank.host.alloc(3 * ps)
+    try:
+        rank.fill(src, tokens_of(42, 4))  # four different pages
+        assert rank.backend.batch_set_v1(keys, src) == [True] * 4
+        counters = rank.counters()
+        assert counters["stored_pages"] == 3 and counters["already_stored_pages"] == 1
+        assert rank.backend.batch_get_v1(hashes, dst) == [True] * 3
+        pages = rank._pages(src)
+        for loaded, first_place in zip(rank._pages(dst), (0, 1, 3)):  # a key: its first page
+            for (ptr, n), (want_ptr, want_n) in zip(zip(*loaded), zip(*pages[first_place])):
+                assert n == want_n
+                assert ctypes.string_at(ptr, n) == ctypes.string_at(want_ptr, n)
+    finally:
+        rank.host.free(src)
+        rank.host.free(dst)

@@ -9,6 +9,13 @@ session: a lease is pinned and released by the I/O thread's session, a reservati
 and completed by the backup thread's), built lazily: nothing connects at attach, so a
 coordinator that is down when SGLang starts costs nothing and raises nothing.
 
+The STORE session describes the backend's key namespace (``describe``: DESCRIBE when it
+first connects and again on every reconnect, as the vLLM adapter's writer does), so the
+node's event stream publishes the pages it stores with SGLang's own hashes and lets that
+session, and no other, store under the namespace (``tiercache.control.namespaces``). A
+coordinator that does not take the description (no room, a refused description) leaves
+the backups working and their pages unpublished; that is logged.
+
 Bounded waits: every client has ``call_timeout_s`` as its socket timeout (connect, send,
 answer). A call that fails with the coordinator gone (``CoordinatorGoneError``: no socket,
 refused, timed out, closed mid-call) opens the breaker: for ``retry_s`` every role's calls
@@ -30,7 +37,8 @@ from typing import TypeVar
 
 from tiercache.config import Config
 from tiercache.control.client import Client
-from tiercache.errors import CoordinatorGoneError, TiercacheError
+from tiercache.errors import ConfigError, CoordinatorGoneError, StateError, TiercacheError
+from tiercache.events.namespaces import EngineFamily
 from tiercache.loglimit import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -62,6 +70,7 @@ class CoordinatorLink:
         self.config, self.name = config, name
         self.call_timeout_s, self.retry_s = call_timeout_s, retry_s
         self._clients: dict[Role, Client] = {}
+        self._description: str | None = None
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._up = False
@@ -72,6 +81,10 @@ class CoordinatorLink:
     def up(self) -> bool:
         """Whether the latest call reached the coordinator."""
         return self._up
+
+    def describe(self, description: str) -> None:
+        """The namespace the STORE session describes (before its first call)."""
+        self._description = description
 
     def call(self, role: Role, fn: Callable[[Client], T]) -> T | CallFailed:
         """``fn(client)`` on ``role``'s session, or a ``CallFailed`` (never raises a
@@ -96,11 +109,29 @@ class CoordinatorLink:
     def _client(self, role: Role) -> Client:
         with self._lock:
             client = self._clients.get(role)
-            if client is None:
-                client = Client(self.config, timeout_s=self.call_timeout_s,
-                                name=f"{self.name} {role.value}")
-                self._clients[role] = client
-            return client
+            if client is not None:
+                return client
+            client = Client(self.config, timeout_s=self.call_timeout_s,
+                            name=f"{self.name} {role.value}")
+            self._clients[role] = client
+        if role is Role.STORE and self._description is not None:
+            self._describe(client, self._description)
+        return client
+
+    def _describe(self, client: Client, description: str) -> None:
+        """DESCRIBE now and on every reconnect (a ``CoordinatorGoneError`` propagates: the
+        call fails as gone, and the reconnect describes)."""
+        try:
+            answer = client.describe(EngineFamily.SGLANG, description)
+        except (ConfigError, StateError) as e:
+            log.warning("tiercache: coordinator %s did not take this SGLang namespace (its "
+                        "pages are stored, not published on the node's event stream): %s",
+                        self.config.name, e)
+            return
+        if answer.node_events:
+            log.info("tiercache: coordinator %s publishes the pages this engine stores on the "
+                     "node's KV event stream, with SGLang's page hashes (docs/events.md)",
+                     self.config.name)
 
     def _went_down(self, error: CoordinatorGoneError) -> None:
         self._down_until = time.monotonic() + self.retry_s

@@ -26,7 +26,11 @@ The data path (up to 128 pages a call, from three threads at once):
   evicted since ``batch_exists`` is a miss from there on (SGLang keeps the leading run).
 * ``batch_set_v1(keys, host_indices)`` (backup thread): ``prepare_store`` (pages already
   stored or being written by another engine are skipped and reported done), one fenced
-  copy into the reserved rows, ``complete_store`` (success or not).
+  copy into the reserved rows, ``complete_store`` (success or not). A key that comes twice
+  in one call is stored once, from its first page, and each of its places answers as that
+  page does (SGLang's own file backend answers a key it holds already True).
+  Its session describes the namespace (``CoordinatorLink``): the node's event stream
+  publishes the pages with the hashes SGLang's own KV events use.
 
 Failure model: nothing raises into SGLang's threads. A coordinator that is down at attach
 is not an error (hits start once it is up); down mid-run, calls answer at once with misses
@@ -137,6 +141,7 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             blob_bytes=geometry.blob_bytes, tp_size=1 if config.is_mla_model else config.tp_size,
             is_mla=config.is_mla_model, dcp_size=config.dcp_size, salt=self.settings.salt)
         self._digest = self.namespace.digest
+        self.link.describe(self.namespace.description)  # the STORE session's, when it connects
         self._shard = config.dcp_rank if config.is_mla_model else config.tp_rank
         self._samples = StorageSamples(geometry.page_bytes)
         self.region = RegionLink(self.settings.config, geometry, retry_s=self.settings.retry_s,
@@ -238,8 +243,12 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             self.counters.add(store_failed_pages=len(keys))
             return [False] * len(keys)
         tkeys = self._keys(keys)
+        first: dict[bytes, int] = {}  # each key's first place (a key may come twice)
+        for i, key in enumerate(tkeys):
+            first.setdefault(key, i)
+        unique = list(first)
         start = time.perf_counter()
-        out = self.link.call(Role.STORE, lambda c: c.prepare_store(tkeys))
+        out = self.link.call(Role.STORE, lambda c: c.prepare_store(unique))
         if isinstance(out, CallFailed) or out is None:
             if isinstance(out, CallFailed):
                 self._count_failed(out, store_failed_pages=len(keys))
@@ -252,8 +261,7 @@ class TierCacheHiCacheStorage(HiCacheStorage):
         if not new:
             self.counters.add(already_stored_pages=len(keys))
             return [True] * len(keys)
-        position = {k: i for i, k in enumerate(tkeys)}
-        rows = np.array([position[k] for k in new], dtype=np.int64)
+        rows = np.array([first[k] for k in new], dtype=np.int64)
         ok = False
         try:
             addrs = self.pages.addresses(host_indices, len(keys))[rows]
@@ -267,13 +275,11 @@ class TierCacheHiCacheStorage(HiCacheStorage):
             done = self.link.call(Role.STORE, lambda c: c.complete_store(list(new), success=ok))
             if isinstance(done, CallFailed):
                 ok = False
-        results = [True] * len(keys)
-        if not ok:
-            for i in rows:
-                results[int(i)] = False
-        stored = len(new) if ok else 0
-        self.counters.add(stored_pages=stored, already_stored_pages=len(keys) - len(new),
-                          store_failed_pages=len(new) - stored)
+        failed = set() if ok else set(new)
+        results = [k not in failed for k in tkeys]
+        stored, refused = (len(new) if ok else 0), results.count(False)
+        self.counters.add(stored_pages=stored, store_failed_pages=refused,
+                          already_stored_pages=len(keys) - stored - refused)
         if stored and self._metrics and self._samples is not None:
             self._samples.backup(stored, time.perf_counter() - start)
         return results
