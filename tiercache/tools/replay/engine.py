@@ -79,6 +79,7 @@ class ReplayEngine:
         self.busy_until_s = 0.0
         self.disk_hit_tokens = 0
         self.checked_blocks = 0
+        self.loaded_blocks = 0
         self.steps = 0
 
     # ------------------------------------------------------------------ requests
@@ -123,6 +124,7 @@ class ReplayEngine:
         self._submit_stores(out.kv_connector_metadata, end_s)
         report = self.worker.run(self.scheduler, out)
         self.checked_blocks += report.checked_blocks
+        self.loaded_blocks += report.loaded_blocks
         for job_id in report.completed_jobs:
             self.jobs[job_id].done = True
         connector_output = self._release(end_s)

@@ -2,10 +2,12 @@
 
 Per system (``summarize``): ``requests``, ``prompt_tokens``, ``computed_prefill_tokens``,
 ``hit_tokens`` {``gpu``, ``host``, ``disk``}, ``ttft_s`` {``p50``, ``p90``, ``p99``},
-``throughput_rps``; and more (``checked_blocks``, ``steps``, ``host_blocks``,
-``bytes_scale``). Hits are vLLM's own per-request prefill stats (``PrefillStats``: local
-prefix-cache tokens and external tokens, the latter split by the connector's hit source),
-counted at a request's first scheduling (a preempted request's recompute is not counted
+``throughput_rps``; and more (``loaded_blocks_checked``: tiercache's loads, each block's
+bytes checked as it landed; ``checked_blocks``: blocks checked when a request computed on
+them; ``steps``, ``host_blocks``, ``bytes_scale``, ``wall_s``). Hits are vLLM's own
+per-request prefill stats (``PrefillStats``: local prefix-cache tokens and external
+tokens, the latter split by the connector's hit source), counted at a request's first
+scheduling (a preempted request's recompute is not counted
 as prefill), so ``computed_prefill_tokens + gpu + host + disk == prompt_tokens`` holds
 for every system by construction, and ``check_identity`` says so.
 """
@@ -36,6 +38,7 @@ def summarize(records: Sequence[RequestRecord], engines: Sequence[ReplayEngine],
         "ttft_s": {f"p{q}": round(float(np.percentile(ttft, q)), 6) for q in (50, 90, 99)},
         "throughput_rps": round(len(records) / span, 4) if span > 0 else None,
         "checked_blocks": sum(e.checked_blocks for e in engines),
+        "loaded_blocks_checked": sum(e.loaded_blocks for e in engines),
         "steps": sum(e.steps for e in engines), **extra}
     check_identity(summary)
     return summary

@@ -31,7 +31,8 @@ class WorkerReport:
     """What a worker finished during one step."""
 
     completed_jobs: set[int] = field(default_factory=set)
-    checked_blocks: int = 0
+    checked_blocks: int = 0  # blocks a request held (prefix hits, earlier loads) when it computed
+    loaded_blocks: int = 0  # blocks that finished loading, each checked as it landed
 
 
 class KVWorker(Protocol):
@@ -105,7 +106,7 @@ class ContentWorker:
             report.completed_jobs.add(job_id)
             load = self.loads.pop(job_id, None)
             if load is not None:
-                report.checked_blocks += self._check_load(scheduler, *load)
+                report.loaded_blocks += self._check_load(scheduler, *load)
         return report
 
     def shutdown(self) -> None:
