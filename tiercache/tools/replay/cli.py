@@ -1,7 +1,8 @@
 """``tiercache replay``: real vLLM 0.33 schedulers over a trace, per system, on a simulated
-clock; a table on stdout and ``--json`` in the issue's shape (issue 40; docs/replay.md is
-this docstring's longer form: trace format in ``trace``, generators in ``workloads``, cost
-model in ``cost``, systems in ``systems``, routers in ``routers``, figures in ``report``).
+clock; a table on stdout and ``--json`` in the issue's shape (issue 40; the trace format is
+documented in ``trace``, the generators in ``workloads``, the cost model in ``cost``, the
+systems in ``systems``, the routers in ``routers``, the figures in ``report``; results in
+docs/benchmarks.md).
 
 It asks vLLM (schedulers, KV-cache manager, offloading connector), so it runs in the
 engines' environment; without vLLM it is one line naming where to run it.
@@ -14,6 +15,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -113,6 +115,8 @@ def main(argv: list[str]) -> int:
     trace = _trace(args)
     require_vllm()
     _quiet()
+    # SIGTERM unwinds like Ctrl-C: each system's engines and its coordinator are closed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     model_dir = HFModel.read(args.model).path.parent
     report = replay(trace, model_dir, systems, router, engines=args.engines, dram_bytes=dram,
                     disk_bytes=disk, gpu_kv_tokens=args.gpu_kv_tokens,
