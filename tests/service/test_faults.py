@@ -121,16 +121,15 @@ def test_sigkilled_coordinator_transfers_finish_clients_see_it_gone_and_reconnec
         first.kill()
 
 
-def _wait_for_line(path, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _wait_for_line(path, text: str, proc: subprocess.Popen) -> str:
+    """Until the demo writes ``text`` or exits (a loaded machine took more than 60 s): the
+    test's own timeout is the backstop for a demo that hangs alive."""
+    while True:
         content = path.read_text()
         if text in content:
             return content
         assert proc.poll() is None, f"demo exited with {proc.returncode}:\n{content}"
         time.sleep(0.05)
-    raise AssertionError(f"{text!r} not in the demo's output after {timeout_s} s:\n"
-                         f"{path.read_text()}")
 
 
 @contextmanager
@@ -147,7 +146,7 @@ def _demo(make_config, tmp_path):
              "--requests", "0", "--json", str(json_path)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            _wait_for_line(log_path, "requests ", proc, WAIT_S)  # the first progress line
+            _wait_for_line(log_path, "requests ", proc)  # the first progress line
             yield config, proc, log_path, json_path
         finally:
             if proc.poll() is None:
@@ -174,17 +173,15 @@ def test_sigterm_stops_the_demo_cleanly_and_leaves_nothing(make_config, tmp_path
     _assert_left_nothing(config, doc)
 
 
-def _wait_after(path, marker: str, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
-    """Wait until ``text`` appears in the output after the first ``marker``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _wait_after(path, marker: str, text: str, proc: subprocess.Popen) -> str:
+    """Until ``text`` appears in the output after the first ``marker``, or the demo exits."""
+    while True:
         content = path.read_text()
         at = content.find(marker)
         if at >= 0 and text in content[at + len(marker):]:
             return content
         assert proc.poll() is None, f"demo exited with {proc.returncode}:\n{content}"
         time.sleep(0.05)
-    raise AssertionError(f"{text!r} not after {marker!r} within {timeout_s} s:\n{path.read_text()}")
 
 
 def test_the_demo_itself_restarts_a_killed_worker_and_its_killed_coordinator(make_config,
@@ -197,10 +194,10 @@ def test_the_demo_itself_restarts_a_killed_worker_and_its_killed_coordinator(mak
         coordinator = int(re.search(r"started a coordinator \(pid (\d+)\)", out).group(1))
         os.kill(worker, signal.SIGKILL)
         restarted = "rank 1's worker is gone; restarting it"
-        _wait_after(log_path, restarted, "requests ", proc, WAIT_S)  # and it goes on
+        _wait_after(log_path, restarted, "requests ", proc)  # and it goes on
         os.kill(coordinator, signal.SIGKILL)
         replaced = "the coordinator is gone; starting a new one"
-        _wait_after(log_path, replaced, "requests ", proc, WAIT_S)
+        _wait_after(log_path, replaced, "requests ", proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0, log_path.read_text()
     doc = json.loads(json_path.read_text())

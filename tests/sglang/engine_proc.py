@@ -10,7 +10,7 @@ import multiprocessing as mp
 import traceback
 from typing import Any
 
-WAIT_S = 120.0
+from control_support import child_answer
 
 
 def serve(conn: Any, config_path: str, rank_kwargs: dict, dist: dict | None = None) -> None:
@@ -60,9 +60,8 @@ class RemoteRank:
         self.conn.send((name, args))
 
     def answer(self) -> Any:
-        if not self.conn.poll(WAIT_S):
-            raise AssertionError(f"rank process {self.proc.pid} did not answer in {WAIT_S} s")
-        status, value = self.conn.recv()
+        """Until the rank answers or dies (importing SGLang took minutes at load 10+)."""
+        status, value = child_answer(self.conn, self.proc, "SGLang rank")
         if status != "ok":
             raise AssertionError(f"rank process {self.proc.pid} failed:\n{value}")
         return value

@@ -145,6 +145,18 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = STAR
         time.sleep(0.01)
 
 
+def child_answer(conn, proc, what: str):
+    """The next message ``proc`` (a multiprocessing child) sends on ``conn``, however long a
+    loaded machine makes it take: the wait ends when it answers or when it dies (then the
+    test fails at once, naming its exit code); the test's own timeout (pytest-timeout) is
+    the backstop for a child that hangs alive."""
+    while not conn.poll(0.5):
+        if not proc.is_alive() and not conn.poll(0):
+            raise AssertionError(f"{what}: process {proc.pid} exited with {proc.exitcode} "
+                                 "without answering")
+    return conn.recv()
+
+
 def stop_process(pid: int) -> None:
     """SIGSTOP ``pid`` and return once it is stopped: the signal is delivered asynchronously,
     and a process that runs on for a moment (a loaded machine) may still accept a

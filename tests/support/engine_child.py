@@ -16,10 +16,9 @@ import signal
 
 import numpy as np
 
-from control_support import stop_process
+from control_support import child_answer, stop_process
 
 SPAWN = mp.get_context("spawn")
-REPLY_TIMEOUT_S = 60.0
 
 
 def pattern(key: bytes, rank: int, tensor: int, num_bytes: int) -> np.ndarray:
@@ -145,9 +144,7 @@ class EngineProcess:
         self.pid = self._reply()["pid"]
 
     def _reply(self):
-        if not self._conn.poll(REPLY_TIMEOUT_S):
-            raise TimeoutError(f"engine pid {self.proc.pid} did not answer in {REPLY_TIMEOUT_S} s")
-        status, value = self._conn.recv()
+        status, value = child_answer(self._conn, self.proc, "engine")
         if status != "ok":
             raise RuntimeError(value)
         return value
