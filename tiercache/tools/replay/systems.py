@@ -224,7 +224,8 @@ class Arm:
             kv=KVGeometry(page_bytes=(page,) * STANDIN.num_layers, block_size_factor=1,
                           block_tokens=BLOCK_TOKENS),
             region=RegionConfig(capacity_bytes=None, num_blocks=self.host_blocks,
-                                prefault_threads=1),
+                                prefault_threads=1,  # every engine attaches rank 0
+                                attachments_per_rank=max(4, fleet.num_engines)),
             exporter=ExporterConfig(enabled=False),
             control_socket=str(fleet.workdir / f"{name}.sock"))
         self.coordinator = CoordinatorProcess(config, workdir=fleet.workdir / "coordinator")
