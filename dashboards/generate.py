@@ -327,6 +327,15 @@ def events() -> list[Panel]:
                Target(sum_rate("tiercache_events_unpublished_keys_total", "reason", INST),
                       "unpublished {{reason}}"),
                per_s("tiercache_events_resyncs_total", "resyncs")], unit="ops"),
+        Panel("Stream peers", "Connections to the stream's ports by socket (pub: "
+              "subscribers; replay: replay requesters; at most events.max_peers each), and "
+              "connections the stream ended per second, by reason (over_cap: past "
+              "events.max_peers; stalled: acknowledged nothing for events.peer_timeout_s "
+              "while batches waited; inbound: a subscriber sending more than subscriptions "
+              "need). A router dropped reconnects and replays what it missed.",
+              [Target(f"tiercache_events_peers{{{INST}}}", "{{socket}} peers"),
+               Target(sum_rate("tiercache_events_peers_dropped_total", "socket, reason", INST),
+                      "dropped {{socket}} {{reason}}")]),
     ]
 
 

@@ -180,3 +180,55 @@ def test_the_coordinators_memory_limit_covers_the_region_it_allocates():
     assert limit.endswith("Gi")
     need = parse_size(raw["region"]["capacity"]) + parse_size(raw["cluster"]["segment_size"])
     assert int(limit[:-2]) << 30 > need
+
+
+def _policy_rules() -> list[tuple[dict, set[int]]]:
+    """(the peer selector, the ports it may reach) per ingress rule of the coordinator's
+    NetworkPolicy; a port range counts as its first port."""
+    policy = _find("NetworkPolicy", "tiercache-coordinator")["spec"]
+    assert policy["policyTypes"] == ["Ingress"]  # and nothing else comes in
+    rules = []
+    for rule in policy["ingress"]:
+        assert len(rule["from"]) == 1, rule  # one kind of peer per rule
+        rules.append((rule["from"][0], {p["port"] for p in rule["ports"]}))
+    return rules
+
+
+def test_the_network_policy_admits_routers_to_the_event_ports_the_config_names():
+    """Only pods labelled as routers reach the event stream, on exactly the ports the
+    ConfigMap's [events] endpoints bind (a port changed in one place only would leave
+    routers out, or the stream open)."""
+    raw = _raw_config()
+    pod = _pod("DaemonSet", "tiercache-coordinator")
+    policy = _find("NetworkPolicy", "tiercache-coordinator")
+    assert policy["metadata"]["namespace"] == _find("DaemonSet", "tiercache-coordinator")[
+        "metadata"]["namespace"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= pod["metadata"]["labels"].items()  # it covers the pods
+    event_ports = {int(raw["events"][key].rsplit(":", 1)[1])
+                   for key in ("endpoint", "replay_endpoint")}
+    to_events = [(peer, ports) for peer, ports in _policy_rules() if ports & event_ports]
+    assert len(to_events) == 1
+    peer, ports = to_events[0]
+    assert ports == event_ports
+    assert peer["podSelector"] == {"matchLabels": {"tiercache.io/router": "true"}}
+
+
+def test_the_network_policy_admits_prometheus_to_the_exporter_and_coordinators_to_each_other():
+    raw = _raw_config()
+    pod = _pod("DaemonSet", "tiercache-coordinator")
+    rules = _policy_rules()
+    exporter = [peer for peer, ports in rules if ports == {raw["exporter"]["port"]}]
+    assert [p["podSelector"]["matchLabels"] for p in exporter] == [
+        {"app.kubernetes.io/name": "prometheus"}]
+    coordinators = [peer for peer, _ in rules if "namespaceSelector" not in peer
+                    and peer["podSelector"]["matchLabels"].items()
+                    <= pod["metadata"]["labels"].items()]
+    assert len(coordinators) == 1  # the cluster tier's transfer ports, between nodes
+    policy = _find("NetworkPolicy", "tiercache-coordinator")["spec"]
+    transfer = next(r for r in policy["ingress"] if r["from"][0] == coordinators[0])
+    assert [(p["port"], p["endPort"]) for p in transfer["ports"]] == [(15000, 17000)]
+    event_ports = {int(raw["events"][key].rsplit(":", 1)[1])
+                   for key in ("endpoint", "replay_endpoint")}
+    every = {port for _, ports in rules for port in ports}
+    assert every == event_ports | {raw["exporter"]["port"], 15000}  # nothing else is open

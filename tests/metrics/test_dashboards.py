@@ -154,7 +154,8 @@ def _exposition() -> tuple[set[str], set[str]]:
     events = EventsCollector(lambda: EventStats(  # ... and an event stream
         SinkStats(queued_keys=3, namespaces=1),
         PublisherStats(batches=2, events=Counter({("AllBlocksCleared", ""): 1,
-                                                  ("BlockStored", "CPU"): 4}))))
+                                                  ("BlockStored", "CPU"): 4}),
+                       peers={"pub": 2, "replay": 0})))
     text = encode_text(collectors(node, events).collect()).decode()
     samples, labels = set(), {"instance", "job"}  # added by Prometheus at scrape time
     for family in text_string_to_metric_families(text):

@@ -29,12 +29,14 @@ class OtherUser:
 
     def run(self, argv: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess:
         """``argv`` run as this user, with this checkout and its packages importable."""
-        paths = [str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/",
-               "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-               "PYTHONDONTWRITEBYTECODE": "1"}
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                              user=self.uid, group=self.gid, extra_groups=[], env=env, cwd="/")
+                              user=self.uid, group=self.gid, extra_groups=[], env=_env(),
+                              cwd="/")
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """``argv`` started as this user (as ``run``), not waited for."""
+        return subprocess.Popen(argv, user=self.uid, group=self.gid, extra_groups=[],
+                                env=_env(), cwd="/", **kwargs)
 
     def tiercache(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
         """``python -m tiercache ARGS`` run as this user."""
@@ -42,6 +44,12 @@ class OtherUser:
 
     def own(self, path: str | os.PathLike[str]) -> None:
         os.chown(path, self.uid, self.gid)
+
+
+def _env() -> dict[str, str]:
+    paths = [str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/",
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def other_user() -> Iterator[OtherUser]:

@@ -6,6 +6,13 @@ replay requests). Both are TCP: ``tcp://ADDRESS:PORT`` with an IPv4 address, ``[
 or ``*`` (all interfaces), port 0 picking a free one (the bound endpoint is logged).
 Anyone who reaches the port reads the node's block hashes and model names: bind loopback
 or a network only routers reach (docs/events.md, "Trust").
+
+What peers may cost the coordinator is bounded by three keys: at most ``max_peers``
+connections a port (one past it is closed at once), at most ``hwm`` batches queued for
+one peer (a subscriber, or a replay requester's answer in flight), each batch at most
+``MAX_BATCH_BYTES``; a peer that acknowledges nothing for ``peer_timeout_s`` while it has
+bytes waiting is dropped. ``EventsConfig.peer_memory_bytes`` is the resulting bound on
+what all peers together hold (docs/events.md, "Bounds").
 """
 
 from __future__ import annotations
@@ -17,6 +24,15 @@ from enum import Enum
 from tiercache.errors import ConfigError
 
 MAX_TOPIC_BYTES = 256
+# A batch carries at most 1024 block hashes (tiercache.events.publisher cuts them so): a
+# BlockStored encodes to at most ~165 bytes (a 32-byte hash, a u32 group, the longest
+# medium name), so a batch stays below this (tests/events/test_publisher.py checks it).
+MAX_BATCH_BYTES = 192 << 10
+# What one connection costs beside its queue: libzmq's engine buffers (8 KiB each way),
+# pipe chunks, the publisher's handle on it, and malloc's slack (measured: docs/benchmarks.md,
+# "Event peers that never read").
+PEER_OVERHEAD_BYTES = 256 << 10
+NUM_PORTS = 2  # the PUB and the replay ROUTER: each takes max_peers
 
 
 class HashFormat(Enum):
@@ -68,9 +84,11 @@ class EventsConfig:
     topic: str = ""  # prefix of every batch's topic (docs/events.md, "Topics")
     hash_format: HashFormat = HashFormat.INT
     replay_batches: int = 10_000  # batches kept for replay (and at most REPLAY_BUFFER_BYTES)
-    hwm: int = 1000  # batches queued per subscriber before ZMQ drops for that subscriber
+    hwm: int = 16  # batches queued per peer (subscriber or replay): past it ZMQ drops for it
     queue_keys: int = 1 << 20  # keys waiting to be published; past it: drop, count, resync
     batch_interval_s: float = 0.1  # how long changes wait to be batched (at most 1 s)
+    max_peers: int = 8  # connections each port accepts; past it a new one is closed, counted
+    peer_timeout_s: float = 10.0  # handshake, and acknowledging bytes sent: else dropped
 
     def __post_init__(self) -> None:
         check_tcp_endpoint(self.endpoint, "events.endpoint")
@@ -83,13 +101,23 @@ class EventsConfig:
             raise ConfigError(f"events.topic = {self.topic[:32]!r}...: "
                               f"{len(self.topic.encode())} bytes; at most {MAX_TOPIC_BYTES}")
         for key, value, low, high in (("replay_batches", self.replay_batches, 1, 1_000_000),
-                                      ("hwm", self.hwm, 1, 1_000_000),
-                                      ("queue_keys", self.queue_keys, 1024, 1 << 26)):
+                                      ("hwm", self.hwm, 1, 4096),
+                                      ("queue_keys", self.queue_keys, 1024, 1 << 26),
+                                      ("max_peers", self.max_peers, 1, 1024)):
             if isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(f"events.{key} = {value!r}: allowed {low} .. {high}")
         if not 0 < self.batch_interval_s <= 1:
             raise ConfigError(f"events.batch_interval_s = {self.batch_interval_s!r}: allowed "
                               "above 0 up to 1 (seconds: events leave within a second)")
+        if not 0.1 <= self.peer_timeout_s <= 600:
+            raise ConfigError(f"events.peer_timeout_s = {self.peer_timeout_s!r}: allowed "
+                              "0.1 .. 600 (seconds)")
+
+    @property
+    def peer_memory_bytes(self) -> int:
+        """The most that event peers together hold of the coordinator's memory: every
+        connection of both ports with a full queue of the largest batches."""
+        return NUM_PORTS * self.max_peers * (self.hwm * MAX_BATCH_BYTES + PEER_OVERHEAD_BYTES)
 
     @property
     def endpoints(self) -> dict[str, str]:

@@ -53,7 +53,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "start_timeout_s": (int, float), "stop_timeout_s": (int, float)},
     "events": {"endpoint": str, "replay_endpoint": str, "topic": str, "hash_format": str,
                "replay_batches": int, "hwm": int, "queue_keys": int,
-               "batch_interval_s": (int, float)},
+               "batch_interval_s": (int, float), "max_peers": int,
+               "peer_timeout_s": (int, float)},
     "index": {"policy": str, "events": bool, "session_grace_s": (int, float),
               "session_timeout_s": (int, float), "reservation_timeout_s": (int, float),
               "max_session_share": (int, float)},
@@ -140,7 +141,8 @@ def _events_from(raw: dict[str, Any]) -> EventsConfig:
                           "address it binds, e.g. \"tcp://127.0.0.1:5557\"")
     fields = _present(raw, {"endpoint": "endpoint", "replay_endpoint": "replay_endpoint",
                             "topic": "topic", "replay_batches": "replay_batches", "hwm": "hwm",
-                            "queue_keys": "queue_keys", "batch_interval_s": "batch_interval_s"})
+                            "queue_keys": "queue_keys", "batch_interval_s": "batch_interval_s",
+                            "max_peers": "max_peers", "peer_timeout_s": "peer_timeout_s"})
     if "hash_format" in raw:
         fields["hash_format"] = _enum(HashFormat, raw["hash_format"], "events.hash_format")
     return EventsConfig(**fields)
@@ -343,7 +345,8 @@ def config_to_toml(config: Config) -> str:
         tables["events"] = {
             "endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint, "topic": e.topic,
             "hash_format": e.hash_format.value, "replay_batches": e.replay_batches,
-            "hwm": e.hwm, "queue_keys": e.queue_keys, "batch_interval_s": e.batch_interval_s}
+            "hwm": e.hwm, "queue_keys": e.queue_keys, "batch_interval_s": e.batch_interval_s,
+            "max_peers": e.max_peers, "peer_timeout_s": e.peer_timeout_s}
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in body.items())
         for name, body in tables.items()

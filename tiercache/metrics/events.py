@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tiercache.events.peers import DropReason
 from tiercache.events.stream import EventStats
 
 EVENT_METRIC_NAMES = (
@@ -21,7 +22,8 @@ EVENT_METRIC_NAMES = (
     "tiercache_events_replay_requests_total", "tiercache_events_bad_replay_requests_total",
     "tiercache_events_replayed_batches_total", "tiercache_events_dropped_total",
     "tiercache_events_resyncs_total", "tiercache_events_unpublished_keys_total",
-    "tiercache_events_queued_keys", "tiercache_events_namespaces",
+    "tiercache_events_queued_keys", "tiercache_events_namespaces", "tiercache_events_peers",
+    "tiercache_events_peers_dropped_total",
 )
 
 
@@ -65,7 +67,18 @@ class EventsCollector(Collector):
                                    "Changed keys waiting to be published")
         namespaces = GaugeMetricFamily("tiercache_events_namespaces",
                                        "Namespaces engines described (published)")
-        families: list[Metric] = [published, *counted, dropped, unpublished, queued, namespaces]
+        peers = GaugeMetricFamily(
+            "tiercache_events_peers", "Connections to the stream's ports now, by socket (pub: "
+            "subscribers, replay: replay requesters); at most events.max_peers each",
+            labels=("socket",))
+        peers_dropped = CounterMetricFamily(
+            "tiercache_events_peers_dropped", "Connections the stream ended, by socket and "
+            "reason: over_cap (accepted while events.max_peers were connected), stalled "
+            "(acknowledged nothing for events.peer_timeout_s while bytes waited for it), "
+            "inbound (a subscriber that sent more than subscriptions need)",
+            labels=("socket", "reason"))
+        families: list[Metric] = [published, *counted, dropped, unpublished, queued, namespaces,
+                                  peers, peers_dropped]
         if stats is None:
             return families
         pub = stats.publisher
@@ -80,6 +93,11 @@ class EventsCollector(Collector):
         unpublished.add_metric(["unreadable"], pub.unreadable_keys)
         queued.add_metric([], stats.sink.queued_keys)
         namespaces.add_metric([], stats.sink.namespaces)
+        for name, connected in sorted(pub.peers.items()):
+            peers.add_metric([name], connected)
+            for reason in DropReason:
+                peers_dropped.add_metric([name, reason.value],
+                                         pub.peers_dropped[name, reason.value])
         return families
 
 
