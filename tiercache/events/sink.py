@@ -122,33 +122,35 @@ class NodeEventSink:
             state = self._state
             held = state.held.setdefault(medium, {})
             unowned = state.unowned.setdefault(medium, set())
+            elsewhere = [u for m, u in state.unowned.items() if u and m is not medium]
+            described: dict[bytes, bool] = {}  # by prefix, for this call
             new = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
                 bucket = held.get(prefix)
                 if bucket is not None and key in bucket or key in unowned:
                     continue
-                if not self._owned(key, prefix):
+                ok = described.get(prefix)
+                if ok is None:
+                    ok = described[prefix] = state.adopting or prefix in state.table
+                if elsewhere and any(key in u for u in elsewhere) or not (
+                        ok or self._published_elsewhere(key, prefix)):
                     unowned.add(key)
                     self._stats.no_namespace_keys += 1
                     continue
                 if bucket is None:
                     held[prefix] = bucket = set()
                 bucket.add(key)
-                if prefix in state.withdrawn:
+                if state.withdrawn and prefix in state.withdrawn:
                     self._stats.undescribed_keys += 1
                 else:
                     new.append(key)
             if new:
                 self._enqueue(Change(False, medium, tuple(new)))
 
-    def _owned(self, key: bytes, prefix: bytes) -> bool:
-        """Whether ``key``, new in a medium, is published (see the module docstring)."""
-        state = self._state
-        if any(key in keys for keys in state.unowned.values()):
-            return False
-        return (state.adopting or prefix in state.table
-                or any(key in held.get(prefix, ()) for held in state.held.values()))
+    def _published_elsewhere(self, key: bytes, prefix: bytes) -> bool:
+        """Whether a medium holds ``key`` as a key to publish (it moves between media)."""
+        return any(key in held.get(prefix, ()) for held in self._state.held.values())
 
     def removed(self, keys: Sequence[bytes], medium: Medium) -> None:
         """``keys`` are gone from ``medium``."""
@@ -158,6 +160,7 @@ class NodeEventSink:
             state = self._state
             held = state.held.get(medium, {})
             unowned = state.unowned.get(medium, set())
+            withdrawn = state.withdrawn
             gone = []
             for key in keys:
                 prefix = key[:NAMESPACE_BYTES]
@@ -166,11 +169,11 @@ class NodeEventSink:
                     bucket.remove(key)
                     if not bucket:
                         del held[prefix]
-                    if prefix in state.withdrawn:
+                    if withdrawn and prefix in withdrawn:
                         self._stats.undescribed_keys += 1
                     else:
                         gone.append(key)
-                else:
+                elif unowned:
                     unowned.discard(key)
             if gone:
                 self._enqueue(Change(True, medium, tuple(gone)))
