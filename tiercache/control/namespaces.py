@@ -22,7 +22,7 @@ client can describe a namespace only as its keys' own prefix says.
 **Stored under a namespace** means: a key whose first ``NAMESPACE_BYTES`` are the digest of
 a namespace the stream publishes. The session that describes a namespace holds it (until
 it ends), and only its holders may store under it: PREPARE_STORE and COMPLETE_STORE of a
-key under a namespace described by other sessions alone are refused before any change
+key under a described namespace the session does not hold are refused before any change
 (``NamespaceError``, naming the namespace), so a client cannot make the stream announce
 blocks under a model it read off a topic. Keys under no described namespace (``Client``,
 ``tiercache demo``) are stored as ever and never published (``tiercache.events.sink``).
