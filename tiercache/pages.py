@@ -52,12 +52,6 @@ class PageArray:
         """Bytes of one block's pages (what a block holds, without padding)."""
         return self.pages_per_block * self.page_bytes
 
-    @property
-    def end_address(self) -> int:
-        """One past the last byte any page of this array occupies."""
-        last = (self.num_blocks - 1) * self.block_stride_bytes
-        return self.base_address + last + self.block_bytes
-
     @classmethod
     def from_tensor(cls, tensor: Any, page_bytes: int, pages_per_block: int = 1) -> PageArray:
         """Describe a ``(num_blocks, ...)`` tensor whose slice ``tensor[b]`` holds block b.

@@ -204,9 +204,6 @@ class JobTracker:
     def num_pending(self) -> int:
         return len(self._jobs)
 
-    def is_pending(self, job_id: int) -> bool:
-        return job_id in self._jobs
-
     def pending_ranks(self, job_id: int) -> set[int]:
         """Ranks that have not acked ``job_id`` yet (empty when it is not pending)."""
         job = self._jobs.get(job_id)

@@ -122,10 +122,6 @@ class DirectionStats:
     duration_counts: tuple[int, ...]  # per bucket, last is +Inf
     size_counts: tuple[int, ...]
 
-    @property
-    def transfers_total(self) -> int:
-        return self.transfers_ok + self.transfers_failed
-
 
 @dataclass(frozen=True)
 class RankStatsSnapshot:

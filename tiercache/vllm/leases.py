@@ -54,7 +54,7 @@ translated on the hot path. Not thread safe: called under the manager's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Any, cast
 
@@ -445,6 +445,3 @@ class LeaseBook:
     @property
     def num_held(self) -> int:
         return len(self.held)
-
-    def request_leases(self, request: RequestLeases) -> Collection[bytes]:
-        return request.leased.keys()

@@ -96,9 +96,6 @@ class PrefixWorkload:
             keys.append(key)
         return tuple(keys)
 
-    def prefix_keys(self, prefix: int) -> tuple[bytes, ...]:
-        return self._prefixes[prefix]
-
     def next_request(self) -> Request:
         spec = self.spec
         index = self._next_index
