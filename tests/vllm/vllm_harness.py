@@ -182,7 +182,10 @@ class Engine:
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
                                                 kv_role="kv_both",
                                                 kv_connector_extra_config=extra_config),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if kv_events else None,
+            # the events are recorded (RecordingPublisher below): vLLM's zmq publisher would
+            # bind tcp://*:5557, which two engines of parallel tests cannot both have
+            kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                              if kv_events else None),
             device_config=DeviceConfig("cpu"))
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
         spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=model.num_kv_heads,
@@ -233,7 +236,7 @@ class Engine:
         init_none_hash(sha256)
         engine = cls(scheduler, worker_connector, caches, model, layer_groups,
                      check_content=check_content)
-        scheduler.kv_event_publisher.shutdown()  # vLLM's own binds tcp://*:5557: let it go
+        scheduler.kv_event_publisher.shutdown()  # vLLM's own (the null one): replaced
         scheduler.kv_event_publisher = engine.kv_events
         return engine
 

@@ -179,7 +179,9 @@ def build_vllm_config(directory: Path, options: ServingOptions,
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
                                                 kv_role="kv_both",
                                                 kv_connector_extra_config=extra),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if kv_events else None)
+            # the caller takes the scheduler's events (no zmq port bound for them)
+            kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                              if kv_events else None))
     except Exception as e:
         raise ConfigError(f"vLLM {VLLM_VERSION} refuses these serving options for "
                           f"{model_config.architecture}: {_first_line(e)}") from None
