@@ -23,7 +23,8 @@ OUT = Path(__file__).with_name("tiercache.json")
 UID = "tiercache-overview"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 GRID_COLUMNS = 24
-DEFAULT_LINK_CEILING_BPS = 55_000_000_000  # pinned host<->H100 copies, one direction (DESIGN §5)
+# pinned host<->H100 copies, one direction (docs/benchmarks.md, "Transfer engine (issue 3)")
+DEFAULT_LINK_CEILING_BPS = 55_000_000_000
 
 INST = 'instance=~"$instance"'
 RANKS = f'{INST}, rank=~"$rank"'

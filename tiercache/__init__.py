@@ -1,6 +1,7 @@
 """tiercache: a node-local tiered KV-cache service for GPU LLM inference.
 
-The public API (DESIGN §9) is re-exported here. Names resolve lazily, so
+The public API (the names in ``_EXPORTS``; README.md's "Using it from an engine" shows it
+in use, docs/architecture.md where each lives) is re-exported here. Names resolve lazily, so
 ``import tiercache`` stays light (no torch) for the coordinator and the scheduler.
 ``__version__`` is the installed distribution's (pyproject.toml's ``version``, the one
 place it is written), read when first asked for.

@@ -1,6 +1,7 @@
 """Narrated cache-index scenarios, run against an ``OffloadingManager`` in-process
-(tests/test_manager.py) and against a ``Client`` of a server in another process
-(tests/test_control.py). Every scenario starts from an empty index of
+(tests/index/test_manager.py) and against a ``Client`` of a server in another process
+(tests/control/test_control.py); the contract they narrate is ``OffloadingManager``'s
+docstring (tiercache/index/manager.py). Every scenario starts from an empty index of
 ``CAPACITY_BLOCKS`` slots with events on; keys are integer-like (``b"7"``).
 """
 

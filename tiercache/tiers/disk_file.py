@@ -18,7 +18,8 @@ Decisions and reasons:
 
 * **One preallocated file, fixed slots** (``posix_fallocate`` at start: a full disk is a
   start-up error, not a failed write later). For a single-owner local NVMe this beat
-  file-per-chunk in every peer's measurements (docs: research tiers.md §2).
+  file-per-chunk in every peer's published measurements (not repeated here); this file's
+  rate against the disk's raw O_DIRECT rate is docs/benchmarks.md, "Disk tier (issue 18)".
 * **Claimed once** (``disk_claim``): the directory and the file are checked on the
   descriptors used, the file locked against a second coordinator; every read and write
   goes through that one descriptor.
