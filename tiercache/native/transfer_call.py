@@ -4,9 +4,9 @@ it answers.
 Why: on the engine's thread a staged transfer used to be four steps of Python around
 native calls (the planner's ``tc_validate``, the fence's numpy gather, the compute
 stream's mark, the chunk loop's ``tc_submit``), each building objects and touching code
-that a step of the engine's own Python has pushed out of the caches: 150-250 µs per
-call at the median on the H100 host, most of it the Python between the calls
-(docs/benchmarks.md, "The engine's pattern"). ``tc_transfer`` does the four in C, in
+that a step of the engine's own Python has pushed out of the caches, so most of a
+call's host time was the Python between the calls (measured in docs/benchmarks.md, "The
+engine's pattern: host time per call and the GIL"). ``tc_transfer`` does the four in C, in
 one call that keeps the GIL, with the same rules: the planner's validation (a refusal
 is re-checked in numpy so that the ``SpecError`` says why), the fence's rule
 (``tiercache.transfer.fence``), the mark before the copies, and the chunk loop's order.

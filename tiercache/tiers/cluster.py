@@ -134,8 +134,8 @@ class ClusterTier(LowerTier):
         probe. Publishing wants more calls in flight than promoting: Mooncake's client
         copies into its own segment on one thread and each put also waits on the master,
         so while one publisher checksums its batch or waits for an answer another's copy
-        must be queued (docs/benchmarks.md: 2 publishers kept that thread busy about half
-        the time on the development VM)."""
+        must be queued (measured in docs/benchmarks.md, "Cluster tier (Mooncake Store over
+        loopback TCP)", its 4-publishers run: where a publish's time goes)."""
         self._wake = wake
         work: list[tuple[Callable[..., None], str, tuple[int, ...]]]
         work = [(self._publisher, f"publish-{i}", (i,)) for i in range(self._publish_threads)]

@@ -2,12 +2,12 @@
 
 Why: on the engine's thread a staged transfer used to be four steps of Python around
 native calls (the planner's ``tc_validate``, the fence's numpy gather, the compute
-stream's mark, the chunk loop's ``tc_submit``); the Python between the calls cost more
-than the calls, 150-250 µs at the median on the H100 host. One call that keeps the GIL
-does the four in C (``tiercache.native.transfer_call``) under the planned path's rules,
-29-47 µs at 256 blocks (docs/benchmarks.md, "One native call per transfer"). So this
-path adds no Python per transfer beyond reading the specs' id arrays and the events'
-handles: no plan object, no fence gather, no per-transfer allocation.
+stream's mark, the chunk loop's ``tc_submit``), and the Python between the calls cost
+more than the calls. One call that keeps the GIL does the four in C
+(``tiercache.native.transfer_call``) under the planned path's rules, in a fraction of
+the host time (measured before and after in docs/benchmarks.md, "One native call per
+transfer"). So this path adds no Python per transfer beyond reading the specs' id arrays
+and the events' handles: no plan object, no fence gather, no per-transfer allocation.
 
 The same rules, and where they live: the validation is the planner's (a refusal is
 re-checked by the planner in numpy, so the ``SpecError`` says why); the fence is
