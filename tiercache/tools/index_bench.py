@@ -8,7 +8,9 @@
   otherwise each client calls at Poisson arrivals with that mean gap, as schedulers
   stepping independently do.
 
-``python -m tiercache.tools.index_bench`` runs both and prints a Markdown table.
+``python -m tiercache.tools.index_bench`` runs both and prints a Markdown table;
+``--slots 100000,2000000`` runs the scale mode instead (``tiercache.tools.index_scale``:
+a real ``tiercache serve`` per capacity: start, RSS, rates, recovery, reset).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from tiercache.control.client import Client
 from tiercache.control.standalone import serve_forever
 from tiercache.index.manager import OffloadingManager
+from tiercache.tools.index_scale import BASE_SLOTS, BATCH_KEYS, scale_main
 
 SPAWN = mp.get_context("spawn")
 KEY_BYTES = 32  # a sha256 block hash
@@ -157,6 +160,16 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
+def _capacities(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated slot counts") from None
+    if any(v < 2 * BATCH_KEYS for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each capacity must be >= 128 slots")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tiercache.tools.index_bench",
                                      description=__doc__,
@@ -165,7 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000, help="timed lookups per client")
     parser.add_argument("--interval-ms", type=float, default=1.0,
                         help="schedule of the paced run, per client (default 1 ms)")
+    parser.add_argument("--slots", type=_capacities, default=None,
+                        help="scale mode: comma-separated capacities (e.g. 100000,2000000), "
+                             f"each beside the {BASE_SLOTS}-slot reference")
+    parser.add_argument("--policy", choices=("lru", "arc"), default="lru",
+                        help="the index policy of the scale mode")
     args = parser.parse_args(argv)
+    if args.slots is not None:
+        return scale_main(args.slots, args.clients, args.calls, args.policy)
 
     print(f"machine: {os.cpu_count()} CPUs\n")
     print("| in-process | policy | keys/s |\n|---|---|---|")
