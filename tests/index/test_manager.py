@@ -15,6 +15,7 @@ import index_scenarios as sc
 from index_scenarios import k, store
 from tiercache.errors import ConfigError, ManagerError, StateError, UnknownKeyError
 from tiercache.index.manager import OffloadingEvent, OffloadingManager, SlotState
+from tiercache.index.slots import SlotFlag
 
 
 @pytest.mark.parametrize(("policy", "name"), sc.CASES)
@@ -266,15 +267,20 @@ class ManagerMachine(RuleBasedStateMachine):
         assert s.ready_blocks == len(self.ready - loading)
         assert s.free_blocks == 5 - len(self.writing) - len(self.ready | loading)
         table = self.m._table  # the index's own records: one slot per key, none shared
-        slots = table.slots
-        assert len({slot.slot_id for slot in slots.values()}) == len(slots)
-        assert all(0 <= slot.slot_id < 5 for slot in slots.values())
-        assert all((slot.state is SlotState.LOADING) == (slot.loads > 0) for slot in slots.values())
-        assert {key for key, slot in slots.items() if slot.doomed} == self.doomed
-        assert table.readable == {key for key, slot in slots.items()
-                                  if slot.state is not SlotState.WRITING and not slot.doomed}
+        slots = {key: table.slot_id(key) for key in table.slot_of}
+        assert len(set(slots.values())) == len(slots)
+        assert all(0 <= slot < 5 and table.key_of[slot] == key for key, slot in slots.items())
+        assert sum(key is not None for key in table.key_of) == len(slots)
+        assert all((table.state[slot] == SlotState.LOADING) == (slot in table.pins)
+                   for slot in slots.values())
+        assert all(table.pins.values())  # an entry only while pinned
+        assert {key for key, slot in slots.items()
+                if table.flags[slot] & SlotFlag.DOOMED} == self.doomed
+        assert set(table.readable_keys()) == {
+            key for key, slot in slots.items()
+            if table.state[slot] != SlotState.WRITING and not table.flags[slot] & SlotFlag.DOOMED}
         for (owner, key), n in self.pins.items():
-            assert slots[key].pins.get(owner, 0) == n
+            assert table.pins_of(slots[key], owner) == n
 
     @invariant()
     def events_replay_to_the_readable_set(self):

@@ -1,6 +1,7 @@
 """Eviction policies: which cached blocks to give up when the index needs room, behind one
 small contract (``base.EvictionPolicy``) and a registry (``POLICIES``): ``lru``, ``arc``.
-Pure Python, no slots, states or sessions: the index (``tiercache.index``) owns those."""
+They order slot ids (``recency.RecencyOrder``: a stamp a slot); keys, states and sessions
+are the index's (``tiercache.index``)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
 
 from tiercache.eviction.base import CanEvict, EvictionPolicy, candidates, register_policy
+from tiercache.eviction.recency import RecencyOrder
 
 
 @register_policy
@@ -23,15 +27,20 @@ class ARCPolicy(EvictionPolicy):
     else T2's; when the preferred list has no evictable key left the other one is
     used, so a store is refused only when nothing at all can go. Ghost lists are kept
     within ARC's directory bounds: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
+
+    T1 and T2 are ``RecencyOrder``s of slots (8 bytes a slot each) with the held slots'
+    keys (one reference a slot); ghosts are keys, which outlive their slots: up to ``c``
+    of them, each a key and an ``OrderedDict`` entry (ARC's price for its memory).
     """
 
     name = "arc"
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._t1: OrderedDict[bytes, None] = OrderedDict()  # least recent first
-        self._t2: OrderedDict[bytes, None] = OrderedDict()
-        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._t1 = RecencyOrder(capacity_blocks)
+        self._t2 = RecencyOrder(capacity_blocks)
+        self._keys: list[bytes | None] = [None] * capacity_blocks  # a held slot's key
+        self._b1: OrderedDict[bytes, None] = OrderedDict()  # ghosts, least recent first
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._target_t1_blocks = 0.0
 
@@ -40,16 +49,19 @@ class ARCPolicy(EvictionPolicy):
         return self._target_t1_blocks
 
     def lists(self) -> dict[str, tuple[bytes, ...]]:
-        """``t1``, ``t2``, ``b1``, ``b2``, each least recent first (tests and debugging)."""
-        return {"t1": tuple(self._t1), "t2": tuple(self._t2),
+        """The keys of ``t1``, ``t2``, ``b1``, ``b2``, each least recent first (tests and
+        debugging)."""
+        keys = self._keys
+        return {"t1": cast(tuple[bytes, ...], tuple(keys[s] for s in self._t1.oldest())),
+                "t2": cast(tuple[bytes, ...], tuple(keys[s] for s in self._t2.oldest())),
                 "b1": tuple(self._b1), "b2": tuple(self._b2)}
 
-    def admit(self, keys: Sequence[bytes], num_evictions: int,
-              can_evict: CanEvict) -> list[bytes] | None:
+    def evict(self, num_evictions: int, can_evict: CanEvict,
+              incoming: Sequence[bytes] = ()) -> list[int] | None:
         # ARC adapts p on a ghost hit before it replaces; a batch adapts for all its keys first.
         target = self._target_t1_blocks
         num_b1, num_b2 = len(self._b1), len(self._b2)
-        for key in keys:
+        for key in incoming:
             if key in self._b1:
                 target = min(float(self.capacity_blocks), target + max(1.0, num_b2 / num_b1))
             elif key in self._b2:
@@ -58,36 +70,43 @@ class ARCPolicy(EvictionPolicy):
         if victims is None:
             return None
         self._target_t1_blocks = target
-        for key, in_t1 in victims:
-            if in_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-        for key in reversed(keys):
-            if key in self._b1:
-                del self._b1[key]
-                self._t2[key] = None
-            elif key in self._b2:
-                del self._b2[key]
-                self._t2[key] = None
-            else:
-                self._t1[key] = None
-        self._trim_ghosts()
-        return [key for key, _ in victims]
+        for slot, in_t1 in victims:
+            ghost = self._keys[slot]
+            assert ghost is not None, "a held slot has its key"
+            self._keys[slot] = None
+            (self._t1 if in_t1 else self._t2).remove([slot])
+            (self._b1 if in_t1 else self._b2)[ghost] = None
+        return [slot for slot, _ in victims]
 
-    def peek(self, num_keys: int, can_evict: CanEvict) -> list[bytes]:
-        for n in range(num_keys, 0, -1):  # as many as there are, in ARC's eviction order
+    def insert(self, slots: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> None:
+        to_t1: list[int] = []
+        to_t2: list[int] = []
+        b1, b2, held = self._b1, self._b2, self._keys
+        for slot, key in zip(np.asarray(slots).tolist(), keys):
+            if b1 and key in b1:  # a returning ghost goes straight to T2
+                del b1[key]
+                to_t2.append(slot)
+            elif b2 and key in b2:
+                del b2[key]
+                to_t2.append(slot)
+            else:
+                to_t1.append(slot)
+            held[slot] = key
+        self._t1.add(to_t1)
+        self._t2.add(to_t2)
+        self._trim_ghosts()
+
+    def peek(self, num_slots: int, can_evict: CanEvict) -> list[int]:
+        for n in range(num_slots, 0, -1):  # as many as there are, in ARC's eviction order
             victims = self._choose_victims(n, can_evict, self._target_t1_blocks)
             if victims is not None:
-                return [key for key, _ in victims]
+                return [slot for slot, _ in victims]
         return []
 
     def _choose_victims(self, num_evictions: int, can_evict: CanEvict,
-                        target: float) -> list[tuple[bytes, bool]] | None:
-        """(key, taken from T1) in eviction order, or None when too few can go."""
-        victims: list[tuple[bytes, bool]] = []
+                        target: float) -> list[tuple[int, bool]] | None:
+        """(slot, taken from T1) in eviction order, or None when too few can go."""
+        victims: list[tuple[int, bool]] = []
         next_t1 = candidates(self._t1, can_evict)
         next_t2 = candidates(self._t2, can_evict)
         head_t1 = next(next_t1, None) if num_evictions else None
@@ -105,20 +124,13 @@ class ARCPolicy(EvictionPolicy):
                 return None
         return victims
 
-    def remove(self, key: bytes) -> None:
-        if key in self._t1:
-            del self._t1[key]
-        else:
-            del self._t2[key]
+    def remove(self, slot: int) -> None:
+        (self._t1 if slot in self._t1 else self._t2).remove([slot])
+        self._keys[slot] = None
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key in t2:
-                t2.move_to_end(key)
-            else:
-                del t1[key]
-                t2[key] = None
+    def touch(self, slots: Sequence[int]) -> None:
+        self._t1.remove(slots)  # a second use: T1's members move to T2
+        self._t2.touch(slots)
 
     def _trim_ghosts(self) -> None:
         c = self.capacity_blocks
@@ -128,6 +140,9 @@ class ARCPolicy(EvictionPolicy):
             self._b2.popitem(last=False)
 
     def clear(self) -> None:
-        for order in (self._t1, self._t2, self._b1, self._b2):
-            order.clear()
+        self._t1.clear()
+        self._t2.clear()
+        self._keys = [None] * self.capacity_blocks
+        self._b1.clear()
+        self._b2.clear()
         self._target_t1_blocks = 0.0

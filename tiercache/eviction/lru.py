@@ -3,52 +3,50 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from tiercache.eviction.base import CanEvict, EvictionPolicy, candidates, register_policy
+from tiercache.eviction.recency import RecencyOrder
 
 
 @register_policy
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first; blocks that cannot go are skipped, not reordered."""
+    """Least recently used first; blocks that cannot go are skipped, not reordered. One
+    ``RecencyOrder`` (8 bytes a slot)."""
 
     name = "lru"
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._order: OrderedDict[bytes, None] = OrderedDict()  # least recent first
+        self._order = RecencyOrder(capacity_blocks)
 
-    def admit(self, keys: Sequence[bytes], num_evictions: int,
-              can_evict: CanEvict) -> list[bytes] | None:
-        victims: list[bytes] = []
-        if num_evictions > 0:
-            for key in candidates(self._order, can_evict):
-                victims.append(key)
-                if len(victims) == num_evictions:
-                    break
-            if len(victims) < num_evictions:
-                return None
-        order = self._order
-        for key in victims:
-            del order[key]
-        for key in reversed(keys):
-            order[key] = None
+    def evict(self, num_evictions: int, can_evict: CanEvict,
+              incoming: Sequence[bytes] = ()) -> list[int] | None:
+        if num_evictions <= 0:
+            return []
+        victims = list(itertools.islice(candidates(self._order, can_evict), num_evictions))
+        if len(victims) < num_evictions:
+            return None
+        self._order.remove(victims)
         return victims
 
-    def remove(self, key: bytes) -> None:
-        del self._order[key]
+    def insert(self, slots: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> None:
+        self._order.add(slots)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        # The hot path of every scheduler step: consume the map in C, no Python loop.
-        deque(map(self._order.move_to_end, reversed(keys)), maxlen=0)
+    def remove(self, slot: int) -> None:
+        self._order.remove([slot])
+
+    def touch(self, slots: Sequence[int]) -> None:
+        self._order.touch(slots)
 
     def clear(self) -> None:
         self._order.clear()
 
-    def peek(self, num_keys: int, can_evict: CanEvict) -> list[bytes]:
-        return list(itertools.islice(candidates(self._order, can_evict), num_keys))
+    def peek(self, num_slots: int, can_evict: CanEvict) -> list[int]:
+        return list(itertools.islice(candidates(self._order, can_evict), num_slots))
 
-    def keys_lru_first(self) -> tuple[bytes, ...]:
-        """Held keys, least recent first (for tests and debugging)."""
-        return tuple(self._order)
+    def slots_lru_first(self) -> tuple[int, ...]:
+        """Held slots, least recent first (for tests and debugging)."""
+        return tuple(self._order.oldest())

@@ -64,29 +64,32 @@ class SessionCaps:
         self._refused_at.pop(owner, None)
         self._process.pop(owner, None)
 
-    def pinnable_run(self, keys: Sequence[bytes], owner: int, holdings: Holdings) -> int:
-        """How many of ``keys`` (readable) ``owner`` may pin, in order (see ``cap``)."""
+    def pinnable_run(self, keys: Sequence[bytes], slots: Sequence[int], owner: int,
+                     holdings: Holdings) -> int:
+        """How many of ``slots`` (readable, holding the first ``keys``) ``owner`` may pin, in
+        order (see ``cap``)."""
         cap = self.cap(owner)
         room = None if cap is None else cap - holdings.num_blocks
-        for i, key in enumerate(keys):
-            if key in holdings.pinned:
+        can_pin, pinned = self._table.can_pin, holdings.pinned
+        for i, (key, slot) in enumerate(zip(keys, slots)):
+            if key in pinned:
                 continue
-            if not self._table.can_pin(self._table.slots[key], owner):
+            if not can_pin(slot, owner):
                 return i
             if room is not None:
                 if room <= 0:
                     return i
                 room -= 1
-        return len(keys)
+        return len(slots)
 
-    def check_can_load(self, keys: Sequence[bytes], owner: int, holdings: Holdings,
-                       verb: str) -> None:
+    def check_can_load(self, keys: Sequence[bytes], slots: Sequence[int], owner: int,
+                       holdings: Holdings, verb: str) -> None:
         """``StateError`` at a slot pinned by as many owners as the ledger records,
         ``SessionLimitError`` past the cap (counted by the caller); else nothing."""
-        new = {key for key in keys if key not in holdings.pinned}
+        new = {key: slot for key, slot in zip(keys, slots) if key not in holdings.pinned}
         table = self._table
-        for key in new:
-            if not table.can_pin(table.slots[key], owner):
+        for key, slot in new.items():
+            if not table.can_pin(slot, owner):
                 table.tidy(owner, holdings)
                 raise StateError(f"{verb}: key {key!r} is pinned by {table.max_pin_owners} "
                                  "other sessions, the most the index ledger records per block")

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from tiercache.index.lower_tier import BlockSource, JobKind, LowerTier, Presence, TierPolicy
-from tiercache.index.slots import SlotState
+from tiercache.index.slots import SlotFlag, SlotState
 from tiercache.index.table import SlotTable
 
 MAX_READ_SHARE = 8  # a tier's jobs pin at most 1/8 of host memory at once (one job at least)
@@ -110,7 +110,8 @@ class Feeds:
             kind, batch = feed.take(min(policy.job_blocks, limit - len(feed.in_flight)))
             table = self._table  # evicted meanwhile, or pinned by as many owners as a slot
             keys = [k for k in batch  # records: nothing to move now
-                    if k in table.readable and table.can_pin(table.slots[k], self._owner)]
+                    if table.is_readable(k) and table.can_pin(table.held(k, "refill"),
+                                                              self._owner)]
             feed.dropped += len(batch) - len(keys)
             if keys:
                 hand_over(tier, kind, keys)
@@ -122,12 +123,18 @@ class Feeds:
         if free >= low or feed.queued * 2 > policy.max_queued_blocks:
             return  # refill only once the queue is down to half: a refill walks the policy
         want = min(policy.max_queued_blocks - feed.queued, low - free + policy.job_blocks)
-        slots, ready = table.slots, SlotState.READY
-        keys = table.policy.peek(want, lambda key: slots[key].state is ready
-                                 and key not in feed.in_flight and key not in feed.waiting
-                                 and tier.holds(key, self._owner) is not Presence.YES)
-        for key in keys:
-            if slots[key].hits > 0 or feed.queued * 2 < policy.max_queued_blocks:
+        state, key_of, ready = table.state, table.key_of, SlotState.READY
+
+        def admissible(slot: int) -> bool:
+            key = key_of[slot]
+            return (key is not None and state[slot] == ready and key not in feed.in_flight
+                    and key not in feed.waiting
+                    and tier.holds(key, self._owner) is not Presence.YES)
+
+        for slot in table.policy.peek(want, admissible):
+            key = key_of[slot]
+            assert key is not None, "a READY slot holds a key"
+            if table.flags[slot] & SlotFlag.REUSED or feed.queued * 2 < policy.max_queued_blocks:
                 feed.waiting[key] = JobKind.DEMOTE
             else:
                 feed.dropped += 1  # unproven, and the tier is busy: not worth it

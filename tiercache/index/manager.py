@@ -1,5 +1,5 @@
 """The cache index: which key lives in which slot of the region, in what state, held by
-whom. Pure Python (numpy for the spec only)::
+whom. Python over a dict and per-slot arrays (``tiercache.index.table``)::
 
     FREE ──prepare_store──► WRITING ──complete_store(ok)──► READY ◄──► LOADING (pinned)
       ▲                        │                              │
@@ -36,7 +36,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
-from itertools import takewhile
 
 from tiercache.errors import ConfigError, ManagerError, SessionLimitError, StateError
 from tiercache.index.caps import SessionCaps
@@ -119,8 +118,8 @@ class OffloadingManager(OwnerVerbs):
         (``tiercache.region.presence``) counts them."""
         with self._lock:
             self._table.on_keys = listener
-            if listener is not None and self._table.slots:
-                listener(list(self._table.slots), False)
+            if listener is not None and self._table.slot_of:
+                listener(list(self._table.slot_of), False)
 
     def set_node_events(self, sink: NodeEvents | None) -> None:
         """Tell ``sink`` every change to what the node holds (host memory and the tiers'
@@ -139,23 +138,25 @@ class OffloadingManager(OwnerVerbs):
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of keys that are readable (READY or LOADING)."""
         with self._lock:
-            hits = self._count_hits(keys, "lookup")
+            hits = len(self._hit_run(keys, "lookup"))
             self._chain.after_miss(keys, hits, LOCAL_OWNER)
             return hits
 
-    def _count_hits(self, keys: Sequence[bytes], verb: str) -> int:
+    def _hit_run(self, keys: Sequence[bytes], verb: str) -> list[int]:
+        """The slots of the leading run of readable keys, counted as a lookup."""
         try:
-            hits = len(list(takewhile(self._table.readable.__contains__, keys)))
+            run = self._table.readable_run(keys)
         except TypeError:  # an unhashable key
             check_keys(keys, verb)
             raise
+        hits = len(run)
         if hits < len(keys):  # only bytes are ever held, so only a miss can hide a bad key
             check_keys(keys[hits:], verb)
         counters = self._counters
         counters["lookups"] += 1
         counters["hit_blocks"] += hits
         counters["miss_blocks"] += len(keys) - hits
-        return hits
+        return run
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark readable keys as just used (``keys[0]`` most recent). Keys not held, and
@@ -163,7 +164,7 @@ class OffloadingManager(OwnerVerbs):
         request must not count as a second access), are ignored."""
         with self._lock:
             try:
-                held = list(filter(self._table.readable.__contains__, keys))
+                held = self._table.readable_slots(keys)
             except TypeError:  # an unhashable key
                 check_keys(keys, "touch")
                 raise
@@ -184,27 +185,27 @@ class OffloadingManager(OwnerVerbs):
         check_owner(owner)
         table = self._table
         with self._lock:
-            readable = self._count_hits(keys, "lease")
-            hits = readable
+            run = self._hit_run(keys, "lease")
+            readable = hits = len(run)
             if hits:
                 holdings = table.holdings_of(owner)
-                hits = self._caps.pinnable_run(keys[:hits], owner, holdings)
-                for key in keys[:hits]:
-                    table.pin(key, table.slots[key], owner, holdings, reuse=True)
-                table.mirror_pins([table.slots[key] for key in keys[:hits]])
+                hits = self._caps.pinnable_run(keys, run, owner, holdings)
+                del run[hits:]
+                for key, slot in zip(keys, run):
+                    table.pin(slot, key, owner, holdings, reuse=True)
+                table.mirror_pins(run)
                 table.tidy(owner, holdings)
                 if hits:  # a lease is an access (vLLM never touches)
-                    self._policy.touch(keys[:hits])
+                    self._policy.touch(run)
                 self._counters["hit_blocks"] -= readable - hits  # refused: a miss
                 self._counters["miss_blocks"] += readable - hits
             self._counters["leased_blocks"] += hits
             promoting = self._chain.after_miss(keys, hits, owner)
-            after = table.slots.get(keys[hits]) if hits < len(keys) else None
-            run = [table.slots[key] for key in keys[:hits]]
-            promoted = [(i, slot.source) for i, slot in enumerate(run)
-                        if slot.source is not BlockSource.HOST]
-            pending = promoting or (after is not None and after.state is SlotState.WRITING
-                                    and not after.doomed and not self._chain.overdue(after.key))
+            pending = promoting or (hits < len(keys) and table.being_written(keys[hits])
+                                    and not self._chain.overdue(keys[hits]))
+            source = table.source
+            promoted = [(i, BlockSource(source[slot])) for i, slot in enumerate(run)
+                        if source[slot] != BlockSource.HOST]
             return LeaseResult(hits, pending, table.spec(run), tuple(i for i, _ in promoted),
                                tuple(source for _, source in promoted))
 
@@ -219,9 +220,10 @@ class OffloadingManager(OwnerVerbs):
             if holdings is None:
                 return 0
             dropped = 0
-            unpinned = [table.slots[key] for key in set(keys) & holdings.pinned]
-            for slot in unpinned:
-                dropped += table.unpin(slot.key, slot, owner, holdings, None)
+            mine = list(set(keys) & holdings.pinned)
+            unpinned = [table.held(key, "release") for key in mine]
+            for key, slot in zip(mine, unpinned):
+                dropped += table.unpin(slot, key, owner, holdings, None)
             table.mirror_pins(unpinned)
             table.tidy(owner, holdings)
             return dropped
@@ -248,12 +250,12 @@ class OffloadingManager(OwnerVerbs):
         if slots:
             holdings = table.holdings_of(owner)
             try:
-                self._caps.check_can_load(keys, owner, holdings, verb)
+                self._caps.check_can_load(keys, slots, owner, holdings, verb)
             except SessionLimitError:
                 self._counters["session_limit_rejections"] += 1
                 raise
             for key, slot in zip(keys, slots):
-                table.pin(key, slot, owner, holdings, reuse=owner != TIER_OWNER)
+                table.pin(slot, key, owner, holdings, reuse=owner != TIER_OWNER)
             table.mirror_pins(slots)
         return table.spec(slots)
 
@@ -264,7 +266,7 @@ class OffloadingManager(OwnerVerbs):
         with self._lock:
             slots = [table.held(key, "complete_load") for key in keys]
             for key, times in Counter(keys).items():
-                pins = table.slots[key].pins.get(owner, 0)
+                pins = table.pins_of(table.held(key, "complete_load"), owner)
                 if pins < times:
                     raise StateError(
                         f"complete_load: key {key!r} has {pins} load(s) in flight for this "
@@ -273,7 +275,7 @@ class OffloadingManager(OwnerVerbs):
             if slots:
                 holdings = table.holdings[owner]
                 for key, slot in zip(keys, slots):
-                    table.unpin(key, slot, owner, holdings, 1)
+                    table.unpin(slot, key, owner, holdings, 1)
                 table.mirror_pins(slots)
                 table.tidy(owner, holdings)
 
@@ -312,7 +314,7 @@ class OffloadingManager(OwnerVerbs):
         """``prepare_store`` with the lock held (the tier chain reserves promotions so from
         a lookup)."""
         table = self._table
-        new_keys = [k for k in keys if k not in table.slots]
+        new_keys = [k for k in keys if k not in table.slot_of]
         cap = self._caps.cap(owner)
         held = table.holdings.get(owner)
         owned = held.num_blocks if held else 0
@@ -330,22 +332,22 @@ class OffloadingManager(OwnerVerbs):
         need = max(0, len(new_keys) - table.num_free())
         victims = None
         if need <= table.num_by_state[SlotState.READY]:  # else no policy could find room
-            victims = self._policy.admit(new_keys, need, table.evictable_except(keys))
+            victims = self._policy.evict(need, table.evictable_except(keys), new_keys)
         if victims is None:
             self._counters["store_rejections"] += 1
             self._caps.refused(owner)
             return None
-        victim_slots = table.evict(victims)
+        evicted = table.evict(victims)
         self._counters["evicted_blocks"] += len(victims)
-        slots = [table.allocate(key) for key in new_keys]
+        slots, gens = table.allocate(new_keys)
+        self._policy.insert(slots, new_keys)
         table.keys_changed(new_keys, False)
         if new_keys:
             table.holdings_of(owner).writing.update(dict.fromkeys(new_keys, time.monotonic()))
-        slot_ids = [s.slot_id for s in slots]
         if table.ledger is not None:
-            table.ledger.free(sorted(set(victim_slots) - set(slot_ids)))
-            table.ledger.writing(slot_ids, new_keys, owner, [s.gen for s in slots])
-        return PrepareStoreOutput(tuple(new_keys), table.spec(slots), tuple(victims),
+            table.ledger.free(sorted(set(victims) - set(slots)))
+            table.ledger.writing(slots, new_keys, owner, gens)
+        return PrepareStoreOutput(tuple(new_keys), table.spec(slots), tuple(evicted),
                                   tuple(no_room))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
@@ -368,7 +370,7 @@ class OffloadingManager(OwnerVerbs):
             mine = holdings.take_writing(keys)
             if not mine:
                 return
-            slots = [table.slots[k] for k in mine]
+            slots = [table.held(k, "complete_store") for k in mine]
             if success:
                 ready = table.make_ready(slots, source)
                 self._chain.became_ready(ready, source)

@@ -68,9 +68,10 @@ class OwnerVerbs:
             if holdings is not None:
                 freed = len(holdings.writing)
                 table.free_writing(list(holdings.writing))
-                pinned = [table.slots[key] for key in holdings.pinned]
-                for slot in pinned:
-                    dropped += table.unpin(slot.key, slot, owner, None, None)
+                keys = list(holdings.pinned)
+                pinned = [table.held(key, "end_session") for key in keys]
+                for key, slot in zip(keys, pinned):
+                    dropped += table.unpin(slot, key, owner, None, None)
                 table.mirror_pins(pinned)
             self._caps.forget(owner)
             counters = self._counters

@@ -8,9 +8,12 @@ last."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast, overload
 
-from tiercache.index.slots import Slot, SlotState
+import numpy as np
+
+from tiercache.index.slots import SlotState
 from tiercache.index.table import SlotTable
 
 if TYPE_CHECKING:
@@ -20,48 +23,83 @@ if TYPE_CHECKING:
 def restore(table: SlotTable, recovery: Recovery, surviving: set[int],
             counters: dict[str, int]) -> None:
     """Fill the empty ``table`` from ``recovery`` (``IndexLedger.recover()``); the counts
-    go to ``counters``."""
-    by_slot: dict[int, bytes] = {}
-    for key, slot_id, gen in recovery.ready:
-        table.check_slot_id(slot_id)
-        table.slots[key] = Slot(slot_id, SlotState.READY, gen, key)
-        by_slot[slot_id] = key
-    table.readable = set(table.slots)
-    table.num_by_state[SlotState.READY] = len(table.slots)
-    table.policy.admit([key for key, _, _ in reversed(recovery.ready)], 0, lambda key: False)
+    go to ``counters``. The READY blocks in bulk (arrays, the recovery's own dict), the
+    few reservations and pins one by one."""
+    ready = recovery.ready_slots
+    if ready.size:
+        table.check_slot_id(int(ready.min()))
+        table.check_slot_id(int(ready.max()))
+    table.slot_of = recovery.slot_of
+    table.key_of = recovery.key_of
+    table.view(table.state)[ready] = SlotState.READY  # generations: the ledger's own
+    table.num_by_state[SlotState.READY] = ready.size
+    newest_first = ready[::-1]
+    table.policy.insert(newest_first, _Keys(table.key_of, newest_first))
     repinned = []
-    for slot_id, holders in recovery.pins.items():
-        key = by_slot[slot_id]
-        slot = table.slots[key]
+    for slot, holders in recovery.pins.items():
+        key = keys_of(table, slot)
         for owner, count in holders.items():
             if owner in surviving:
-                if not slot.pins:
+                if slot not in table.pins:
+                    table.pins[slot] = {}
                     table.move(slot, SlotState.LOADING)
-                slot.pins[owner] = count
+                table.pins[slot][owner] = count
                 table.holdings_of(owner).pinned.add(key)
                 counters["recovered_pins"] += count
-        if len(slot.pins) != len(holders):
+        if len(table.pins.get(slot, ())) != len(holders):
             repinned.append(slot)
     abandoned = set(recovery.abandoned)
     now = time.monotonic()
-    for key, slot_id, writer, gen in recovery.writing:
-        table.check_slot_id(slot_id)
-        if writer in surviving and key not in table.slots:
-            table.slots[key] = Slot(slot_id, SlotState.WRITING, gen, key)
+    for key, slot, writer, _gen in recovery.writing:
+        table.check_slot_id(slot)
+        if writer in surviving and key not in table.slot_of:
+            table.slot_of[key] = ~slot
+            table.key_of[slot] = key
+            table.state[slot] = SlotState.WRITING
             table.num_by_state[SlotState.WRITING] += 1
             table.holdings_of(writer).writing[key] = now
-            table.policy.admit([key], 0, lambda key: False)
+            table.policy.insert([slot], [key])
             counters["recovered_writing_blocks"] += 1
         else:
-            abandoned.add(slot_id)
-    used = {slot.slot_id for slot in table.slots.values()}
-    abandoned -= used
-    rest = [s for s in range(table.capacity - 1, -1, -1) if s not in used and s not in abandoned]
-    table.free = sorted(abandoned, reverse=True) + rest
-    table.next_fresh = table.capacity
+            abandoned.add(slot)
+    in_use = table.view(table.state) != SlotState.FREE
+    last = sorted(s for s in abandoned if not in_use[s])
+    table.set_free(last)
     table.next_gen = recovery.next_gen
-    counters["recovered_blocks"] = len(by_slot)
+    counters["recovered_blocks"] = int(ready.size)
     counters["damaged_records"] = recovery.damaged
     if table.ledger is not None:
-        table.ledger.free(sorted(abandoned - set(recovery.abandoned)))
+        table.ledger.free(sorted(set(last) - set(recovery.abandoned)))
         table.mirror_pins(repinned)
+
+
+def keys_of(table: SlotTable, slot: int) -> bytes:
+    key = table.key_of[slot]
+    assert key is not None, "a recovered READY slot holds its key"
+    return key
+
+
+class _Keys(Sequence[bytes]):
+    """The keys of ``slots``, read when asked (LRU never asks)."""
+
+    def __init__(self, key_of: list[bytes | None], slots: np.ndarray):
+        self._key_of, self._slots = key_of, slots
+
+    def __len__(self) -> int:
+        return self._slots.size
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return _Keys(self._key_of, self._slots[i])
+        key = self._key_of[int(self._slots[i])]
+        assert key is not None, "a recovered READY slot holds its key"
+        return key
+
+    def __iter__(self) -> Iterator[bytes]:
+        return cast(Iterator[bytes], map(self._key_of.__getitem__, self._slots.tolist()))

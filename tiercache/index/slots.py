@@ -1,44 +1,36 @@
-"""The index's records: a slot's state and pins, an owner's holdings, the ledger the index
-writes through, and the key checks every verb shares. Used by the manager only (under its
-lock); nothing here locks or does I/O."""
+"""The index's vocabulary: a slot's state and flags, an owner's holdings, the ledger the
+index writes through, and the key checks every verb shares. Used by the manager only
+(under its lock); nothing here locks or does I/O."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from enum import Enum
+from collections.abc import Mapping, Sequence
+from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from tiercache.errors import InvalidKeyError, ManagerError
-from tiercache.index.lower_tier import BlockSource
 
 if TYPE_CHECKING:
     from tiercache.region.ledger import Recovery
 
 
-class SlotState(Enum):
-    WRITING = "writing"  # allocated by prepare_store; bytes not there yet; not readable
-    READY = "ready"  # readable and evictable
-    LOADING = "loading"  # readable and pinned (loads or leases); not evictable
+class SlotState(IntEnum):
+    """A slot's state; the value is its code in ``SlotTable.state`` (one byte a slot)."""
+
+    FREE = 0  # no key: on the free list, held out, or never handed out yet
+    WRITING = 1  # allocated by prepare_store; bytes not there yet; not readable
+    READY = 2  # readable and evictable
+    LOADING = 3  # readable and pinned (loads or leases); not evictable
 
 
-class Slot:
-    __slots__ = ("slot_id", "state", "pins", "gen", "hits", "source", "key", "doomed")
+class SlotFlag(IntFlag):
+    """A slot's flags (``SlotTable.flags``, one byte a slot)."""
 
-    def __init__(self, slot_id: int, state: SlotState = SlotState.WRITING, gen: int = 0,
-                 key: bytes = b""):
-        self.slot_id = slot_id
-        self.key = key
-        self.state = state  # while WRITING, the writer is the owner whose holdings name the key
-        self.pins: dict[int, int] = {}  # owner -> pins; non-empty exactly when LOADING
-        self.gen = gen  # the slot's generation for this key (what specs carry)
-        self.hits = 0  # pins taken since it was stored (leases and loads): reuse, for tiers
-        self.source = BlockSource.HOST  # or the lower tier whose promotion stored it
-        self.doomed = False  # a reset forgot its key; freed when its last writer or pin ends
-
-    @property
-    def loads(self) -> int:
-        return sum(self.pins.values())
+    DOOMED = 1  # a reset forgot its key; freed when its last writer or pin ends
+    REUSED = 2  # pinned since it was stored (a lease or a load): reuse, for the tiers
 
 
 class Holdings:
@@ -73,16 +65,20 @@ class Ledger(Protocol):
     @property
     def num_records(self) -> int: ...
 
+    @property
+    def gens(self) -> np.ndarray:
+        """Each slot's generation as last recorded (read-only)."""
+
     def recover(self) -> Recovery: ...
 
     def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes], writer: int,
-                gens: Sequence[int]) -> None: ...
+                gens: Sequence[int] | np.ndarray) -> None: ...
 
     def ready(self, slot_ids: Sequence[int]) -> None: ...
 
-    def pins(self, slot_ids: Sequence[int], holders: Sequence[dict[int, int]]) -> None: ...
+    def pins(self, slot_ids: Sequence[int], holders: Sequence[Mapping[int, int]]) -> None: ...
 
-    def free(self, slot_ids: Sequence[int]) -> None: ...
+    def free(self, slot_ids: Sequence[int] | np.ndarray) -> None: ...
 
     def clear(self) -> None: ...
 

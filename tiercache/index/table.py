@@ -1,9 +1,20 @@
 """``SlotTable``: the index's state and the moves every verb is made of.
 
-One ``Slot`` per held key owns its state, writer and pins; one ``Holdings`` per owner names
-what it reserved and pinned. The table keeps the free list, quarantine, the counts by
-state, the policy and the ledger in step, and tells its listeners what entered or left
-the index and what became readable or stopped being. It never locks (the manager does).
+**Flat, per slot.** A million-block index cannot afford an object per block (a slot
+object, its pins dict and two ints cost about 250 bytes; docs/benchmarks.md, "The index at
+scale"). So the table is one dict and a few arrays indexed by slot id:
+
+* ``slot_of``: key -> slot id while the key is readable (READY or LOADING, not doomed),
+  ``~slot`` (negative) while it is not (being written, or doomed). A lookup is then
+  ``takewhile`` over ``map(slot_of.get)``, at C speed, with the run's slot ids for free.
+* ``key_of`` (a reference), ``state`` (``SlotState``, a byte), ``flags`` (``SlotFlag``,
+  a byte), ``source`` (``BlockSource``, a byte) and ``gens`` (u64) per slot;
+* ``pins``: slot -> {owner: count}, for the pinned (LOADING) slots only.
+
+One ``Holdings`` per owner names what it reserved and pinned. The table keeps the free
+list, quarantine, the counts by state, the policy and the ledger in step, and tells its
+listeners what entered or left the index and what became readable or stopped being. It
+never locks (the manager does).
 
 **A slot is handed out only when nothing touches it.** A reset forgets every key, but a
 slot still being written (a reservation) or read (a pin) is *doomed*, not freed: its key is
@@ -14,15 +25,25 @@ flight across a reset never lands in, or reads from, a slot given to another blo
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
+from itertools import repeat, takewhile
+from typing import cast
+
+import numpy as np
 
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
 from tiercache.index.lower_tier import BlockSource
 from tiercache.eviction import EvictionPolicy
-from tiercache.index.slots import Holdings, Ledger, Slot, SlotState, check_keys
+from tiercache.index.slots import Holdings, Ledger, SlotFlag, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
 
 KeyListener = Callable[[Sequence[bytes], bool], None]  # (keys, removed)
+
+_FREE, _WRITING, _READY, _LOADING = (int(s) for s in SlotState)
+_DOOMED, _REUSED = int(SlotFlag.DOOMED), int(SlotFlag.REUSED)
+_HOST = int(BlockSource.HOST)
+_HIT = (0).__le__  # a slot_of value that is a readable slot (not ~slot, not absent: -1)
 
 
 class SlotTable:
@@ -41,16 +62,23 @@ class SlotTable:
         self.next_gen = 1
         self.on_keys: KeyListener | None = None
         self.on_readable: list[KeyListener] = []
-        self.clear()
-
-    def clear(self) -> None:
-        self.slots: dict[bytes, Slot] = {}
-        # Keys whose state is READY or LOADING and not doomed: lookup and touch at C speed.
-        self.readable: set[bytes] = set()
-        self.next_fresh = 0  # slots >= this were never handed out
-        self.free: list[int] = []  # freed slots, reused last-in first-out
-        self.num_by_state = dict.fromkeys(SlotState, 0)
+        self.slot_of: dict[bytes, int] = {}
+        self.key_of: list[bytes | None] = [None] * capacity
+        self.state = bytearray(capacity)
+        self.flags = bytearray(capacity)
+        self.source = bytearray(capacity)
+        # the slots' generations: the ledger's own (a read-only view), or an array here
+        self.gens = ledger.gens if ledger is not None else np.zeros(capacity, np.uint64)
+        self.pins: dict[int, dict[int, int]] = {}  # slot -> owner -> pins (LOADING slots)
+        self.free = array("q")  # freed slots, reused last-in first-out
+        self.next_fresh = 0  # then slots from here up (never handed out since a reset)
+        self.last: list[int] = []  # then these (popped from the end): see set_free
+        self.num_by_state = [0] * len(SlotState)
         self.holdings: dict[int, Holdings] = {}
+
+    def view(self, column: bytearray) -> np.ndarray:
+        """A byte column as a numpy array over the same memory (bulk moves)."""
+        return np.frombuffer(column, np.uint8)
 
     # ------------------------------------------------------------------ listeners
     def keys_changed(self, keys: Sequence[bytes], removed: bool) -> None:
@@ -63,21 +91,53 @@ class SlotTable:
                 listener(keys, removed)
 
     # ------------------------------------------------------------------ lookups
-    def held(self, key: bytes, verb: str) -> Slot:
+    def slot_id(self, key: bytes) -> int | None:
+        """The slot holding ``key`` (readable or not), or None."""
+        value = self.slot_of.get(key)
+        return None if value is None else value if value >= 0 else ~value
+
+    def keys(self, slots: Sequence[int]) -> list[bytes]:
+        """The keys these slots hold (every one holds a key: not FREE)."""
+        return cast(list[bytes], [self.key_of[s] for s in slots])
+
+    def held(self, key: bytes, verb: str) -> int:
         if type(key) is not bytes:
             check_keys([key], verb)
-        slot = self.slots.get(key)
+        slot = self.slot_id(key)
         if slot is None:
             raise UnknownKeyError(f"{verb}: key {key!r} is not in the cache index")
         return slot
 
-    def readable_slot(self, key: bytes, verb: str) -> Slot:
+    def readable_slot(self, key: bytes, verb: str) -> int:
         slot = self.held(key, verb)
-        if slot.state is SlotState.WRITING:
+        if self.state[slot] == _WRITING:
             raise StateError(f"{verb}: key {key!r} is still being written; wait for complete_store")
-        if slot.doomed:
+        if self.flags[slot] & _DOOMED:
             raise UnknownKeyError(f"{verb}: key {key!r} was dropped by a reset")
         return slot
+
+    def readable_run(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the leading run of readable keys (``TypeError``: an unhashable key)."""
+        return list(takewhile(_HIT, map(self.slot_of.get, keys, repeat(-1))))
+
+    def readable_slots(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the readable keys among ``keys``, in order."""
+        return list(filter(_HIT, map(self.slot_of.get, keys, repeat(-1))))
+
+    def is_readable(self, key: bytes) -> bool:
+        return self.slot_of.get(key, -1) >= 0
+
+    def readable_keys(self) -> list[bytes]:
+        return [key for key, value in self.slot_of.items() if value >= 0]
+
+    def state_of(self, key: bytes) -> SlotState | None:
+        slot = self.slot_id(key)
+        return None if slot is None else SlotState(self.state[slot])
+
+    def being_written(self, key: bytes) -> bool:
+        """Whether ``key`` is reserved and will be readable once written (not doomed)."""
+        value = self.slot_of.get(key, 0)
+        return value < 0 and self.state[~value] == _WRITING and not self.flags[~value] & _DOOMED
 
     def check_key_bytes(self, keys: Sequence[bytes]) -> None:
         if self.ledger is None:
@@ -88,9 +148,8 @@ class SlotTable:
                 raise InvalidKeyError(f"prepare_store: key of {len(key)} bytes ({key[:16]!r}...); "
                                       f"the index ledger holds keys of at most {limit} bytes")
 
-    def spec(self, slots: Sequence[Slot]) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec([s.slot_id for s in slots], [s.gen for s in slots],
-                                self.region_id)
+    def spec(self, slots: Sequence[int]) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec(slots, self.gens[np.asarray(slots, np.int64)], self.region_id)
 
     # ------------------------------------------------------------------ owners
     def holdings_of(self, owner: int) -> Holdings:
@@ -103,84 +162,118 @@ class SlotTable:
         if not holdings.writing and not holdings.pinned:
             self.holdings.pop(owner, None)
 
-    def can_pin(self, slot: Slot, owner: int) -> bool:
+    def can_pin(self, slot: int, owner: int) -> bool:
         limit = self.max_pin_owners
-        return limit is None or owner in slot.pins or len(slot.pins) < limit
+        held = self.pins.get(slot)
+        return limit is None or held is None or owner in held or len(held) < limit
 
-    def pin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings, reuse: bool) -> None:
-        if not slot.pins:
-            self.move(slot, SlotState.LOADING)
-        slot.pins[owner] = slot.pins.get(owner, 0) + 1
+    def pins_of(self, slot: int, owner: int) -> int:
+        held = self.pins.get(slot)
+        return 0 if held is None else held.get(owner, 0)
+
+    def pin(self, slot: int, key: bytes, owner: int, holdings: Holdings, reuse: bool) -> None:
+        held = self.pins.get(slot)
+        if held is None:
+            held = self.pins[slot] = {}
+            self.move(slot, _LOADING)
+        held[owner] = held.get(owner, 0) + 1
         if reuse:
-            slot.hits += 1
+            self.flags[slot] |= _REUSED
         holdings.pinned.add(key)
 
-    def unpin(self, key: bytes, slot: Slot, owner: int, holdings: Holdings | None,
+    def unpin(self, slot: int, key: bytes, owner: int, holdings: Holdings | None,
               times: int | None) -> int:
         """Drop ``times`` pins (None: all) of ``owner``; the caller checked there are enough.
         A doomed slot whose last pin goes is freed."""
-        held = slot.pins[owner]
-        dropped = held if times is None else times
-        if dropped == held:
-            del slot.pins[owner]
+        held = self.pins[slot]
+        count = held[owner]
+        dropped = count if times is None else times
+        if dropped == count:
+            del held[owner]
             if holdings is not None:
                 holdings.pinned.discard(key)
         else:
-            slot.pins[owner] = held - dropped
-        if not slot.pins:
-            self.move(slot, SlotState.READY)
-            if slot.doomed:
-                self.drop_doomed(key, slot)
+            held[owner] = count - dropped
+        if not held:
+            del self.pins[slot]
+            self.move(slot, _READY)
+            if self.flags[slot] & _DOOMED:
+                self.drop_doomed(slot)
         return dropped
 
-    def mirror_pins(self, slots: Sequence[Slot]) -> None:
+    def mirror_pins(self, slots: Sequence[int]) -> None:
         """Mirror these slots' pins into the ledger (after a pin or unpin)."""
         if self.ledger is not None and slots:
-            unique = [s for s in {slot.slot_id: slot for slot in slots}.values()
-                      if self.slots.get(s.key) is s]  # a doomed one freed meanwhile: done
+            state = self.state  # a doomed one freed meanwhile: done
+            unique = [s for s in dict.fromkeys(slots) if state[s] != _FREE]
             if unique:
-                self.ledger.pins([s.slot_id for s in unique], [s.pins for s in unique])
+                self.ledger.pins(unique, [self.pins.get(s, {}) for s in unique])
 
     # ------------------------------------------------------------------ slots
     def num_free(self) -> int:
-        return self.capacity - len(self.slots) - len(self.quarantined)
+        return self.capacity - len(self.slot_of) - len(self.quarantined)
 
-    def evictable_except(self, protected_keys: Sequence[bytes]) -> Callable[[bytes], bool]:
-        protected = set(protected_keys)
-        slots = self.slots
-        ready = SlotState.READY
-        return lambda key: slots[key].state is ready and key not in protected
+    def evictable_except(self, protected_keys: Sequence[bytes]) -> Callable[[int], bool]:
+        protected = {s for s in map(self.slot_id, protected_keys) if s is not None}
+        state = self.state
+        return lambda slot: state[slot] == _READY and slot not in protected
 
     def num_evictable(self, protected_keys: Sequence[bytes]) -> int:
         """READY blocks that are not among ``protected_keys``: what eviction can free."""
-        ready = SlotState.READY
-        protected = sum(1 for key in set(protected_keys)
-                        if (slot := self.slots.get(key)) is not None and slot.state is ready)
-        return self.num_by_state[ready] - protected
+        state = self.state
+        protected = sum(1 for slot in map(self.slot_id, set(protected_keys))
+                        if slot is not None and state[slot] == _READY)
+        return self.num_by_state[_READY] - protected
 
-    def allocate(self, key: bytes) -> Slot:
-        slot_id = None
-        while slot_id is None or slot_id in self.quarantined:
-            if self.free:
-                slot_id = self.free.pop()
-            else:
-                slot_id = self.next_fresh
-                self.next_fresh += 1
-        assert slot_id < self.capacity, "allocated past capacity: free-slot accounting is broken"
-        slot = self.slots[key] = Slot(slot_id, SlotState.WRITING, self.next_gen, key)
-        self.next_gen += 1
-        self.num_by_state[SlotState.WRITING] += 1
-        return slot
+    def allocate(self, keys: Sequence[bytes]) -> tuple[list[int], np.ndarray]:
+        """WRITING slots for new keys: from the free list, then fresh, then ``last``; and
+        their new generations (the caller's ledger write records them; without a ledger
+        they are recorded here)."""
+        slots = []
+        free, quarantined = self.free, self.quarantined
+        for key in keys:
+            slot = None
+            while slot is None or slot in quarantined:
+                if free:
+                    slot = free.pop()
+                elif self.next_fresh < self.capacity:
+                    slot = self.next_fresh
+                    self.next_fresh += 1
+                else:
+                    assert self.last, "allocated past capacity: free-slot accounting is broken"
+                    slot = self.last.pop()
+            self.slot_of[key] = ~slot
+            self.key_of[slot] = key
+            self.state[slot] = _WRITING
+            self.flags[slot] = 0
+            self.source[slot] = _HOST
+            slots.append(slot)
+        if not free:
+            self.free = array("q")  # an array never shrinks as it is popped
+        gens = np.arange(self.next_gen, self.next_gen + len(slots), dtype=np.uint64)
+        self.next_gen += len(slots)
+        if self.ledger is None:
+            self.gens[slots] = gens
+        self.num_by_state[_WRITING] += len(slots)
+        return slots, gens
 
-    def evict(self, victims: Sequence[bytes]) -> list[int]:
-        """Forget READY blocks the policy gave up (it forgot them already)."""
-        victim_slots = [self.slots.pop(key).slot_id for key in victims]
-        self.num_by_state[SlotState.READY] -= len(victims)
-        self.free.extend(victim_slots)
-        self.readable.difference_update(victims)
-        self.readable_changed(victims, True)
-        self.keys_changed(victims, True)
-        return victim_slots
+    def evict(self, victims: Sequence[int]) -> list[bytes]:
+        """Forget READY blocks the policy gave up (it forgot them already); their keys."""
+        keys = [self.forget(slot) for slot in victims]
+        self.num_by_state[_READY] -= len(victims)
+        self.free.extend(victims)
+        self.readable_changed(keys, True)
+        self.keys_changed(keys, True)
+        return keys
+
+    def forget(self, slot: int) -> bytes:
+        """The slot's key leaves the index; the slot is FREE (not on the free list yet)."""
+        key = self.key_of[slot]
+        assert key is not None, "forgot a slot that holds no key"
+        del self.slot_of[key]
+        self.key_of[slot] = None
+        self.state[slot] = _FREE
+        return key
 
     def free_writing(self, keys: Sequence[bytes], hold_out: bool = False) -> list[int]:
         """Forget blocks that were being written (failed store, ended session, a doomed
@@ -189,12 +282,14 @@ class SlotTable:
         reuse them."""
         freed = []
         for key in keys:
-            slot = self.slots.pop(key)
-            assert slot.state is SlotState.WRITING, "freed a slot that is not being written"
-            if not slot.doomed:
-                self.policy.remove(key)
-            self.num_by_state[SlotState.WRITING] -= 1
-            freed.append(slot.slot_id)
+            slot = self.slot_id(key)
+            assert slot is not None and self.state[slot] == _WRITING, \
+                "freed a slot that is not being written"
+            if not self.flags[slot] & _DOOMED:
+                self.policy.remove(slot)
+            self.forget(slot)
+            freed.append(slot)
+        self.num_by_state[_WRITING] -= len(freed)
         if hold_out:
             self.quarantined.update(freed)
         else:
@@ -204,36 +299,37 @@ class SlotTable:
             self.ledger.free(freed)
         return freed
 
-    def drop_doomed(self, key: bytes, slot: Slot) -> None:
+    def drop_doomed(self, slot: int) -> None:
         """A doomed READY block's last pin went: its slot is free now."""
-        del self.slots[key]
-        self.num_by_state[SlotState.READY] -= 1
-        self.free.append(slot.slot_id)
+        key = self.forget(slot)
+        self.num_by_state[_READY] -= 1
+        self.free.append(slot)
         self.keys_changed([key], True)
         if self.ledger is not None:
-            self.ledger.free([slot.slot_id])
+            self.ledger.free([slot])
 
-    def move(self, slot: Slot, state: SlotState) -> None:
-        self.num_by_state[slot.state] -= 1
-        self.num_by_state[state] += 1
-        slot.state = state
+    def move(self, slot: int, state: int) -> None:
+        counts = self.num_by_state
+        counts[self.state[slot]] -= 1
+        counts[state] += 1
+        self.state[slot] = state
 
-    def make_ready(self, slots: Sequence[Slot], source: BlockSource) -> list[bytes]:
+    def make_ready(self, slots: Sequence[int], source: BlockSource) -> list[bytes]:
         """Written blocks become READY (the doomed ones are freed instead); the keys that
         became readable."""
-        ready: list[Slot] = []
-        doomed: list[Slot] = []
-        for slot in slots:
-            (doomed if slot.doomed else ready).append(slot)
-        for slot in ready:
-            self.move(slot, SlotState.READY)
-            slot.source = source
-        keys = [s.key for s in ready]
-        self.readable.update(keys)
+        flags, slot_of = self.flags, self.slot_of
+        ready = [s for s in slots if not flags[s] & _DOOMED]
+        keys = self.keys(ready)
+        for slot, key in zip(ready, keys):
+            self.state[slot] = _READY
+            self.source[slot] = source
+            slot_of[key] = slot
+        self.num_by_state[_WRITING] -= len(ready)
+        self.num_by_state[_READY] += len(ready)
         if self.ledger is not None and ready:
-            self.ledger.ready([s.slot_id for s in ready])
-        if doomed:
-            self.free_writing([s.key for s in doomed])
+            self.ledger.ready(ready)
+        if len(ready) < len(slots):
+            self.free_writing(self.keys([s for s in slots if flags[s] & _DOOMED]))
         self.readable_changed(keys, False)
         return keys
 
@@ -241,27 +337,38 @@ class SlotTable:
         """Forget every key (see the module docstring): READY blocks nobody pins are freed
         at once, the others are doomed. Returns the keys that were readable (the caller
         tells the readable listeners: a reset is one event, not one per key)."""
-        was_readable = [k for k in self.slots if k in self.readable]
-        kept: dict[bytes, Slot] = {}
-        freed: list[int] = []
-        for key, slot in self.slots.items():
-            if slot.state is SlotState.READY:
-                freed.append(slot.slot_id)
-            else:
-                slot.doomed = True
-                kept[key] = slot
-        gone = [k for k in self.slots if k not in kept]
+        was_readable = self.readable_keys()
+        state = self.view(self.state)
+        ready = np.flatnonzero(state == _READY)
+        kept = np.flatnonzero((state == _WRITING) | (state == _LOADING))
+        gone = self.keys(ready.tolist())
+        kept_keys = self.keys(kept.tolist())
+        self.view(self.flags)[kept] |= _DOOMED
+        state[ready] = _FREE
+        self.key_of = [None] * self.capacity
+        for slot, key in zip(kept.tolist(), kept_keys):
+            self.key_of[slot] = key
+        self.slot_of = {key: ~slot for key, slot in zip(kept_keys, kept.tolist())}
         self.policy.clear()
-        self.slots = kept
-        self.readable = set()
-        self.num_by_state[SlotState.READY] = 0
-        in_use = {s.slot_id for s in kept.values()} | self.quarantined
-        self.free = [s for s in range(self.capacity - 1, -1, -1) if s not in in_use]
-        self.next_fresh = self.capacity
+        self.num_by_state[_READY] = 0
+        self.set_free()
         if self.ledger is not None:
-            self.ledger.free(sorted(freed))
+            self.ledger.free(ready)
         self.keys_changed(gone, True)
         return was_readable
+
+    def set_free(self, last: Sequence[int] = ()) -> None:
+        """After a reset or a restart: hand out every FREE slot lowest first, but those of
+        ``last`` (FREE too), which go after all others, in their order. The free list holds
+        the FREE slots below the highest one in use (or held out); those above are fresh."""
+        held = self.view(self.state) != _FREE
+        held[np.fromiter(self.quarantined, np.int64, len(self.quarantined))] = True
+        held[np.asarray(last, np.int64)] = True
+        in_use = np.flatnonzero(held)
+        top = int(in_use[-1]) + 1 if in_use.size else 0
+        self.free = array("q", np.flatnonzero(~held[:top])[::-1].astype(np.int64).tobytes())
+        self.next_fresh = top
+        self.last = list(reversed(last))
 
     def check_slot_id(self, slot_id: int) -> None:
         if not 0 <= slot_id < self.capacity:

@@ -139,8 +139,8 @@ class TierChain:
             if sink is None:
                 return
             self._table.on_readable.append(self._host_changed)
-            if self._table.readable:
-                sink.stored(list(self._table.readable), Medium.CPU)
+            if readable := self._table.readable_keys():
+                sink.stored(readable, Medium.CPU)
             for tier in self._tiers:
                 if tier.policy.exact_holdings and (keys := tier.held_keys()):
                     sink.stored(keys, tier.policy.medium)
@@ -167,19 +167,19 @@ class TierChain:
         tiers hold, each key by the first tier that does not answer NO; whether the key
         after the hits is on its way (then "pending"). The run goes on through keys READY
         in host memory, which the promotion's reservation protects."""
-        tiers, slots = self._tiers, self._table.slots
-        if not tiers or hits >= len(keys) or keys[hits] in slots:
+        tiers, table = self._tiers, self._table
+        if not tiers or hits >= len(keys) or keys[hits] in table.slot_of:
             return False
         run: list[bytes] = []
         chosen: dict[bytes, tuple[LowerTier, Presence]] = {}
         for key in keys[hits:]:
-            slot = slots.get(key)
-            if slot is None:
+            state = table.state_of(key)
+            if state is None:
                 answer = self._ask(key, asker)
                 if answer is None:
                     break
                 chosen[key] = answer
-            elif slot.state is SlotState.WRITING:
+            elif state is SlotState.WRITING:
                 break
             run.append(key)
         for tier in tiers:
@@ -198,9 +198,7 @@ class TierChain:
         if not run:
             return False
         first = keys[hits]  # on its way: reserved now, or the tier is finding out
-        slot = slots.get(first)
-        return chosen[first][1] is Presence.MAYBE or (slot is not None
-                                                      and slot.state is SlotState.WRITING)
+        return chosen[first][1] is Presence.MAYBE or table.state_of(first) is SlotState.WRITING
 
     def _ask(self, key: bytes, asker: int) -> tuple[LowerTier, Presence] | None:
         for tier in self._tiers:

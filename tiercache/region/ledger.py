@@ -53,6 +53,8 @@ Decisions and reasons:
 
 from __future__ import annotations
 
+import operator
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -71,6 +73,8 @@ RECORD = np.dtype([
     ("checksum", "<u8"), ("seq_end", "<u8"),
 ])
 RECORD_BYTES = RECORD.itemsize
+_first = operator.itemgetter(0)
+CHUNK_RECORDS = 4096  # bulk passes over the table go this many records (1.3 MiB) at a time
 _FIELDS = RECORD.fields
 assert RECORD_BYTES == 336 and RECORD_BYTES % 8 == 0 and _FIELDS is not None
 _WORDS = RECORD_BYTES // 8
@@ -83,20 +87,32 @@ class LedgerState(IntEnum):
     READY = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Recovery:
-    """What a ledger held. ``ready``: (key, slot, gen), oldest stored first; ``writing``:
-    (key, slot, writer, gen); ``pins``: slot -> {owner: count} for ready slots;
-    ``abandoned``: slots whose record was torn or damaged (rewritten FREE, to be reused
-    last); ``damaged``: how many of those failed their checksum; ``next_gen``: the first
-    generation not used yet."""
+    """What a ledger held, in bulk (a million READY records are arrays, one list and one
+    dict, not a million tuples). ``ready_slots`` (int64): the READY records, oldest stored
+    first, with ``ready_gens`` (uint64); ``slot_of``: key -> slot of each (a key is held
+    once); ``key_of``: slot -> key, ``None`` but for those; ``writing``: (key, slot,
+    writer, gen); ``pins``: slot -> {owner: count} for ready slots; ``abandoned``: slots
+    whose record was torn or damaged (rewritten FREE, to be reused last); ``damaged``: how
+    many of those failed their checksum; ``next_gen``: the first generation not used
+    yet."""
 
-    ready: tuple[tuple[bytes, int, int], ...]
+    ready_slots: np.ndarray
+    ready_gens: np.ndarray
+    slot_of: dict[bytes, int]
+    key_of: list[bytes | None]
     writing: tuple[tuple[bytes, int, int, int], ...] = ()
     pins: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
     abandoned: tuple[int, ...] = ()
     damaged: int = 0
     next_gen: int = 1
+
+    @property
+    def ready(self) -> tuple[tuple[bytes, int, int], ...]:
+        """(key, slot, gen) per READY record, oldest first (tests and debugging)."""
+        return tuple((self.key_of[s], s, g)
+                     for s, g in zip(self.ready_slots.tolist(), self.ready_gens.tolist()))
 
 
 class IndexLedger:
@@ -122,13 +138,21 @@ class IndexLedger:
         return self._table.size
 
     @property
+    def gens(self) -> np.ndarray:
+        """Each record's generation, a read-only view (the index's specs carry them; only
+        a rewrite changes one)."""
+        gens: np.ndarray = self._table["gen"]
+        gens.flags.writeable = False
+        return gens
+
+    @property
     def table(self) -> np.ndarray:
         """The records as a structured array (read-only use: workers check generations)."""
         return self._table
 
     # ------------------------------------------------------------------ writes
     def writing(self, slot_ids: Sequence[int], keys: Sequence[bytes], writer: int,
-                gens: Sequence[int]) -> None:
+                gens: Sequence[int] | np.ndarray) -> None:
         """These slots now belong to these keys, reserved by ``writer``, with these new
         generations; not readable yet (invalidates what they held)."""
         if not len(slot_ids):
@@ -180,8 +204,19 @@ class IndexLedger:
     def _rewrite(self, slot_ids: Sequence[int] | np.ndarray,
                  body: tuple[tuple[str, object], ...]) -> None:
         """The one way a record changes; the store order is the crash-safety argument
-        (module docstring)."""
+        (module docstring). ``CHUNK_RECORDS`` at a time: a reset rewrites every record, and
+        its temporaries stay a few MiB at any capacity."""
         ids = np.asarray(slot_ids, dtype=np.int64)
+        if ids.size <= CHUNK_RECORDS:
+            self._rewrite_chunk(ids, body)
+            return
+        for lo in range(0, ids.size, CHUNK_RECORDS):
+            part = slice(lo, lo + CHUNK_RECORDS)
+            self._rewrite_chunk(ids[part], tuple(
+                (name, values[part] if isinstance(values, np.ndarray) and values.ndim else values)
+                for name, values in body))
+
+    def _rewrite_chunk(self, ids: np.ndarray, body: tuple[tuple[str, object], ...]) -> None:
         odd = (self._table["seq"][ids] | 1).astype(np.uint64)
         self._store("seq", ids, odd)
         for name, values in body:
@@ -196,62 +231,103 @@ class IndexLedger:
     # ------------------------------------------------------------------ recovery
     def check(self, ids: np.ndarray | None = None) -> np.ndarray:
         """Which records (all, or ``ids``) are whole and pass their checksum."""
-        t = self._table if ids is None else self._table[ids]
-        ids = np.arange(self._table.size) if ids is None else ids
-        sums = record_checksums(self._words[ids, _BODY], ids)
+        if ids is not None:
+            return self._check(self._table[ids], self._words[ids, _BODY], ids)
+        whole = np.empty(self._table.size, bool)
+        for lo in range(0, self._table.size, CHUNK_RECORDS):
+            part = slice(lo, lo + CHUNK_RECORDS)
+            whole[part] = self._check(self._table[part], self._words[part, _BODY],
+                                      np.arange(lo, lo + whole[part].size))
+        return whole
+
+    @staticmethod
+    def _check(t: np.ndarray, body: np.ndarray, ids: np.ndarray) -> np.ndarray:
         whole: np.ndarray = ((t["seq"] == t["seq_end"]) & (t["seq"] % 2 == 0)
-                             & (t["checksum"] == sums) & (t["key_len"] <= KEY_BYTES)
-                             & (t["state"] <= LedgerState.READY))
+                             & (t["checksum"] == record_checksums(body, ids))
+                             & (t["key_len"] <= KEY_BYTES) & (t["state"] <= LedgerState.READY))
         return whole
 
     def recover(self) -> Recovery:
         """Read what a previous coordinator left. Torn and damaged records are rewritten
         FREE and reported as abandoned; a key held by two records (impossible unless the
         table was damaged) keeps its newest READY one. WRITING records and pins are
-        reported as they are: the index decides which of their sessions survive."""
+        reported as they are: the index decides which of their sessions survive.
+
+        In bulk: one pass over the table, ``CHUNK_RECORDS`` at a time (each chunk's fields
+        read while it is in cache, its keys made ``bytes`` and indexed while they are), no
+        Python but the one ``bytes`` and dict entry per READY key."""
         t = self._table
-        fresh = (t["seq"] == 0) & (t["seq_end"] == 0)  # never written: FREE
-        whole_seq = (t["seq"] == t["seq_end"]) & (t["seq"] % 2 == 0)
-        good = self.check() & ~fresh
-        damaged = int(np.count_nonzero(whole_seq & ~good & ~fresh))
-        state = t["state"]
-        ready_ids = np.flatnonzero(good & (state == LedgerState.READY))
-        writing_ids = np.flatnonzero(good & (state == LedgerState.WRITING))
-        abandoned = np.flatnonzero(~good & ~fresh)
-        next_gen = int(t["gen"][np.flatnonzero(good)].max(initial=0)) + 1
-        ready_ids = ready_ids[np.argsort(t["stamp"][ready_ids], kind="stable")]
-        by_key: dict[bytes, int] = {}
-        for slot in ready_ids.tolist():
-            key = self._key(slot)
-            by_key.pop(key, None)  # the newer record wins, in its place in stamp order
-            by_key[key] = slot
-        kept = set(by_key.values())
+        scan = _Scan(t.size)
+        for lo in range(0, t.size, CHUNK_RECORDS):
+            self._scan_chunk(scan, lo, min(t.size, lo + CHUNK_RECORDS))
+        ready_ids = np.concatenate(scan.ready)
+        ready_ids = ready_ids[np.argsort(np.concatenate(scan.stamps), kind="stable")]
+        slot_of, key_of = scan.slot_of, scan.key_of
+        dropped = np.zeros(0, np.int64)
+        if scan.repeated:  # a damaged table held a key twice: the newest READY record wins
+            keys = key_of[ready_ids].tolist()
+            slot_of = dict(zip(keys, ready_ids.tolist()))
+            kept = np.fromiter((slot_of[k] == s for k, s in zip(keys, ready_ids.tolist())),
+                               bool, len(keys))
+            dropped = ready_ids[~kept]
+            key_of[dropped] = None
+            ready_ids = ready_ids[kept]
         writing = []
-        dropped = [s for s in ready_ids.tolist() if s not in kept]
-        for slot in writing_ids.tolist():
-            key = self._key(slot)
-            if key in by_key:
-                dropped.append(slot)
+        lost_writing = []
+        writing_ids = np.concatenate(scan.writing)
+        for slot, key in zip(writing_ids.tolist(), self.keys(writing_ids)):
+            if key in slot_of:
+                lost_writing.append(slot)
             else:
                 writing.append((key, slot, int(t["writer"][slot]), int(t["gen"][slot])))
         pins = {}
-        for slot in kept:
-            count = t["pin_count"][slot]
-            if count.any():
-                owners = t["pin_owner"][slot]
+        for slot in np.concatenate(scan.pinned).tolist():
+            if key_of[slot] is not None:  # not a dropped duplicate
+                count, owners = t["pin_count"][slot], t["pin_owner"][slot]
                 pins[slot] = {int(o): int(c) for o, c in zip(owners, count) if c}
+        abandoned = np.concatenate(scan.abandoned)
         self._normalise_seq(abandoned)
-        lost = np.concatenate([abandoned, np.asarray(dropped, np.int64)])
+        next_gen = scan.max_gen + 1
+        lost = np.concatenate([abandoned, dropped, np.asarray(lost_writing, np.int64)])
         t["gen"][lost] = np.arange(next_gen, next_gen + lost.size, dtype=np.uint64)
         next_gen += lost.size
         self.free(lost)
-        self._next_stamp = int(t["stamp"][np.flatnonzero(good)].max(initial=0)) + 1
-        return Recovery(tuple((k, s, int(t["gen"][s])) for k, s in by_key.items()),
-                        tuple(writing), pins, tuple(abandoned.tolist()), damaged, next_gen)
+        self._next_stamp = scan.max_stamp + 1
+        return Recovery(ready_ids, t["gen"][ready_ids], slot_of, key_of.tolist(),
+                        tuple(writing), pins, tuple(abandoned.tolist()), scan.damaged, next_gen)
 
-    def _key(self, slot: int) -> bytes:
-        t = self._table
-        return t["key"][slot, :t["key_len"][slot]].tobytes()
+    def _scan_chunk(self, scan: _Scan, lo: int, hi: int) -> None:
+        t = self._table[lo:hi]
+        ids = np.arange(lo, hi)
+        seq, seq_end = t["seq"], t["seq_end"]
+        fresh = (seq == 0) & (seq_end == 0)  # never written: FREE
+        whole_seq = (seq == seq_end) & (seq % 2 == 0)
+        good = self._check(t, self._words[lo:hi, _BODY], ids) & ~fresh
+        scan.damaged += int(np.count_nonzero(whole_seq & ~good & ~fresh))
+        scan.abandoned.append(ids[~good & ~fresh])
+        if not good.any():
+            return
+        scan.max_gen = max(scan.max_gen, int(t["gen"][good].max()))
+        scan.max_stamp = max(scan.max_stamp, int(t["stamp"][good].max()))
+        state = t["state"]
+        ready = good & (state == LedgerState.READY)
+        slots = ids[ready]
+        keys = _keys_of(t[ready])
+        before = len(scan.slot_of)
+        scan.slot_of.update(zip(keys, slots.tolist()))
+        scan.repeated = scan.repeated or len(scan.slot_of) - before < len(keys)
+        scan.key_of[slots] = keys
+        scan.ready.append(slots)
+        scan.stamps.append(t["stamp"][ready])
+        scan.writing.append(ids[good & (state == LedgerState.WRITING)])
+        scan.pinned.append(ids[ready & t["pin_count"].any(axis=1)])
+
+    def keys(self, slot_ids: np.ndarray) -> list[bytes]:
+        """The keys of these records, ``CHUNK_RECORDS`` at a time."""
+        out: list[bytes] = []
+        for lo in range(0, slot_ids.size, CHUNK_RECORDS):
+            out += _keys_of(self._table[slot_ids[lo:lo + CHUNK_RECORDS]])
+        return out
 
     def _normalise_seq(self, ids: np.ndarray) -> None:
         """A torn record gets an even seq at least as large as both halves, so the next
@@ -262,3 +338,31 @@ class IndexLedger:
             even = top + (top % 2)
             t["seq_end"][ids] = even
             t["seq"][ids] = even
+
+
+class _Scan:
+    """What ``recover``'s pass over the table collects, chunk by chunk."""
+
+    def __init__(self, num_records: int) -> None:
+        self.ready: list[np.ndarray] = [np.zeros(0, np.int64)]  # slot order
+        self.stamps: list[np.ndarray] = [np.zeros(0, np.uint64)]
+        self.slot_of: dict[bytes, int] = {}  # READY keys as found (slot order)
+        self.key_of = np.full(num_records, None, object)  # slot -> READY key
+        self.repeated = False  # a key found twice
+        self.writing: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.pinned: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.abandoned: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.damaged = self.max_gen = self.max_stamp = 0
+
+
+def _keys_of(records: np.ndarray) -> list[bytes]:
+    """The keys of these records (a structured array of whole records)."""
+    lengths = records["key_len"]
+    width = int(lengths[0]) if lengths.size else 0
+    if (lengths == width).all():  # block hashes: one length, cut from one blob in C
+        if not width:
+            return [b""] * lengths.size
+        blob = records["key"][:, :width].tobytes()
+        return list(map(_first, struct.iter_unpack(f"{width}s", blob)))
+    blob = records["key"].tobytes()
+    return [blob[i * KEY_BYTES:i * KEY_BYTES + n] for i, n in enumerate(lengths.tolist())]
