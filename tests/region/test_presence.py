@@ -12,7 +12,7 @@ import pytest
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
 from tiercache.control.client import Client
 from tiercache.region.presence import (
-    PresenceMap, PresenceView, num_counters_for, presence_path,
+    BULK_KEYS, HEADER_BYTES, PresenceMap, PresenceView, num_counters_for, presence_path,
 )
 from tiercache.region.stale import remove_stale
 from tiercache.service.process import CoordinatorProcess
@@ -87,6 +87,34 @@ def test_a_saturated_counter_stays_maybe_for_good(presence, instance_name):
     m.update([b"hot"] * 300, removed=False)
     m.update([b"hot"] * 300, removed=True)
     assert m.maybe_held(b"hot")  # 255 is sticky: a "maybe" too many, never a wrong miss
+
+
+def test_a_batch_counted_in_bulk_counts_as_one_key_at_a_time(presence, instance_name):
+    """A restart tells the map every key it recovered in one batch (``BULK_KEYS`` or
+    more: numpy); the counts are those of the same keys told one at a time."""
+    bulk, single = presence(num_keys=10), PresenceMap(instance_name + "b", 10, 8)
+    try:
+        hot = [b"hot"] * 300  # saturates: sticky at 255
+        pair = colliding(2, bulk.num_counters, b"p")  # two keys, one counter
+        keys = hot + pair * 3 + [b"k%d" % i for i in range(BULK_KEYS)]
+        bulk.update(keys, removed=False)
+        for key in keys:
+            single.update([key], removed=False)
+        assert _counts(bulk) == _counts(single)
+        gone = keys[:-10] + pair  # a counter taken below zero stays at zero
+        bulk.update(gone, removed=True)
+        for key in gone:
+            single.update([key], removed=True)
+        assert _counts(bulk) == _counts(single)
+        assert bulk.maybe_held(b"hot") and bulk.maybe_held(keys[-1])
+        assert not bulk.maybe_held(keys[-11]) and not bulk.maybe_held(pair[0])
+    finally:
+        single.close()
+
+
+def _counts(m: PresenceMap) -> bytes:
+    with open(m.path, "rb") as f:
+        return f.read()[HEADER_BYTES:]
 
 
 def test_sizing_is_a_power_of_two_with_room_per_key():

@@ -61,8 +61,9 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 
+import numpy as np
 import posix_ipc
 
 from tiercache.errors import (
@@ -86,6 +87,7 @@ _HEADER = struct.Struct("<8sIIQQ")
 COUNTERS_PER_KEY = 16
 MIN_COUNTERS = 1 << 16
 SATURATED = 255
+BULK_KEYS = 4096  # a batch this large is counted with numpy (a restart's whole index)
 # How long a starting coordinator retries the lock of the previous map: a probe of
 # `status`/`clean` holds it for microseconds (the region's CLAIM_RETRY_S, for the same reason).
 RETIRE_RETRY_S = 2.0
@@ -108,6 +110,16 @@ def num_counters_for(num_keys: int) -> int:
     """A power of two, at least ``COUNTERS_PER_KEY`` per key and ``MIN_COUNTERS``."""
     want = max(MIN_COUNTERS, COUNTERS_PER_KEY * max(1, num_keys))
     return 1 << (want - 1).bit_length()
+
+
+def _count_bulk(counts: np.ndarray, mask: int, keys: Iterable[bytes], removed: bool) -> None:
+    """``update``'s counting for a batch as large as a whole index (a restart tells the map
+    every key it recovered): the same counts as one key at a time, in numpy."""
+    slots = np.fromiter(map(zlib.crc32, keys), np.uint64) & np.uint64(mask)
+    where, times = np.unique(slots, return_counts=True)
+    now = counts[where].astype(np.int64)
+    moved = np.maximum(now - times, 0) if removed else np.minimum(now + times, SATURATED)
+    counts[where] = np.where(now < SATURATED, moved, now)
 
 
 def has_map_magic(fd: int) -> bool:
@@ -188,7 +200,9 @@ class PresenceMap:
             counts = self._counts
             if counts is None or not self._intact():
                 return
-            if removed:
+            if isinstance(keys, Sized) and len(keys) >= BULK_KEYS:
+                _count_bulk(np.frombuffer(counts, np.uint8), mask, keys, removed)
+            elif removed:
                 for key in keys:
                     i = crc(key) & mask
                     c = counts[i]
