@@ -49,6 +49,7 @@ from tiercache.backends.ce import CeBackend
 from tiercache.backend_kind import BackendKind
 from tiercache.backends.staged.backend import StagedBackend
 from tiercache.device.driver import CudaDriver, device_index
+from tiercache.device.events import TORCH_DEVICE_ERRORS
 from tiercache.errors import BackendError
 from tiercache.pages import PageArray
 from tiercache.planning.geometry import TransferGeometry
@@ -226,7 +227,7 @@ def choose(context: BackendContext) -> tuple[AutoChoice, CopyBackend]:
             large = scratch.plan(backend, direction, scratch.num_blocks)
             small = scratch.plan(backend, direction, max(1, scratch.num_blocks // 4))
             measured.append(_measure(backend, small, large, stream))
-    except (RuntimeError, BackendError) as e:
+    except (BackendError, *TORCH_DEVICE_ERRORS) as e:
         raise BackendError(f"auto: calibration for {direction.label} failed: {e}") from e
     measured.sort(key=lambda m: m.preference)
     best = measured[0]

@@ -1,8 +1,8 @@
 """What orders transfers on a stream: the ``Stream`` and ``Event`` interfaces the handlers
 and backends speak (torch.cuda semantics), the ``Ticket`` of a transfer a thread still
 issues, ``DriverEvent`` (the CUDA event with a raw handle that native code can record
-from a thread of its own) and what work on a stream raises when it failed
-(``DEVICE_ERRORS``)."""
+from a thread of its own) and what torch raises when the device fails under it
+(``TORCH_DEVICE_ERRORS``, re-raised as ``BackendError``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ from typing import Any, Protocol
 from tiercache.device.driver import CudaDriver
 from tiercache.errors import BackendError
 
-# What stream work raises when it failed: host streams and driver events raise
-# BackendError, torch raises RuntimeError (torch.AcceleratorError) for CUDA errors. A
-# transfer that meets one is failed (``TransferResult(success=False)``), never an
-# exception in the engine's step.
-DEVICE_ERRORS = (BackendError, RuntimeError)
+# What torch and Triton raise when the device fails under them: torch.AcceleratorError
+# (torch >= 2.8) or a bare RuntimeError (the older torch pyproject allows) for a CUDA
+# error, torch.OutOfMemoryError, and RuntimeError from Triton's launcher: all
+# RuntimeErrors, and no narrower class holds them. Caught only around the device layer's
+# own torch and Triton calls (a backend's copy from Python, auto's calibration) and
+# re-raised there as BackendError with the cause (errors.py's rule). Above that, work on a
+# stream that failed is a BackendError (driver events, host streams and every backend raise
+# it), which the transfer code turns into a failed transfer
+# (``TransferResult(success=False)``), never an exception in the engine's step; any other
+# exception there is a bug and propagates.
+TORCH_DEVICE_ERRORS = (RuntimeError,)
 
 
 class Event(Protocol):

@@ -46,9 +46,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tiercache.backend_kind import BackendKind
-from tiercache.device.events import DEVICE_ERRORS, Event, Stream, Ticket
+from tiercache.device.events import Event, Stream, Ticket
 from tiercache.device.streams import StreamPlatform
-from tiercache.errors import HandlerClosedError, HandlerError, SpecError
+from tiercache.errors import BackendError, HandlerClosedError, HandlerError, SpecError
 from tiercache.region.stats import RankStats
 from tiercache.specs import Direction, TransferSpec
 from tiercache.transfer.path import TransferPath
@@ -155,7 +155,7 @@ class SingleDirectionOffloadingHandler:
             self._note_issue_failure(transfer, ticket)
         try:
             return transfer.end_event.query()
-        except DEVICE_ERRORS as e:
+        except BackendError as e:
             self._note_device_failure(transfer, e)
             return True
 
@@ -178,7 +178,7 @@ class SingleDirectionOffloadingHandler:
         if success:
             try:
                 seconds = max(transfer.start_event.elapsed_time(transfer.end_event), 0.0) / 1e3
-            except DEVICE_ERRORS as e:
+            except BackendError as e:
                 self._note_device_failure(transfer, e)
                 success = False
         del self._by_job[transfer.job_id]
@@ -204,7 +204,7 @@ class SingleDirectionOffloadingHandler:
             self._note_issue_failure(transfer, ticket)
         try:
             transfer.end_event.synchronize()
-        except DEVICE_ERRORS as e:
+        except BackendError as e:
             self._note_device_failure(transfer, e)
 
     def wait(self, job_ids: Iterable[int]) -> None:

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from tiercache.backends.base import CopyBackend
 from tiercache.device.driver import stream_handle
-from tiercache.device.events import DEVICE_ERRORS, Event, Stream, event_handle
+from tiercache.device.events import Event, Stream, event_handle
+from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop
 from tiercache.native.codes import Outcome, TransferCode
 from tiercache.native.transfer_call import TransferChecks
@@ -70,7 +71,7 @@ class NativePath(TransferPath):
                 compute=self._compute(), mark=event_handle(mark),
                 prev_end=event_handle(previous), start_event=event_handle(start),
                 end_event=event_handle(end))
-        except DEVICE_ERRORS as e:  # the loop took nothing (closing, out of memory)
+        except BackendError as e:  # the loop took nothing (closing, out of memory)
             num_bytes = self._planner.bytes_of(gpu)
             what = f"{direction.label} job {job_id}"
             log.error("%s: the %s backend could not submit %d bytes: %s", what,

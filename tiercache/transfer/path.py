@@ -23,7 +23,8 @@ import logging
 from abc import ABC, abstractmethod
 
 from tiercache.backend_kind import BackendKind
-from tiercache.device.events import DEVICE_ERRORS, Event, Stream
+from tiercache.device.events import Event, Stream
+from tiercache.errors import BackendError
 from tiercache.native.codes import Outcome
 from tiercache.specs import Direction, TransferSpec
 
@@ -89,5 +90,5 @@ def order_only(stream: Stream, previous: Event | None, end: Event, what: str) ->
         if previous is not None:
             stream.wait_event(previous)
         end.record(stream)
-    except DEVICE_ERRORS as e:
+    except BackendError as e:
         log.error("%s: its end could not be recorded in order either: %s", what, e)

@@ -24,9 +24,9 @@ import logging
 from typing import cast
 
 from tiercache.backends.base import CopyBackend, Ordering
-from tiercache.device.events import DEVICE_ERRORS, Event, Stream
+from tiercache.device.events import Event, Stream
 from tiercache.device.streams import StreamPlatform
-from tiercache.errors import SpecError
+from tiercache.errors import BackendError, SpecError
 from tiercache.native.codes import Outcome, TransferCode
 from tiercache.planning.planner import PlanBuffers, TransferPlanner
 from tiercache.planning.plans import PlanForm
@@ -73,13 +73,13 @@ class PlannedPath(TransferPath):
         if not code:
             try:  # the compute stream's work so far: the transfer starts after it
                 self._streams.mark_current(mark)
-            except DEVICE_ERRORS as e:
+            except BackendError as e:
                 self._log_refusal(job_id, plan.num_bytes, e)
                 code = TransferCode.MARK_FAILED
         ordering = Ordering(stream, (None if code else mark, previous), start, end)
         try:  # the backend records ``end`` in order whatever happens (later transfers wait on it)
             token = self.backend.submit(None if code or plan.empty else plan, ordering)
-        except DEVICE_ERRORS as e:
+        except BackendError as e:
             self._log_refusal(job_id, plan.num_bytes, e)
             order_only(stream, previous, end, f"{direction.label} job {job_id}")
             return Outcome(TransferCode.SUBMIT_FAILED, 0, plan.num_bytes, None, (None, buffers))

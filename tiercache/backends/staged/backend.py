@@ -88,7 +88,7 @@ from tiercache.backends.triton_copy import CopyKernel, upload_table
 from tiercache.device.driver import (
     CudaDriver, DescriptorArrays, SrcAccessOrder, device_index,
 )
-from tiercache.device.events import Stream, event_handle
+from tiercache.device.events import TORCH_DEVICE_ERRORS, Stream, event_handle
 from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
 from tiercache.planning.geometry import TransferGeometry
@@ -259,10 +259,16 @@ class StagedBackend(StreamBackend[Plan]):
         return Submission((plan,), ticket)
 
     def copy(self, plan: Plan, stream: Stream) -> tuple[object, ...]:
-        """A page plan, or a block plan without the chunk loop, from Python."""
-        if isinstance(plan, BlockPlan):
-            return self._copy_blocks(plan, stream)
-        return self._copy_pages(plan, stream)
+        """A page plan, or a block plan without the chunk loop, from Python (torch's
+        pinned tables and Triton's launches: a device failure under them is re-raised as
+        ``BackendError``)."""
+        try:
+            if isinstance(plan, BlockPlan):
+                return self._copy_blocks(plan, stream)
+            return self._copy_pages(plan, stream)
+        except TORCH_DEVICE_ERRORS as e:
+            raise BackendError(f"staged copy of a {type(plan).__name__} could not be "
+                               f"submitted: {e}") from e
 
     # ------------------------------------------------------------ issue from Python
     def _copy_pages(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
