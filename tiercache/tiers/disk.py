@@ -50,11 +50,12 @@ Rows = Callable[[int], list[memoryview]]  # a host slot -> its rows, one per ran
 
 class DiskTier(LowerTier):
     """See the module docstring. ``rows(slot)`` gives a host slot's rows, one writable
-    memoryview per rank, in the coordinator's mapping."""
+    memoryview per rank, in the coordinator's mapping. ``io_threads`` is ``DiskConfig``'s
+    (``disk.io_threads``, where its default lives), passed by ``builders``."""
 
     source = BlockSource.DISK
 
-    def __init__(self, file: DiskSlotFile, rows: Rows, *, io_threads: int = 8,
+    def __init__(self, file: DiskSlotFile, rows: Rows, *, io_threads: int,
                  low_watermark: float = 0.1, queue_blocks: int = 256, max_errors: int = 3,
                  down_s: float = 10.0, stop_timeout_s: float = 5.0,
                  log_interval_s: float = 10.0):
