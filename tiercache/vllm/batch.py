@@ -53,7 +53,7 @@ class LeaseAnswer(NamedTuple):
 
     num_hit: int
     pending: bool
-    slot_ids: Sequence[FencedSlot]
+    slots: Sequence[FencedSlot]
     reserved: Sequence[tuple[bytes, FencedSlot]] = ()
     skipped: Sequence[bytes] = ()
     no_room: Sequence[bytes] = ()

@@ -16,10 +16,12 @@ def always(key: bytes) -> bool:
 
 
 class Held:
-    __slots__ = ("slot_id", "refs", "source")
+    """One key the book holds: its fenced slot (id, generation, region), the refs on it."""
 
-    def __init__(self, slot_id: FencedSlot, source: BlockSource = BlockSource.HOST):
-        self.slot_id = slot_id
+    __slots__ = ("slot", "refs", "source")
+
+    def __init__(self, slot: FencedSlot, source: BlockSource = BlockSource.HOST):
+        self.slot = slot
         self.refs = 0
         self.source = source  # the tier it was promoted from (vLLM's load source)
 

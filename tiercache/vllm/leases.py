@@ -147,7 +147,7 @@ class LeaseBook:
         keys = list(keys)
         held_map = self.held
         try:
-            slots = [held_map[key].slot_id for key in keys]
+            slots = [held_map[key].slot for key in keys]
         except KeyError as e:
             raise StateError(
                 f"prepare_load: key {e.args[0]!r} of request {request.req_id} was never "
@@ -331,13 +331,13 @@ class LeaseBook:
                 continue
             self._file_reservations(request, answer)
             promoted = dict(zip(answer.promoted, answer.sources, strict=True))
-            for i, (key, slot_id) in enumerate(zip(leased, answer.slot_ids, strict=True)):
+            for i, (key, slot) in enumerate(zip(leased, answer.slots, strict=True)):
                 held = self.held.get(key)
                 if held is None:
-                    held = self.held[key] = Held(slot_id, promoted.get(i, BlockSource.HOST))
-                elif held.slot_id != slot_id:
-                    raise StateError(f"key {key!r} is held at slot {held.slot_id}, but its "
-                                     f"lease says slot {slot_id}")
+                    held = self.held[key] = Held(slot, promoted.get(i, BlockSource.HOST))
+                elif held.slot != slot:
+                    raise StateError(f"key {key!r} is held at slot {held.slot}, but its "
+                                     f"lease says slot {slot}")
                 if key not in request.leased:
                     held.refs += 1
                     request.leased[key] = None
