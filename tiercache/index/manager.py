@@ -191,8 +191,7 @@ class OffloadingManager(OwnerVerbs):
                 holdings = table.holdings_of(owner)
                 hits = self._caps.pinnable_run(keys, run, owner, holdings)
                 del run[hits:]
-                for key, slot in zip(keys, run):
-                    table.pin(slot, key, owner, holdings, reuse=True)
+                table.pin(run, keys[:hits], owner, holdings, reuse=True)
                 table.mirror_pins(run)
                 table.tidy(owner, holdings)
                 if hits:  # a lease is an access (vLLM never touches)
@@ -219,11 +218,9 @@ class OffloadingManager(OwnerVerbs):
             holdings = table.holdings.get(owner)
             if holdings is None:
                 return 0
-            dropped = 0
             mine = list(set(keys) & holdings.pinned)
-            unpinned = [table.held(key, "release") for key in mine]
-            for key, slot in zip(mine, unpinned):
-                dropped += table.unpin(slot, key, owner, holdings, None)
+            unpinned = table.slots(mine)
+            dropped = table.unpin(unpinned, mine, owner, holdings, None)
             table.mirror_pins(unpinned)
             table.tidy(owner, holdings)
             return dropped
@@ -254,8 +251,7 @@ class OffloadingManager(OwnerVerbs):
             except SessionLimitError:
                 self._counters["session_limit_rejections"] += 1
                 raise
-            for key, slot in zip(keys, slots):
-                table.pin(slot, key, owner, holdings, reuse=owner != TIER_OWNER)
+            table.pin(slots, keys, owner, holdings, reuse=owner != TIER_OWNER)
             table.mirror_pins(slots)
         return table.spec(slots)
 
@@ -274,8 +270,7 @@ class OffloadingManager(OwnerVerbs):
                         "complete_load needs a prepare_load of the same session")
             if slots:
                 holdings = table.holdings[owner]
-                for key, slot in zip(keys, slots):
-                    table.unpin(slot, key, owner, holdings, 1)
+                table.unpin(slots, keys, owner, holdings, 1)
                 table.mirror_pins(slots)
                 table.tidy(owner, holdings)
 

@@ -69,9 +69,8 @@ class OwnerVerbs:
                 freed = len(holdings.writing)
                 table.free_writing(list(holdings.writing))
                 keys = list(holdings.pinned)
-                pinned = [table.held(key, "end_session") for key in keys]
-                for key, slot in zip(keys, pinned):
-                    dropped += table.unpin(slot, key, owner, None, None)
+                pinned = table.slots(keys)
+                dropped = table.unpin(pinned, keys, owner, None, None)
                 table.mirror_pins(pinned)
             self._caps.forget(owner)
             counters = self._counters

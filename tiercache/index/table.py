@@ -100,6 +100,10 @@ class SlotTable:
         """The keys these slots hold (every one holds a key: not FREE)."""
         return cast(list[bytes], [self.key_of[s] for s in slots])
 
+    def slots(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of held keys (readable or not)."""
+        return [v if v >= 0 else ~v for v in map(self.slot_of.__getitem__, keys)]
+
     def held(self, key: bytes, verb: str) -> int:
         if type(key) is not bytes:
             check_keys([key], verb)
@@ -171,34 +175,48 @@ class SlotTable:
         held = self.pins.get(slot)
         return 0 if held is None else held.get(owner, 0)
 
-    def pin(self, slot: int, key: bytes, owner: int, holdings: Holdings, reuse: bool) -> None:
-        held = self.pins.get(slot)
-        if held is None:
-            held = self.pins[slot] = {}
-            self.move(slot, _LOADING)
-        held[owner] = held.get(owner, 0) + 1
-        if reuse:
-            self.flags[slot] |= _REUSED
-        holdings.pinned.add(key)
+    def pin(self, slots: Sequence[int], keys: Sequence[bytes], owner: int, holdings: Holdings,
+            reuse: bool) -> None:
+        """One pin of ``owner`` on each slot (readable; holding ``keys``, co-indexed)."""
+        pins, state, flags, counts = self.pins, self.state, self.flags, self.num_by_state
+        for slot in slots:
+            held = pins.get(slot)
+            if held is None:
+                pins[slot] = {owner: 1}
+                counts[state[slot]] -= 1
+                counts[_LOADING] += 1
+                state[slot] = _LOADING
+            else:
+                held[owner] = held.get(owner, 0) + 1
+            if reuse:
+                flags[slot] |= _REUSED
+        holdings.pinned.update(keys)
 
-    def unpin(self, slot: int, key: bytes, owner: int, holdings: Holdings | None,
-              times: int | None) -> int:
-        """Drop ``times`` pins (None: all) of ``owner``; the caller checked there are enough.
-        A doomed slot whose last pin goes is freed."""
-        held = self.pins[slot]
-        count = held[owner]
-        dropped = count if times is None else times
-        if dropped == count:
-            del held[owner]
-            if holdings is not None:
-                holdings.pinned.discard(key)
-        else:
-            held[owner] = count - dropped
-        if not held:
-            del self.pins[slot]
-            self.move(slot, _READY)
-            if self.flags[slot] & _DOOMED:
-                self.drop_doomed(slot)
+    def unpin(self, slots: Sequence[int], keys: Sequence[bytes], owner: int,
+              holdings: Holdings | None, times: int | None) -> int:
+        """Drop ``times`` pins (None: all) of ``owner`` from each slot (holding ``keys``,
+        co-indexed); the caller checked there are enough. A doomed slot whose last pin
+        goes is freed. How many pins were dropped."""
+        pins, state, counts = self.pins, self.state, self.num_by_state
+        dropped = 0
+        for slot, key in zip(slots, keys):
+            held = pins[slot]
+            count = held[owner]
+            drop = count if times is None else times
+            dropped += drop
+            if drop == count:
+                del held[owner]
+                if holdings is not None:
+                    holdings.pinned.discard(key)
+            else:
+                held[owner] = count - drop
+            if not held:
+                del pins[slot]
+                counts[_LOADING] -= 1
+                counts[_READY] += 1
+                state[slot] = _READY
+                if self.flags[slot] & _DOOMED:
+                    self.drop_doomed(slot)
         return dropped
 
     def mirror_pins(self, slots: Sequence[int]) -> None:

@@ -184,13 +184,16 @@ class IndexLedger:
             return
         owners = np.zeros((n, PIN_OWNERS), np.uint16)
         counts = np.zeros((n, PIN_OWNERS), np.uint16)
+        rows: list[int] = []
+        cols: list[int] = []
         for row, held in enumerate(holders):
             if len(held) > PIN_OWNERS:
                 raise ValueError(f"slot {slot_ids[row]} pinned by {len(held)} sessions; the "
                                  f"ledger records at most {PIN_OWNERS}")
-            for col, (owner, count) in enumerate(held.items()):
-                owners[row, col] = owner
-                counts[row, col] = min(count, 0xFFFF)
+            rows += [row] * len(held)
+            cols += range(len(held))
+        owners[rows, cols] = [owner for held in holders for owner in held]
+        counts[rows, cols] = np.minimum([c for held in holders for c in held.values()], 0xFFFF)
         self._rewrite(slot_ids, (("pin_owner", owners), ("pin_count", counts)))
 
     def free(self, slot_ids: Sequence[int] | np.ndarray) -> None:
