@@ -4,7 +4,7 @@ For each geometry (one dense tensor per layer, 256 scattered blocks, staged's 32
 chunks) prints: the host time of one launch on the public Triton path and on the
 compiled launcher (``BlockKernel(compiled_launch=True)``), the host time of one
 ``PairTables.upload``, and the GPU time and HBM bandwidth (bytes read + written) of
-packing and unpacking one full chunk. Usage: ``python scripts/block_kernel_probe.py``.
+packing and unpacking one full chunk. Usage: ``python benchmarks/block_kernel_probe.py``.
 """
 
 from __future__ import annotations

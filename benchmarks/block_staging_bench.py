@@ -6,7 +6,7 @@ its first driver call). Block-level: ``group_work`` (the planner's validation) +
 ``BlockStaging.layout`` + the DMAs' absolute slot addresses. Addresses are numbers
 (nothing is copied), slots and GPU blocks scattered as an index and an allocator hand
 them out; ``load/w``: ``load_whole_rows`` (a load reads whole row images: one DMA per row
-even where a row is partly needed). Usage: ``python scripts/block_staging_bench.py [reps]``.
+even where a row is partly needed). Usage: ``python benchmarks/block_staging_bench.py [reps]``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ faults, voluntary context switches (it blocked: a lock, a futex) and involuntary
 was preempted), and steal time of the whole machine (``/proc/stat``) over each run.
 
 Modes: ``busy`` (another Python thread runs in bursts, as the bench) and ``quiet``.
-Usage: ``python scripts/call_tail_probe.py [--page-kib 32] [--steps 300] [--json F]``.
+Usage: ``python benchmarks/call_tail_probe.py [--page-kib 32] [--steps 300] [--json F]``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from engine_call_profile import PerCallSpans  # noqa: E402  (scripts/ is on sys.path when run)
+from engine_call_profile import PerCallSpans  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction

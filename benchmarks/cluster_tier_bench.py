@@ -1,6 +1,6 @@
 """Cluster tier throughput against Mooncake Store's own batch put/get, measured in one run.
 
-    PYTHONPATH=. python3 scripts/cluster_tier_bench.py [--blocks 128] [--block-mib 2]
+    PYTHONPATH=. python3 benchmarks/cluster_tier_bench.py [--blocks 128] [--block-mib 2]
         [--protocol tcp] [--publish-threads N] [--promote-threads N] [--json PATH]
 
 Starts a ``mooncake_master`` on loopback (free ports; its HTTP metadata server in the same

@@ -24,7 +24,7 @@ Shapes (the largest the protocol lets through, ``--lists`` to pick another size)
 The hostile clients speak the wire protocol directly (a client library would refuse or
 split what a hostile process sends in one frame).
 
-Usage: ``PYTHONPATH=. python scripts/control_fairness_bench.py [--shape empty_lists]
+Usage: ``PYTHONPATH=. python benchmarks/control_fairness_bench.py [--shape empty_lists]
 [--hostile 1] [--depth 1] [--seconds 10] [--json F]``.
 """
 

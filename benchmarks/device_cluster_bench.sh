@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The cluster tier's benchmark (scripts/cluster_tier_bench.py: a mooncake_master on loopback,
+# The cluster tier's benchmark (benchmarks/cluster_tier_bench.py: a mooncake_master on loopback,
 # two nodes in one process, Mooncake's own batch put/get as the ceiling) on a host with no
 # internet and Python 3.12 (the GPU machine's host). Run from the repo root:
 #
-#   carry [".whl", ".debs"], command: bash scripts/device_cluster_bench.sh
+#   carry [".whl", ".debs"], command: bash benchmarks/device_cluster_bench.sh
 #   (RUNS=3 BLOCKS=512 BENCH_ARGS="..." override; results under $OUT)
 #
 # What it expects in the repo root (both ignored by git, made on the development VM):
@@ -87,7 +87,7 @@ log "Mooncake loads; $RUNS run(s) of the bench, --blocks $BLOCKS $BENCH_ARGS"
 rc=0
 for i in $(seq 1 "$RUNS"); do
   echo "== run $i" >>"$OUT/bench.txt"
-  timeout 170 $PY scripts/cluster_tier_bench.py --blocks "$BLOCKS" $BENCH_ARGS \
+  timeout 170 $PY benchmarks/cluster_tier_bench.py --blocks "$BLOCKS" $BENCH_ARGS \
       --json "$OUT/cluster_tier_host_$i.json" >>"$OUT/bench.txt" 2>>"$OUT/bench_progress.log" \
     || { rc=$?; log "run $i failed (exit $rc); last lines:"; tail -5 "$OUT/bench_progress.log"; }
 done

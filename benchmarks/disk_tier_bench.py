@@ -1,6 +1,6 @@
 """Disk tier throughput against the same disk's raw O_DIRECT rate, measured in one run.
 
-    PYTHONPATH=. python3 scripts/disk_tier_bench.py --dir /some/local/dir [--blocks 256]
+    PYTHONPATH=. python3 benchmarks/disk_tier_bench.py --dir /some/local/dir [--blocks 256]
 
 Raw (the ceiling): O_DIRECT ``pwritev``/``preadv`` from page-aligned buffers, large
 sequential (16 MiB per call, one thread) and 2 MiB random (``--threads`` threads at queue

@@ -4,7 +4,7 @@ default backend (GPU machine; not a test). Output feeds docs/benchmarks.md ("Hos
 The bench's default workload (64 tensors x 32 KiB, 256 scattered blocks): the steps of a
 staged block transfer timed alone (median of REPS), then cProfile over whole
 ``transfer_async`` calls of a 256-block store and of a one-block load (the device drained
-between calls). Usage: ``python scripts/engine_call_profile.py [backend]``.
+between calls). Usage: ``python benchmarks/engine_call_profile.py [backend]``.
 """
 
 from __future__ import annotations

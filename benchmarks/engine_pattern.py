@@ -1,7 +1,7 @@
 """The engine's pattern (``tiercache.tools.bench.engine``) alone, for before/after runs of
 two checkouts on one machine (GPU machine; not a test).
 
-Usage: ``PYTHONPATH=<checkout> python scripts/engine_pattern.py [--page-kib 16 32 64]
+Usage: ``PYTHONPATH=<checkout> python benchmarks/engine_pattern.py [--page-kib 16 32 64]
 [--steps 40] [--backend auto] [--json FILE]``. The checkout needs
 ``tiercache/tools/bench/engine.py`` (copy it into an older one). Prints the ceiling and
 one line per workload; every figure goes to the JSON.

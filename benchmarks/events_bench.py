@@ -8,7 +8,7 @@ as it can; with the stream on, a subscriber (pyzmq + msgspec, the wire vLLM's su
 read) counts what arrives. Reported per mode: lookups/s, stores/s, events/s published (the
 coordinator's ``tiercache_events_published_total``) and received.
 
-    PYTHONPATH=. python3 scripts/events_bench.py --rounds 3 --seconds 5
+    PYTHONPATH=. python3 benchmarks/events_bench.py --rounds 3 --seconds 5
 """
 
 from __future__ import annotations

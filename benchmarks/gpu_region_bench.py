@@ -2,7 +2,7 @@
 ranks (each its own slice, in its own process), next to one large pinned copy measured in the
 same run. Prints a table; writes JSON to $OUT when set.
 
-    PYTHONPATH=. python3 scripts/gpu_region_bench.py [--gib 16] [--threads 16]
+    PYTHONPATH=. python3 benchmarks/gpu_region_bench.py [--gib 16] [--threads 16]
 """
 
 import argparse

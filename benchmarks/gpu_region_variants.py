@@ -1,6 +1,6 @@
 """Where does region set-up time go? Variants of (coordinator fallocate, coordinator pre-fault,
 worker pre-fault of its own slice) followed by each of 2 ranks pinning its 8 GiB slice, each
-variant run twice, in an interleaved order. Usage: PYTHONPATH=. python3 scripts/gpu_region_variants.py
+variant run twice, in an interleaved order. Usage: PYTHONPATH=. python3 benchmarks/gpu_region_variants.py
 """
 
 import mmap

@@ -5,7 +5,7 @@ the same run (issue 31). It runs where SGLang is not installed (the GPU machine'
 the path is host to host), so the copy path's ratio to the ceiling can be read on a machine
 with more cores than the development VM.
 
-    PYTHONPATH=. python3 scripts/host_copy_bench.py --out DIR [--pages 64] [--reps 7]
+    PYTHONPATH=. python3 benchmarks/host_copy_bench.py --out DIR [--pages 64] [--reps 7]
 
 Per call, as the backend does it: ``prepare_store`` of ``--pages`` fresh keys, the fenced
 store copy (``HostTransfer.store``: the engine pages' K and V blobs into the reserved rows),

@@ -3,7 +3,7 @@ test): planning (``TransferPlanner.block_plan``, validated in C) and queueing to
 loop (``ChunkLoop.submit``), the loop's driver calls being C functions that do nothing.
 The bench's default workload (64 tensors x 32 KiB, 256 scattered blocks); medians of REPS
 calls, warm (back to back) and cold (after the CPU wrote 256 MiB). Usage:
-``python scripts/host_path_cpu.py``. For the shape of the Python around the C, not for
+``python benchmarks/host_path_cpu.py``. For the shape of the Python around the C, not for
 figures of a GPU machine.
 """
 

@@ -3,7 +3,7 @@
 The bench's default workload (64 tensors x 32 KiB, 256 scattered blocks, 16 chunks of 32
 MiB): each step of ``StagedBackend.submit`` (the Python block path) timed alone (median of REPS, the
 stream drained between calls), then cProfile over whole calls. Output feeds
-docs/benchmarks.md. Usage: ``python scripts/host_path_profile.py``.
+docs/benchmarks.md. Usage: ``python benchmarks/host_path_profile.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 pinned copies (the ceiling's) and ``auto`` on the bench's 32 KiB workloads, then the
 matmul-beside figure. Run it in several processes to see whether a "low mode" (both ways
 at ~0.55 of the both-ways ceiling on every rep) is a property of a process. Usage:
-``python scripts/low_mode_probe.py [tensors ...]``."""
+``python benchmarks/low_mode_probe.py [tensors ...]``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ then runs ``matmul_beside_copies`` (the bench's ``--matmul`` figure) and, with
 block; wall clock through the real handlers); the settings alternate round by round so
 that the card's drift hits all of them.
 
-Usage: ``python scripts/matmul_sweep.py [--rounds 3] [--iters 40] [--settings none/4 256/4]
+Usage: ``python benchmarks/matmul_sweep.py [--rounds 3] [--iters 40] [--settings none/4 256/4]
 [--engine] [--page-kib 32] [--json F]`` (a setting is ``max_programs/num_warps``, ``none``: one program per
 (pair, tensor)).
 """

@@ -11,7 +11,7 @@ one-block loads, alternated the same way (call to result, spin-polled). Last, th
 path with its parts timed per call (wrapping adds ~1 µs a span), the native call's own
 steps from the clock it reads between them (``ChunkLoop.transfer_spans``).
 
-Usage: ``python scripts/native_call_ab.py [--page-kib 16 32 64] [--steps 200] [--json F]``.
+Usage: ``python benchmarks/native_call_ab.py [--page-kib 16 32 64] [--steps 200] [--json F]``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from engine_call_profile import PerCallSpans  # noqa: E402  (scripts/ is on sys.path when run)
+from engine_call_profile import PerCallSpans  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 from tiercache.device.streams import CudaStreams
 from tiercache.specs import Direction

@@ -4,13 +4,13 @@ N-GPU, two-socket host (GPU machine; ``--device cpu`` runs the same plumbing any
 Writes into OUT_DIR: the host's topology (``nvidia-smi topo -m``, ``numactl -H`` or the
 sysfs node list where numactl is missing, the GPUs' PCI ids and links), the plain pinned
 copy ceilings on N GPUs at once with host buffers placed local and remote
-(scripts/numa_copy_ceiling.py), ``tiercache demo --bench --ranks N`` with
+(benchmarks/numa_copy_ceiling.py), ``tiercache demo --bench --ranks N`` with
 ``region.numa_placement`` on and off (each its own coordinator, so each its own region
 and fallocate), and report.md: per direction the aggregate of each run against the
 local-placement ceiling (target >= 0.9 with placement on), the ranks' placement (node,
 local fraction) and the wrong blocks (target 0).
 
-    PYTHONPATH=. python3 scripts/numa_bench.py OUT_DIR [--ranks 8] [--requests 200]
+    PYTHONPATH=. python3 benchmarks/numa_bench.py OUT_DIR [--ranks 8] [--requests 200]
         [--bench-blocks 256] [--bench-reps 20] [--capacity 32GiB] [--device cuda]
 """
 

@@ -1,6 +1,6 @@
 """Plain pinned copies on N GPUs at once, each GPU's host buffer placed on its own NUMA node
 ("local") or on another node ("remote"): the ceiling tiercache's ranks are compared with
-(GPU machine; not a test). Issue 34's measurement; run by scripts/numa_bench.py.
+(GPU machine; not a test). Issue 34's measurement; run by benchmarks/numa_bench.py.
 
 One process per GPU (spawn). Each maps an anonymous host buffer, binds it to the chosen
 node before touching it (``mbind`` MPOL_PREFERRED, then a pre-fault), counts where its
@@ -10,7 +10,7 @@ First GPU 0 alone, then every GPU at once; a GPU's rate is its bytes over its ow
 time, the aggregate all bytes over the union of the windows (CLOCK_MONOTONIC is one clock
 for the host's processes), as ``tiercache demo --bench`` counts.
 
-    PYTHONPATH=. python3 scripts/numa_copy_ceiling.py --gpus 8 --placement local \
+    PYTHONPATH=. python3 benchmarks/numa_copy_ceiling.py --gpus 8 --placement local \
         [--mib 1024] [--reps 10] [--json PATH]
 """
 

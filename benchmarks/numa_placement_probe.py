@@ -10,7 +10,7 @@ node the coordinator planned for rank r. Also: how much ``Shmem`` grew at
 them sees them (``move_pages`` before and after its pre-fault), and the time to count a
 slice's pages with ``move_pages`` (threads) against reading ``/proc/self/numa_maps``.
 
-    PYTHONPATH=. python3 scripts/numa_placement_probe.py [--gib 4] [--ranks 2] [--threads 2]
+    PYTHONPATH=. python3 benchmarks/numa_placement_probe.py [--gib 4] [--ranks 2] [--threads 2]
         [--json PATH]
 """
 

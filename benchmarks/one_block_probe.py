@@ -20,7 +20,7 @@ seen when it is there), or ``_quiet`` (no other Python thread). Controls, same s
 one plain torch copy of the block's bytes (the floor of "call, copy, see it"; its GPU time
 beside), and a Python no-op of the call's length (the host's own noise at p99).
 
-Usage: ``python scripts/one_block_probe.py [--page-kib 16 32] [--steps 300] [--json F]``.
+Usage: ``python benchmarks/one_block_probe.py [--page-kib 16 32] [--steps 300] [--json F]``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fill their histograms, then measures, idle and while every worker copies in a lo
   * client side: GET /metrics as Prometheus sends it (gzip), N times;
   * Prometheus side: ``scrape_duration_seconds`` of a real Prometheus scraping at 1 s.
 
-    .venv/bin/python scripts/scrape_bench.py [--gets 300] [--scrapes 30]
+    .venv/bin/python benchmarks/scrape_bench.py [--gets 300] [--scrapes 30]
 
 Not a test: the numbers go to docs/benchmarks.md ("Observability (issue 5)").
 """

@@ -1,7 +1,7 @@
 """SGLang backend benchmark (issue 31): one command, results written to a directory.
 
     PYTHONPATH=.:tests/sglang:tests/sglang/stubs .venv-sglang/bin/python \
-        scripts/sglang_bench.py --out DIR [--pages 64] [--page-size 64] [--reps 5]
+        benchmarks/sglang_bench.py --out DIR [--pages 64] [--page-size 64] [--reps 5]
 
 Measured in one run, on SGLang 0.5.23's real host pool and controller call path (the
 controller's ``page_set_func`` / ``page_get_func``, i.e. ``_page_set_zero_copy`` ->

@@ -9,7 +9,7 @@ engines starting each repetition together (a barrier), against the same-run ceil
 512 MiB pinned copy each way, in the parent before the engines start); every loaded block
 is compared with what was stored. Usage:
 
-    python scripts/shared_rank_bench.py [--engines 2] [--page-kib 32] [--tensors 64]
+    python benchmarks/shared_rank_bench.py [--engines 2] [--page-kib 32] [--tensors 64]
         [--blocks 256] [--reps 8] [--backend auto]
 """
 

@@ -15,7 +15,7 @@ hits both:
   the zero-copy kernel's programs take from the model).
 
 The one-way ceiling (one large pinned copy) is measured in the same run.
-Usage: ``python scripts/zero_copy_probe.py [--page-kib 16 32 64] [--reps 40] [--json F]``.
+Usage: ``python benchmarks/zero_copy_probe.py [--page-kib 16 32 64] [--reps 40] [--json F]``.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ padded layout needs only part of it, at the cost of reading bytes it does not un
 load may read one row twice (repeated CPU ids). The pages of a chunk lie inside that
 chunk's DMAs, so the kernel and the copy engines only need to agree per chunk.
 
-Host cost (scripts/block_staging_bench.py, docs/results/block_staging_cpu.txt): a
+Host cost (benchmarks/block_staging_bench.py, docs/results/block_staging_cpu.txt): a
 few dozen numpy calls on arrays of pairs or rows, whatever the tensor count.
 """
 

@@ -146,7 +146,7 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
     from tiercache.transfer.wiring import build_handlers
 
     handlers = build_handlers(plans.planner, built, CudaStreams(rig.device))
-    # (scripts/engine_pattern.py runs this module on older trees too, whose handlers have
+    # (benchmarks/engine_pattern.py runs this module on older trees too, whose handlers have
     # no native path)
     native = [getattr(handlers.handler(d), "native", False) for d in (G2C, C2G)]
     jobs = iter(range(1, 1 << 30))

@@ -244,7 +244,7 @@ class GpuRig:
 
 def probe_rig(reps: int = 5) -> tuple[GpuRig, dict[str, float]]:
     """A rig on GPU 0 of ``TRANSFER_BYTES`` transfers, its ceiling measured (best of
-    ``2 * reps``) and printed: how the probes in ``scripts/`` start."""
+    ``2 * reps``) and printed: how the probes in ``benchmarks/`` start."""
     from tiercache.tools.bench.workloads import TRANSFER_BYTES
 
     rig = GpuRig(0, TRANSFER_BYTES)
