@@ -56,6 +56,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -79,6 +80,7 @@ _FIELDS = RECORD.fields
 assert RECORD_BYTES == 336 and RECORD_BYTES % 8 == 0 and _FIELDS is not None
 _WORDS = RECORD_BYTES // 8
 _BODY = slice(1, _FIELDS["checksum"][1] // 8)  # the words the checksum covers
+_NAMES = tuple(_FIELDS)
 
 
 class LedgerState(IntEnum):
@@ -130,6 +132,7 @@ class IndexLedger:
         if buffer.ctypes.data % 8:
             raise ValueError(f"ledger buffer at {buffer.ctypes.data:#x} is not 8-byte aligned")
         self._table = buffer.view(RECORD)
+        self._fields = {name: self._table[name] for name in _NAMES}  # views, made once
         self._words = buffer.view(np.uint64).reshape(-1, _WORDS)
         self._next_stamp = 1
 
@@ -182,18 +185,18 @@ class IndexLedger:
         n = len(slot_ids)
         if not n:
             return
+        sizes = np.fromiter(map(len, holders), np.int64, n)
+        if (over := np.flatnonzero(sizes > PIN_OWNERS)).size:
+            row = int(over[0])
+            raise ValueError(f"slot {slot_ids[row]} pinned by {sizes[row]} sessions; the "
+                             f"ledger records at most {PIN_OWNERS}")
+        rows = np.repeat(np.arange(n), sizes)  # holder i's entries go to row i, columns 0..
+        cols = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         owners = np.zeros((n, PIN_OWNERS), np.uint16)
         counts = np.zeros((n, PIN_OWNERS), np.uint16)
-        rows: list[int] = []
-        cols: list[int] = []
-        for row, held in enumerate(holders):
-            if len(held) > PIN_OWNERS:
-                raise ValueError(f"slot {slot_ids[row]} pinned by {len(held)} sessions; the "
-                                 f"ledger records at most {PIN_OWNERS}")
-            rows += [row] * len(held)
-            cols += range(len(held))
-        owners[rows, cols] = [owner for held in holders for owner in held]
-        counts[rows, cols] = np.minimum([c for held in holders for c in held.values()], 0xFFFF)
+        owners[rows, cols] = np.fromiter(chain.from_iterable(holders), np.int64, rows.size)
+        counts[rows, cols] = np.minimum(np.fromiter(
+            chain.from_iterable(held.values() for held in holders), np.int64, rows.size), 0xFFFF)
         self._rewrite(slot_ids, (("pin_owner", owners), ("pin_count", counts)))
 
     def free(self, slot_ids: Sequence[int] | np.ndarray) -> None:
@@ -220,7 +223,7 @@ class IndexLedger:
                 for name, values in body))
 
     def _rewrite_chunk(self, ids: np.ndarray, body: tuple[tuple[str, object], ...]) -> None:
-        odd = (self._table["seq"][ids] | 1).astype(np.uint64)
+        odd = (self._fields["seq"][ids] | 1).astype(np.uint64)
         self._store("seq", ids, odd)
         for name, values in body:
             self._store(name, ids, values)
@@ -229,7 +232,7 @@ class IndexLedger:
         self._store("seq", ids, odd + 1)
 
     def _store(self, name: str, ids: np.ndarray, values: object) -> None:
-        self._table[name][ids] = values
+        self._fields[name][ids] = values
 
     # ------------------------------------------------------------------ recovery
     def check(self, ids: np.ndarray | None = None) -> np.ndarray:

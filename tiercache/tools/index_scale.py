@@ -10,7 +10,8 @@ For each capacity ``N`` (``python -m tiercache.tools.index_bench --slots 100000,
   shared memory, not counted) with every slot READY; per slot, its growth over the
   ``BASE_SLOTS`` coordinator of the same run (the interpreter's fixed cost) divided by ``N``;
 * **rates**: 64-key ``lookup`` calls, and ``lease`` + ``release`` cycles, from
-  ``clients`` processes in closed loop, each over random 64-key runs of the stored keys;
+  ``clients`` processes in closed loop, each over random 64-key runs of the stored keys
+  (the best of ``RATE_RUNS`` runs);
 * **recovery**: the coordinator SIGKILLed with every slot READY and started again, to
   its first answer, then until every key was looked up as a hit;
 * **reset**: one ``reset`` of the full index, as a client waits for it.
@@ -46,6 +47,7 @@ FILL_BATCH = 4096  # keys per prepare_store while filling
 BATCH_KEYS = 64  # keys per timed lookup or lease: a request's blocks
 BATCHES_PER_CLIENT = 256  # distinct runs each timed client cycles through
 BASE_SLOTS = 4096  # the reference capacity: rates and the fixed memory cost
+RATE_RUNS = 3  # rates are the best of this many runs
 START_TIMEOUT_S = 600.0
 _POLL_S = 0.002
 
@@ -209,6 +211,14 @@ def _verbs(client: Client) -> dict[str, Callable[[list[bytes]], None]]:
     return {"lookup": lookup, "lease": lease}
 
 
+def _best_rate(socket_path: str, num_slots: int, verb: str, num_clients: int,
+               num_calls: int) -> float:
+    """The best of ``RATE_RUNS`` runs of ``_rate``: on a shared machine a run is only ever
+    slowed by others, so the best is the one they disturbed least."""
+    return max(_rate(socket_path, num_slots, verb, num_clients, num_calls)
+               for _ in range(RATE_RUNS))
+
+
 def _rate(socket_path: str, num_slots: int, verb: str, num_clients: int, num_calls: int
           ) -> float:
     """Calls (or lease + release cycles) per second of ``num_clients`` closed loops."""
@@ -263,10 +273,10 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
             fill_s = time.perf_counter() - t0
             rss_full = rss_anon_bytes(coordinator.pid)
             say(f"  {num_slots}: filled in {fill_s:.2f} s, RssAnon {rss_full / 2**20:.0f} MiB")
-            lookup_rate = _rate(coordinator.socket_path, num_slots, "lookup", num_clients,
-                                num_calls)
-            lease_rate = _rate(coordinator.socket_path, num_slots, "lease", num_clients,
-                               num_calls)
+            lookup_rate = _best_rate(coordinator.socket_path, num_slots, "lookup", num_clients,
+                                     num_calls)
+            lease_rate = _best_rate(coordinator.socket_path, num_slots, "lease", num_clients,
+                                    num_calls)
             say(f"  {num_slots}: lookup {lookup_rate:,.0f}/s, lease {lease_rate:,.0f}/s")
             coordinator.kill()
             restart_s = coordinator.start()
