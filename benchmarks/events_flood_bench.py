@@ -1,15 +1,18 @@
 """Event peers that never read, and a replay flood: what they cost the coordinator.
 
 A real ``tiercache serve`` with ``[events]`` (PUB and replay ROUTER on loopback, the
-default ``hwm`` and ``replay_batches``). A paced storer keeps the stream busy (stores of
+default ``hwm``; ``--replay-batches`` small enough that the buffer is full before the
+baseline, so that what grows after is what the peers hold). A paced storer keeps the stream busy (stores of
 1024 new keys into a full cache, spread over ``--namespaces`` namespaces: each store evicts
 1024, ~2048 events, and each round publishes one small batch per namespace, the batches
 pyzmq copies), long enough first for the replay buffer to fill. Then, one after the other:
 
-* **quiet**: a client process calls 1-key ``lookup``s (a hit) every 2 ms and records each
-  call's latency: p50, p99;
+* **quiet** (the storer paused: the coordinator idle but for this, the buffer full): a
+  client process calls 1-key ``lookup``s (a hit) every 2 ms and records each call's
+  latency: p50, p99;
 * **replay flood**: the same, while ``--flooders`` processes each send a replay request
-  from sequence 0 as soon as the previous answer ended (they read everything);
+  from sequence 0 as soon as the previous answer ended (they read everything); quiet and
+  flood windows alternate for ``--rounds`` rounds, so both see the same machine load;
 * **never-read peers**: ``--replay-peers`` DEALERs that each send ``--requests`` replay
   requests and never read, ``--subscribers`` SUBs (RCVHWM 1) that never read and
   ``--raw-peers`` TCP sockets that send the ZMTP greeting and nothing else, held for
@@ -19,7 +22,7 @@ pyzmq copies), long enough first for the replay buffer to fill. Then, one after 
 A watchdog kills the coordinator if its RSS passes ``--rss-cap-mib`` (the machine is
 shared), and reports it.
 
-    PYTHONPATH=. .venv/bin/python scripts/events_flood_bench.py
+    PYTHONPATH=. .venv/bin/python benchmarks/events_flood_bench.py
 """
 
 from __future__ import annotations
@@ -96,11 +99,23 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def _storer(config: Config, num_namespaces: int, stores_per_s: float, stop) -> None:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _storer(config: Config, num_namespaces: int, stores_per_s: float, stop, paused) -> None:
     storers = Storers(config, num_namespaces)
     first = NUM_BLOCKS // STORE_KEYS
     n, t0 = 0, time.monotonic()
     while not stop.is_set():
+        if paused.is_set():
+            time.sleep(0.05)
+            n, t0 = 0, time.monotonic()
+            first += 1 << 20
+            continue
         storers.store(first + n)
         n += 1
         ahead = t0 + n / stores_per_s - time.monotonic()
@@ -219,16 +234,19 @@ def never_readers(context: zmq.Context, endpoint: str, replay: str, args) -> lis
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fill-s", type=float, default=20.0)
-    parser.add_argument("--namespaces", type=int, default=64,
+    parser.add_argument("--replay-batches", type=int, default=2000,
+                        help="events.replay_batches: full before the baseline is taken")
+    parser.add_argument("--namespaces", type=int, default=16,
                         help="batches per round: one per namespace, so small ones")
     parser.add_argument("--stores-per-s", type=float, default=14.0)
-    parser.add_argument("--seconds", type=float, default=10.0, help="each latency window")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each latency window")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flooders", type=int, default=2)
     parser.add_argument("--replay-peers", type=int, default=10)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--subscribers", type=int, default=20)
     parser.add_argument("--raw-peers", type=int, default=20)
-    parser.add_argument("--hold-s", type=float, default=15.0)
+    parser.add_argument("--hold-s", type=float, default=15.0, help="0: no never-read peers")
     parser.add_argument("--rss-cap-mib", type=float, default=3072)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -240,7 +258,8 @@ def main() -> int:
                     exporter=ExporterConfig(port=0), control_socket=f"{workdir}/c.sock",
                     index_max_session_share=1.0,
                     events=EventsConfig(endpoint="tcp://127.0.0.1:0",
-                                        replay_endpoint="tcp://127.0.0.1:0"))
+                                        replay_endpoint="tcp://127.0.0.1:0",
+                                        replay_batches=args.replay_batches))
     with CoordinatorProcess(config, workdir) as coordinator:
         output = coordinator.output()
         url = "http://127.0.0.1:{}/metrics".format(
@@ -257,30 +276,51 @@ def main() -> int:
             probe_key = _keys(fill.prefixes[0], 0, 1)[0]
             if client.lease([probe_key]).num_hit != 1:  # pinned: the storer never evicts it
                 raise RuntimeError("the probe key missed")
-            stop = SPAWN.Event()
+            stop, paused = SPAWN.Event(), SPAWN.Event()
             storer = SPAWN.Process(target=_storer, args=(config, args.namespaces,
-                                                         args.stores_per_s, stop))
+                                                         args.stores_per_s, stop, paused))
             storer.start()
             time.sleep(args.fill_s)
             stats = scrape(url)
             print(f"after {args.fill_s} s of stores: {stats['tiercache_events_batches_total']:.0f} "
                   f"batches published; RSS {rss_mib(coordinator.pid):.0f} MiB", flush=True)
-            p50, p99, n = latency(config, probe_key, args.seconds)
-            print(f"quiet: lookup p50 {p50:.2f} ms, p99 {p99:.2f} ms ({n} calls)", flush=True)
-            flood_stop = SPAWN.Event()
-            flooders = [SPAWN.Process(target=_flooder, args=(replay, flood_stop))
-                        for _ in range(args.flooders)]
-            for p in flooders:
-                p.start()
-            time.sleep(1.0)
-            p50f, p99f, n = latency(config, probe_key, args.seconds)
-            flood_stop.set()
-            for p in flooders:
-                p.join(30)
-            replayed = scrape(url)["tiercache_events_replayed_batches_total"]
-            print(f"replay flood ({args.flooders} readers): lookup p50 {p50f:.2f} ms, p99 "
-                  f"{p99f:.2f} ms ({n} calls); {replayed:.0f} batches replayed so far; "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            paused.set()
+            quiet, flood = [], []
+            for r in range(args.rounds):
+                cpu0 = cpu_s(coordinator.pid)
+                quiet.append(latency(config, probe_key, args.seconds))
+                print(f"round {r} quiet: lookup p50 {quiet[-1][0]:.2f} ms, p99 "
+                      f"{quiet[-1][1]:.2f} ms ({quiet[-1][2]} calls); coordinator CPU "
+                      f"{(cpu_s(coordinator.pid) - cpu0) / args.seconds:.0%}; load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                flood_stop = SPAWN.Event()
+                flooders = [SPAWN.Process(target=_flooder, args=(replay, flood_stop))
+                            for _ in range(args.flooders)]
+                for p in flooders:
+                    p.start()
+                time.sleep(1.0)
+                replayed0 = scrape(url)["tiercache_events_replayed_batches_total"]
+                cpu0 = cpu_s(coordinator.pid)
+                flood.append(latency(config, probe_key, args.seconds))
+                cpu = (cpu_s(coordinator.pid) - cpu0) / args.seconds
+                replayed = scrape(url)["tiercache_events_replayed_batches_total"] - replayed0
+                flood_stop.set()
+                for p in flooders:
+                    p.join(30)
+                print(f"round {r} replay flood ({args.flooders} readers): lookup p50 "
+                      f"{flood[-1][0]:.2f} ms, p99 {flood[-1][1]:.2f} ms ({flood[-1][2]} "
+                      f"calls); {replayed / args.seconds:,.0f} batches/s replayed; coordinator "
+                      f"CPU {cpu:.0%}; load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+            for name, runs in (("quiet", quiet), ("replay flood", flood)):
+                print(f"{name}: median of {args.rounds} rounds: lookup p50 "
+                      f"{statistics.median(x[0] for x in runs):.2f} ms, p99 "
+                      f"{statistics.median(x[1] for x in runs):.2f} ms", flush=True)
+            paused.clear()
+            if args.hold_s <= 0:  # latency only
+                stop.set()
+                storer.join(30)
+                return 0
             time.sleep(1.0)
             base = rss_mib(coordinator.pid)
             watchdog.reset()

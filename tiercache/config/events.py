@@ -29,8 +29,8 @@ MAX_TOPIC_BYTES = 256
 # medium name), so a batch stays below this (tests/events/test_publisher.py checks it).
 MAX_BATCH_BYTES = 192 << 10
 # What one connection costs beside its queue: libzmq's engine buffers (8 KiB each way),
-# pipe chunks, the publisher's handle on it, and malloc's slack (measured: docs/benchmarks.md,
-# "Event peers that never read").
+# pipe chunks, the publisher's handle on it, and malloc's slack; a margin: 16 stalled peers
+# and thousands refused cost ~4 MiB in all (docs/benchmarks.md, "Event peers that never read").
 PEER_OVERHEAD_BYTES = 256 << 10
 NUM_PORTS = 2  # the PUB and the replay ROUTER: each takes max_peers
 
