@@ -26,7 +26,7 @@ from tiercache.errors import ConfigError
 MAX_TOPIC_BYTES = 256
 # A batch carries at most 1024 block hashes (tiercache.events.publisher cuts them so): a
 # BlockStored encodes to at most ~165 bytes (a 32-byte hash, a u32 group, the longest
-# medium name), so a batch stays below this (tests/events/test_publisher.py checks it).
+# medium name), so a batch stays below this (tests/events/test_wire.py checks it).
 MAX_BATCH_BYTES = 192 << 10
 # What one connection costs beside its queue: libzmq's engine buffers (8 KiB each way),
 # pipe chunks, the publisher's handle on it, and malloc's slack; a margin: 16 stalled peers

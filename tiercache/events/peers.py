@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 0.5
 INBOUND_BYTES = 64 << 10
@@ -134,15 +137,23 @@ class PeerTable:
         stale = self._peers.pop(fd, None)
         if stale is not None:  # its DISCONNECTED was lost (check() would have seen it)
             stale.handle.close()
-        self._peers[fd] = _Peer(handle, os.fstat(handle.fileno()).st_ino, now,
-                                _tcp_counters(handle)[0], now)
+        try:
+            self._peers[fd] = _Peer(handle, os.fstat(handle.fileno()).st_ino, now,
+                                    _tcp_counters(handle)[0], now)
+        except OSError:
+            handle.close()  # ended already: its DISCONNECTED follows
 
     def _adopt(self, fd: int) -> socket.socket | None:
         """A duplicate of ``fd`` if it is a connection accepted on this port, else None."""
         try:
-            handle = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:
-            return None  # closed, or no socket any more
+            return None  # closed already
+        try:
+            handle = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            return None  # the number names no socket any more
         try:
             if (handle.family in (socket.AF_INET, socket.AF_INET6)
                     and handle.type == socket.SOCK_STREAM
@@ -193,8 +204,8 @@ class PeerTable:
         self.read_events()
         try:
             self._zsock.disable_monitor()
-        except zmq.ZMQError:
-            pass
+        except zmq.ZMQError as e:  # the socket's own close stops it too: go on closing
+            log.warning("event publisher: stopping a socket monitor failed: %s", e)
         self.monitor.close(linger=0)
         for peer in self._peers.values():
             peer.handle.close()
