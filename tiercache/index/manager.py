@@ -43,7 +43,7 @@ from tiercache.index.events import EventLog, NodeEvents
 from tiercache.index.lower_tier import LowerTier
 from tiercache.index.owners import OwnerVerbs
 from tiercache.eviction import EvictionPolicy, make_policy
-from tiercache.index.recovery import restore
+from tiercache.index.recovery import give_back_freed_heap, restore
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
     TierStats,
@@ -91,6 +91,7 @@ class OffloadingManager(OwnerVerbs):
         self._caps = SessionCaps(self._table, max_session_blocks, TIER_OWNER)
         if ledger is not None:
             restore(self._table, ledger.recover(), set(surviving_owners), self._counters)
+            give_back_freed_heap()  # the recovery is gone: what it freed goes back
         self._chain = TierChain(self, self._lock, self._table)
 
     @property
