@@ -164,9 +164,10 @@ class Arm:
         self.engines: list[ReplayEngine] = []
         self.host_blocks = 0
         self.bytes_scale = 1.0
-        recorders = recorders or [None] * fleet.num_engines  # type: ignore[list-item]
+        each: list[EventRecorder | None] = (list(recorders) if recorders
+                                            else [None] * fleet.num_engines)
         try:
-            for index, recorder in enumerate(recorders):
+            for index, recorder in enumerate(each):
                 self.engines.append(self._engine(index, cost, recorder))
         except BaseException:
             self.close()
