@@ -11,7 +11,8 @@ For each capacity ``N`` (``python -m tiercache.tools.index_bench --slots 100000,
   ``BASE_SLOTS`` coordinator of the same run (the interpreter's fixed cost) divided by ``N``;
 * **rates**: 64-key ``lookup`` calls, and ``lease`` + ``release`` cycles, from
   ``clients`` processes in closed loop, each over random 64-key runs of the stored keys
-  (the best of ``RATE_RUNS`` runs);
+  (the best of ``RATE_RUNS`` runs), each run beside one of a resident ``BASE_SLOTS``
+  reference coordinator: the share is against the reference of the same minutes;
 * **recovery**: the coordinator SIGKILLed with every slot READY and started again, to
   its first answer, then until every key was looked up as a hit;
 * **reset**: one ``reset`` of the full index, as a client waits for it.
@@ -47,7 +48,7 @@ FILL_BATCH = 4096  # keys per prepare_store while filling
 BATCH_KEYS = 64  # keys per timed lookup or lease: a request's blocks
 BATCHES_PER_CLIENT = 256  # distinct runs each timed client cycles through
 BASE_SLOTS = 4096  # the reference capacity: rates and the fixed memory cost
-RATE_RUNS = 3  # rates are the best of this many runs
+RATE_RUNS = 5  # rates are the best of this many runs
 START_TIMEOUT_S = 600.0
 _POLL_S = 0.002
 
@@ -90,6 +91,8 @@ class ScaleResult:
     rss_full_bytes: int
     lookup_calls_per_s: float
     lease_cycles_per_s: float
+    reference_lookup_calls_per_s: float  # the BASE_SLOTS coordinator's, alternated with these
+    reference_lease_cycles_per_s: float
     restart_s: float  # SIGKILL's successor: exec to its first answer
     all_hits_s: float  # ... to every key looked up as a hit
     rss_recovered_bytes: int
@@ -100,11 +103,13 @@ class ScaleResult:
 class Coordinator:
     """One ``tiercache serve`` over a config written into ``workdir``."""
 
-    def __init__(self, workdir: str, num_slots: int, policy: str):
-        self.name = f"bench-scale-{os.getpid()}-{num_slots}"
-        self.socket_path = os.path.join(workdir, f"{num_slots}.sock")
-        self.config_path = os.path.join(workdir, f"{num_slots}.toml")
-        self.log_path = os.path.join(workdir, f"{num_slots}.log")
+    def __init__(self, workdir: str, num_slots: int, policy: str, tag: str = ""):
+        self.num_slots = num_slots
+        label = f"{tag}{num_slots}"
+        self.name = f"bench-scale-{os.getpid()}-{label}"
+        self.socket_path = os.path.join(workdir, f"{label}.sock")
+        self.config_path = os.path.join(workdir, f"{label}.toml")
+        self.log_path = os.path.join(workdir, f"{label}.log")
         with open(self.config_path, "w") as f:
             f.write(f'[instance]\nname = "{self.name}"\nworld_size = 1\n'
                     f'[region]\nnum_blocks = {num_slots}\nprefault_threads = 1\n'
@@ -211,12 +216,20 @@ def _verbs(client: Client) -> dict[str, Callable[[list[bytes]], None]]:
     return {"lookup": lookup, "lease": lease}
 
 
-def _best_rate(socket_path: str, num_slots: int, verb: str, num_clients: int,
-               num_calls: int) -> float:
-    """The best of ``RATE_RUNS`` runs of ``_rate``: on a shared machine a run is only ever
-    slowed by others, so the best is the one they disturbed least."""
-    return max(_rate(socket_path, num_slots, verb, num_clients, num_calls)
-               for _ in range(RATE_RUNS))
+def _paired_rates(coordinator: Coordinator, reference: Coordinator | None, verb: str,
+                  num_clients: int, num_calls: int) -> tuple[float, float]:
+    """The best of ``RATE_RUNS`` runs of ``_rate`` on ``coordinator`` and on the resident
+    ``reference`` (``BASE_SLOTS``), alternated: on a shared machine a run is only ever
+    slowed by others, so the best is the one they disturbed least, and each capacity is
+    compared with the reference as it ran minutes, not a quarter of an hour, apart."""
+    mine, theirs = [], []
+    for _ in range(RATE_RUNS):
+        if reference is not None:
+            theirs.append(_rate(reference.socket_path, BASE_SLOTS, verb, num_clients,
+                                num_calls))
+        mine.append(_rate(coordinator.socket_path, coordinator.num_slots, verb, num_clients,
+                          num_calls))
+    return max(mine), max(theirs or mine)
 
 
 def _rate(socket_path: str, num_slots: int, verb: str, num_clients: int, num_calls: int
@@ -261,8 +274,10 @@ def _workdir() -> Iterator[str]:
 
 
 def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
-                policy: str = "lru", say: Callable[[str], None] = print) -> ScaleResult:
-    """One capacity, end to end (see the module docstring)."""
+                policy: str = "lru", say: Callable[[str], None] = print,
+                reference: Coordinator | None = None) -> ScaleResult:
+    """One capacity, end to end (see the module docstring); rates beside ``reference``'s
+    (a filled ``BASE_SLOTS`` coordinator), when given."""
     with _workdir() as workdir:
         coordinator = Coordinator(workdir, num_slots, policy)
         try:
@@ -273,11 +288,12 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
             fill_s = time.perf_counter() - t0
             rss_full = rss_anon_bytes(coordinator.pid)
             say(f"  {num_slots}: filled in {fill_s:.2f} s, RssAnon {rss_full / 2**20:.0f} MiB")
-            lookup_rate = _best_rate(coordinator.socket_path, num_slots, "lookup", num_clients,
-                                     num_calls)
-            lease_rate = _best_rate(coordinator.socket_path, num_slots, "lease", num_clients,
-                                    num_calls)
-            say(f"  {num_slots}: lookup {lookup_rate:,.0f}/s, lease {lease_rate:,.0f}/s")
+            lookup_rate, ref_lookup = _paired_rates(coordinator, reference, "lookup",
+                                                    num_clients, num_calls)
+            lease_rate, ref_lease = _paired_rates(coordinator, reference, "lease",
+                                                  num_clients, num_calls)
+            say(f"  {num_slots}: lookup {lookup_rate:,.0f}/s (reference {ref_lookup:,.0f}), "
+                f"lease {lease_rate:,.0f}/s (reference {ref_lease:,.0f})")
             coordinator.kill()
             restart_s = coordinator.start()
             t0 = time.perf_counter()
@@ -299,18 +315,27 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
         finally:
             coordinator.stop()
     return ScaleResult(num_slots, start_s, fill_s, rss_full, lookup_rate, lease_rate,
-                       restart_s, all_hits_s, rss_recovered, reset_s, load_average())
+                       ref_lookup, ref_lease, restart_s, all_hits_s, rss_recovered, reset_s,
+                       load_average())
 
 
 def scale_main(capacities: list[int], num_clients: int, num_calls: int, policy: str) -> int:
     """Run ``BASE_SLOTS`` then each capacity; print a Markdown table (per-slot memory is
-    the growth over the ``BASE_SLOTS`` coordinator; rates also as a share of its)."""
+    the growth over the ``BASE_SLOTS`` run; rates also as a share of those of a resident
+    ``BASE_SLOTS`` reference, measured alternately with them)."""
     print(f"machine: {os.cpu_count()} CPUs; policy {policy}; {num_clients} clients x "
           f"{num_calls} calls; page {PAGE_BYTES} B; load at start {load_average()}")
     results = []
-    for num_slots in [BASE_SLOTS, *capacities]:
-        results.append(bench_scale(num_slots, num_clients, num_calls, policy,
-                                   say=lambda line: print(line, flush=True)))
+    with _workdir() as workdir:
+        reference = Coordinator(workdir, BASE_SLOTS, policy, tag="reference")
+        try:
+            reference.start()
+            _fill(reference.socket_path, BASE_SLOTS)
+            for num_slots in [BASE_SLOTS, *capacities]:
+                results.append(bench_scale(num_slots, num_clients, num_calls, policy,
+                                           lambda line: print(line, flush=True), reference))
+        finally:
+            reference.stop()
     base = results[0]
     print("\n| slots | start | fill | RssAnon | B/slot | lookup/s | lease/s | restart | "
           "all hits | B/slot recovered | reset | load |")
@@ -322,8 +347,8 @@ def scale_main(capacities: list[int], num_clients: int, num_calls: int, policy: 
         lookups, leases = r.lookup_calls_per_s, r.lease_cycles_per_s
         print(f"| {r.num_slots:,} | {r.start_s:.2f} s | {r.fill_s:.1f} s "
               f"| {r.rss_full_bytes / 2**20:.0f} MiB | {per_slot:.0f} "
-              f"| {lookups:,.0f} ({lookups / base.lookup_calls_per_s:.0%}) "
-              f"| {leases:,.0f} ({leases / base.lease_cycles_per_s:.0%}) "
+              f"| {lookups:,.0f} ({lookups / r.reference_lookup_calls_per_s:.0%}) "
+              f"| {leases:,.0f} ({leases / r.reference_lease_cycles_per_s:.0%}) "
               f"| {r.restart_s:.2f} s | {r.all_hits_s:.2f} s | {per_slot_recovered:.0f} "
               f"| {r.reset_s:.3f} s | {r.load} |")
     return 0
