@@ -36,6 +36,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
+from itertools import islice
 
 from tiercache.errors import ConfigError, ManagerError, SessionLimitError, StateError
 from tiercache.index.caps import SessionCaps
@@ -58,6 +59,7 @@ __all__ = ["LOCAL_OWNER", "TIER_OWNER", "LeaseResult", "ManagerStats", "Offloadi
            "check_keys"]
 
 LOCAL_OWNER = 0  # the owner of in-process calls; the control server numbers sessions from 1
+LISTENER_BATCH = 1 << 16  # keys a key listener is first told at once
 
 _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
              "store_rejections", "evicted_blocks", "failed_store_blocks", "leased_blocks",
@@ -115,12 +117,14 @@ class OffloadingManager(OwnerVerbs):
         """Call ``listener(keys, removed)`` (under the index's lock: it must be quick) when
         keys enter the index (``removed=False``: a reservation, which a lookup answers
         pending and then READY) or leave it (evicted, a failed or abandoned store, reset); it
-        is first called with every key held now. The coordinator's key presence map
-        (``tiercache.region.presence``) counts them."""
+        is first called with every key held now, ``LISTENER_BATCH`` at a time (not one list
+        of millions). The coordinator's key presence map (``tiercache.region.presence``)
+        counts them."""
         with self._lock:
             self._table.on_keys = listener
-            if listener is not None and self._table.slot_of:
-                listener(list(self._table.slot_of), False)
+            held = iter(self._table.slot_of)
+            while listener is not None and (batch := list(islice(held, LISTENER_BATCH))):
+                listener(batch, False)
 
     def set_node_events(self, sink: NodeEvents | None) -> None:
         """Tell ``sink`` every change to what the node holds (host memory and the tiers'

@@ -62,6 +62,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sized
+from itertools import islice
 
 import numpy as np
 import posix_ipc
@@ -87,7 +88,7 @@ _HEADER = struct.Struct("<8sIIQQ")
 COUNTERS_PER_KEY = 16
 MIN_COUNTERS = 1 << 16
 SATURATED = 255
-BULK_KEYS = 4096  # a batch this large is counted with numpy (a restart's whole index)
+BULK_KEYS = 1 << 14  # a batch this large is counted with numpy (a restart's whole index)
 # How long a starting coordinator retries the lock of the previous map: a probe of
 # `status`/`clean` holds it for microseconds (the region's CLAIM_RETRY_S, for the same reason).
 RETIRE_RETRY_S = 2.0
@@ -114,12 +115,15 @@ def num_counters_for(num_keys: int) -> int:
 
 def _count_bulk(counts: np.ndarray, mask: int, keys: Iterable[bytes], removed: bool) -> None:
     """``update``'s counting for a batch as large as a whole index (a restart tells the map
-    every key it recovered): the same counts as one key at a time, in numpy."""
-    slots = np.fromiter(map(zlib.crc32, keys), np.uint64) & np.uint64(mask)
-    where, times = np.unique(slots, return_counts=True)
-    now = counts[where].astype(np.int64)
-    moved = np.maximum(now - times, 0) if removed else np.minimum(now + times, SATURATED)
-    counts[where] = np.where(now < SATURATED, moved, now)
+    every key it recovered): the same counts as one key at a time, in numpy, ``BULK_KEYS``
+    at a time (temporaries of a few hundred KiB, which the heap reuses: whole-batch arrays
+    left ~40 B a key of freed heap in the coordinator after a restart)."""
+    crcs = map(zlib.crc32, keys)
+    while (slots := np.fromiter(islice(crcs, BULK_KEYS), np.uint64)).size:
+        where, times = np.unique(slots & np.uint64(mask), return_counts=True)
+        now = counts[where].astype(np.int64)
+        moved = np.maximum(now - times, 0) if removed else np.minimum(now + times, SATURATED)
+        counts[where] = np.where(now < SATURATED, moved, now)
 
 
 def has_map_magic(fd: int) -> bool:
