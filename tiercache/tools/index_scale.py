@@ -9,12 +9,14 @@ For each capacity ``N`` (``python -m tiercache.tools.index_bench --slots 100000,
 * **RSS**: the coordinator's anonymous memory (``RssAnon``: the region and its ledger are
   shared memory, not counted) with every slot READY; per slot, its growth over the
   ``BASE_SLOTS`` coordinator of the same run (the interpreter's fixed cost) divided by ``N``;
+  again after **churn**: ``N`` more stores, each evicting a block (a full cache's steady
+  state);
 * **rates**: 64-key ``lookup`` calls, and ``lease`` + ``release`` cycles, from
   ``clients`` processes in closed loop, each over random 64-key runs of the stored keys
   (the best of ``RATE_RUNS`` runs), each run beside one of a resident ``BASE_SLOTS``
   reference coordinator: the share is against the reference of the same minutes;
-* **recovery**: the coordinator SIGKILLed with every slot READY and started again, to
-  its first answer, then until every key was looked up as a hit;
+* **recovery**: the coordinator SIGKILLed with every slot READY (after the churn) and
+  started again, to its first answer, then until every key was looked up as a hit;
 * **reset**: one ``reset`` of the full index, as a client waits for it.
 
 Each step checks what it measured (every key a hit, nothing left in ``/dev/shm``), so a
@@ -93,6 +95,8 @@ class ScaleResult:
     lease_cycles_per_s: float
     reference_lookup_calls_per_s: float  # the BASE_SLOTS coordinator's, alternated with these
     reference_lease_cycles_per_s: float
+    churn_s: float  # num_slots more stores, each evicting a block
+    rss_churned_bytes: int
     restart_s: float  # SIGKILL's successor: exec to its first answer
     all_hits_s: float  # ... to every key looked up as a hit
     rss_recovered_bytes: int
@@ -167,20 +171,22 @@ class Coordinator:
             return "".join(f.readlines()[-20:])
 
 
-def _fill(socket_path: str, num_slots: int) -> None:
+def _fill(socket_path: str, num_slots: int, first: int = 0) -> None:
+    """Store keys ``first ..`` into every slot (from ``first = num_slots``: each stored
+    block evicts one)."""
     with Client(socket_path, timeout_s=START_TIMEOUT_S) as client:
-        for start in range(0, num_slots, FILL_BATCH):
-            keys = scale_keys(start, min(FILL_BATCH, num_slots - start))
+        for start in range(first, first + num_slots, FILL_BATCH):
+            keys = scale_keys(start, min(FILL_BATCH, first + num_slots - start))
             out = client.prepare_store(keys)
             if out is None or len(out.keys_to_store) != len(keys):
                 raise RuntimeError(f"fill: slots {start}.. were refused")
             client.complete_store(keys)
 
 
-def _check_all_hit(socket_path: str, num_slots: int) -> None:
+def _check_all_hit(socket_path: str, num_slots: int, first: int) -> None:
     with Client(socket_path, timeout_s=START_TIMEOUT_S) as client:
-        for start in range(0, num_slots, FILL_BATCH):
-            keys = scale_keys(start, min(FILL_BATCH, num_slots - start))
+        for start in range(first, first + num_slots, FILL_BATCH):
+            keys = scale_keys(start, min(FILL_BATCH, first + num_slots - start))
             if (hits := client.lookup(keys)) != len(keys):
                 raise RuntimeError(f"keys {start + hits}.. are not hits")
 
@@ -294,10 +300,16 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
                                                   num_clients, num_calls)
             say(f"  {num_slots}: lookup {lookup_rate:,.0f}/s (reference {ref_lookup:,.0f}), "
                 f"lease {lease_rate:,.0f}/s (reference {ref_lease:,.0f})")
+            t0 = time.perf_counter()
+            _fill(coordinator.socket_path, num_slots, num_slots)
+            churn_s = time.perf_counter() - t0
+            rss_churned = rss_anon_bytes(coordinator.pid)
+            say(f"  {num_slots}: every block evicted once by {num_slots} more stores in "
+                f"{churn_s:.2f} s, RssAnon {rss_churned / 2**20:.0f} MiB")
             coordinator.kill()
             restart_s = coordinator.start()
             t0 = time.perf_counter()
-            _check_all_hit(coordinator.socket_path, num_slots)
+            _check_all_hit(coordinator.socket_path, num_slots, num_slots)
             all_hits_s = restart_s + time.perf_counter() - t0
             rss_recovered = rss_anon_bytes(coordinator.pid)
             say(f"  {num_slots}: restarted in {restart_s:.2f} s, every key a hit at "
@@ -315,8 +327,8 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
         finally:
             coordinator.stop()
     return ScaleResult(num_slots, start_s, fill_s, rss_full, lookup_rate, lease_rate,
-                       ref_lookup, ref_lease, restart_s, all_hits_s, rss_recovered, reset_s,
-                       load_average())
+                       ref_lookup, ref_lease, churn_s, rss_churned, restart_s, all_hits_s,
+                       rss_recovered, reset_s, load_average())
 
 
 def scale_main(capacities: list[int], num_clients: int, num_calls: int, policy: str) -> int:
@@ -337,18 +349,20 @@ def scale_main(capacities: list[int], num_clients: int, num_calls: int, policy: 
         finally:
             reference.stop()
     base = results[0]
-    print("\n| slots | start | fill | RssAnon | B/slot | lookup/s | lease/s | restart | "
-          "all hits | B/slot recovered | reset | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| slots | start | fill | RssAnon | B/slot | lookup/s | lease/s | churn | "
+          "B/slot churned | restart | all hits | B/slot recovered | reset | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         grown = max(1, r.num_slots - base.num_slots)
         per_slot = (r.rss_full_bytes - base.rss_full_bytes) / grown
         per_slot_recovered = (r.rss_recovered_bytes - base.rss_recovered_bytes) / grown
+        per_slot_churned = (r.rss_churned_bytes - base.rss_churned_bytes) / grown
         lookups, leases = r.lookup_calls_per_s, r.lease_cycles_per_s
         print(f"| {r.num_slots:,} | {r.start_s:.2f} s | {r.fill_s:.1f} s "
               f"| {r.rss_full_bytes / 2**20:.0f} MiB | {per_slot:.0f} "
               f"| {lookups:,.0f} ({lookups / r.reference_lookup_calls_per_s:.0%}) "
               f"| {leases:,.0f} ({leases / r.reference_lease_cycles_per_s:.0%}) "
+              f"| {r.churn_s:.1f} s | {per_slot_churned:.0f} "
               f"| {r.restart_s:.2f} s | {r.all_hits_s:.2f} s | {per_slot_recovered:.0f} "
               f"| {r.reset_s:.3f} s | {r.load} |")
     return 0
