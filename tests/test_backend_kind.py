@@ -100,7 +100,7 @@ def test_ce_loop_fallback_shows_in_metrics_and_status(make_config):
             info, {"rank": "1", "direction": "gpu_to_cpu", "backend": "none"}) == 1
 
         status = subprocess.run([sys.executable, "-m", "tiercache", "status", "--name",
-                                 config.name], capture_output=True, text=True, timeout=60)
+                                 config.name], capture_output=True, text=True)
         assert status.returncode == 0, status.stderr
         rank0 = next(line for line in status.stdout.splitlines() if "rank 0:" in line)
         assert "gpu_to_cpu 1.00 MiB in 1 ok/0 failed (ce_loop)" in rank0

@@ -259,7 +259,7 @@ def test_status_into_a_closed_pipe_exits_quietly(make_config):
     region = SharedOffloadRegion.create(cfg)
     try:
         result = subprocess.run(f"{sys.executable} -m tiercache status | head -1", shell=True,
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True)
         assert result.stdout.startswith("region ")
         assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
     finally:
@@ -317,7 +317,7 @@ def test_a_relative_control_socket_is_relative_to_the_config_file(make_config, t
         assert os.path.exists(conf_dir / "ctl.sock") and not os.path.exists(serve_dir / "ctl.sock")
         status = subprocess.run([sys.executable, "-m", "tiercache", "status", "--config",
                                  str(config_path)], cwd=other_dir, capture_output=True,
-                                text=True, timeout=60)
+                                text=True)
         assert status.returncode == 0, status.stderr
         assert "index: 0 ready, 0 writing" in status.stdout, status.stdout
         monkeypatch.chdir(other_dir)
@@ -347,11 +347,11 @@ def test_python_m_tiercache_is_the_tiercache_command_and_importing_it_runs_nothi
     script = os.path.join(os.path.dirname(sys.executable), "tiercache")
     for args in (["--version"], ["status", "--name", "x-none"], []):
         as_module = tiercache(*args)
-        as_script = subprocess.run([script, *args], capture_output=True, text=True, timeout=60)
+        as_script = subprocess.run([script, *args], capture_output=True, text=True)
         assert (as_module.returncode, as_module.stdout, as_module.stderr) == (
             as_script.returncode, as_script.stdout, as_script.stderr), args
     imported = subprocess.run([sys.executable, "-c", "import tiercache.__main__"],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True)
     assert (imported.returncode, imported.stdout, imported.stderr) == (0, "", "")
 
 

@@ -60,7 +60,7 @@ def test_readme_engine_example_runs_as_written(instance_name, tmp_path):
     (tmp_path / "configs" / "default.toml").write_text(config_to_toml(config))
     with CoordinatorProcess(config, tmp_path / "coordinator"):
         run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
+                             text=True)
         assert run.returncode == 0, run.stderr  # its asserts are the checks
         with Client(config) as index:
             assert index.stats().ready_blocks == 2

@@ -93,7 +93,7 @@ class Attached:
 
 def _status(name: str) -> str:
     run = subprocess.run([sys.executable, "-m", "tiercache", "status", "--name", name],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     return run.stdout
 

@@ -298,7 +298,7 @@ def test_clean_removes_a_map_whose_coordinator_was_killed_and_region_removed(con
 
     def tiercache(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tiercache", *args, "--name", config.name],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True)
 
     path = presence_path(config.name)
     with CoordinatorProcess(config, tmp_path / "live"):

@@ -72,7 +72,12 @@ class Serve:
     def stop(self) -> tuple[str, list[str]]:
         """SIGTERM, then its stdout and every stderr line."""
         self.proc.send_signal(signal.SIGTERM)
-        out, err = self.proc.communicate(timeout=30)
+        try:  # its exit ends the wait (pytest-timeout is the backstop)
+            out, err = self.proc.communicate()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
         assert self.proc.returncode == 0, err
         return out.decode(), (self.err + err).decode().splitlines()
 

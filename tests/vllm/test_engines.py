@@ -30,7 +30,12 @@ def engine_process(coordinator, model_dir, *args) -> subprocess.Popen:
 
 def run_engine(coordinator, model_dir, seed, salt="") -> dict:
     proc = engine_process(coordinator, model_dir, "run", seed, *([salt] if salt else []))
-    out, _ = proc.communicate(timeout=240)
+    try:  # the engine's exit ends the wait (pytest-timeout is the backstop)
+        out, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, f"engine process exited {proc.returncode}"
     return json.loads(out.strip().splitlines()[-1])
 

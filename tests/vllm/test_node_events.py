@@ -76,7 +76,12 @@ def _other_engine(coordinator, model_dir, seed, salt=""):
     proc = subprocess.Popen([sys.executable, SCRIPT, str(coordinator.config_path), str(model_dir),
                              "run", str(seed), *([salt] if salt else [])],
                             stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=240)
+    try:  # the engine's exit ends the wait (pytest-timeout is the backstop)
+        out, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0
     return json.loads(out.strip().splitlines()[-1])
 

@@ -180,7 +180,7 @@ def test_the_config_that_config_for_vllm_prints_fits_the_real_engine(model_dir, 
                           "--name", instance_name, "--capacity", "1MiB",
                           "--socket", str(tmp_path / "c.sock"),
                           "--pinning", "allow_unpinned"],  # host tensors here: nothing to pin
-                         capture_output=True, text=True, check=True, timeout=120)
+                         capture_output=True, text=True, check=True)
     printed = config_from_dict(tomllib.loads(out.stdout))
     config = replace(printed, exporter=ExporterConfig(enabled=False),
                      region=replace(printed.region, prefault_threads=1))
