@@ -57,8 +57,10 @@ class Decoder:
         self.head = w(s["vocab"], h)
 
     def forward(self, x: torch.Tensor, past: int = 0, kv: list | None = None) -> torch.Tensor:
-        """x: (batch, tokens, hidden). ``kv`` (per layer K and V of ``past`` tokens) makes it a
-        decode step attending to them."""
+        """x: (batch, tokens, hidden). ``kv`` (per layer K and V, room for ``past`` tokens
+        and these) makes it a decode step attending to them: the new tokens' K and V are
+        written after the past in place, as a paged cache does, and the attention reads
+        ``past + tokens`` of them."""
         s = self.s
         b, n, _ = x.shape
         q_h, k_h, d = s["heads"], s["kv_heads"], s["head_dim"]
@@ -69,9 +71,10 @@ class Decoder:
             q = q.view(b, n, q_h, d).transpose(1, 2)
             k = k.view(b, n, k_h, d).transpose(1, 2)
             v = v.view(b, n, k_h, d).transpose(1, 2)
-            if kv is not None:
-                k = torch.cat([kv[i][0], k], dim=2)
-                v = torch.cat([kv[i][1], v], dim=2)
+            if kv is not None:  # written in place after the past, read once (no copy)
+                kv[i][0][:, :, past:past + n] = k
+                kv[i][1][:, :, past:past + n] = v
+                k, v = kv[i][0][:, :, :past + n], kv[i][1][:, :, :past + n]
             a = F.scaled_dot_product_attention(q, k, v, is_causal=kv is None, enable_gqa=True)
             x = x + a.transpose(1, 2).reshape(b, n, q_h * d) @ layer["o"].T
             y = F.rms_norm(x, (s["hidden"],), layer["n2"])
@@ -123,8 +126,9 @@ def main() -> None:
                   flush=True)
         for batch in (1, 8, 32, 64):
             for context in (1024, 4096):
-                kv = [(torch.randn(batch, s["kv_heads"], context, s["head_dim"], device=device,
-                                   dtype=torch.bfloat16),) * 2 for _ in range(s["layers"])]
+                kv = [tuple(torch.randn(batch, s["kv_heads"], context + 1, s["head_dim"],
+                                        device=device, dtype=torch.bfloat16) for _ in "kv")
+                      for _ in range(s["layers"])]
                 x = torch.randn(batch, 1, s["hidden"], device=device, dtype=torch.bfloat16)
                 t = timed(lambda: model.forward(x, context, kv))
                 out["decode"].append({"batch": batch, "context": context, "s": t})
