@@ -57,6 +57,8 @@ errors are re-raised as one of these with the original as ``__cause__``.
     │                               environment brings (the coordinator installs without
     │                               it)                                  (also ImportError)
     ├── ProtocolError               a malformed, oversized or unexpected frame
+    │   └── ProtocolVersionError    the peer speaks a protocol version this side does not
+    │                               serve (refused at HELLO), or a verb its version lacks
     ├── ControlSocketError          the control socket path cannot be served (in use, bad path)
     ├── CoordinatorGoneError        the control socket is closed or missing (also ConnectionError)
     │   └── SessionLostError        the coordinator no longer knows this client's session
@@ -237,6 +239,13 @@ class EngineDependencyError(TiercacheError, ImportError):
 
 class ProtocolError(TiercacheError):
     """A control-plane frame that is malformed, oversized or not expected."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """The two ends' protocol versions do not meet (``tiercache.control.versions``): the
+    engine's HELLO is refused in one line naming both, or a verb is newer than the
+    connection's version. On the wire it is a ``ProtocolError`` (code 6), which every
+    version reads."""
 
 
 class ControlSocketError(TiercacheError):

@@ -16,7 +16,7 @@ from typing import Protocol
 from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions
 from tiercache.control.payloads import encode_error
-from tiercache.control.protocol import Status, Verb, frame
+from tiercache.control.protocol import PROTOCOL_VERSION, Status, Verb, frame
 from tiercache.control.sockets import check_peer, peer_credentials
 from tiercache.errors import ControlSocketError
 from tiercache.loglimit import LogLimiter
@@ -28,11 +28,12 @@ class Drop(Protocol):
     def __call__(self, conn: Connection, why: str, tell: Exception | None = None) -> None: ...
 
 
-def refuse(sock: socket.socket, why: Exception) -> None:
-    """Answer no request (id 0) with the reason, best effort, and close."""
+def refuse(sock: socket.socket, why: Exception, version: int = PROTOCOL_VERSION) -> None:
+    """Answer no request (id 0) with the reason, best effort, and close; in the peer's
+    protocol ``version`` when its first frame told it (``tiercache.control.versions``)."""
     sock.setblocking(False)
     try:
-        sock.send(frame(Verb.HELLO, 0, encode_error(why), Status.ERROR))
+        sock.send(frame(Verb.HELLO, 0, encode_error(why, version), Status.ERROR, version))
     except OSError:
         pass
     sock.close()

@@ -53,7 +53,8 @@ from tiercache.errors import (
 from tiercache.control.sockets import check_directory, check_peer, check_socket_file
 from tiercache.control.payloads import Hello, decode_error, decode_hello, encode_hello_request
 from tiercache.control.protocol import (
-    HEADER_BYTES, MAX_SOCKET_PATH_BYTES, FrameHeader, PayloadReader, Status, Verb, frame,
+    HEADER_BYTES, MAX_SOCKET_PATH_BYTES, PROTOCOL_VERSION, FrameHeader, PayloadReader, Status,
+    Verb, frame,
 )
 
 # The client's logger: its records kept their name when the channel moved out of client.py.
@@ -62,6 +63,10 @@ log = logging.getLogger("tiercache.control.client")
 _RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 _REQUEST_ID_MOD = 1 << 32  # ids run 1 .. 2**32-1; 0 marks the server's refusal of a connection
 _BACKLOG_RETRY_S = (0.001, 0.05)  # first and longest wait between connects on a full backlog
+# A coordinator refuses a protocol version it does not serve in one line (``tiercache.
+# control.versions``); one from before that rule closed the connection without a word.
+_AT_HELLO = (f" (at HELLO: if it stays so, the coordinator may predate versioned refusals "
+             f"and not serve this engine's control protocol {PROTOCOL_VERSION})")
 
 
 def resolve_socket_path(config: Config) -> str:
@@ -212,7 +217,7 @@ class Channel:
                 raise refusal from e
             raise CoordinatorGoneError(
                 f"coordinator on {self._path} went away during {verb.name}: "
-                f"{e or type(e).__name__}"
+                f"{e or type(e).__name__}{_AT_HELLO if verb is Verb.HELLO else ''}"
             ) from e
         except ProtocolError:
             self._disconnect()

@@ -32,7 +32,10 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from tiercache.control.protocol import HEADER_BYTES, MAX_REQUEST_BYTES, FrameHeader, Status
+from tiercache.control.protocol import (
+    HEADER_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, FrameHeader, Status, frame_version,
+)
+from tiercache.control.versions import check_served
 from tiercache.control.sessions import Session
 from tiercache.errors import ProtocolError
 
@@ -41,7 +44,7 @@ class Connection:
     """One client connection: its socket, buffers and session."""
 
     __slots__ = ("sock", "inbuf", "header", "need_bytes", "outbuf", "events", "session", "pid",
-                 "opened_s", "active_s", "finish_tag", "turn")
+                 "opened_s", "active_s", "finish_tag", "turn", "version")
 
     def __init__(self, sock: socket.socket, pid: int, now: float):
         self.sock = sock
@@ -55,6 +58,9 @@ class Connection:
         self.finish_tag = 0.0
         self.turn: int | None = None
         self.session: Session | None = None  # set by HELLO
+        # the protocol version of its first frame, which every later frame and every
+        # answer carries (``tiercache.control.versions``); None before that frame
+        self.version: int | None = None
         self.pid = pid  # of the peer (SO_PEERCRED): per-peer bounds, logs
         self.opened_s = now  # its HELLO deadline counts from here
         # When it last sent bytes or read answers that waited (or was last found holding
@@ -65,14 +71,37 @@ class Connection:
     def peer(self) -> str:
         return f"pid {self.pid}"
 
+    @property
+    def answer_version(self) -> int:
+        """The protocol version its answers carry: its first frame's, else ours."""
+        return PROTOCOL_VERSION if self.version is None else self.version
+
+    def watch(self, selector: selectors.BaseSelector, events: int) -> None:
+        """Have the selector watch this connection for ``events`` (0: nothing, while its
+        request waits its turn)."""
+        if self.events == events:
+            return
+        if not events:
+            selector.unregister(self.sock)
+        elif not self.events:
+            selector.register(self.sock, events, self)
+        else:
+            selector.modify(self.sock, events, self)
+        self.events = events
+
     def request(self) -> FrameHeader | None:
         """The header of the first request in ``inbuf`` once the whole request is in (None
         before). Raises ``ProtocolError`` as soon as a header is in that cannot be trusted
-        (bad magic or version, a response's status, more than ``MAX_REQUEST_BYTES``)."""
+        (bad magic or version, a response's status, more than ``MAX_REQUEST_BYTES``):
+        ``ProtocolVersionError`` for a first frame of a version not served, with
+        ``version`` set to it so the refusal is sent in it."""
         if self.header is None:
             if len(self.inbuf) < HEADER_BYTES:
                 return None
-            header = FrameHeader.unpack(self.inbuf)
+            if self.version is None:
+                self.version = frame_version(self.inbuf)
+                check_served(self.version)
+            header = FrameHeader.unpack(self.inbuf, self.version)
             if header.status is not Status.OK:
                 raise ProtocolError(f"a request frame with status {header.status.name}")
             if header.payload_bytes > MAX_REQUEST_BYTES:

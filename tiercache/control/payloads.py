@@ -12,9 +12,10 @@ from typing import Any, NamedTuple
 
 from tiercache import errors
 from tiercache.control.protocol import (
-    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, TOKEN_BYTES,
-    VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
+    ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, PROTOCOL_VERSION,
+    TOKEN_BYTES, VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
 )
+from tiercache.control.versions import error_code_for
 from tiercache.index.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
@@ -124,8 +125,11 @@ def decode_tier_stats(reader: PayloadReader) -> dict[str, TierStats]:
     return tiers
 
 
-def encode_error(exc: errors.TiercacheError | Exception) -> bytes:
+def encode_error(exc: errors.TiercacheError | Exception,
+                 version: int = PROTOCOL_VERSION) -> bytes:
+    """An ERROR payload for a connection of ``version`` (a code it knows)."""
     code = next((_CODE_OF[c] for c in type(exc).__mro__ if c in _CODE_OF), 1)
+    code = error_code_for(code, version)
     message = str(exc) if isinstance(exc, errors.TiercacheError) else f"{type(exc).__name__}: {exc}"
     return PayloadWriter().u32(code).text(message).build()
 

@@ -27,7 +27,8 @@ MAGIC = b"TCKV"
 # answers the keys that found no room; 5: TIER_STATS, lease answers name promoted blocks;
 # 6: lease answers name each promoted block's tier, TIER_STATS carries queued blocks;
 # 7: TIER_STATS carries the tier's calls in flight; 8: STATS carries quarantined blocks,
-# TIER_STATS whether the tier promotes; 9: DESCRIBE
+# TIER_STATS whether the tier promotes; 9: DESCRIBE. Which versions meet, and what stays
+# frozen so that any two can tell each other no: ``tiercache.control.versions``.
 PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
@@ -139,42 +140,47 @@ class FrameHeader(NamedTuple):
 
         offset  size  field
         0       4     magic           b"TCKV"
-        4       1     version         PROTOCOL_VERSION (4)
+        4       1     version         the connection's version (``tiercache.control.
+                                      versions``: the engine's PROTOCOL_VERSION)
         5       1     verb            ``Verb``
         6       1     status          ``Status`` (requests: 0)
         7       1     reserved        0
         8       4     request_id      u32, echoed by the response
         12      4     payload_bytes   u32, <= MAX_FRAME_BYTES; the payload follows
 
-    A header with the wrong magic or version, or an oversized length, means the
-    stream cannot be trusted: the reader raises ``ProtocolError`` and the connection
-    is closed.
+    This layout never changes (``tiercache.control.versions``). A header with the wrong
+    magic or a version other than the connection's, or an oversized length, means the
+    stream cannot be trusted: the reader raises ``ProtocolError`` and the connection is
+    closed.
     """
 
     verb: Verb
     status: Status
     request_id: int
     payload_bytes: int
+    version: int = PROTOCOL_VERSION
 
     def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.verb, self.status, 0,
+        return _HEADER.pack(MAGIC, self.version, self.verb, self.status, 0,
                             self.request_id, self.payload_bytes)
 
     @classmethod
-    def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
-        magic, version, verb, status, _, request_id, size = _HEADER.unpack_from(data)
+    def unpack(cls, data: bytes | bytearray | memoryview,
+               version: int = PROTOCOL_VERSION) -> FrameHeader:
+        """The header at the start of ``data``, which must carry ``version``."""
+        magic, found, verb, status, _, request_id, size = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise errors.ProtocolError(f"bad frame magic {bytes(magic)!r}; expected {MAGIC!r}")
-        if version != PROTOCOL_VERSION:
+        if found != version:
             raise errors.ProtocolError(
-                f"protocol version {version} is not supported; this side speaks {PROTOCOL_VERSION}"
-            )
+                f"protocol version {found} is not supported on a connection of version "
+                f"{version}")
         if size > MAX_FRAME_BYTES:
             raise errors.ProtocolError(f"frame payload of {size} bytes; at most {MAX_FRAME_BYTES}")
         if verb not in _VERBS or status not in _STATUSES:
             raise errors.ProtocolError(f"bad frame header: verb {verb}, status {status}; allowed "
                                        f"verbs {sorted(_VERBS)}, statuses {sorted(_STATUSES)}")
-        return cls(_VERBS[verb], _STATUSES[status], request_id, size)
+        return cls(_VERBS[verb], _STATUSES[status], request_id, size, found)
 
 
 _VERBS = {int(v): v for v in Verb}
@@ -182,9 +188,19 @@ _STATUSES = {int(s): s for s in Status}
 HEADER_BYTES = _HEADER.size
 
 
-def frame(verb: Verb, request_id: int, payload: bytes, status: Status = Status.OK) -> bytes:
-    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, verb, status, 0, request_id, len(payload))
+def frame(verb: Verb, request_id: int, payload: bytes, status: Status = Status.OK,
+          version: int = PROTOCOL_VERSION) -> bytes:
+    header = _HEADER.pack(MAGIC, version, verb, status, 0, request_id, len(payload))
     return header + payload
+
+
+def frame_version(data: bytes | bytearray | memoryview) -> int:
+    """The version byte of the frame at the start of ``data`` (at least ``HEADER_BYTES``),
+    read before anything else of its header; ``ProtocolError`` without the magic."""
+    magic, version = _HEADER.unpack_from(data)[:2]
+    if magic != MAGIC:
+        raise errors.ProtocolError(f"bad frame magic {bytes(magic)!r}; expected {MAGIC!r}")
+    return int(version)
 
 
 # ---------------------------------------------------------------- payload primitives

@@ -61,12 +61,13 @@ import threading
 import time
 from collections.abc import Iterable
 
-from tiercache.errors import ControlSocketError, ProtocolError, TiercacheError
+from tiercache.errors import ControlSocketError, ProtocolError, ProtocolVersionError, TiercacheError
 from tiercache.control.admission import Admission, refuse
 from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions, RECV_BYTES
 from tiercache.control.turns import Turns, request_units
 from tiercache.control.upkeep import Upkeep
+from tiercache.control.versions import check_verb
 from tiercache.control.verbs import HANDLERS, store_verbs
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
@@ -284,7 +285,7 @@ class ControlServer:
         if conn.events and self._selector is not None:
             self._selector.unregister(conn.sock)
         if tell is not None:
-            refuse(conn.sock, tell)
+            refuse(conn.sock, tell, conn.answer_version)
         else:
             conn.sock.close()
         if conn.session is not None:
@@ -315,15 +316,19 @@ class ControlServer:
         it waits its turn (and nothing more is read from it meanwhile), else read on."""
         try:
             header = conn.request()
+        except ProtocolVersionError as e:  # its first frame: answered in its version
+            self._warn.warn("version", "control connection of %s refused: %s", conn.peer, e)
+            self._drop(conn, str(e), tell=e)
+            return
         except ProtocolError as e:
             self._warn.warn("bad_frame", "control connection of %s sent a bad frame header, "
                             "closing it: %s", conn.peer, e)
             self._drop(conn, str(e))
             return
         if header is None:
-            self._watch(selector, conn, selectors.EVENT_READ)
+            conn.watch(selector, selectors.EVENT_READ)
             return
-        self._watch(selector, conn, 0)
+        conn.watch(selector, 0)
         view = memoryview(conn.inbuf)
         try:
             keys, lists = request_size(header.verb, view[HEADER_BYTES:conn.need_bytes])
@@ -378,9 +383,10 @@ class ControlServer:
 
     def _dispatch(self, selector: selectors.BaseSelector, conn: Connection,
                   header: FrameHeader, reader: PayloadReader) -> tuple[bytes, bool]:
-        """The response frame, and whether the stream can still be trusted."""
+        """The response frame (in the request's version); whether the stream is trusted."""
         verb = header.verb
         try:
+            check_verb(verb, header.version)
             if verb is Verb.HELLO:
                 body = self._hello(selector, conn, reader)
             elif conn.session is None:
@@ -389,16 +395,23 @@ class ControlServer:
             else:
                 conn.session.last_seen = time.monotonic()
                 body = self._handlers[verb](self._manager, reader, conn.session.owner)
+        except ProtocolVersionError as e:  # a verb its version lacks: answered, kept open
+            return self._error(header, e), True
         except ProtocolError as e:
             self._warn.warn("malformed", "control connection of %s sent a malformed %s, closing "
                             "it: %s", conn.peer, verb.name, e)
-            return frame(verb, header.request_id, encode_error(e), Status.ERROR), False
+            return self._error(header, e), False
         except TiercacheError as e:
-            return frame(verb, header.request_id, encode_error(e), Status.ERROR), True
+            return self._error(header, e), True
         except Exception as e:  # a bug: report it to the caller and keep serving the others
             log.exception("control server failed on %s", verb.name)
-            return frame(verb, header.request_id, encode_error(e), Status.ERROR), True
-        return frame(verb, header.request_id, body), True
+            return self._error(header, e), True
+        return frame(verb, header.request_id, body, Status.OK, header.version), True
+
+    @staticmethod
+    def _error(header: FrameHeader, e: Exception) -> bytes:
+        return frame(header.verb, header.request_id, encode_error(e, header.version),
+                     Status.ERROR, header.version)
 
     def _hello(self, selector: selectors.BaseSelector, conn: Connection,
                reader: PayloadReader) -> bytes:
@@ -431,20 +444,6 @@ class ControlServer:
             if sent and conn.events == selectors.EVENT_WRITE:  # it reads answers that waited
                 self._connections.touch(conn, time.monotonic())
         if out:  # read nothing more, serve nothing more: a client that never reads cannot grow us
-            self._watch(selector, conn, selectors.EVENT_WRITE)
+            conn.watch(selector, selectors.EVENT_WRITE)
         elif conn.turn is None and conn in self._connections:
             self._next_request(selector, conn)
-
-    @staticmethod
-    def _watch(selector: selectors.BaseSelector, conn: Connection, events: int) -> None:
-        """Have the selector watch ``conn`` for ``events`` (0: nothing, while its request
-        waits its turn)."""
-        if conn.events == events:
-            return
-        if not events:
-            selector.unregister(conn.sock)
-        elif not conn.events:
-            selector.register(conn.sock, events, conn)
-        else:
-            selector.modify(conn.sock, events, conn)
-        conn.events = events
