@@ -64,8 +64,8 @@ from tiercache.region.names import named_region_info, recorded_socket_path, regi
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
 from tiercache.region.registrar import HostRegistrar
 from tiercache.region.shm import (
-    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, open_entry,
-    read_header, still_named, truncation, unlink_if_same,
+    NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, header_refusal,
+    open_entry, read_header, still_named, truncation, unlink_if_same,
 )
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
@@ -141,7 +141,7 @@ class SharedOffloadRegion:
             if cut is None and info is not None and info.layout_digest == layout.digest and \
                     info.state == RegionState.READY:
                 return cls._adopt(stale, layout, info, log_step)
-            why = cut or ("no valid header" if info is None else (
+            why = cut or (header_refusal(stale.fd) if info is None else (
                 "a different geometry" if info.layout_digest != layout.digest
                 else f"state {info.state.label}"))
             log_step(f"replacing stale region {stale.path} (owner pid "

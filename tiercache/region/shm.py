@@ -53,7 +53,7 @@ from tiercache.errors import (
     RegionTrustError,
 )
 from tiercache.region.header import MAGIC, HeaderInfo, RegionHeader
-from tiercache.region.layout import HEADER_FIXED_BYTES
+from tiercache.region.layout import FORMAT_VERSION, HEADER_FIXED_BYTES
 
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps its objects
 NAME_PREFIX = "tiercache-"
@@ -243,6 +243,27 @@ def read_header(fd: int) -> HeaderInfo | None:
         return header.read()
     except LayoutMismatchError:
         return None
+
+
+def other_format_version(fd: int) -> int | None:
+    """The format version of an open region made by a tiercache of another
+    ``FORMAT_VERSION`` (the magic, then a version not ours), else None. Such a header is
+    whole as its writer wrote it: never a region mid-creation."""
+    raw = read_prefix(fd, len(MAGIC) + 4)
+    if len(raw) < len(MAGIC) + 4 or raw[:len(MAGIC)] != MAGIC:
+        return None
+    (version,) = struct.unpack_from("<I", raw, len(MAGIC))
+    return None if version == FORMAT_VERSION else version
+
+
+def header_refusal(fd: int) -> str:
+    """Why ``read_header`` found no header in an open region, in a few words: the format
+    version when it is a region of another one (a coordinator re-adopts only a region of
+    its own ``FORMAT_VERSION``: docs/deploy.md, "Upgrades and version skew")."""
+    version = other_format_version(fd)
+    if version is None:
+        return "no valid header"
+    return f"region format version {version}; this tiercache reads {FORMAT_VERSION}"
 
 
 def recorded_owner(fd: int) -> tuple[int, int] | None:

@@ -33,8 +33,8 @@ from tiercache.region.presence import (
 )
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_trusted, describe, describe_name, has_region_magic,
-    open_entry, owner_lock_held, read_header, recorded_owner, shm_path, still_named,
-    take_owner_lock, truncation, unlink_if_same,
+    open_entry, other_format_version, owner_lock_held, read_header, recorded_owner, shm_path,
+    still_named, take_owner_lock, truncation, unlink_if_same,
 )
 
 YOUNG_S = 10.0  # a header-less region younger than this may be mid-creation
@@ -157,8 +157,10 @@ def _probe_map(shm_name: str) -> MapListing | None:
 
 
 def may_be_mid_creation(entry: OpenEntry) -> bool:
-    """No header yet, young, and not cut short: its coordinator may be setting it up."""
-    return (read_header(entry.fd) is None and truncation(entry.fd, None) is None
+    """No header yet, young, and not cut short: its coordinator may be setting it up (a
+    whole header of another format version is no header *yet*)."""
+    return (read_header(entry.fd) is None and other_format_version(entry.fd) is None
+            and truncation(entry.fd, None) is None
             and time.time() - entry.st.st_mtime < YOUNG_S)
 
 
