@@ -21,8 +21,8 @@ _EXPORTS = {
     "CpuGpuOffloadingHandlers": "tiercache.transfer.handlers",
     "TransferResult": "tiercache.transfer.handlers",
     "OffloadingManager": "tiercache.index.manager",
-    "PrepareStoreOutput": "tiercache.index.manager",
-    "OffloadingEvent": "tiercache.index.manager",
+    "PrepareStoreOutput": "tiercache.results",
+    "OffloadingEvent": "tiercache.results",
     "Client": "tiercache.control.client",
     "attach": "tiercache.transfer.worker",
 }

@@ -78,7 +78,7 @@ def _socket_path(args: argparse.Namespace, name: str) -> str:
 def _print_index(socket_path: str) -> None:
     from tiercache.control.client import Client
     from tiercache.errors import CoordinatorGoneError
-    from tiercache.index.results import BlockSource
+    from tiercache.results import BlockSource
 
     try:
         with Client(socket_path, timeout_s=2.0) as client:

@@ -229,7 +229,7 @@ def test_the_largest_request_fits_the_request_bound():
 
 def test_tier_stats_round_trip_with_seconds_and_flags():
     from tiercache.control.payloads import decode_tier_stats, encode_tier_stats
-    from tiercache.index.results import TierStats
+    from tiercache.results import TierStats
 
     stats = TierStats(capacity_blocks=9, used_blocks=4, read_seconds=1.5, write_seconds=0.25,
                       promotions=3, up=False, direct_io=True)

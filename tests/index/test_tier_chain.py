@@ -18,7 +18,7 @@ from tiercache.index.lower_tier import (
     JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierPolicy, TierStats,
 )
 from tiercache.index.manager import OffloadingManager
-from tiercache.index.results import BlockSource
+from tiercache.results import BlockSource
 from tiercache.specs import Medium
 
 

@@ -147,7 +147,7 @@ def _exposition() -> tuple[set[str], set[str]]:
         view.set_pin(PinState.PINNED, 1 << 20, 0.1)
         view.set_numa(NumaPlacement(NumaState.PLACED, rank, 256, 256, 0.01))
         view.record_transfer(Direction.GPU_TO_CPU, 4096, 1e-4, success=True)
-    from tiercache.index.results import TierStats
+    from tiercache.results import TierStats
 
     disk = TierStats(capacity_blocks=8, used_blocks=2)  # a coordinator with a disk tier
     node = TiercacheCollector(region, sample_manager_stats, tier_stats=lambda: {"disk": disk})

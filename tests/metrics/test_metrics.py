@@ -210,7 +210,7 @@ def test_index_counters_and_gauges_come_from_manager_stats():
 def test_metric_names_list_every_exported_family():
     region = FakeRegion()
     attach_self(region, 0)
-    from tiercache.index.results import TierStats
+    from tiercache.results import TierStats
 
     disk = TierStats(capacity_blocks=8, used_blocks=3, read_bytes=4096, promotions=1, up=True)
     text = generate_latest(registry_of(TiercacheCollector(

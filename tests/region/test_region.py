@@ -60,18 +60,6 @@ def test_two_workers_see_their_own_writes_only_in_their_own_slices(region):
     assert region.info().state is RegionState.READY
 
 
-def test_tensor_views_are_strided_over_the_rank_rows(region):
-    views = region.tensor_views(1)
-    layout = region.layout
-    assert [v.shape[1] for v in views] == list(layout.cpu_page_bytes)
-    views[1][5].fill_(7)
-    row = region.rank_array(1)[5]
-    off = layout.page_offsets[1]
-    assert np.all(row[off:off + layout.cpu_page_bytes[1]] == 7)
-    assert not row[:off].any() and not row[off + layout.cpu_page_bytes[1]:].any()
-    assert not region.rank_array(0).any()
-
-
 def test_attach_refusals_are_specific(region, make_config, instance_name):
     with pytest.raises(RegionNotFoundError, match="no region /dev/shm/tiercache-nope"):
         SharedOffloadRegion.attach("nope")

@@ -24,7 +24,7 @@ from e2e_support import metrics_url, sample, scrape
 from mooncake_master import TRANSFER_TIMEOUT_S, MooncakeMaster, short_transfer_timeouts
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
 from tiercache.control.client import Client
-from tiercache.index.results import BlockSource
+from tiercache.results import BlockSource
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess

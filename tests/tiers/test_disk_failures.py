@@ -19,7 +19,7 @@ from test_disk_tier import HOST_BLOCKS, KEYS, ROW, load_every_key, \
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
 from tiercache.control.client import Client
 from tiercache.index.tiering import PROMOTION_WAIT_S
-from tiercache.index.results import LeaseResult
+from tiercache.results import LeaseResult
 from tiercache.service.process import CoordinatorProcess
 from tiercache.tiers.disk_file import HEADER_BYTES
 

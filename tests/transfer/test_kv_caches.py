@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tiercache.errors import ArgumentError
-from tiercache.transfer.kv_caches import device_of, page_arrays_of, split_kv
+from tiercache.region.shared import SharedOffloadRegion
+from tiercache.transfer.kv_caches import device_of, page_arrays_of, slice_tensors, split_kv
 from tiercache.pages import PageArray
 
 
@@ -45,3 +47,16 @@ def test_split_kv_needs_a_leading_two_and_devices_must_agree():
         split_kv([torch.zeros(3, 8, 16)])
     assert device_of([PageArray(4096, 1, 8, 8)]) is None
     assert device_of(torch.zeros(2, 2)).type == "cpu"
+
+
+def test_slice_tensors_are_strided_over_the_rank_rows(make_config):
+    with SharedOffloadRegion.create(make_config()) as region:
+        views = slice_tensors(region, 1)
+        layout = region.layout
+        assert [v.shape[1] for v in views] == list(layout.cpu_page_bytes)
+        views[1][5].fill_(7)
+        row = region.rank_array(1)[5]
+        off = layout.page_offsets[1]
+        assert np.all(row[off:off + layout.cpu_page_bytes[1]] == 7)
+        assert not row[:off].any() and not row[off + layout.cpu_page_bytes[1]:].any()
+        assert not region.rank_array(0).any()

@@ -28,7 +28,7 @@ from tiercache.control.payloads import (
     encode_hello_request, encode_lease_batch_request, encode_store_request, lease_batch_groups,
 )
 from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
-from tiercache.index.results import (
+from tiercache.results import (
     LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
 from tiercache.specs import CPULoadStoreSpec

@@ -33,14 +33,16 @@ not checked.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from tiercache.control.protocol import PayloadReader, PayloadWriter
-from tiercache.control.verbs import StoreCheck
 from tiercache.errors import ConfigError, NamespaceError, ProtocolError
 from tiercache.events.namespaces import (
     MAX_DESCRIPTION_BYTES, NAMESPACE_BYTES, NamespaceInfo, parse_description,
 )
+
+if TYPE_CHECKING:  # the server's verb table; a client describing its namespace never loads it
+    from tiercache.control.verbs import StoreCheck
 
 
 class Describer(Protocol):

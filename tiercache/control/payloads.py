@@ -16,7 +16,7 @@ from tiercache.control.protocol import (
     TOKEN_BYTES, VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
 )
 from tiercache.control.versions import error_code_for
-from tiercache.index.results import (
+from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
 

@@ -11,13 +11,29 @@ the node. Coordinator wing, no engine imported: pyzmq and msgspec only.
 * ``replay``: the bounded buffer of past batches;
 * ``publisher``: ``EventPublisher``, the thread with the PUB and ROUTER sockets;
 * ``stream``: ``NodeEventStream``, the three together as the coordinator runs them.
+
+Names resolve lazily (``_EXPORTS``): an engine that describes its namespace
+(``tiercache.control.client``, ``namespaces``: plain Python) loads neither pyzmq, the
+publisher nor the sink.
 """
 
 from __future__ import annotations
 
-from tiercache.events.namespaces import EngineFamily, NamespaceInfo, parse_description
-from tiercache.events.sink import NodeEventSink
-from tiercache.events.stream import EventStats, NodeEventStream
+import importlib
 
-__all__ = ["EngineFamily", "EventStats", "NamespaceInfo", "NodeEventSink", "NodeEventStream",
-           "parse_description"]
+_EXPORTS = {
+    "EngineFamily": "tiercache.events.namespaces",
+    "NamespaceInfo": "tiercache.events.namespaces",
+    "parse_description": "tiercache.events.namespaces",
+    "NodeEventSink": "tiercache.events.sink",
+    "EventStats": "tiercache.events.stream",
+    "NodeEventStream": "tiercache.events.stream",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tiercache.events' has no attribute {name!r}")

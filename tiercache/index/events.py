@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tiercache.index.results import OffloadingEvent
+from tiercache.results import OffloadingEvent
 from tiercache.specs import Medium
 
 

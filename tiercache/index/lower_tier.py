@@ -30,23 +30,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import Enum
 
 from tiercache.errors import ManagerError
+from tiercache.results import BlockSource, TierStats
 from tiercache.specs import Medium
-
-
-class BlockSource(IntEnum):
-    """Where a block in host memory came from (its wire code is the value; ``label`` names
-    the tier in metrics and status): an engine stored it, or a tier below promoted it."""
-
-    HOST = 0
-    DISK = 1
-    CLUSTER = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 class Presence(Enum):
@@ -113,30 +101,6 @@ class KeyChange:
 
     keys: tuple[bytes, ...]
     removed: bool
-
-
-@dataclass
-class TierStats:
-    """Counters (lifetime) and gauges of a tier below host memory (disk or cluster)."""
-
-    capacity_blocks: int = 0
-    used_blocks: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    promotions: int = 0
-    demotions: int = 0
-    dropped_spills: int = 0
-    queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
-    calls_in_flight: int = 0  # disk: promotion/demotion jobs; cluster: calls to the pool
-    checksum_failures: int = 0
-    errors: int = 0
-    rebuilt_blocks: int = 0
-    up: bool = True
-    direct_io: bool = False
-    promoting: bool = True  # False: promotions stopped (too many host slots held out)
-    held_buffers: int = 0  # transfer buffers held out: a read into them may still land
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from tiercache.index.lower_tier import LowerTier
 from tiercache.index.owners import OwnerVerbs
 from tiercache.eviction import EvictionPolicy, make_policy
 from tiercache.index.recovery import give_back_freed_heap, restore
-from tiercache.index.results import (
+from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
     TierStats,
 )

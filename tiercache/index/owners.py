@@ -11,7 +11,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from tiercache.index.caps import SessionCaps
-from tiercache.index.results import SessionRelease
+from tiercache.results import SessionRelease
 from tiercache.index.slots import check_keys, check_owner
 from tiercache.index.table import SlotTable
 from tiercache.index.tiering import TIER_OWNER

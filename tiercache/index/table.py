@@ -33,7 +33,7 @@ from typing import cast
 import numpy as np
 
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
-from tiercache.index.lower_tier import BlockSource
+from tiercache.results import BlockSource
 from tiercache.eviction import EvictionPolicy
 from tiercache.index.slots import Holdings, Ledger, SlotFlag, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
@@ -72,6 +72,7 @@ class SlotTable:
         self.pins: dict[int, dict[int, int]] = {}  # slot -> owner -> pins (LOADING slots)
         self.free = array("q")  # freed slots, reused last-in first-out
         self.next_fresh = 0  # then slots from here up (never handed out since a reset)
+        self.usable = capacity  # fresh slots stop here: those past it are not reserved yet
         self.last: list[int] = []  # then these (popped from the end): see set_free
         self.num_by_state = [0] * len(SlotState)
         self.holdings: dict[int, Holdings] = {}
@@ -229,7 +230,15 @@ class SlotTable:
 
     # ------------------------------------------------------------------ slots
     def num_free(self) -> int:
-        return self.capacity - len(self.slot_of) - len(self.quarantined)
+        return self.usable - len(self.slot_of) - len(self.quarantined)
+
+    def set_usable(self, usable: int) -> None:
+        """Slots below ``usable`` may be handed out (their memory is reserved); it only
+        grows. Every slot the free list, quarantine or a key holds is below it: slots are
+        handed out lowest first from ``next_fresh``, which never passes it."""
+        if not self.usable <= usable <= self.capacity:
+            raise ConfigError(f"usable slots {usable}: allowed {self.usable}..{self.capacity}")
+        self.usable = usable
 
     def evictable_except(self, protected_keys: Sequence[bytes]) -> Callable[[int], bool]:
         protected = {s for s in map(self.slot_id, protected_keys) if s is not None}
@@ -254,7 +263,7 @@ class SlotTable:
             while slot is None or slot in quarantined:
                 if free:
                     slot = free.pop()
-                elif self.next_fresh < self.capacity:
+                elif self.next_fresh < self.usable:
                     slot = self.next_fresh
                     self.next_fresh += 1
                 else:

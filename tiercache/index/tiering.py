@@ -38,9 +38,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tiercache.errors import InvalidKeyError
-from tiercache.index.lower_tier import (
-    BlockSource, JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierStats,
-)
+from tiercache.index.lower_tier import JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob
+from tiercache.results import BlockSource, TierStats
 from tiercache.index.events import NodeEvents
 from tiercache.index.feeds import Feeds
 from tiercache.index.slots import SlotState

@@ -41,7 +41,6 @@ import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from collections.abc import Callable
 
 import numpy as np
@@ -70,8 +69,6 @@ from tiercache.region.shm import (
 from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
 
-if TYPE_CHECKING:  # the coordinator maps the region without torch
-    import torch
 
 # named_region_info and recorded_socket_path lived here; their callers import them from
 # here still (tiercache.region.names is their home)
@@ -305,17 +302,6 @@ class SharedOffloadRegion:
         off = self.layout.slice_offset(rank)
         used = self.layout.slice_used_bytes
         return self._bytes[off:off + used].reshape(self.layout.num_blocks, self.layout.row_stride)
-
-    def tensor_views(self, rank: int) -> list[torch.Tensor]:
-        """int8 torch views ``(num_blocks, cpu_page_bytes[t])`` with stride ``(row_stride, 1)``."""
-        import torch
-
-        base = torch.from_numpy(self.rank_array(rank).reshape(-1)).view(torch.int8)
-        return [
-            torch.as_strided(base, (self.layout.num_blocks, size), (self.layout.row_stride, 1),
-                             offset)
-            for size, offset in zip(self.layout.cpu_page_bytes, self.layout.page_offsets)
-        ]
 
     def ledger_array(self) -> np.ndarray:
         """uint8 view of the index ledger (the coordinator's index writes it; see region.ledger)."""

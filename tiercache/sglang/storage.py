@@ -63,7 +63,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from sglang.srt.runtime_context import get_server_args
 
 from tiercache.errors import ConfigError
-from tiercache.index.results import LeaseResult, PrepareStoreOutput
+from tiercache.results import LeaseResult, PrepareStoreOutput
 from tiercache.loglimit import LogLimiter
 from tiercache.sglang.coordinator_link import CallFailed, CoordinatorLink, Role
 from tiercache.sglang.counters import BackendCounters, StorageSamples

@@ -61,9 +61,8 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from tiercache.index.lower_tier import (
-    BlockSource, JobKind, JobResult, LowerTier, Presence, TierJob, TierPolicy, TierStats,
-)
+from tiercache.index.lower_tier import JobKind, JobResult, LowerTier, Presence, TierJob, TierPolicy
+from tiercache.results import BlockSource, TierStats
 from tiercache.loglimit import LogLimiter
 from tiercache.specs import Medium
 from tiercache.tiers.cluster_object import BlockFormat

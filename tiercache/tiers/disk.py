@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from tiercache.index.lower_tier import (
-    BlockSource, JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierPolicy,
-    TierStats,
+    JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierPolicy,
 )
+from tiercache.results import BlockSource, TierStats
 from tiercache.loglimit import LogLimiter
 from tiercache.specs import Medium
 from tiercache.tiers.disk_file import DiskSlotFile

@@ -18,11 +18,15 @@ Tensors may be CUDA tensors (GPU backends) or CPU tensors (the ``cpu`` backend).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiercache.errors import ArgumentError
 from tiercache.pages import PageArray
+
+if TYPE_CHECKING:
+    from tiercache.region.shared import SharedOffloadRegion
 
 GpuCaches = torch.Tensor | Sequence[torch.Tensor | PageArray]
 
@@ -36,6 +40,16 @@ def split_kv(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 f"tensor {i} has shape {tuple(t.shape)}: split_kv expects (2, num_blocks, ...)")
         halves.extend((t[0], t[1]))
     return halves
+
+
+def slice_tensors(region: SharedOffloadRegion, rank: int) -> list[torch.Tensor]:
+    """``rank``'s slice of the region as one int8 torch view per region tensor,
+    ``(num_blocks, cpu_page_bytes[t])`` with stride ``(row_stride, 1)``. Here, in the
+    worker wing, not on the region: the coordinator maps the region without torch."""
+    layout = region.layout
+    base = torch.from_numpy(region.rank_array(rank).reshape(-1)).view(torch.int8)
+    return [torch.as_strided(base, (layout.num_blocks, size), (layout.row_stride, 1), offset)
+            for size, offset in zip(layout.cpu_page_bytes, layout.page_offsets)]
 
 
 def page_arrays_of(caches: GpuCaches, page_bytes: Sequence[int], pages_per_block: int = 1

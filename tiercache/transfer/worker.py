@@ -67,7 +67,7 @@ from tiercache.specs import (
 )
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
-from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of
+from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of, slice_tensors
 from tiercache.transfer.wiring import build_handlers
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         undo.callback(region.close)
         layout = region.layout
         gpu_pages = page_arrays_of(gpu_caches, layout.page_bytes)
-        cpu_pages = page_arrays_of(region.tensor_views(rank), layout.page_bytes,
+        cpu_pages = page_arrays_of(slice_tensors(region, rank), layout.page_bytes,
                                    layout.block_size_factor)
         torch_device = _device(gpu_caches, device)
         kind = resolve_kind(kind, torch_device.type)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tiercache.index.results import BlockSource
+from tiercache.results import BlockSource
+from tiercache.vllm.load_store_spec import FencedSlot
 
 if TYPE_CHECKING:
     from tiercache.vllm.lease_records import RequestLeases
@@ -20,23 +21,6 @@ class Answers(NamedTuple):
     miss: Any
     pending: Any
     retry: Any
-
-
-class FencedSlot(NamedTuple):
-    """A region slot as the coordinator handed it out: its id, its generation, and the
-    identity of the region (see ``CPULoadStoreSpec``'s fencing). The book keeps these
-    where it kept slot ids, so every spec it builds can be checked by the workers."""
-
-    slot_id: int
-    gen: int
-    region_id: int
-
-
-def fenced_slots(spec: Any) -> list[FencedSlot]:
-    """The slots of a ``CPULoadStoreSpec`` from the coordinator, one ``FencedSlot`` each."""
-    gens = spec.slot_gens.tolist() if spec.slot_gens is not None else [0] * len(spec)
-    region = spec.region_id
-    return [FencedSlot(s, g, region) for s, g in zip(spec.block_ids.tolist(), gens)]
 
 
 class Probe(NamedTuple):

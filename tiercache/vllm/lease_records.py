@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercache.index.results import BlockSource
-from tiercache.vllm.batch import FencedSlot
+from tiercache.results import BlockSource
+from tiercache.vllm.load_store_spec import FencedSlot
 
 ABSENT = object()
 

@@ -59,8 +59,9 @@ from itertools import islice
 from typing import Any, cast
 
 from tiercache.errors import StateError
-from tiercache.index.results import BlockSource
-from tiercache.vllm.batch import Answers, Batch, FencedSlot, LeaseAnswer, Probe
+from tiercache.results import BlockSource
+from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
+from tiercache.vllm.load_store_spec import FencedSlot
 from tiercache.vllm.lease_records import ABSENT, Held, RequestLeases, always
 
 

@@ -48,19 +48,18 @@ Contract (vLLM 0.33 ``vllm.v1.kv_offload.base.OffloadingManager``) and how it is
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfo,
     ConfigInfoMapping,
-    LoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -73,79 +72,31 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.errors import CoordinatorGoneError, SpecError
+from tiercache.errors import ConfigError, CoordinatorGoneError, StateError
+from tiercache.events.namespaces import EngineFamily
 from tiercache.region.presence import PresenceView
-from tiercache.index.results import BlockSource
-from tiercache.specs import CPULoadStoreSpec
+from tiercache.results import BlockSource
 from tiercache.vllm.flusher import Flusher, IndexSession
-from tiercache.vllm.batch import Answers, FencedSlot, fenced_slots
+from tiercache.vllm.batch import Answers
+from tiercache.vllm.engine_metrics import TierCacheInfo, TierCacheMetrics
+from tiercache.vllm.load_store_spec import FencedSlot, TierCacheLoadStoreSpec, fenced_slots
 from tiercache.vllm.lease_records import RequestLeases
 from tiercache.vllm.leases import LeaseBook
 from tiercache.vllm.namespace import Namespace
+
+if TYPE_CHECKING:
+    from tiercache.control.client import Client
+    from tiercache.vllm.spec import TierCacheOffloadingSpec
+
+log = logging.getLogger(__name__)
 
 _HOST = CacheHitSource.HOST
 # A cluster hit came from the pool, i.e. another node's memory: vLLM's P2P (what its own
 # Mooncake connector reports); DISK for the disk tier.
 _LOAD_SOURCES = {BlockSource.HOST: _HOST, BlockSource.DISK: CacheHitSource.DISK,
                  BlockSource.CLUSTER: CacheHitSource.P2P}
-LOOKUP_WAIT_S = 0.05  # the longest a lookup waits for its request's probe to be answered
 PRESENCE_CHECK_S = 1.0  # how often the scheduler checks that its presence map is current
 PRESENCE_RETRY_S = 0.05  # ... while it has none, or one its coordinator retired
-
-
-class TierCacheLoadStoreSpec(LoadStoreSpec):
-    """Slots in the coordinator's region (one per chunk), in transfer order, each with its
-    generation and region identity (``FencedSlot``: the workers check them before they copy,
-    see ``tiercache.transfer.fence``). Travels in vLLM's connector metadata from the
-    scheduler to every worker; plain data only (a list of tuples: the worker makes the
-    arrays, off the scheduler's path)."""
-
-    def __init__(self, slots: Sequence[FencedSlot]):
-        self.slots = slots if isinstance(slots, list) else list(slots)
-
-    def to_cpu_spec(self) -> CPULoadStoreSpec:
-        """The spec the worker's handlers take; ``SpecError`` if the slots name several
-        regions (they never should: one coordinator handed them out)."""
-        if not self.slots:
-            return CPULoadStoreSpec([])
-        ids, gens, regions = zip(*self.slots)
-        if len(set(regions)) != 1:
-            raise SpecError(f"one transfer's slots name regions {sorted(set(regions))}; a "
-                            "spec is for one region")
-        if not regions[0]:  # unfenced slots (region 0): the caller vouches for them
-            return CPULoadStoreSpec(ids)
-        return CPULoadStoreSpec(ids, gens, regions[0])
-
-    @property
-    def slot_ids(self) -> list[int]:
-        return [s.slot_id for s in self.slots]
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __repr__(self) -> str:
-        return f"TierCacheLoadStoreSpec({self.slot_ids})"
-
-
-class TierCacheMetrics:
-    """Metric names (declared in ``TierCacheOffloadingSpec.build_metric_definitions``)."""
-
-    COORDINATOR_UP = "vllm:kv_offload_tiercache_coordinator_up"
-    LEASED_CHUNKS = "vllm:kv_offload_tiercache_leased_chunks"
-    PROBED_KEYS = "vllm:kv_offload_tiercache_probed_keys"
-    LOADED_CHUNKS = "vllm:kv_offload_tiercache_loaded_chunks"
-    STORES_SKIPPED = "vllm:kv_offload_tiercache_stores_skipped"
-    FLUSH_SECONDS = "vllm:kv_offload_tiercache_flush_seconds"
-    COLD_MISSES = "vllm:kv_offload_tiercache_cold_misses"
-
-
-@dataclass(frozen=True)
-class TierCacheInfo(ConfigInfo):
-    """Static facts on ``vllm:kv_offload_config_info``."""
-
-    tiercache_instance: str
-    tiercache_namespace: str
-    tiercache_region_chunks: int
 
 
 class TierCacheManager(OffloadingManager):
@@ -157,7 +108,7 @@ class TierCacheManager(OffloadingManager):
                  describe: Callable[[Namespace], bool] | None = None,
                  reserve_on_probe: bool = True, reconnect_interval_s: float = 1.0,
                  presence: PresenceView | None = None,
-                 lookup_wait_s: float = LOOKUP_WAIT_S):
+                 lookup_wait_s: float):
         self._lock = threading.Lock()
         self._presence = presence
         self._presence_checked = time.monotonic()
@@ -354,3 +305,59 @@ class TierCacheManager(OffloadingManager):
         self._writer.close()
         if self._presence is not None:
             self._presence.close()
+
+
+def _describer(client: Client) -> Callable[[Namespace], bool]:
+    """Tells the coordinator what a namespace is (DESCRIBE; again on every reconnect), so
+    its event stream publishes the namespace's blocks with vLLM's hashes; answers whether
+    that stream runs (False too when the coordinator did not take the description: the
+    engine then publishes its own view, as without a stream)."""
+
+    def describe(namespace: Namespace) -> bool:
+        try:
+            return client.describe(EngineFamily.VLLM, namespace.description).node_events
+        except (ConfigError, StateError) as e:
+            log.warning("tiercache: the coordinator did not take namespace %s: %s",
+                        namespace.digest.hex(), e)
+            return False
+
+    return describe
+
+
+def connect(spec: TierCacheOffloadingSpec) -> TierCacheManager:
+    """The scheduler's manager for ``spec``: the region's geometry checked, two sessions
+    (bulk lookups, the writer's completions), the namespace described, the presence map."""
+    path, layout = spec.target.region_layout()
+    spec.engine_geometry().check(layout, path, spec.target.config)
+    bulk, writer = spec.target.client(), spec.target.client()
+    try:
+        bulk.ping()
+        writer.ping()
+    except BaseException:
+        bulk.close()
+        writer.close()
+        raise
+    info = TierCacheInfo(spec.target.name, spec.namespace.digest.hex(), layout.num_blocks)
+    describe = _describer(writer)
+    node_events = describe(spec.namespace)
+    own_events = spec.kv_events_config.enable_kv_cache_events and not node_events
+    if spec.kv_events_config.enable_kv_cache_events and node_events:
+        log.info("tiercache: coordinator %s publishes the node's KV events (every "
+                 "engine's blocks, evictions and the disk tier): this engine's own "
+                 "CPU-tier events are off (docs/events.md)", spec.target.name)
+    # Reserving on probe assumes a probe is a prefix the request will store: true
+    # of full attention; sliding-window groups probe from the end.
+    full_attention = all(g.sliding_window_size_in_chunks is None
+                         for g in spec.config.groups)
+    presence = PresenceView(spec.target.name, spec.namespace.digest)
+    if presence.problem is not None:
+        log.warning("tiercache: %s; every new request is looked up in the coordinator "
+                    "(one step) until it is there", presence.problem)
+    manager = TierCacheManager(
+        namespace=spec.namespace, bulk=bulk, writer=writer, info=info,
+        enable_events=own_events, describe=describe,
+        reserve_on_probe=full_attention, presence=presence,
+        lookup_wait_s=spec.lookup_wait_s)
+    log.info("tiercache: engine %s uses coordinator %s, namespace %s",
+             spec.config.engine_id, spec.target.name, spec.namespace.describe())
+    return manager

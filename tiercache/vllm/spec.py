@@ -31,31 +31,25 @@ and the config lines that would fit (``tiercache config-for-vllm`` prints a whol
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.v1.kv_offload.base import (
-    CanonicalKVCaches,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
-    OffloadingHistogramMetadata,
-    OffloadingMetricMetadata,
-    OffloadingSpec,
-)
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.config import Config, load_config
-from tiercache.errors import ConfigError, StateError
-from tiercache.events.namespaces import EngineFamily
-from tiercache.control.client import Client
+from tiercache.errors import ConfigError
 from tiercache.region.layout import RegionLayout
-from tiercache.region.presence import PresenceView
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.vllm.geometry import EngineGeometry
-from tiercache.vllm.manager import LOOKUP_WAIT_S, TierCacheInfo, TierCacheManager, TierCacheMetrics
+from tiercache.vllm.engine_metrics import TierCacheInfo, metric_definitions
 from tiercache.vllm.namespace import GroupShape, Namespace
-from tiercache.vllm.worker import TierCacheWorker, canonical_geometry
+
+if TYPE_CHECKING:  # each is imported by the process that builds it (see get_manager)
+    from tiercache.control.client import Client
+    from tiercache.vllm.manager import TierCacheManager
+    from tiercache.vllm.worker import TierCacheWorker
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +58,7 @@ INSTANCE_KEY = "tiercache_instance"
 SALT_KEY = "tiercache_namespace_salt"
 READY_TIMEOUT_KEY = "tiercache_ready_timeout_s"
 LOOKUP_WAIT_KEY = "tiercache_lookup_wait_ms"
+LOOKUP_WAIT_S = 0.05  # the longest a lookup waits for its request's probe to be answered
 
 
 def lookup_wait_s(extra: Mapping[str, Any]) -> float:
@@ -109,6 +104,8 @@ class CoordinatorTarget:
         return self.config if self.config is not None else self.name
 
     def client(self) -> Client:
+        from tiercache.control.client import Client
+
         return Client(self.config if self.config is not None else Config(name=self.name))
 
     def region_layout(self) -> tuple[str, RegionLayout]:
@@ -129,52 +126,13 @@ def namespace_of(config: OffloadingConfig, salt: str = "") -> Namespace:
         salt=salt)
 
 
-def _describer(client: Client) -> Callable[[Namespace], bool]:
-    """Tells the coordinator what a namespace is (DESCRIBE; again on every reconnect), so
-    its event stream publishes the namespace's blocks with vLLM's hashes; answers whether
-    that stream runs (False too when the coordinator did not take the description: the
-    engine then publishes its own view, as without a stream)."""
-
-    def describe(namespace: Namespace) -> bool:
-        try:
-            return client.describe(EngineFamily.VLLM, namespace.description).node_events
-        except (ConfigError, StateError) as e:
-            log.warning("tiercache: the coordinator did not take namespace %s: %s",
-                        namespace.digest.hex(), e)
-            return False
-
-    return describe
-
-
 class TierCacheOffloadingSpec(OffloadingSpec):
     """See the module docstring."""
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]
                                  ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            TierCacheMetrics.COORDINATOR_UP: OffloadingGaugeMetadata(
-                "1 while this engine's tiercache coordinator answers, 0 while it is gone "
-                "(lookups then miss and stores are skipped)"),
-            TierCacheMetrics.LEASED_CHUNKS: OffloadingGaugeMetadata(
-                "Chunks this engine holds a lease on in the tiercache coordinator "
-                "(pinned for hits not yet loaded and loads in flight)"),
-            TierCacheMetrics.PROBED_KEYS: OffloadingCounterMetadata(
-                "Keys sent to the tiercache coordinator in the per-step batched lookup"),
-            TierCacheMetrics.LOADED_CHUNKS: OffloadingCounterMetadata(
-                "Chunks this engine loaded from tiercache (from its leases; the "
-                "coordinator's loaded_blocks does not count them)"),
-            TierCacheMetrics.COLD_MISSES: OffloadingCounterMetadata(
-                "New requests answered MISS at their first lookup from the coordinator's key "
-                "presence map (no tier holds their first chunk): admitted in that step, with "
-                "no round trip"),
-            TierCacheMetrics.STORES_SKIPPED: OffloadingCounterMetadata(
-                "Chunks not offloaded because the tiercache coordinator was gone"),
-            TierCacheMetrics.FLUSH_SECONDS: OffloadingHistogramMetadata(
-                "Seconds per step to send lookups, releases and completions to the tiercache "
-                "coordinator (off the scheduler's critical path)",
-                buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
-        }
+        return metric_definitions()
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -204,43 +162,19 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                               bytes_per_block=self.config.worker_kv_bytes_per_block or None)
 
     def get_manager(self) -> TierCacheManager:
+        # vLLM asks the scheduler process for the manager and each worker process for a
+        # worker: each imports its own side only (a worker never loads the lease book, its
+        # flusher or the control client; a scheduler never the transfer path), as
+        # tests/vllm/test_loads.py checks
+        from tiercache.vllm.manager import connect
+
         if self._manager is None:
-            path, layout = self.target.region_layout()
-            self.engine_geometry().check(layout, path, self.target.config)
-            bulk, writer = self.target.client(), self.target.client()
-            try:
-                bulk.ping()
-                writer.ping()
-            except BaseException:
-                bulk.close()
-                writer.close()
-                raise
-            info = TierCacheInfo(self.target.name, self.namespace.digest.hex(), layout.num_blocks)
-            describe = _describer(writer)
-            node_events = describe(self.namespace)
-            own_events = self.kv_events_config.enable_kv_cache_events and not node_events
-            if self.kv_events_config.enable_kv_cache_events and node_events:
-                log.info("tiercache: coordinator %s publishes the node's KV events (every "
-                         "engine's blocks, evictions and the disk tier): this engine's own "
-                         "CPU-tier events are off (docs/events.md)", self.target.name)
-            # Reserving on probe assumes a probe is a prefix the request will store: true
-            # of full attention; sliding-window groups probe from the end.
-            full_attention = all(g.sliding_window_size_in_chunks is None
-                                 for g in self.config.groups)
-            presence = PresenceView(self.target.name, self.namespace.digest)
-            if presence.problem is not None:
-                log.warning("tiercache: %s; every new request is looked up in the coordinator "
-                            "(one step) until it is there", presence.problem)
-            self._manager = TierCacheManager(
-                namespace=self.namespace, bulk=bulk, writer=writer, info=info,
-                enable_events=own_events, describe=describe,
-                reserve_on_probe=full_attention, presence=presence,
-                lookup_wait_s=self.lookup_wait_s)
-            log.info("tiercache: engine %s uses coordinator %s, namespace %s",
-                     self.config.engine_id, self.target.name, self.namespace.describe())
+            self._manager = connect(self)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> TierCacheWorker:
+        from tiercache.vllm.worker import TierCacheWorker, canonical_geometry
+
         if self._worker is None:
             geometry, groups = canonical_geometry(
                 kv_caches, world_size=self.config.parallel.world_size,

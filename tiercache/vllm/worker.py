@@ -40,7 +40,7 @@ from tiercache.region.shared import SharedOffloadRegion
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.transfer.worker import Worker, attach
 from tiercache.vllm.geometry import EngineGeometry
-from tiercache.vllm.manager import TierCacheLoadStoreSpec
+from tiercache.vllm.load_store_spec import TierCacheLoadStoreSpec
 
 log = logging.getLogger(__name__)
 

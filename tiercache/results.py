@@ -1,18 +1,58 @@
-"""The values the cache index hands out: what to store, leases, session releases, events and
-stats. Frozen dataclasses; the manager (``tiercache.index.manager``) re-exports them.
-``BlockSource`` and ``TierStats`` belong to the lower tiers' contract
-(``tiercache.index.lower_tier``) and are re-exported here."""
+"""The values the cache index hands out and the control plane carries: what to store,
+leases, session releases, events and stats, and where a block came from. Frozen
+dataclasses and enums, plain Python: the coordinator's index makes them, and the engines'
+side of the control plane (``tiercache.control.client``) decodes them, so they stand in
+the foundation, under both (an engine process never loads the index to read an answer).
+``BlockSource`` and ``TierStats`` are also the lower tiers' (``tiercache.index.lower_tier``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from tiercache.errors import SpecError
-from tiercache.index.lower_tier import BlockSource, TierStats
 from tiercache.specs import CPULoadStoreSpec, Medium
 
 __all__ = ["BlockSource", "LeaseResult", "ManagerStats", "OffloadingEvent", "PrepareStoreOutput",
            "SessionRelease", "TierStats"]
+
+
+class BlockSource(IntEnum):
+    """Where a block in host memory came from (its wire code is the value; ``label`` names
+    the tier in metrics and status): an engine stored it, or a tier below promoted it."""
+
+    HOST = 0
+    DISK = 1
+    CLUSTER = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class TierStats:
+    """Counters (lifetime) and gauges of a tier below host memory (disk or cluster)."""
+
+    capacity_blocks: int = 0
+    used_blocks: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    promotions: int = 0
+    demotions: int = 0
+    dropped_spills: int = 0
+    queued_blocks: int = 0  # waiting to be written (disk: demotions; cluster: publishes)
+    calls_in_flight: int = 0  # disk: promotion/demotion jobs; cluster: calls to the pool
+    checksum_failures: int = 0
+    errors: int = 0
+    rebuilt_blocks: int = 0
+    up: bool = True
+    direct_io: bool = False
+    promoting: bool = True  # False: promotions stopped (too many host slots held out)
+    held_buffers: int = 0  # transfer buffers held out: a read into them may still land
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +119,8 @@ class OffloadingEvent:
 class ManagerStats:
     """A consistent snapshot: lifetime counters (never reset) and gauges in blocks.
 
-    ``free + writing + ready + loading + quarantined == capacity``; ``loading`` counts every
+    ``free + writing + ready + loading + quarantined == capacity``, the slots whose memory
+    is reserved (all of them once the region's reservation completes); ``loading`` counts every
     pinned block (a load's or a lease's); ``quarantined`` slots are held out after a write
     that may still land. ``recovered_blocks`` came back from the ledger, with
     ``recovered_pins`` and ``recovered_writing_blocks`` of surviving sessions, and
