@@ -173,9 +173,17 @@ def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, en
                             f"{sim_s:.1f} s simulated, {time.monotonic() - began:.0f} s wall")
 
                 records = clock.run(trace, arm.engines,
-                                    make_router(router, recorders, base.block_tokens), progress)
-                extra = {"host_blocks": arm.host_blocks, "bytes_scale": arm.bytes_scale,
-                         "wall_s": round(time.monotonic() - began, 1)}
+                                    make_router(router, recorders, base.block_tokens, arm.node),
+                                    progress)
+                extra: dict[str, Any] = {
+                    "host_blocks": arm.host_blocks, "bytes_scale": arm.bytes_scale,
+                    "wall_s": round(time.monotonic() - began, 1)}
+                if arm.settler is not None:
+                    extra["disk_tier"] = arm.settler.stats()
+                if arm.node is not None:
+                    extra["node_stream"] = {"batches": arm.node.num_batches,
+                                            "events": arm.node.num_events,
+                                            "replays": arm.node.num_replays}
                 out["systems"][system.value] = summarize(records, arm.engines, extra)
                 out["cost_model"][system.value] = costs[system].describe()
             finally:

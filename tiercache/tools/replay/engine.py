@@ -16,6 +16,7 @@ earlier answer finds that answer's KV.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,7 @@ class ReplayEngine:
         self.checked_blocks = 0
         self.loaded_blocks = 0
         self.steps = 0
+        self.before_step: Callable[[], None] | None = None  # e.g. the disk tier's settle
 
     # ------------------------------------------------------------------ requests
     def add(self, req_id: str, request: TraceRequest, now_s: float) -> None:
@@ -112,6 +114,8 @@ class ReplayEngine:
     def step(self, now_s: float) -> float:
         from vllm.v1.outputs import ModelRunnerOutput
 
+        if self.before_step is not None:
+            self.before_step()
         out = self.scheduler.schedule()
         self._count_sources()
         sync_end_s = self._submit_loads(out.kv_connector_metadata, now_s)

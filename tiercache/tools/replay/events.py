@@ -13,6 +13,7 @@ from typing import Any
 
 GPU = "GPU"
 CPU = "CPU"
+STORAGE = "STORAGE"  # vLLM's name for a disk tier (tiercache's node stream publishes it)
 
 
 class EventRecorder:

@@ -6,11 +6,20 @@ internals. Ties go to the engine with fewer unfinished requests, then the lowest
 
 * ``round_robin``: engines in turn.
 * ``least_loaded``: fewest unfinished requests (queued, loading or running).
-* ``prefix``: the longest prefix of the request's blocks that an engine's events say it
-  holds, each block weighted by where it is (``MEDIUM_WEIGHTS``: GPU 1.0, CPU 0.8, as
-  llm-d's precise-prefix-cache scorer weighs device above host hits), among engines whose
-  load is within ``LOAD_SLACK`` requests of the least loaded (a prefix scorer alone sends a
-  shared system prompt's whole traffic to one engine; llm-d pairs it with a load scorer).
+* ``prefix``: llm-d's way, a weighted sum of two scorers, the highest total wins. The
+  prefix scorer: the longest prefix of the request's blocks an engine is known to hold,
+  each block weighted by where it is (``MEDIUM_WEIGHTS``: GPU 1.0, CPU 0.8, as llm-d's
+  precise-prefix-cache scorer weighs device above host hits; the disk tier, STORAGE, 0.5,
+  our choice), as a fraction of the request's blocks. The load scorer: unfinished
+  requests, min-max normalized over the engines (1 for the least loaded, as llm-d's queue
+  scorer). Weighted ``PREFIX_WEIGHT`` : ``LOAD_WEIGHT`` (our choice, prefix first): a
+  request that only one busier engine holds on its GPU goes there, unless an idler engine
+  holds most of it too. What an engine is known to hold: its own KV events (vLLM's GPU
+  prefix cache, and its CPU tier with vLLM's offloading) and, in the tiercache arm, the
+  node's stream (``nodestream.NodeStreamView``: a block in the node cache is held for
+  every engine). The node's view matters through the weights: a block every engine can
+  load from host memory leaves the GPU holder an advantage of 1.0 - 0.8 a block instead
+  of 1.0, so the load scorer decides more often.
 """
 
 from __future__ import annotations
@@ -18,15 +27,22 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tiercache.errors import ConfigError
 from tiercache.tools.replay.engine import ReplayEngine
-from tiercache.tools.replay.events import CPU, GPU, EventRecorder
+from tiercache.tools.replay.events import CPU, GPU, STORAGE, EventRecorder
 from tiercache.tools.replay.trace import TraceRequest
 
-MEDIUM_WEIGHTS = {GPU: 1.0, CPU: 0.8}
-LOAD_SLACK = 8
+MEDIUM_WEIGHTS = {GPU: 1.0, CPU: 0.8, STORAGE: 0.5}
+PREFIX_WEIGHT = 3.0
+LOAD_WEIGHT = 2.0
+
+
+class HoldingsView(Protocol):
+    """What a router may know of what some store holds (an engine's events, the node's)."""
+
+    def holds(self, medium: str, block_hash: Any) -> bool: ...
 
 
 class RouterKind(enum.Enum):
@@ -72,11 +88,15 @@ class LeastLoaded(Router):
 
 
 class PrefixAware(Router):
-    """``recorders[i]``: engine i's events (``events.EventRecorder``)."""
+    """``recorders[i]``: engine i's events (``events.EventRecorder``); ``node``: what the
+    node cache holds for every engine (the tiercache arm's ``NodeStreamView``), synced
+    before each decision (``sync()``)."""
 
-    def __init__(self, recorders: Sequence[EventRecorder], block_tokens: int):
+    def __init__(self, recorders: Sequence[EventRecorder], block_tokens: int,
+                 node: Any = None):
         self.recorders = recorders
         self.block_tokens = block_tokens
+        self.node = node
         self.routed_by_prefix = 0
 
     def block_hashes(self, request: TraceRequest) -> list[Any]:
@@ -92,32 +112,40 @@ class PrefixAware(Router):
                         block_hasher=get_request_block_hasher(self.block_tokens, sha256))
         return [maybe_convert_block_hash(h) for h in probe.block_hashes]
 
-    def score(self, recorder: EventRecorder, hashes: Sequence[Any]) -> float:
+    def score(self, views: Sequence[HoldingsView], hashes: Sequence[Any]) -> float:
+        """The weighted leading run of ``hashes`` that ``views`` together hold."""
         total = 0.0
         for block_hash in hashes:
             weight = max((w for medium, w in MEDIUM_WEIGHTS.items()
-                          if recorder.holds(medium, block_hash)), default=0.0)
+                          if any(v.holds(medium, block_hash) for v in views)), default=0.0)
             if weight == 0.0:
                 break
             total += weight
         return total
 
     def pick(self, request: TraceRequest, engines: Sequence[ReplayEngine]) -> int:
-        floor = min(e.num_unfinished for e in engines)
-        allowed = [i for i, e in enumerate(engines) if e.num_unfinished <= floor + LOAD_SLACK]
+        if self.node is not None:
+            self.node.sync()
         hashes = self.block_hashes(request)
-        scores = {i: self.score(self.recorders[i], hashes) for i in allowed}
-        best = max(scores.values())
-        if best == 0.0:
-            return _least(engines, allowed)
-        self.routed_by_prefix += 1
-        return _least(engines, [i for i in allowed if scores[i] == best])
+        loads = [e.num_unfinished for e in engines]
+        low, high = min(loads), max(loads)
+        totals = []
+        for i in range(len(engines)):
+            views = [self.recorders[i]] + ([self.node] if self.node is not None else [])
+            prefix = self.score(views, hashes) / len(hashes) if hashes else 0.0
+            load = 1.0 if high == low else (high - loads[i]) / (high - low)
+            totals.append((PREFIX_WEIGHT * prefix + LOAD_WEIGHT * load, prefix))
+        best = max(t for t, _ in totals)
+        chosen = _least(engines, [i for i, (t, _) in enumerate(totals) if t == best])
+        if totals[chosen][1] > 0.0:
+            self.routed_by_prefix += 1
+        return chosen
 
 
-def make_router(kind: RouterKind, recorders: Sequence[EventRecorder], block_tokens: int
-                ) -> Router:
+def make_router(kind: RouterKind, recorders: Sequence[EventRecorder], block_tokens: int,
+                node: Any = None) -> Router:
     if kind is RouterKind.ROUND_ROBIN:
         return RoundRobin()
     if kind is RouterKind.LEAST_LOADED:
         return LeastLoaded()
-    return PrefixAware(recorders, block_tokens)
+    return PrefixAware(recorders, block_tokens, node)

@@ -14,7 +14,12 @@ the same model, GPU block budget, scheduler limits and total host memory.
   holds as many blocks as ``dram_bytes`` holds of the real model's, so the report states
   the factor (``bytes_scale``); the scheduler sees the same blocks, the cost model the
   real model's bytes. Models of more than one KV-cache group (sliding-window hybrids) are
-  refused: the stand-in has one.
+  refused: the stand-in has one. With the prefix router the coordinator runs its node
+  event stream (``[events]`` on loopback, ports the kernel picks) and the arm subscribes
+  to it (``Arm.node``: ``nodestream.NodeStreamView``); its engines then turn their own
+  CPU-tier events off, as on any node whose coordinator publishes (docs/events.md).
+  With a disk tier (``--disk``: a real one, its file under the replay's temporary
+  directory), each engine step first waits for the tier chain (``tierwait``).
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
+from tiercache.config import Config, EventsConfig, ExporterConfig, KVGeometry, RegionConfig
 from tiercache.config.tiers import DiskConfig
 from tiercache.errors import ConfigError, UnsupportedModelError
+from tiercache.region.layout import round_up
+from tiercache.tiers.disk_file import ALIGN as DISK_ALIGN
+from tiercache.tiers.disk_file import HEADER_BYTES as DISK_SLOT_HEADER_BYTES
 from tiercache.tools.replay.cost import CostModel
 from tiercache.tools.replay.engine import ReplayEngine
 from tiercache.tools.replay.events import EventRecorder
@@ -36,6 +44,9 @@ from tiercache.tools.replay.worker import ContentWorker, VirtualWorker
 
 BLOCK_TOKENS = 16
 MAX_MODEL_LEN = 4096
+# the node stream's batching: short, so that a decision's wait for the stream (nodestream's
+# sync) is short in wall time; it changes nothing simulated
+EVENTS_BATCH_INTERVAL_S = 0.01
 
 
 class System(enum.Enum):
@@ -161,6 +172,8 @@ class Arm:
         self.system = system
         self.fleet = fleet
         self.coordinator: Any = None
+        self.node: Any = None  # the node stream's view (tiercache arm, prefix router)
+        self.settler: Any = None  # the disk tier on the replay's clock (tiercache arm, disk)
         self.engines: list[ReplayEngine] = []
         self.host_blocks = 0
         self.bytes_scale = 1.0
@@ -200,7 +213,10 @@ class Arm:
 
         caches = allocate_caches(config, kv, torch.device("cpu"))
         worker = ContentWorker(config, kv, caches)
-        return ReplayEngine(index, scheduler(config, kv, recorder), worker, cost)
+        engine = ReplayEngine(index, scheduler(config, kv, recorder), worker, cost)
+        if self.settler is not None:
+            engine.before_step = self.settler.settle
+        return engine
 
     @property
     def _standin_dir(self) -> Path:
@@ -216,12 +232,18 @@ class Arm:
         disk = None
         if fleet.disk_bytes:
             disk_blocks = fleet.disk_bytes // cost.block_bytes
+            # as many of the disk file's slots as the real model's blocks fit in disk_bytes
+            # (a slot: its header and the stand-in's row, each 4 KiB-aligned)
+            slot_bytes = DISK_SLOT_HEADER_BYTES + round_up(STANDIN.block_bytes, DISK_ALIGN)
             disk = DiskConfig(path=str(fleet.workdir), io_threads=2,
-                              capacity_bytes=disk_blocks * STANDIN.block_bytes)
+                              capacity_bytes=disk_blocks * slot_bytes)
         name = f"replay-{os.getpid()}"
         page = STANDIN.block_bytes // STANDIN.num_layers
+        events = (EventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+                               batch_interval_s=EVENTS_BATCH_INTERVAL_S)
+                  if fleet.kv_events else None)
         config = Config(
-            name=name, world_size=1, disk=disk,
+            name=name, world_size=1, disk=disk, events=events, index_events=fleet.kv_events,
             kv=KVGeometry(page_bytes=(page,) * STANDIN.num_layers, block_size_factor=1,
                           block_tokens=BLOCK_TOKENS),
             region=RegionConfig(capacity_bytes=None, num_blocks=self.host_blocks,
@@ -230,11 +252,23 @@ class Arm:
             exporter=ExporterConfig(enabled=False),
             control_socket=str(fleet.workdir / f"{name}.sock"))
         self.coordinator = CoordinatorProcess(config, workdir=fleet.workdir / "coordinator")
+        if disk is not None:
+            from tiercache.tools.replay.tierwait import TierSettler
+
+            self.settler = TierSettler(config, disk.low_watermark)
+        if events is not None:
+            from tiercache.tools.replay.nodestream import NodeStreamView, bound_endpoints
+
+            self.node = NodeStreamView(config, *bound_endpoints(self.coordinator.output()))
 
     def close(self) -> None:
         for engine in self.engines:
             engine.shutdown()
         self.engines = []
+        for view in (self.node, self.settler):
+            if view is not None:
+                view.close()
+        self.node = self.settler = None
         if self.coordinator is not None:
             self.coordinator.cleanup()
             self.coordinator = None

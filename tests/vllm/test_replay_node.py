@@ -1,0 +1,75 @@
+"""`tiercache replay`'s tiercache arm beside the node: the prefix router reading the real
+coordinator's node event stream (a ZMQ SUB on `tiercache serve`'s `[events]`), and the
+disk tier under the host tier.
+
+No timed assertions: hits are vLLM's own prefill stats, routes follow from them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from vllm_env import require_vllm
+
+require_vllm()
+
+from tiercache.tools.replay.cli import replay  # noqa: E402
+from tiercache.tools.replay.routers import RouterKind  # noqa: E402
+from tiercache.tools.replay.systems import System  # noqa: E402
+from tiercache.tools.replay.trace import Trace, TraceRequest  # noqa: E402
+
+LLAMA = Path(__file__).parents[1] / "fixtures" / "models" / "Llama-3.1-8B-Instruct"
+GPU_TOKENS = 8192  # the least the replay allows: 512 blocks of 16 tokens
+BLOCK_BYTES = 2 * 1024 * 1024  # Llama-3.1-8B: 32 layers x 64 KiB per 16-token block
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(1000, 30000) for _ in range(n))
+
+
+def hits(report: dict, system: System) -> dict[str, int]:
+    return report["systems"][system.value]["hit_tokens"]
+
+
+def test_the_prefix_router_sends_a_node_held_prefix_to_the_idle_engine():
+    """P (6 full blocks) runs on engine 0 and is stored in the node cache. F, long, goes to
+    engine 0 (nothing held, equal load). P again while F runs: engine 0 holds P on its
+    GPU, engine 1 holds nothing of its own. Without the node's view the GPU holder wins
+    (prefix 3 x 1.0 against load 2: engine 0, a GPU hit, as in ``none``); with it, P is
+    held in host memory for engine 1 too (3 x 0.8 + 2 > 3): engine 1, a host hit. So the
+    tiercache arm's P lands where the node's stream says, or the test fails."""
+    p = prompt(0, 100)
+    requests = [TraceRequest(0.0, "p", p, 2), TraceRequest(1.0, "f", prompt(1, 1600), 400),
+                TraceRequest(1.5, "p", p, 2)]
+    report = replay(Trace(tuple(requests)), LLAMA, [System.NONE, System.TIERCACHE],
+                    RouterKind.PREFIX, engines=2, dram_bytes=2048 * BLOCK_BYTES,
+                    gpu_kv_tokens=GPU_TOKENS)
+    assert hits(report, System.NONE) == {"gpu": 96, "host": 0, "disk": 0}
+    assert hits(report, System.TIERCACHE) == {"gpu": 0, "host": 96, "disk": 0}
+    stream = report["systems"]["tiercache"]["node_stream"]
+    assert stream["events"] >= 6 and stream["batches"] >= 1
+    assert report["systems"]["tiercache"]["loaded_blocks_checked"] == 6
+
+
+def test_a_prefix_the_host_tier_lost_is_a_disk_hit_and_the_identity_holds():
+    """P (6 blocks), then 30 fillers of 40 blocks (1200 in all) through a host tier of
+    512 blocks and a disk tier of 4096: P leaves the GPU (512 blocks) and host memory, but
+    the chain demoted it ahead of eviction, so the second P loads it from disk (hit source
+    DISK); the identity holds with disk hits. vLLM's own offloading, the same 512 blocks
+    of DRAM and no disk, has lost it."""
+    p = prompt(0, 100)
+    requests = [TraceRequest(0.0, "p", p, 2)]
+    requests += [TraceRequest(1.0 + i / 2, f"f{i}", prompt(100 + i, 640), 2) for i in range(30)]
+    requests += [TraceRequest(20.0, "p", p, 2)]
+    trace = Trace(tuple(requests))
+    report = replay(trace, LLAMA, [System.VLLM_NATIVE, System.TIERCACHE],
+                    RouterKind.ROUND_ROBIN, engines=1, dram_bytes=512 * BLOCK_BYTES,
+                    disk_bytes=4096 * BLOCK_BYTES, gpu_kv_tokens=GPU_TOKENS)
+    assert hits(report, System.VLLM_NATIVE) == {"gpu": 0, "host": 0, "disk": 0}
+    tc = report["systems"]["tiercache"]
+    assert tc["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 96}
+    assert tc["computed_prefill_tokens"] + sum(tc["hit_tokens"].values()) == \
+        tc["prompt_tokens"] == trace.prompt_tokens
+    assert tc["loaded_blocks_checked"] == 6  # P's blocks, promoted from disk, then loaded
+    assert tc["disk_tier"]["demotions"] >= 6 and tc["disk_tier"]["promotions"] >= 6
