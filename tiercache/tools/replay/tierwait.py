@@ -11,8 +11,8 @@ clock that does not count it, both depending on the machine's speed.
 So, with a disk tier, the replay gives the chain the time it needs before each step, as a
 served engine's wall time would: ``settle`` returns once the disk tier has nothing
 queued or in flight and one chain round (``CHAIN_ROUND_S``) passed without its counters
-moving, or at once while host memory is above the watermark and the tier idle (the chain
-has nothing to do). Disk transfers then take no simulated time: the cost model prices
+moving; at once while the tier is idle and host memory above the watermark (the chain has
+nothing to do) or nothing changed since it last settled (a step that stored nothing). Disk transfers then take no simulated time: the cost model prices
 host-to-GPU loads, not the disk's reads (the replay's results say so).
 """
 
@@ -39,6 +39,7 @@ class TierSettler:
 
         self._client = Client(config, name="replay-tier-settler")
         self._low_watermark = low_watermark
+        self._settled: tuple[int, ...] | None = None  # the counters when it last settled
         self.waits = 0
 
     def _look(self) -> tuple[bool, tuple[int, ...], bool]:
@@ -52,8 +53,8 @@ class TierSettler:
 
     def settle(self) -> None:
         idle, counters, above = self._look()
-        if idle and above:
-            return
+        if idle and (above or counters == self._settled):
+            return  # nothing for the chain to do, or nothing happened since it last settled
         self.waits += 1
         began = time.monotonic()
         while True:
@@ -61,6 +62,7 @@ class TierSettler:
             was = counters
             idle, counters, _ = self._look()
             if idle and counters == was:
+                self._settled = counters
                 return
             if time.monotonic() - began > GIVE_UP_S:
                 raise TierSettleError(f"the disk tier did not settle in {GIVE_UP_S} s: {counters}")
