@@ -135,13 +135,20 @@ class VllmSubscriber:
         raise AssertionError(f"no such line from the subscriber within {wait_s} s")
 
     def until(self, condition: Callable[[Seen], bool]) -> Seen:
-        """Read until ``condition(seen)`` holds."""
+        """Read until ``condition(seen)`` holds. The wait ends when it holds or when the
+        subscriber has said nothing for ``WAIT_S``: a loaded machine may take minutes to
+        pass 200 batches through the subscriber's pipe, and a subscriber that still prints
+        is still getting there (pytest-timeout is the backstop)."""
         deadline = time.monotonic() + WAIT_S
         while not condition(self.seen):
             if time.monotonic() > deadline:
-                raise AssertionError(f"subscriber condition not met within {WAIT_S} s; "
-                                     f"last batches seen: {self.seen.batches[-3:]}")
-            self._line(0.2)
+                last = [(b.get("seq"), len(b.get("events", ()))) for b in self.seen.batches[-3:]]
+                raise AssertionError(
+                    f"subscriber condition not met; nothing new for {WAIT_S} s after "
+                    f"{len(self.seen.batches)} batches, {len(self.seen.gaps)} gaps "
+                    f"(last (seq, events): {last})")
+            if self._line(0.2) is not None:
+                deadline = time.monotonic() + WAIT_S
         return self.seen
 
     def send(self, command: str) -> None:
