@@ -7,13 +7,23 @@ No timed assertions: hits are vLLM's own prefill stats, routes follow from them.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 from vllm_env import require_vllm
 
 require_vllm()
 
+from e2e_support import metrics_url, scrape  # noqa: E402
+from event_support import WAIT_S, namespace, vllm_int_hash, vllm_key  # noqa: E402
+
+from tiercache.config import EventsConfig  # noqa: E402
+from tiercache.control.client import Client  # noqa: E402
+from tiercache.events import EngineFamily  # noqa: E402
+from tiercache.service.process import CoordinatorProcess  # noqa: E402
 from tiercache.tools.replay.cli import replay  # noqa: E402
+from tiercache.tools.replay.events import CPU  # noqa: E402
+from tiercache.tools.replay.nodestream import NodeStreamView, bound_endpoints  # noqa: E402
 from tiercache.tools.replay.routers import RouterKind  # noqa: E402
 from tiercache.tools.replay.systems import System  # noqa: E402
 from tiercache.tools.replay.trace import Trace, TraceRequest  # noqa: E402
@@ -73,3 +83,48 @@ def test_a_prefix_the_host_tier_lost_is_a_disk_hit_and_the_identity_holds():
         tc["prompt_tokens"] == trace.prompt_tokens
     assert tc["loaded_blocks_checked"] == 6  # P's blocks, promoted from disk, then loaded
     assert tc["disk_tier"]["demotions"] >= 6 and tc["disk_tier"]["promotions"] >= 6
+
+
+def _store(client, keys):
+    out = client.prepare_store(keys)
+    assert out is not None
+    client.complete_store(list(out.keys_to_store))
+
+
+def _await_stored_events(url: str, n: int) -> None:
+    """Until the stream has published ``n`` BlockStored events (the series appears with
+    the first)."""
+    key = ("tiercache_events_published_total", (("medium", "CPU"), ("type", "BlockStored")))
+    deadline = time.monotonic() + WAIT_S
+    while scrape(url).get(key, 0) != n:
+        assert time.monotonic() < deadline, f"{n} BlockStored events not published in {WAIT_S} s"
+        time.sleep(0.05)
+
+
+def test_the_node_view_joins_late_and_is_the_index_after_each_sync(make_config, tmp_path):
+    """An engine (a real client of a real serve) stores 6 blocks and the stream publishes
+    them before the view subscribes: only vLLM's replay protocol can bring them, and sync
+    waits for it. Then 14 more blocks into 16 slots evict 4 of the first: after sync the
+    view holds exactly what the index holds, block for block."""
+    config = make_config(world_size=1, index_events=True, events=EventsConfig(
+        endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+        batch_interval_s=0.02))
+    ns = namespace()
+    first = [vllm_key(ns, i.to_bytes(32, "big")) for i in range(6)]
+    more = [vllm_key(ns, i.to_bytes(32, "big")) for i in range(100, 114)]
+    with CoordinatorProcess(config, tmp_path) as coordinator, Client(config) as engine:
+        engine.describe(EngineFamily.VLLM, ns.description)
+        _store(engine, first)
+        # AllBlocksCleared, then the 6 stores: published before anyone listens
+        _await_stored_events(metrics_url(coordinator), 6)
+        view = NodeStreamView(config, *bound_endpoints(coordinator.output()))
+        try:
+            view.sync()
+            assert {vllm_int_hash(k[8:-4]) for k in first} == view.held[CPU]
+            assert view.num_replays >= 1
+            _store(engine, more)
+            view.sync()
+            held = {vllm_int_hash(k[8:-4]) for k in first + more if engine.lookup([k]) == 1}
+            assert len(held) == 16 and view.held[CPU] == held
+        finally:
+            view.close()
