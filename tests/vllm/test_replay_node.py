@@ -43,20 +43,22 @@ def hits(report: dict, system: System) -> dict[str, int]:
 
 
 def test_the_prefix_router_sends_a_node_held_prefix_to_the_idle_engine():
-    """P (6 full blocks) runs on engine 0 and is stored in the node cache. F, long, goes to
-    engine 0 (nothing held, equal load). P again while F runs: engine 0 holds P on its
-    GPU, engine 1 holds nothing of its own. Without the node's view the GPU holder wins
-    (prefix 3 x 1.0 against load 2: engine 0, a GPU hit, as in ``none``); with it, P is
-    held in host memory for engine 1 too (3 x 0.8 + 2 > 3): engine 1, a host hit. So the
-    tiercache arm's P lands where the node's stream says, or the test fails."""
-    p = prompt(0, 100)
-    requests = [TraceRequest(0.0, "p", p, 2), TraceRequest(1.0, "f", prompt(1, 1600), 400),
-                TraceRequest(1.5, "p", p, 2)]
+    """P (6 full blocks) runs on engine 0 and is stored in the node cache. F1, F2, F3 (P
+    and 4 blocks of their own: 60 % of each is P) arrive together. Engine 0 holds P on
+    its GPU (prefix 3 x 0.6 = 1.8); each F it takes costs it 2 / 8 of load. Without the
+    node's view engine 1 scores nothing for P and every F goes to engine 0 (as in
+    ``none``: GPU hits of 3 x 96 tokens). With it, engine 1 scores 0.8 x 1.8 = 1.44 for
+    P from host memory: F3 (engine 0 two requests busier: 1.8 + 1.5 < 1.44 + 2) goes to
+    engine 1, a host hit. So the tiercache arm's F3 lands where the node's stream says,
+    or the test fails."""
+    p = prompt(0, 96)
+    requests = [TraceRequest(0.0, "p", p, 2)]
+    requests += [TraceRequest(1.0, f"f{i}", p + prompt(10 + i, 64), 2) for i in range(3)]
     report = replay(Trace(tuple(requests)), LLAMA, [System.NONE, System.TIERCACHE],
                     RouterKind.PREFIX, engines=2, dram_bytes=2048 * BLOCK_BYTES,
                     gpu_kv_tokens=GPU_TOKENS)
-    assert hits(report, System.NONE) == {"gpu": 96, "host": 0, "disk": 0}
-    assert hits(report, System.TIERCACHE) == {"gpu": 0, "host": 96, "disk": 0}
+    assert hits(report, System.NONE) == {"gpu": 3 * 96, "host": 0, "disk": 0}
+    assert hits(report, System.TIERCACHE) == {"gpu": 2 * 96, "host": 96, "disk": 0}
     stream = report["systems"]["tiercache"]["node_stream"]
     assert stream["events"] >= 6 and stream["batches"] >= 1
     assert report["systems"]["tiercache"]["loaded_blocks_checked"] == 6

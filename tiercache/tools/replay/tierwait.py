@@ -9,11 +9,12 @@ engine's minutes would have demoted, and a disk hit would wait a wall-time read 
 clock that does not count it, both depending on the machine's speed.
 
 So, with a disk tier, the replay gives the chain the time it needs before each step, as a
-served engine's wall time would: ``settle`` returns once the disk tier has nothing
-queued or in flight and one chain round (``CHAIN_ROUND_S``) passed without its counters
-moving; at once while the tier is idle and host memory above the watermark (the chain has
-nothing to do) or nothing changed since it last settled (a step that stored nothing). Disk transfers then take no simulated time: the cost model prices
-host-to-GPU loads, not the disk's reads (the replay's results say so).
+served engine's wall time would: ``settle`` returns once the disk tier has nothing queued
+or in flight and one chain round (``CHAIN_ROUND_S``) passed without its counters moving;
+at once while the tier is idle and host memory above the watermark (the chain has nothing
+to do) or nothing changed since it last settled (a step that stored nothing). Disk
+transfers then take no simulated time: the cost model prices host-to-GPU loads, not the
+disk's reads (the replay's results say so).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class TierSettler:
 
     def stats(self) -> dict[str, Any]:
         disk = self._client.tier_stats()["disk"]
-        return {"settle_waits": self.waits, "demotions": disk.demotions,
+        return {"disk_io_on_clock": False,  # disk reads and writes take no simulated time
+                "settle_waits": self.waits, "demotions": disk.demotions,
                 "promotions": disk.promotions, "dropped_spills": disk.dropped_spills,
                 "used_blocks": disk.used_blocks, "capacity_blocks": disk.capacity_blocks}
 
