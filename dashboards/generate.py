@@ -187,6 +187,15 @@ def workers() -> list[Panel]:
                Target(f"tiercache_prefault_duration_seconds{{{RANKS}}}",
                       "rank {{rank}} pre-fault s", instant=True)],
               kind="table", width=8, transformations=[{"id": "merge", "options": {}}]),
+        Panel("Region reserved per rank",
+              "Bytes of each rank's slice reserved (fallocated) in /dev/shm, against the "
+              "region's bytes per rank: serve answers at once and reserves in the background; "
+              "the index hands out only reserved slots. A reservation that stopped short "
+              "because /dev/shm ran out is tiercache_region_reservation{state=\"failed\"}.",
+              [Target(f"tiercache_region_reserved_bytes{{{RANKS}}}", "rank {{rank}}"),
+               Target(f"tiercache_region_bytes{{{INST}}} / tiercache_region_ranks{{{INST}}}",
+                      "region / ranks")],
+              unit="bytes", width=8),
         Panel("Copy backend per rank and direction",
               "The backend each handler uses (auto picks per direction at attach).",
               [Target(f"tiercache_transfer_backend_info{{{RANKS}}}", instant=True)],

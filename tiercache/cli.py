@@ -20,7 +20,7 @@ from tiercache.errors import (
     RegionError, RegionNotFoundError, RegionTruncatedError, RegionTrustError, TiercacheError,
 )
 from tiercache.service.logs import LOG_FORMAT_ENV, STEP_LOGGER, LogFormat, configure
-from tiercache.region.header import RegionState
+from tiercache.region.header import HeaderInfo, RegionState, Reservation
 from tiercache.region.stale import (
     MapListing, RegionListing, list_maps, list_regions, remove_stale, remove_stale_maps,
 )
@@ -125,6 +125,7 @@ def _print_ranks(listing: RegionListing) -> None:
     region = SharedOffloadRegion.attach(listing.name)
     try:
         reader = AttachmentReader(region, region.layout)
+        info = region.info()
         for rank in range(region.layout.world_size):
             summary = reader.read(rank)
             for slot in summary.unreadable_slots:
@@ -143,7 +144,9 @@ def _print_ranks(listing: RegionListing) -> None:
                   f"{max(c.prefault_seconds for c in current):.2f} s, pin "
                   f"{summary.pin_state.label} {format_bytes(sum(c.pinned_bytes for c in current))}"
                   f" in {max(c.pin_seconds for c in current):.2f} s; "
-                  f"{_moved(summary.directions, backends)}; {summary.numa.describe()}")
+                  f"{_moved(summary.directions, backends)}; {summary.numa.describe()}; reserved "
+                  f"{format_bytes(info.reserved_bytes(rank))} of "
+                  f"{format_bytes(region.layout.slice_bytes)}")
             for a in summary.attachments:
                 s = a.snapshot
                 worker = f"worker pid {s.pid} {'up' if a.up else 'DOWN'}" if s.pid else "detached"
@@ -158,6 +161,21 @@ def _print_ranks(listing: RegionListing) -> None:
                       f"{s.numa.describe()}")
     finally:
         region.close()
+
+
+def _reservation(info: HeaderInfo, live: bool) -> str:
+    """How far the region's slices are reserved (``tiercache.region.reservation``)."""
+    layout = info.layout
+    if info.reservation == Reservation.COMPLETE:
+        return f"all {layout.num_blocks} blocks ({format_bytes(layout.total_bytes)})"
+    done = (f"{info.reserved_rows} of {layout.num_blocks} blocks "
+            f"({format_bytes(info.reserved_bytes(0))} of {format_bytes(layout.slice_bytes)} "
+            "per rank)")
+    if info.reservation == Reservation.FAILED:
+        return (f"{done}; FAILED: {os.strerror(info.reserve_errno)} (/dev/shm ran out); only "
+                "the reserved blocks are used: free /dev/shm, then restart `tiercache serve`")
+    return done + ("; reserving in the background" if live else
+                   "; the next `tiercache serve` reserves the rest")
 
 
 def _no_live_worker(summary: RankSummary) -> str:
@@ -213,6 +231,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  state {info.state.label}, generation {info.generation}, coordinator pid "
               f"{info.owner_pid}, format {info.format_version}")
         print(f"  geometry: {info.layout.describe()}")
+        print(f"  reserved: {_reservation(info, listing.live)}")
         if not listing.live:
             fate = ("with the same geometry re-adopts it warm (its cache, the engines' "
                     "mappings and pins kept)" if info.state == RegionState.READY else

@@ -65,8 +65,12 @@ def test_the_coordinator_binds_each_slice_before_fallocate_and_the_file_keeps_it
             assert said[0] == ("NUMA: rank slices bound before fallocate (MPOL_PREFERRED): "
                                f"ranks 0-1 -> node {NODE} (the host's only memory node)")
         assert said.index(next(s for s in said if s.startswith("allocated"))) > 0
+        reserver = region.reserver(lambda rows: None)  # what `serve` runs in the background
+        assert reserver is not None
+        reserver.run()
         # fallocate still backed every byte: the binding changed where, not whether
         assert os.stat(region.path).st_blocks * 512 >= layout.total_bytes
+        assert _policies_seen_by_another_process(instance_name)[1] == slices
     finally:
         region.close()
 

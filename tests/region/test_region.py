@@ -14,7 +14,7 @@ from tiercache.errors import (
     InsufficientMemoryError, LayoutMismatchError, PinError, RankError, RegionExistsError,
     RegionError, RegionNotFoundError, RegionNotReadyError, RegionTrustError, StatsStuckError,
 )
-from tiercache.region.header import RegionState
+from tiercache.region.header import RegionState, Reservation
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stale import list_regions, remove_stale
@@ -38,8 +38,9 @@ def test_create_writes_a_ready_header_owned_by_us_with_mode_0600(region, make_co
     assert info.layout == RegionLayout.from_config(make_config())
     assert os.stat(region.path).st_mode & 0o777 == 0o600
     assert os.stat(region.path).st_size == region.layout.total_bytes
-    # fallocate backed every byte: the file is not sparse
-    assert os.stat(region.path).st_blocks * 512 >= region.layout.total_bytes
+    # READY with the header reserved; the slices follow in the background (region.reservation)
+    assert info.reservation is Reservation.RESERVING and info.reserved_rows == 0
+    assert os.stat(region.path).st_blocks * 512 >= region.layout.header_bytes
 
 
 def test_two_workers_see_their_own_writes_only_in_their_own_slices(region):
@@ -241,11 +242,12 @@ from tiercache.region.shared import SharedOffloadRegion
 base = {"instance": {"name": "small", "world_size": 2},
         "kv": {"page_bytes": [4096, 8192, 4096]}, "region": {"prefault_threads": 2}}
 out = {}
-for case, blocks in (("check", 512), ("fallocate", 512)):
+# 32768 blocks: a header (its ledger) over 8 MiB; 512: a 2 MiB header, 16 MiB of slices
+for case, blocks in (("check", 512), ("fallocate", 32768)):
     cfg = config_from_dict({**base, "region": {**base["region"], "num_blocks": blocks}})
-    out["total_bytes"] = RegionLayout.from_config(cfg).total_bytes
+    out[case + "_bytes"] = RegionLayout.from_config(cfg).total_bytes
     if case == "fallocate":  # the free-space check passes, as if another tenant filled
-        hostmem.shm_free_bytes = lambda d: out["total_bytes"]  # tmpfs right after it
+        hostmem.shm_free_bytes = lambda d: out["fallocate_bytes"]  # tmpfs right after it
     try:
         SharedOffloadRegion.create(cfg).close()
         out[case] = "created"
@@ -273,11 +275,12 @@ def test_a_small_dev_shm_is_refused_at_startup_and_fallocate_is_the_backstop(tmp
         pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.splitlines()[-1])
-    assert out["total_bytes"] > 8 << 20
+    assert out["check_bytes"] > 8 << 20
     # the space check names both numbers ...
     assert out["check"].startswith("/dev/shm has 8.00 MiB (8388608 bytes) free; the region needs")
-    assert f"({out['total_bytes']} bytes)" in out["check"]
+    assert f"({out['check_bytes']} bytes)" in out["check"]
     # ... and when it passes wrongly, posix_fallocate turns the shortage into an error, not SIGBUS
+    # (the header's here; the slices' in the background: tests/region/test_reservation.py)
     assert out["fallocate"].startswith("cannot allocate")
     assert out["check_left"] == out["fallocate_left"] == []  # nothing half-created is left
 

@@ -69,12 +69,13 @@ _COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_bl
 
 
 class OffloadingManager(OwnerVerbs):
-    """Index over ``num_blocks`` slots of the region; see the module docstring."""
+    """Index over ``num_blocks`` slots of the region, of which the first
+    ``usable_blocks`` (all by default) may be handed out now; see the module docstring."""
 
     def __init__(self, num_blocks: int, policy: str = "lru", enable_events: bool = False,
                  *, ledger: Ledger | None = None, region_id: int = 0,
                  surviving_owners: Collection[int] = (),
-                 max_session_blocks: int | None = None):
+                 max_session_blocks: int | None = None, usable_blocks: int | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"num_blocks = {num_blocks!r}: must be an integer >= 1")
         if ledger is not None and ledger.num_records != num_blocks:
@@ -91,9 +92,13 @@ class OffloadingManager(OwnerVerbs):
         self._table = SlotTable(num_blocks, self._policy, ledger, region_id)
         self._table.on_readable.append(self._emit)
         self._caps = SessionCaps(self._table, max_session_blocks, TIER_OWNER)
+        self._table.usable = num_blocks if usable_blocks is None else usable_blocks
         if ledger is not None:
             restore(self._table, ledger.recover(), set(surviving_owners), self._counters)
             give_back_freed_heap()  # the recovery is gone: what it freed goes back
+        if not self._table.next_fresh <= self._table.usable <= num_blocks:
+            raise StateError(f"the index ledger names slot {self._table.next_fresh - 1}; only "
+                             f"slots below {self._table.usable} are reserved (usable_blocks)")
         self._chain = TierChain(self, self._lock, self._table)
 
     @property
@@ -112,6 +117,13 @@ class OffloadingManager(OwnerVerbs):
     @property
     def num_blocks(self) -> int:
         return self._table.capacity
+
+    def set_usable_blocks(self, usable: int) -> None:
+        """Slots below ``usable`` may be handed out (their memory is reserved: the
+        region's reservation, ``tiercache.region.reservation``, calls this as it goes);
+        it only grows. ``stats().capacity_blocks`` counts these."""
+        with self._lock:
+            self._table.set_usable(usable)
 
     def set_key_listener(self, listener: KeyListener | None) -> None:
         """Call ``listener(keys, removed)`` (under the index's lock: it must be quick) when
@@ -414,7 +426,7 @@ class OffloadingManager(OwnerVerbs):
             by_state = table.num_by_state
             return ManagerStats(
                 **self._counters,
-                capacity_blocks=table.capacity,
+                capacity_blocks=table.usable,  # reserved: all, once the region is
                 free_blocks=table.num_free(),
                 writing_blocks=by_state[SlotState.WRITING],
                 ready_blocks=by_state[SlotState.READY],

@@ -1,34 +1,27 @@
 """Prometheus metrics: one collector that reads shared state at scrape time.
 
-The coordinator builds a ``TiercacheCollector`` over the region it owns and the cache
-index it hosts, and serves it with ``start_exporter`` (``tiercache.metrics.exporter``,
-re-exported here)::
-
-    collector = TiercacheCollector(region, manager_stats=control.stats)
-    exporter = start_exporter(config.exporter, collector)   # when config.exporter.enabled
-    ...
-    exporter.close()          # before the region is unmapped
-
-Each scrape reads, per rank, a consistent snapshot of each of its attachment blocks
-(one per worker process attached to the rank, each its block's single writer, see
-``tiercache.region.stats`` and ``tiercache.region.attachments``), checks the recorded
-worker pids, and reads the region header and the index counters. Nothing is cached
-between scrapes except each block's last consistent snapshot: a worker SIGKILLed between
-the two sequence bumps of a stats update leaves its block odd for good, and the rank must
-still be reported (as down, with its last counters) rather than fail the scrape.
+The coordinator builds a ``TiercacheCollector(region, manager_stats=control.stats)`` over
+the region it owns and the index it hosts, serves it with ``start_exporter(config.exporter,
+collector)`` (``tiercache.metrics.exporter``, re-exported here) and closes the exporter
+before it unmaps the region. Each scrape reads, per rank, a consistent snapshot of each of
+its attachment blocks (one per worker process attached to the rank, each its block's single
+writer: ``region.stats``, ``region.attachments``), checks the recorded worker pids, and
+reads the region header (its state and reservation) and the index counters. Nothing is
+cached between scrapes but each block's last consistent snapshot: a worker SIGKILLed
+mid-update leaves its block odd for good, and the rank is still reported (as down, with
+its last counters) rather than fail the scrape.
 
 Per-rank families aggregate the rank's attachments (``RankSummary``): counters and
 histograms are sums over every block the rank ever used, live or not (a block keeps its
 counters when its process dies and the next holder of the slot continues from them), so
 they never go backwards; ``worker_up`` is 1 while any attachment is up. Where the
-attachment itself is the point (up, pid, pin state, bytes moved) the ``tiercache_attachment_*``
-families carry an ``attachment`` label: the slot number, bounded by
-``region.attachments_per_rank`` (never a pid, which would grow without bound).
+attachment is the point (up, pid, pin state, bytes moved) ``tiercache_attachment_*`` carry
+an ``attachment`` label: the slot, bounded by ``region.attachments_per_rank`` (not a pid).
 
 Metric names, types and labels are a contract users and dashboards rely on (README
-"Metrics and dashboards", docs/observability.md). ``Family``
-lists every family once, in exposition order; ``METRIC_NAMES`` (their names on the wire)
-is derived from it, and the dashboards' tests check their queries against it.
+"Metrics and dashboards", docs/observability.md). ``Family`` lists every family once, in
+exposition order; ``METRIC_NAMES`` (their names on the wire) is derived from it, and the
+dashboards' tests check their queries against it.
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ from prometheus_client.utils import floatToGoString
 from tiercache import __version__
 from tiercache.metrics.exporter import Exporter, start_exporter
 from tiercache.numa.placement import NumaPlacement, NumaState
-from tiercache.region.header import HeaderInfo, RegionState
+from tiercache.region.header import HeaderInfo, RegionState, Reservation
 from tiercache.region.attachments import AttachmentReader, RankSummary
 from tiercache.region.layout import FORMAT_VERSION, RegionLayout
 from tiercache.region.stats import (
@@ -92,6 +85,10 @@ class Family(Enum):
                     "1 for the region header's current lifecycle state, else 0.", ("state",))
     REGION_GENERATION = ("gauge", "tiercache_region_generation",
                          "How many times a coordinator has (re)adopted the region.")
+    REGION_RESERVATION = ("gauge", "tiercache_region_reservation", "1 for the state of the "
+                          "region's reservation (failed: /dev/shm ran out), else 0.", ("state",))
+    RESERVED_BYTES = ("gauge", "tiercache_region_reserved_bytes",
+                      "Bytes of the rank's slice reserved (fallocated) in /dev/shm so far.", _RANK)
     WORKER_UP = ("gauge", "tiercache_worker_up",
                  "1 while any worker process attached to the rank is alive, else 0.", _RANK)
     ATTACHES = ("counter", "tiercache_worker_attaches",
@@ -259,7 +256,7 @@ class Family(Enum):
                            "Blocks found in the tier when the coordinator started.", ("tier",),
                            "rebuilt_blocks")
     INDEX_CAPACITY = ("gauge", "tiercache_index_capacity_blocks",
-                      "Slots of the cache index (CPU blocks).")
+                      "Slots of the cache index (CPU blocks) whose memory is reserved.")
     INDEX_BLOCKS = ("gauge", "tiercache_index_blocks",
                     "Slots by state; the states sum to the capacity.", ("state",))
     OCCUPANCY = ("gauge", "tiercache_index_occupancy_ratio", "Fraction of slots not free (0-1).")
@@ -365,6 +362,10 @@ class TiercacheCollector(Collector):
         for state in RegionState:
             f[Family.REGION_STATE].add_metric([state.label], 1 if header.state == state else 0)
         f[Family.REGION_GENERATION].add_metric([], header.generation)
+        for r in Reservation:
+            f[Family.REGION_RESERVATION].add_metric([r.label], int(header.reservation == r))
+        for rank in range(layout.world_size):
+            f[Family.RESERVED_BYTES].add_metric([str(rank)], header.reserved_bytes(rank))
 
     def _collect_rank(self, f: Families, summary: RankSummary) -> None:
         rank = str(summary.rank)

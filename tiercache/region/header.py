@@ -20,6 +20,13 @@ Fixed part (``HEADER_FIXED_BYTES`` = 4096), little-endian::
                                    carries it, and a worker copies only for its own region
     88      ...   layout           RegionLayout.encode() (world, factor, blocks, tensors, pages,
                                    attachments_per_rank)
+    3952    4     reservation      u32, Reservation: how far the slices are reserved
+                                   (fallocated). 0 (COMPLETE) is what every region of a
+                                   tiercache that reserved all before READY holds
+    3956    4     reserve_errno    u32, the errno that stopped the reservation (FAILED)
+    3960    8     reserved_rows    u64, rows of every rank's slice reserved so far (in slot
+                                   order); a slot at or past it is never handed out. Written
+                                   before the index hands a slot below it out
     3968    2     socket_len       u16, bytes of the control socket path that follow
     3970    126   socket_path      the coordinator's control socket (UTF-8), so clients and
                                    ``tiercache status`` find it whatever their environment
@@ -33,6 +40,7 @@ boundary (``header_bytes``).
 
 from __future__ import annotations
 
+import secrets
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -45,7 +53,26 @@ _FIXED = struct.Struct("<8sII16sQQQQQI4xQ")
 _STATE_OFFSET = 12
 assert _FIXED.size == 88
 _SOCKET = struct.Struct("<H126s")
-_SOCKET_OFFSET = HEADER_FIXED_BYTES - _SOCKET.size  # after the longest layout (MAX_TENSORS)
+_SOCKET_OFFSET = HEADER_FIXED_BYTES - _SOCKET.size
+_RESERVATION = struct.Struct("<IIQ")
+_RESERVATION_OFFSET = _SOCKET_OFFSET - _RESERVATION.size  # after the longest layout (MAX_TENSORS)
+
+
+def new_region_id() -> int:
+    """A region's identity: 64 random bits, never 0 (0 marks a spec that is not fenced)."""
+    return secrets.randbits(64) or 1
+
+
+class Reservation(IntEnum):
+    """How far a region's slices are reserved (``tiercache.region.reservation``)."""
+
+    COMPLETE = 0  # every row of every slice (and a region made before reservations ran late)
+    RESERVING = 1  # rows [0, reserved_rows) reserved; the coordinator reserves the rest
+    FAILED = 2  # stopped at reserved_rows (reserve_errno says why): the rest is never used
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class RegionState(IntEnum):
@@ -72,6 +99,16 @@ class HeaderInfo:
     layout: RegionLayout
     socket_path: str = ""  # "" until the coordinator serves its control socket
     region_id: int = 0
+    reservation: Reservation = Reservation.COMPLETE
+    reserve_errno: int = 0
+    reserved_rows: int = 0  # of every rank's slice; num_blocks once COMPLETE
+
+    def reserved_bytes(self, rank: int) -> int:
+        """Bytes of ``rank``'s slice reserved (fallocated) so far."""
+        layout = self.layout
+        if self.reservation == Reservation.COMPLETE:
+            return layout.slice_bytes
+        return min(self.reserved_rows, layout.num_blocks) * layout.row_stride
 
 
 class RegionHeader:
@@ -86,7 +123,7 @@ class RegionHeader:
         """Write everything with state CREATING; ``set_state(READY)`` comes last."""
         encoded = layout.encode()
         # RegionLayout caps num_tensors so the longest layout ends before the socket field
-        assert _FIXED.size + len(encoded) <= _SOCKET_OFFSET, "RegionLayout caps num_tensors"
+        assert _FIXED.size + len(encoded) <= _RESERVATION_OFFSET, "RegionLayout caps num_tensors"
         self.set_state(RegionState.CREATING)
         _FIXED.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, RegionState.CREATING, layout.digest,
                          generation, owner_pid, owner_start_ns, created_ns, layout.total_bytes,
@@ -98,6 +135,13 @@ class RegionHeader:
 
     def set_owner(self, *, generation: int, owner_pid: int, owner_start_ns: int) -> None:
         struct.pack_into("<QQQ", self._buf, 32, generation, owner_pid, owner_start_ns)
+
+    def set_reservation(self, reservation: Reservation, reserved_rows: int,
+                        errno: int = 0) -> None:
+        """Record how far the slices are reserved (the rows first: a reader that sees
+        COMPLETE or the new rows never sees fewer rows than were reserved)."""
+        struct.pack_into("<Q", self._buf, _RESERVATION_OFFSET + 8, reserved_rows)
+        struct.pack_into("<II", self._buf, _RESERVATION_OFFSET, reservation, errno)
 
     def set_socket_path(self, path: str) -> None:
         """Record where the coordinator serves its control socket (``""``: none)."""
@@ -131,5 +175,13 @@ class RegionHeader:
                                       "match its layout): the region is corrupt")
         socket_len, socket_raw = _SOCKET.unpack_from(self._buf, _SOCKET_OFFSET)
         socket_path = socket_raw[:socket_len].decode(errors="replace")
+        reservation, reserve_errno, reserved_rows = _RESERVATION.unpack_from(
+            self._buf, _RESERVATION_OFFSET)
+        if reservation not in Reservation._value2member_map_:
+            raise LayoutMismatchError(f"region header names reservation state {reservation}: "
+                                      "the region is corrupt")
         return HeaderInfo(version, RegionState(state), digest, generation, pid, start_ns,
-                          created_ns, total, layout, socket_path, region_id)
+                          created_ns, total, layout, socket_path, region_id,
+                          Reservation(reservation), reserve_errno,
+                          layout.num_blocks if reservation == Reservation.COMPLETE
+                          else reserved_rows)

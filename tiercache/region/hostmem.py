@@ -72,23 +72,25 @@ def check_space(num_bytes: int, directory: str, check_host_memory: bool) -> None
 
 
 def fallocate(fd: int, num_bytes: int, path: str, progress: Progress | None = None,
-              piece_bytes: int = FALLOCATE_PIECE_BYTES) -> None:
-    """Back the whole file now, so a later overflow of tmpfs is a startup error, not SIGBUS;
-    ``piece_bytes`` at a time, each told to ``progress``."""
+              piece_bytes: int = FALLOCATE_PIECE_BYTES, offset: int = 0) -> None:
+    """Back ``[offset, offset + num_bytes)`` of the file now, so a later overflow of tmpfs
+    is an error here, not a SIGBUS; ``piece_bytes`` at a time, each told to ``progress``.
+    A failed call leaves the pieces before it reserved (tmpfs undoes the failed piece)."""
+    end = offset + num_bytes
     try:
-        for offset in range(0, num_bytes, piece_bytes):
-            length = min(piece_bytes, num_bytes - offset)
-            os.posix_fallocate(fd, offset, length)
+        for start in range(offset, end, piece_bytes):
+            length = min(piece_bytes, end - start)
+            os.posix_fallocate(fd, start, length)
             if progress is not None:
                 progress.advance(length)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise InsufficientMemoryError(
-                f"cannot allocate {format_bytes(num_bytes)} ({num_bytes} bytes) for {path}: "
-                f"{os.strerror(e.errno)}; {format_bytes(shm_free_bytes(os.path.dirname(path)))} "
-                "free there now"
+                f"cannot allocate {format_bytes(num_bytes)} ({num_bytes} bytes) at offset "
+                f"{offset} of {path}: {os.strerror(e.errno)}; "
+                f"{format_bytes(shm_free_bytes(os.path.dirname(path)))} free there now"
             ) from e
-        raise RegionError(f"posix_fallocate({path}, {num_bytes}) failed: {e}") from e
+        raise RegionError(f"posix_fallocate({path}, {offset}, {num_bytes}) failed: {e}") from e
 
 
 def _populate(address: int, length: int, view: np.ndarray, offset: int) -> None:

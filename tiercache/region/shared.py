@@ -1,12 +1,11 @@
 """The rank-partitioned shared-memory region in /dev/shm: one process's mapping of it.
 
-Lifecycle: the coordinator ``create``\\ s the region (space checks, a new 0600 object,
-``posix_fallocate``, the header written with READY last) and holds its owner lock for as
-long as it lives (``tiercache.region.shm``). Workers ``attach`` by name and rank, validate
-the header, claim one of the rank's attachment slots (``tiercache.region.attachments``:
-several processes, one per engine, may attach one rank at once), map the region and
-page-lock only their slice (``pin``, with the worker's registrar). Workers never unlink.
-Finding a region by its instance name without mapping it: ``tiercache.region.names``.
+Lifecycle: the coordinator ``create``\\ s the region (space checks, a new 0600 object, the
+header reserved and written, READY last; the slices reserved after, ``reserver``) and holds
+its owner lock for life (``tiercache.region.shm``). Workers ``attach`` by name and rank,
+validate the header, claim one of the rank's attachment slots (``region.attachments``:
+one per engine), map the region and page-lock only their slice (``pin``, with the worker's
+registrar). Workers never unlink. Finding a region by name unmapped: ``region.names``.
 
 Decisions and their reasons:
 
@@ -14,20 +13,21 @@ Decisions and their reasons:
   page-locking it: page tables are per process, so pre-faulting in the coordinator would
   fill only the coordinator's, and registration would still fault every page in the
   worker (measurements: docs/benchmarks.md, "Region set-up and pinning").
-* ``posix_fallocate`` stays in the coordinator: it is the reservation that makes READY a
-  promise (no SIGBUS later), paid once per coordinator lifetime. It allocates every page,
-  so the slices' NUMA binding comes first, on the sparse file (``region.placement``).
+* ``posix_fallocate`` stays in the coordinator: it is the reservation that keeps a full
+  /dev/shm from being a SIGBUS. ``create`` reserves the header only and is READY at once;
+  the slices are reserved in the background, in slot order, and the index hands out only
+  reserved slots (``reserver``, ``tiercache.region.reservation``). It allocates every
+  page, so the slices' NUMA binding comes first, on the sparse file (``region.placement``).
 * A region whose owner lock is free is stale (``tiercache.region.claim`` takes its name
   over). ``create`` re-adopts it when it is ours (regular file, our uid, mode 0600) and
   its geometry matches and it was READY and it is as long as its header says (workers'
-  mappings and registrations stay valid, the pages stay allocated); it replaces it when
-  it is ours but of another geometry or state, or cut short (``truncation``: it is
-  unusable, and stale, so nobody maps it); it refuses anything else. ``attach`` refuses
-  a truncated region with ``RegionTruncatedError``. Stale regions are listed and removed
-  by ``tiercache.region.stale``.
+  mappings and registrations stay valid, the pages stay allocated, a partly reserved one
+  is reserved on); it replaces it when it is ours but of another geometry or state, or cut
+  short (``truncation``: unusable, and stale, so nobody maps it); it refuses anything
+  else. ``attach`` refuses a truncated region (``RegionTruncatedError``). Stale regions
+  are listed and removed by ``tiercache.region.stale``.
 * Views are made from the mapping's address (not the buffer protocol), so ``close`` never
-  fails on exported buffers; a view used after ``close`` is a use-after-free, and the
-  owners (Worker, Coordinator) drop theirs first.
+  fails on exported buffers; owners (Worker, Coordinator) drop theirs before ``close``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,13 +54,14 @@ from tiercache.numa.topology import HostTopology, NodeChoice
 from tiercache.region.progress import Progress
 from tiercache.region.attachments import SlotLock, slot_held
 from tiercache.region.claim import claim_stale
-from tiercache.region.header import HeaderInfo, RegionHeader, RegionState
-from tiercache.region.hostmem import (
-    check_space, fallocate, prefault, process_alive, process_start_ns,
-)
+from tiercache.region.header import (HeaderInfo, RegionHeader, RegionState, Reservation,
+                                     new_region_id)
+from tiercache.region.hostmem import (check_space, fallocate, prefault, process_alive,
+                                      process_start_ns)
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
+from tiercache.region.reservation import SliceReserver
 from tiercache.region.registrar import HostRegistrar
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, header_refusal,
@@ -70,8 +71,7 @@ from tiercache.region.stats import PinState, RankStats
 from tiercache.sizes import format_bytes
 
 
-# named_region_info and recorded_socket_path lived here; their callers import them from
-# here still (tiercache.region.names is their home)
+# named_region_info, recorded_socket_path: re-exported (tiercache.region.names holds them)
 __all__ = ["HostRegistrar", "SetupTimes", "SharedOffloadRegion", "named_region_info",
            "new_region_id", "recorded_socket_path", "region_shm_name"]
 
@@ -89,11 +89,6 @@ class SetupTimes:
     header_prefault_s: float = 0.0
     adopted: bool = False
     replaced_stale: bool = False
-
-
-def new_region_id() -> int:
-    """A region's identity: 64 random bits, never 0 (0 marks a spec that is not fenced)."""
-    return secrets.randbits(64) or 1
 
 
 class SharedOffloadRegion:
@@ -126,8 +121,7 @@ class SharedOffloadRegion:
         read from /sys unless given).
 
         Raises ``RegionExistsError`` over a live coordinator, ``RegionTrustError`` over
-        anything under the name that is not ours (see the module docstring),
-        ``InsufficientMemoryError`` when /dev/shm or RAM is too small."""
+        what is not ours, ``InsufficientMemoryError`` when /dev/shm or RAM is too small."""
         layout = RegionLayout.from_config(config)
         t0 = time.perf_counter()
         stale = claim_stale(config.shm_name)
@@ -169,15 +163,17 @@ class SharedOffloadRegion:
                 nodes = (topology or HostTopology.read()).rank_nodes(layout.world_size)
                 for line in bind_rank_slices(region.base_address, layout, nodes):
                     log_step(line)
-            with Progress(f"allocating {entry.path}", layout.total_bytes, log_step) as progress:
-                fallocate(entry.fd, layout.total_bytes, entry.path, progress)
+            fallocate(entry.fd, layout.header_bytes, entry.path)  # the slices: ``reserver``
             region.header.write(layout, generation=1, owner_pid=os.getpid(),
                                 owner_start_ns=process_start_ns(os.getpid()),
                                 created_ns=time.time_ns(), region_id=new_region_id())
+            region.header.set_reservation(Reservation.RESERVING, 0)
             region._region_id = region.header.read().region_id
             t_alloc = time.perf_counter()
-            log_step(f"allocated {format_bytes(layout.total_bytes)} at {entry.path} (fallocate) "
-                     f"in {t_alloc - t_check:.2f} s")
+            log_step(f"allocated the {format_bytes(layout.header_bytes)} header at {entry.path} "
+                     f"(fallocate) in {t_alloc - t_check:.2f} s; the "
+                     f"{format_bytes(layout.total_bytes - layout.header_bytes)} of slices are "
+                     "reserved in the background")
             prefault_s = prefault(region.base_address, region._bytes,
                                   [(0, layout.header_bytes)], 1)
             log_step(f"pre-faulted the header in {prefault_s:.3f} s; each worker pre-faults "
@@ -200,7 +196,8 @@ class SharedOffloadRegion:
                                 owner_start_ns=process_start_ns(os.getpid()))
         region._region_id = info.region_id
         log_step(f"re-adopted stale region {entry.path} (owner pid {info.owner_pid} is gone; "
-                 f"same geometry; generation {info.generation + 1}); its pages stay allocated")
+                 f"same geometry; generation {info.generation + 1}); its pages stay allocated; "
+                 f"{info.reserved_rows} of {layout.num_blocks} blocks reserved")
         region.setup_times = SetupTimes(adopted=True)
         return region
 
@@ -317,6 +314,15 @@ class SharedOffloadRegion:
     def region_id(self) -> int:
         """This region's identity (header ``region_id``): what fenced specs must carry."""
         return self._region_id
+
+    def reserver(self, on_reserved: Callable[[int], None], say: Callable[[str], None] = log.info,
+                 **options: Any) -> SliceReserver | None:
+        """The owner's background reservation of the rows not reserved yet (None: none);
+        ``options``: ``SliceReserver``'s keywords."""
+        info = self.header.read()
+        return None if info.reservation == Reservation.COMPLETE else SliceReserver(
+            self._fd, self.path, self.header, self.layout, info.reserved_rows, on_reserved, say,
+            **options)
 
     # ------------------------------------------------------------------ preparing
     def prefault_slice(self, num_threads: int, node: NodeChoice | None = None,

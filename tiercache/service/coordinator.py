@@ -3,10 +3,13 @@ Prometheus exporter. One per instance name per node; ``tiercache serve`` runs it
 
 Start order: preflight (``tiercache.service.preflight``: every cheap precondition, the
 exporter's port bound and kept, nothing allocated; a refusal here is the start's only
-line) → region (create or re-adopt, READY written last) → sessions and index (rebuilt
-from the region's session table and ledger) → lower tiers, event stream, key presence
-map → control socket (its path recorded in the region header) → exporter (on the port
-preflight holds). Shutdown runs the reverse; it is idempotent, so a signal during
+line) → region (create or re-adopt, its header reserved, READY written last) → sessions
+and index (rebuilt from the region's session table and ledger) → the slices' reservation
+in the background (``tiercache.region.reservation``: the index hands out a slot only once
+its memory is reserved, so ``serve`` answers within about a second at any capacity) →
+lower tiers, event stream, key presence map → control socket (its path recorded in the
+region header) → exporter (on the port preflight holds). Shutdown runs the reverse (the
+reservation stops first, between two chunks); it is idempotent, so a signal during
 start-up still leaves nothing behind. Each part is kept only once it started, so
 shutdown removes (and reports) exactly what this coordinator made: a start refused over
 a live coordinator's region removes nothing of it.
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from tiercache.index.manager import OffloadingManager
     from tiercache.metrics.exporter import Exporter
     from tiercache.region.presence import PresenceMap
+    from tiercache.region.reservation import SliceReserver
     from tiercache.region.sessions import SessionLedger, SessionRecord
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class Coordinator:
         self.exporter: Exporter | None = None
         self.tiers: list[LowerTier] = []  # below host memory, fastest first (tiercache.tiers)
         self.presence: PresenceMap | None = None
+        self.reserver: SliceReserver | None = None  # while the region's slices are reserved
         self.events: NodeEventStream | None = None  # the node's KV event stream, with [events]
         # what stop left blocked in a tier (a disk read, the cluster tier's pool calls,
         # Mooncake's close): daemon threads; the region stays mapped under them, and `serve`
@@ -100,6 +105,9 @@ class Coordinator:
             store, restored, (total, damaged) = self._restore_sessions(region)
             self.manager = manager = self._build_index(region, {r.owner for r in restored})
             self._report_sessions(manager, restored, total, damaged)
+            self.reserver = region.reserver(manager.set_usable_blocks, self.say)
+            if self.reserver is not None:
+                self.reserver.start()
             self._start_tiers(region, manager)
             if cfg.events is not None:
                 self._start_events(cfg.events, manager)
@@ -128,8 +136,11 @@ class Coordinator:
                  f"control socket {cfg.socket_path}")
         if self.exporter is not None:
             self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
+        reserving = "" if self.reserver is None else (
+            f"; the slices are being reserved in the background ({manager.stats().capacity_blocks}"
+            f" of {layout.num_blocks} blocks so far)")
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
-                 f"({format_bytes(layout.total_bytes)}); SIGTERM or Ctrl-C stops")
+                 f"({format_bytes(layout.total_bytes)}){reserving}; SIGTERM or Ctrl-C stops")
         notify("READY=1", f"STATUS=serving {region.path}")
 
     @staticmethod
@@ -175,7 +186,8 @@ class Coordinator:
             num_blocks, policy=cfg.index_policy, enable_events=cfg.index_events,
             ledger=IndexLedger(region.ledger_array()), region_id=region.region_id,
             surviving_owners=surviving_owners,
-            max_session_blocks=max(1, int(num_blocks * cfg.index_max_session_share)))
+            max_session_blocks=max(1, int(num_blocks * cfg.index_max_session_share)),
+            usable_blocks=region.info().reserved_rows)
         stats = manager.stats()
         if region.setup_times.adopted:
             self.say(f"index: {stats.recovered_blocks} ready block(s) recovered from the "
@@ -276,7 +288,8 @@ class Coordinator:
         errors: dict[str, BaseException] = {}
         attached = self.region.live_attachments() if self.region and self.control else 0
         keep = attached > 0
-        for name, close in (("exporter", self.exporter and self.exporter.close),
+        for name, close in (("reservation", self.reserver and self.reserver.close),
+                            ("exporter", self.exporter and self.exporter.close),
                             ("events", self.events and self._stop_events),
                             ("presence", self.presence and self._stop_presence),
                             ("tiers", self.tiers and self._stop_tiers),
