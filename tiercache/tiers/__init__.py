@@ -13,6 +13,7 @@ is a module and a line in each registry; the coordinator names none.
 * ``cluster_object`` / ``cluster_transfer`` / ``mooncake_pool`` / ``cluster``: the
   cluster pool's object format, its batched moves, the only module importing mooncake,
   and the tier;
+* ``pump``: ``JobPump``, the job queues and threads every tier serves its jobs on;
 * ``builders``: each tier built from its config section.
 """
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -68,6 +68,7 @@ from tiercache.specs import Medium
 from tiercache.tiers.cluster_object import BlockFormat
 from tiercache.tiers.cluster_transfer import BlockTransfers, Rows
 from tiercache.tiers.mooncake_pool import RPC_FAIL
+from tiercache.tiers.pump import JobPump, Lane
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,10 @@ class ClusterTier(LowerTier):
         self._census_period_s = census_period_s
         self._warn = LogLimiter(log, log_interval_s)
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._publish: deque[TierJob] = deque()
-        self._promote: deque[TierJob] = deque()  # probes and promotions, in order
+        # publishers, and promoters that probe too (in order); each thread its staging area
+        self._pump = JobPump("cluster", self._lock, [
+            Lane("publish", publish_threads, self._publish_job),
+            Lane("promote", promote_threads, self._promote_job)], self._finish)
         # keys a queued or running probe asks the pool about -> (since, askers told "maybe")
         self._probing: dict[bytes, tuple[float, set[int]]] = {}
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # (has, until)
@@ -117,10 +119,7 @@ class ClusterTier(LowerTier):
         self._finished: list[JobResult] = []
         self._wake: Callable[[], None] = lambda: None
         self._up = True
-        self._stop = False
         self._stopped = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._publish_threads, self._promote_threads = publish_threads, promote_threads
         self._moves = BlockTransfers(pool, block_format, rows,
                                      num_areas=publish_threads + promote_threads,
                                      max_blocks=max(PUBLISH_BATCH, PROMOTE_BATCH))
@@ -136,15 +135,7 @@ class ClusterTier(LowerTier):
         must be queued (measured in docs/benchmarks.md, "Cluster tier (Mooncake Store over
         loopback TCP)", its 4-publishers run: where a publish's time goes)."""
         self._wake = wake
-        work: list[tuple[Callable[..., None], str, tuple[int, ...]]]
-        work = [(self._publisher, f"publish-{i}", (i,)) for i in range(self._publish_threads)]
-        work += [(self._promoter, f"promote-{i}", (self._publish_threads + i,))
-                 for i in range(self._promote_threads)]  # each thread its header buffers
-        for target, name, args in [*work, (self._health, "health", ())]:
-            thread = threading.Thread(target=target, args=args, daemon=True,
-                                      name=f"tiercache-cluster-{name}")
-            thread.start()
-            self._threads.append(thread)
+        self._pump.start([("health", self._health)])
 
     def close(self, timeout_s: float | None = None) -> list[str]:
         """Stop the threads, then Mooncake's client, each waited for at most ``timeout_s``
@@ -156,21 +147,14 @@ class ClusterTier(LowerTier):
         Mooncake: its call may still write into the region's mapping when it returns, so
         the region's owner must keep the mapping (see ``Coordinator.close``)."""
         with self._lock:
-            self._stop = True
-            for queue in (self._publish, self._promote):
-                self._finished += [JobResult(j.job_id, failed=j.keys) for j in queue]
-                queue.clear()
-            self._work.notify_all()
+            self._finished += [JobResult(j.job_id, failed=j.keys) for j in self._pump.stop()]
         self._stopped.set()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._threads = [t for t in self._threads if t.is_alive()]
+        left = self._pump.join(timeout_s)
         now = time.monotonic()
         with self._lock:
-            calls = [f"{t.name.removeprefix('tiercache-cluster-')}: "
+            calls = [f"{name.removeprefix('tiercache-cluster-')}: "
                      + (f"{call[0]} for {now - call[1]:.1f} s" if call else "not in a call")
-                     for t in self._threads for call in [self._calls.get(t.name)]]
+                     for name in left for call in [self._calls.get(name)]]
         if calls:
             return calls + ["Mooncake's close (not started: calls in it)"]
         return [] if self._pool.close(timeout_s) else ["Mooncake's close"]
@@ -199,14 +183,14 @@ class ClusterTier(LowerTier):
 
     def submit(self, job: TierJob) -> None:
         with self._lock:
-            if self._stop or not self._up:
+            if self._pump.stopping or not self._up:
                 if job.kind is JobKind.PUBLISH:
                     self.stats.dropped_spills += len(job.keys)
                 self._report(JobResult(job.job_id, failed=job.keys))
                 return
             if job.kind is JobKind.PUBLISH:
-                self._publish.append(job)
-            elif len(self._promote) >= MAX_PROMOTIONS_QUEUED:  # busy: misses a while
+                self._pump.put("publish", job)
+            elif self._pump.queued("promote") >= MAX_PROMOTIONS_QUEUED:  # busy: misses a while
                 if job.kind is JobKind.PROBE:
                     self._remember(job.keys, False)
                 self._report(JobResult(job.job_id, failed=job.keys))
@@ -216,8 +200,7 @@ class ClusterTier(LowerTier):
                     now = time.monotonic()
                     for key in job.keys:
                         self._probing.setdefault(key, (now, set()))[1].add(job.asker)
-                self._promote.append(job)
-            self._work.notify_all()
+                self._pump.put("promote", job)
 
     def take_finished(self) -> list[JobResult]:
         with self._lock:
@@ -249,32 +232,12 @@ class ClusterTier(LowerTier):
                 del self._calls[me]
 
     # ------------------------------------------------------------------ threads
-    def _next(self, queue: deque[TierJob]) -> TierJob | None:
-        """The next job of ``queue`` once it has one; None when stopping."""
-        with self._lock:
-            while not queue and not self._stop:
-                self._work.wait()
-            return None if self._stop else queue.popleft()
-
-    def _serve(self, queue: deque[TierJob], area: int, run) -> None:
-        while (job := self._next(queue)) is not None:
-            result = JobResult(job.job_id, failed=job.keys)
-            try:
-                result = run(job, area)
-            except Exception:  # a bug: keep the tier serving, say it loudly
-                log.exception("cluster tier: a %s job failed", job.kind.value)
-            finally:
-                with self._lock:
-                    if job.kind is JobKind.PROBE:
-                        for key in job.keys:
-                            self._probing.pop(key, None)
-                    self._report(result)
-
-    def _publisher(self, area: int) -> None:
-        self._serve(self._publish, area, self._publish_job)
-
-    def _promoter(self, area: int) -> None:
-        self._serve(self._promote, area, self._promote_job)
+    def _finish(self, job: TierJob, result: JobResult) -> None:
+        """Under the lock: a job the pump ran."""
+        if job.kind is JobKind.PROBE:
+            for key in job.keys:
+                self._probing.pop(key, None)
+        self._report(result)
 
     def _health(self) -> None:
         """Ask the master every ``retry_s`` (any answer but an error is "up"); while up,
@@ -432,9 +395,7 @@ class ClusterTier(LowerTier):
         with self._lock:
             self.stats.errors += 1
             was_up, self._up = self._up, False
-            dropped = [job for job in self._publish]
-            self._publish.clear()
-            for job in dropped:
+            for job in self._pump.drain("publish"):
                 self.stats.dropped_spills += len(job.keys)
                 self._report(JobResult(job.job_id, failed=job.keys))
         self._warn.warn("down", "cluster tier: %s; the tier is down (lookups use this node's "

@@ -3,8 +3,8 @@
 A one-way tier (``tiercache.index.lower_tier``): the index's tier chain decides what goes
 down and comes up, reserves and pins the host slots; this tier moves bytes between those
 slots (the coordinator's mapping) and its ``DiskSlotFile`` on a small pool of I/O
-threads, and reports. It never calls the index. Workers and the engine's step never wait
-on the disk.
+threads (one lane of ``tiercache.tiers.pump``), and reports. It never calls the index.
+Workers and the engine's step never wait on the disk.
 
 * **Promotions go ahead of demotions** (one priority queue): a ``PROMOTE`` job reads each
   key's slot straight into its reserved host slot and checks the data's CRC; a block that
@@ -24,8 +24,6 @@ on the disk.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -40,6 +38,7 @@ from tiercache.results import BlockSource, TierStats
 from tiercache.loglimit import LogLimiter
 from tiercache.specs import Medium
 from tiercache.tiers.disk_file import DiskSlotFile
+from tiercache.tiers.pump import JobPump, Lane
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ class DiskTier(LowerTier):
                  log_interval_s: float = 10.0):
         self._file = file
         self._rows = rows
-        self._io_threads = io_threads
         self.policy = TierPolicy(Medium.STORAGE, demote_below=low_watermark,
                                  max_queued_blocks=queue_blocks, job_blocks=DEMOTE_BATCH,
                                  promote_blocks=PROMOTE_BATCH, stop_timeout_s=stop_timeout_s,
@@ -69,21 +67,17 @@ class DiskTier(LowerTier):
         self._max_errors, self._down_s = max_errors, down_s
         self._warn = LogLimiter(log, log_interval_s)
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._pump = JobPump("disk", self._lock, [Lane("io", io_threads, self._run)],
+                             self._finish)
         self._index: dict[bytes, int] = {}  # key -> disk slot
         self._order: OrderedDict[int, bytes] = OrderedDict()  # disk slots, oldest write first
         self._free = list(range(file.num_slots - 1, -1, -1))
         self._busy: set[int] = set()  # disk slots being read or written
-        self._queue: list[tuple[int, int, TierJob]] = []  # (priority, order, job)
-        self._count = itertools.count()
         self._finished: list[JobResult] = []
         self._changes: list[KeyChange] = []
-        self._running: dict[str, str] = {}  # thread -> what it does now
         self._seq = 1
         self._errors_in_row = 0
         self._down_until = 0.0
-        self._stop = False
-        self._threads: list[threading.Thread] = []
         self._wake: Callable[[], None] = lambda: None
         self.stats = TierStats(capacity_blocks=file.num_slots, direct_io=file.direct_io)
 
@@ -115,30 +109,18 @@ class DiskTier(LowerTier):
 
     def start(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        for i in range(self._io_threads):
-            thread = threading.Thread(target=self._serve, name=f"tiercache-disk-io-{i}",
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._pump.start()
 
     def close(self, timeout_s: float | None = None) -> list[str]:
         """Stop the threads, waiting at most ``timeout_s`` for the I/O in flight; jobs
         never started are reported failed. The file is closed once no thread uses it."""
         with self._lock:
-            self._stop = True
-            never = [job for _, _, job in self._queue]
-            self._queue.clear()
-            self._finished += [JobResult(j.job_id, failed=j.keys) for j in never]
-            self._work.notify_all()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        left = [t for t in self._threads if t.is_alive()]
-        self._threads = left
+            self._finished += [JobResult(j.job_id, failed=j.keys) for j in self._pump.stop()]
+        left = self._pump.join(timeout_s)
         if not left:
             self._file.close()
         with self._lock:
-            return [f"{t.name}: {self._running.get(t.name, 'stopping')}" for t in left]
+            return [f"{name}: {self._pump.doing(name) or 'stopping'}" for name in left]
 
     # ------------------------------------------------------------------ the chain's side
     def holds(self, key: bytes, asker: int) -> Presence:
@@ -148,7 +130,7 @@ class DiskTier(LowerTier):
 
     def submit(self, job: TierJob) -> None:
         with self._lock:
-            if self._stop or time.monotonic() < self._down_until:
+            if self._pump.stopping or time.monotonic() < self._down_until:
                 self._report(JobResult(job.job_id, failed=job.keys))
                 return
             if job.kind is JobKind.PROBE:  # the disk knows: what it holds, in order
@@ -161,8 +143,7 @@ class DiskTier(LowerTier):
                                        failed=job.keys[len(run):]))
                 return
             priority = 0 if job.kind is JobKind.PROMOTE else 1  # loads ahead of spills
-            heapq.heappush(self._queue, (priority, next(self._count), job))
-            self._work.notify()
+            self._pump.put("io", job, priority)
 
     def take_finished(self) -> list[JobResult]:
         with self._lock:
@@ -183,31 +164,17 @@ class DiskTier(LowerTier):
         """Under the lock."""
         self._changes.append(KeyChange((key,), removed))
 
-    # ------------------------------------------------------------------ threads
-    def _serve(self) -> None:
-        me = threading.current_thread().name
-        while True:
-            with self._lock:
-                while not self._queue and not self._stop:
-                    self._work.wait()
-                if self._stop:
-                    return
-                _, _, job = heapq.heappop(self._queue)
-                self.stats.calls_in_flight += 1
-                self._running[me] = f"{job.kind.value} of {len(job.keys)} block(s)"
-            done: list[bytes] = []
-            try:
-                move = self._read if job.kind is JobKind.PROMOTE else self._write
-                done = [key for key, host_slot in job.blocks() if move(key, host_slot)]
-            except Exception:  # a bug: keep the tier serving, say it loudly, fail the rest
-                log.exception("disk tier: a %s job failed", job.kind.value)
-            finally:
-                with self._lock:
-                    self.stats.calls_in_flight -= 1
-                    self._running.pop(me, None)
-                    moved = set(done)
-                    self._report(JobResult(job.job_id, done=tuple(done),
-                                           failed=tuple(k for k in job.keys if k not in moved)))
+    # ------------------------------------------------------------------ the pump's jobs
+    def _run(self, job: TierJob, worker: int) -> JobResult:
+        move = self._read if job.kind is JobKind.PROMOTE else self._write
+        done = [key for key, host_slot in job.blocks() if move(key, host_slot)]
+        moved = set(done)
+        return JobResult(job.job_id, done=tuple(done),
+                         failed=tuple(k for k in job.keys if k not in moved))
+
+    def _finish(self, job: TierJob, result: JobResult) -> None:
+        """Under the lock."""
+        self._report(result)
 
     # ------------------------------------------------------------------ moving blocks
     def _read(self, key: bytes, host_slot: int) -> bool:
@@ -319,4 +286,5 @@ class DiskTier(LowerTier):
 
     def snapshot(self) -> TierStats:
         with self._lock:  # what waits to be written is the chain's to count
-            return replace(self.stats, up=time.monotonic() >= self._down_until)
+            return replace(self.stats, up=time.monotonic() >= self._down_until,
+                           calls_in_flight=self._pump.running)
