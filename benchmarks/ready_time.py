@@ -74,12 +74,12 @@ def run_once(gib: int, tree: str, workdir: Path) -> tuple[float, float]:
     socket = workdir / f"{name}.sock"
     config = workdir / f"{name}.toml"
     config.write_text(TOML.format(name=name, gib=gib, socket=socket))
-    env = dict(os.environ, PYTHONPATH=tree)
+    env = dict(os.environ, PYTHONPATH=tree)  # and cwd: `-m` puts the cwd first on sys.path
     region = f"/dev/shm/tiercache-{name}"
     log = (workdir / f"{name}.log").open("w")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", "--config", str(config)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
     answers = reserved = None
     try:
         while answers is None or reserved is None:
