@@ -171,6 +171,19 @@ class Coordinator:
             return "".join(f.readlines()[-20:])
 
 
+def _wait_reserved(socket_path: str, num_slots: int) -> float:
+    """Seconds until the index may hand out every slot: ``serve`` answers before the
+    region is reserved (issue 41, item 1) and gives out only reserved slots."""
+    t0 = time.perf_counter()
+    with Client(socket_path, timeout_s=START_TIMEOUT_S) as client:
+        while (capacity := client.stats().capacity_blocks) < num_slots:
+            if time.perf_counter() - t0 > START_TIMEOUT_S:
+                raise RuntimeError(f"{capacity} of {num_slots} slots reserved after "
+                                   f"{START_TIMEOUT_S:.0f} s")
+            time.sleep(_POLL_S)
+    return time.perf_counter() - t0
+
+
 def _fill(socket_path: str, num_slots: int, first: int = 0) -> None:
     """Store keys ``first ..`` into every slot (from ``first = num_slots``: each stored
     block evicts one)."""
@@ -288,7 +301,9 @@ def bench_scale(num_slots: int, num_clients: int = 8, num_calls: int = 2000,
         coordinator = Coordinator(workdir, num_slots, policy)
         try:
             start_s = coordinator.start()
-            say(f"  {num_slots}: serve answered in {start_s:.2f} s")
+            reserved_s = start_s + _wait_reserved(coordinator.socket_path, num_slots)
+            say(f"  {num_slots}: serve answered in {start_s:.2f} s, every slot reserved "
+                f"at {reserved_s:.2f} s")
             t0 = time.perf_counter()
             _fill(coordinator.socket_path, num_slots)
             fill_s = time.perf_counter() - t0
@@ -342,6 +357,7 @@ def scale_main(capacities: list[int], num_clients: int, num_calls: int, policy: 
         reference = Coordinator(workdir, BASE_SLOTS, policy, tag="reference")
         try:
             reference.start()
+            _wait_reserved(reference.socket_path, BASE_SLOTS)
             _fill(reference.socket_path, BASE_SLOTS)
             for num_slots in [BASE_SLOTS, *capacities]:
                 results.append(bench_scale(num_slots, num_clients, num_calls, policy,
