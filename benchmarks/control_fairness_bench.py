@@ -42,10 +42,10 @@ import time
 import numpy as np
 
 from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
-from tiercache.control import protocol
-from tiercache.control.client import Client
-from tiercache.control.payloads import encode_hello_request
-from tiercache.control.protocol import (
+from tiercache.link import protocol
+from tiercache.link.client import Client
+from tiercache.link.payloads import encode_hello_request
+from tiercache.link.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, FrameHeader, PayloadWriter, Status, Verb, frame,
 )
 from tiercache.service.process import CoordinatorProcess

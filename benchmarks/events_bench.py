@@ -26,8 +26,8 @@ import numpy as np
 import zmq
 
 from tiercache.config import Config, EventsConfig, ExporterConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
-from tiercache.events import EngineFamily
+from tiercache.link.client import Client
+from tiercache.link.namespaces import EngineFamily
 from tiercache.events.wire import decode_batch
 from tiercache.service.process import CoordinatorProcess
 

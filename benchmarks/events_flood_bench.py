@@ -42,8 +42,8 @@ import urllib.request
 import zmq
 
 from tiercache.config import Config, EventsConfig, ExporterConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
-from tiercache.events import EngineFamily
+from tiercache.link.client import Client
+from tiercache.link.namespaces import EngineFamily
 from tiercache.service.process import CoordinatorProcess
 
 SPAWN = mp.get_context("spawn")

@@ -64,7 +64,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
     from tiercache.service.process import CoordinatorProcess
     from tiercache.transfer.host_copy import HostCopyPool
     from tiercache.transfer.host_pages import PageMap

@@ -67,7 +67,10 @@ def _reserved(path: str) -> bool:
 
 
 def run_once(gib: int, tree: str, workdir: Path) -> tuple[float, float]:
-    from tiercache.control.client import Client
+    try:
+        from tiercache.link.client import Client
+    except ModuleNotFoundError:  # a tree from before issue 38 (PYTHONPATH: the tree measured)
+        from tiercache.control.client import Client
     from tiercache.errors import TiercacheError
 
     name = f"ready-bench-{os.getpid()}"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tiercache.config import config_to_toml
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import CoordinatorGoneError
 from tiercache.region.stale import list_regions
 from tiercache.service.process import CoordinatorProcess

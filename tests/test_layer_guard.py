@@ -57,6 +57,28 @@ def test_a_package_s_lazy_exports_are_followed(tree):
             "(coordinator)") in upward_imports(tree)
 
 
+def test_the_link_imports_nothing_of_the_coordinator_wing(tree):
+    """The engines' side of the control plane loads in engine processes: the control
+    server's verb table (even type-only) or the event publisher there is a finding."""
+    tree = changed(tree, "tiercache.link.client", "from tiercache.control.verbs import StoreCheck")
+    tree = changed(tree, "tiercache.link.describe", "from tiercache.events import NodeEventStream")
+    found = upward_imports(tree)
+    assert ("tiercache.link.client (link) imports tiercache.control.verbs (coordinator)"
+            in found)
+    assert ("tiercache.link.describe (link) imports tiercache.events.stream (coordinator)"
+            in found)
+
+
+def test_the_worker_wing_and_the_link_never_meet(tree):
+    """A worker never speaks to the coordinator (its scheduler does), and the link knows no
+    GPU."""
+    tree = changed(tree, "tiercache.transfer.worker", "from tiercache.link.client import Client")
+    tree = changed(tree, "tiercache.link.jobs", "from tiercache.device.events import Stream")
+    found = upward_imports(tree)
+    assert "tiercache.transfer.worker (worker) imports tiercache.link.client (link)" in found
+    assert "tiercache.link.jobs (link) imports tiercache.device.events (worker)" in found
+
+
 def test_a_relative_import_is_resolved(tree):
     tree = changed(tree, DISK, "from ..index import manager")
     assert f"{DISK} imports tiercache.index.manager" in tier_breaches(tree)

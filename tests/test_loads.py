@@ -14,7 +14,7 @@ from process_loads import (
     COORDINATOR, ENGINE_CLIENT, WORKER, Process, loaded, loaded_from_log,
 )
 from tiercache.config import DiskConfig, EventsConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 
@@ -50,9 +50,11 @@ def test_the_coordinator_loads_no_torch_and_nothing_of_the_worker_wing(make_conf
 
 
 def test_an_engine_s_control_client_loads_nothing_of_the_coordinator():
-    found = loaded(["tiercache.control.client"])
-    assert "tiercache.control.client" in found.tiercache
+    found = loaded(["tiercache.link.client"])
+    assert "tiercache.link.client" in found.tiercache
     assert not ENGINE_CLIENT.breaches(found)
+    assert not [m for m in found.tiercache if m.startswith(("tiercache.control",
+                                                             "tiercache.events"))]
 
 
 def test_the_package_root_loads_nothing_until_a_name_is_taken():
@@ -69,8 +71,11 @@ def test_attach_loads_neither_the_control_plane_nor_the_coordinator():
 
 def test_a_breach_is_named():
     """The check can fail: the coordinator's index in a client's process is a breach."""
-    found = loaded(["tiercache.control.client", "tiercache.index.manager"])
+    found = loaded(["tiercache.link.client", "tiercache.index.manager"])
     assert "an engine's control client loads tiercache.index.manager" in \
+        ENGINE_CLIENT.breaches(found)
+    found = loaded(["tiercache.link.client", "tiercache.control.server"])
+    assert "an engine's control client loads tiercache.control.server" in \
         ENGINE_CLIENT.breaches(found)
     assert Process("x", frozenset(), forbidden_packages=frozenset({"zmq"})).breaches(
         loaded(["tiercache.events.publisher"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 from e2e_support import metrics_url, sample, scrape

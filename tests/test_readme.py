@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tiercache.cli import build_parser
 from tiercache.config import config_to_toml, load_config
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 import dashboard_queries as dq

@@ -23,7 +23,7 @@ _EXPORTS = {
     "OffloadingManager": "tiercache.index.manager",
     "PrepareStoreOutput": "tiercache.results",
     "OffloadingEvent": "tiercache.results",
-    "Client": "tiercache.control.client",
+    "Client": "tiercache.link.client",
     "attach": "tiercache.transfer.worker",
 }
 

@@ -69,14 +69,14 @@ def _region_names(args: argparse.Namespace) -> list[str] | None:
 def _socket_path(args: argparse.Namespace, name: str) -> str:
     """The control socket of instance ``name``: the path its region header records (the
     coordinator's, whatever this caller's environment), else the config's default."""
-    from tiercache.control.client import resolve_socket_path
+    from tiercache.link.client import resolve_socket_path
 
     config = load_config(args.config) if args.config is not None else Config(name=name)
     return resolve_socket_path(config)
 
 
 def _print_index(socket_path: str) -> None:
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
     from tiercache.errors import CoordinatorGoneError
     from tiercache.results import BlockSource
 

@@ -210,7 +210,7 @@ class NamespaceError(ManagerError):
 
 
 class JobError(TiercacheError):
-    """The completion loop (``tiercache.control.jobs``) used against its contract."""
+    """The completion loop (``tiercache.link.jobs``) used against its contract."""
 
 
 class RanksDownError(JobError):
@@ -242,7 +242,7 @@ class ProtocolError(TiercacheError):
 
 
 class ProtocolVersionError(ProtocolError):
-    """The two ends' protocol versions do not meet (``tiercache.control.versions``): the
+    """The two ends' protocol versions do not meet (``tiercache.link.versions``): the
     engine's HELLO is refused in one line naming both, or a verb is newer than the
     connection's version. On the wire it is a ``ProtocolError`` (code 6), which every
     version reads."""

@@ -1,7 +1,7 @@
 """The values the cache index hands out and the control plane carries: what to store,
 leases, session releases, events and stats, and where a block came from. Frozen
 dataclasses and enums, plain Python: the coordinator's index makes them, and the engines'
-side of the control plane (``tiercache.control.client``) decodes them, so they stand in
+side of the control plane (``tiercache.link.client``) decodes them, so they stand in
 the foundation, under both (an engine process never loads the index to read an answer).
 ``BlockSource`` and ``TierStats`` are also the lower tiers' (``tiercache.index.lower_tier``).
 """

@@ -24,11 +24,11 @@ from control_support import (
 )
 from index_scenarios import k, store
 from tiercache.errors import ControlSocketError
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.payloads import decode_error
-from tiercache.control.protocol import (
+from tiercache.link.payloads import decode_error
+from tiercache.link.protocol import (
     MAX_KEY_BYTES, MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Status,
     Verb, frame,
 )

@@ -21,11 +21,11 @@ from tiercache.config import RegionConfig
 from tiercache.errors import (
     ConfigError, ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
 )
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.payloads import decode_error
-from tiercache.control.protocol import (
+from tiercache.link.payloads import decode_error
+from tiercache.link.protocol import (
     HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH,
     PROTOCOL_VERSION, PayloadReader, Status, Verb, frame,
 )

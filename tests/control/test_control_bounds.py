@@ -24,10 +24,10 @@ from control_support import (
 from index_scenarios import k, store
 from tiercache.config import config_from_dict
 from tiercache.errors import ConfigError, ControlSocketError
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, MAGIC, Verb
+from tiercache.link.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, MAGIC, Verb
 
 MiB = 1 << 20
 
@@ -176,7 +176,7 @@ def test_a_full_backlog_is_waited_out_not_taken_for_a_dead_coordinator(servers, 
     stop_process(server.proc.pid)
     burst: list[socket.socket] = []
     seen = _Seen("listen backlog full")
-    client_log = logging.getLogger("tiercache.control.client")
+    client_log = logging.getLogger("tiercache.link.client")
     client_log.addHandler(seen)
     old_level = client_log.level
     client_log.setLevel(logging.DEBUG)

@@ -15,7 +15,7 @@ from control_support import ClientProcess, SPAWN, wait_for
 from index_scenarios import k, store
 from tiercache.config import RegionConfig
 from tiercache.errors import SessionLimitError
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.index.manager import OffloadingManager
 from tiercache.service.process import CoordinatorProcess
 

@@ -14,7 +14,7 @@ from control_support import SPAWN, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
 from index_scenarios import k, store
 from tiercache.config import RegionConfig
 from tiercache.errors import CoordinatorGoneError, SessionLostError
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import LeaseResult, OffloadingManager
 from tiercache.control.sessions import SessionTable

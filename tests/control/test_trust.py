@@ -20,12 +20,12 @@ import pytest
 from control_support import START_TIMEOUT_S
 from tiercache.config import Config
 from tiercache.errors import ControlSocketError
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.server import ControlOptions, ControlServer
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.sockets import prepare_directory, trusted_uids
-from tiercache.control.payloads import decode_error, encode_hello_request
-from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
+from tiercache.link.sockets import prepare_directory, trusted_uids
+from tiercache.link.payloads import decode_error, encode_hello_request
+from tiercache.link.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 needs_root = pytest.mark.skipif(

@@ -13,10 +13,10 @@ import pytest
 
 from control_support import raw_connection, read_frame, wait_for
 from tiercache.control.connections import Connection
-from tiercache.control.payloads import (
+from tiercache.link.payloads import (
     decode_error, decode_stats, encode_lease_batch_request, encode_store_request, request_size,
 )
-from tiercache.control.protocol import (
+from tiercache.link.protocol import (
     HEADER_BYTES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, FrameHeader, PayloadReader,
     PayloadWriter, Status, Verb, frame,
 )

@@ -1,4 +1,4 @@
-"""Version skew on the control plane (``tiercache.control.versions``), against a real
+"""Version skew on the control plane (``tiercache.link.versions``), against a real
 ``tiercache serve``: an engine one protocol version older is served in its own version;
 one older still, or one newer, is refused at HELLO in one line that it can read, and the
 coordinator logs that line and keeps serving everyone else."""
@@ -12,16 +12,16 @@ import pytest
 
 from control_support import SOCKET_TIMEOUT_S, closed_by_peer, keys_payload
 from tiercache.config import RegionConfig
-from tiercache.control import channel
-from tiercache.control.client import Client
-from tiercache.control.payloads import (
+from tiercache.link import channel
+from tiercache.link.client import Client
+from tiercache.link.payloads import (
     decode_error, decode_hello, decode_store_output, encode_error, encode_hello_request,
     encode_store_request,
 )
-from tiercache.control.protocol import (
+from tiercache.link.protocol import (
     HEADER_BYTES, PROTOCOL_VERSION, FrameHeader, PayloadReader, Status, Verb, frame,
 )
-from tiercache.control.versions import SERVED_VERSIONS, VERB_SINCE, error_code_for
+from tiercache.link.versions import SERVED_VERSIONS, VERB_SINCE, error_code_for
 from tiercache.errors import NamespaceError, ProtocolError
 from tiercache.service.process import CoordinatorProcess
 

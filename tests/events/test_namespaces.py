@@ -11,7 +11,7 @@ import pytest
 
 from tiercache.config.events import HashFormat
 from tiercache.errors import ProtocolError
-from tiercache.events.namespaces import (
+from tiercache.link.namespaces import (
     ANOTHER_SHARD, MAX_DESCRIPTION_BYTES, EngineFamily, digest_of, parse_description,
 )
 from tiercache.sglang.namespace import KEY_FORMAT_VERSION, Namespace as SGLangNamespace, page_key

@@ -15,10 +15,10 @@ import users
 import zmq
 
 from tiercache.config import DiskConfig, EventsConfig, ExporterConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import ConfigError, CoordinatorGoneError, ProtocolError
-from tiercache.events import EngineFamily
-from tiercache.events.namespaces import MAX_DESCRIPTION_BYTES
+from tiercache.link.namespaces import EngineFamily
+from tiercache.link.namespaces import MAX_DESCRIPTION_BYTES
 from tiercache.region.stale import remove_stale
 from tiercache.service.process import CoordinatorProcess
 
@@ -207,7 +207,7 @@ def test_another_local_user_can_describe_nothing(make_config, tmp_path, other_us
         config = make_config(world_size=1, control_socket=os.path.join(public, "c.sock"),
                              exporter=ExporterConfig(port=0), events=_events_config())
         with CoordinatorProcess(config, tmp_path) as coordinator:
-            script = ("import sys; from tiercache.control.client import Client; "
+            script = ("import sys; from tiercache.link.client import Client; "
                       f"Client({config.socket_path!r}).describe(1, sys.argv[1])")
             tried = other_user.run([other_user.python, "-c", script, namespace().description])
             assert tried.returncode != 0

@@ -21,8 +21,9 @@ import users
 import zmq
 
 from tiercache.config import EventsConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
-from tiercache.events import EngineFamily, NodeEventStream
+from tiercache.link.client import Client
+from tiercache.events import NodeEventStream
+from tiercache.link.namespaces import EngineFamily
 from tiercache.events.peers import DropReason
 from tiercache.service.process import CoordinatorProcess
 from tiercache.specs import Medium

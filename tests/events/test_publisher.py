@@ -13,7 +13,8 @@ import zmq
 
 from tiercache.config.events import EventsConfig, HashFormat
 from tiercache.errors import ServiceError
-from tiercache.events import EngineFamily, NodeEventStream
+from tiercache.events import NodeEventStream
+from tiercache.link.namespaces import EngineFamily
 from tiercache.specs import Medium
 
 from event_support import namespace, vllm_int_hash, vllm_key

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tiercache.errors import StateError
-from tiercache.events.namespaces import EngineFamily, parse_description
+from tiercache.link.namespaces import EngineFamily, parse_description
 from tiercache.events.namespace_table import MAX_NAMESPACES_PER_SESSION
 from tiercache.events.sink import MAX_NAMESPACES, NodeEventSink, Taken
 from tiercache.specs import Medium

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from tiercache.config import KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import ConfigError, NamespaceError, StateError
-from tiercache.events import EngineFamily
+from tiercache.link.namespaces import EngineFamily
 from tiercache.events.namespace_table import MAX_NAMESPACES
 from tiercache.service.process import CoordinatorProcess
 

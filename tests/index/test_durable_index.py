@@ -12,7 +12,7 @@ import pytest
 from control_children import check_every_hit, store_and_load_forever
 from control_support import SPAWN, kill_all, wait_for
 from tiercache.config import KVGeometry, RegionConfig, config_to_toml
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 ITERATIONS = 6

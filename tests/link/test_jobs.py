@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tiercache.errors import JobError, RankError
-from tiercache.control.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
+from tiercache.link.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
 from tiercache.index.manager import OffloadingManager
 from tiercache.region.shared import SharedOffloadRegion
 from spawned import attach_and_hold

@@ -10,19 +10,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiercache import errors
-from tiercache.index.manager import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
-from tiercache.control.payloads import (
+from tiercache.link.describe import (
+    Described, decode_describe_request, decode_described, encode_describe_request,
+    encode_described,
+)
+from tiercache.link.namespaces import MAX_DESCRIPTION_BYTES, NAMESPACE_BYTES
+from tiercache.link.payloads import (
     Hello, decode_error, decode_events, decode_hello, decode_hello_request,
     decode_lease_batch_request, decode_leases, decode_stats, decode_store_output,
     decode_store_request, encode_error, encode_events, encode_hello, encode_hello_request,
     encode_lease_batch_request, encode_leases, encode_stats, encode_store_output,
     encode_store_request, lease_batch_groups,
 )
-from tiercache.control.protocol import (
+from tiercache.link.protocol import (
     ERROR_CODES, HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_CALL,
     MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, VARIABLE_WIDTH,
     FrameHeader, PayloadReader, PayloadWriter, Status, Verb, frame,
 )
+from tiercache.results import LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput
 from tiercache.specs import CPULoadStoreSpec
 
 keys_strategy = st.lists(st.binary(min_size=0, max_size=MAX_KEY_BYTES), max_size=50)
@@ -228,7 +233,7 @@ def test_the_largest_request_fits_the_request_bound():
 
 
 def test_tier_stats_round_trip_with_seconds_and_flags():
-    from tiercache.control.payloads import decode_tier_stats, encode_tier_stats
+    from tiercache.link.payloads import decode_tier_stats, encode_tier_stats
     from tiercache.results import TierStats
 
     stats = TierStats(capacity_blocks=9, used_blocks=4, read_seconds=1.5, write_seconds=0.25,
@@ -236,3 +241,16 @@ def test_tier_stats_round_trip_with_seconds_and_flags():
     assert decode_tier_stats(PayloadReader(encode_tier_stats({"disk": stats}))) == \
         {"disk": stats}
     assert decode_tier_stats(PayloadReader(encode_tier_stats({}))) == {}
+
+
+def test_describe_request_and_answer_round_trip_and_refuse_what_they_cannot_be():
+    request = PayloadReader(encode_describe_request(2, "model=x"))
+    assert decode_describe_request(request) == (2, "model=x")
+    with pytest.raises(errors.ProtocolError, match="at most 65536"):
+        encode_describe_request(1, "x" * (MAX_DESCRIPTION_BYTES + 1))
+    with pytest.raises(errors.ProtocolError, match="not UTF-8"):
+        decode_describe_request(PayloadReader(PayloadWriter().u8(1).raw(b"\xff").build()))
+    answer = encode_described(Described(b"d" * NAMESPACE_BYTES, True))
+    assert decode_described(PayloadReader(answer)) == Described(b"d" * NAMESPACE_BYTES, True)
+    with pytest.raises(errors.ProtocolError, match="flag 2"):
+        decode_described(PayloadReader(PayloadWriter().raw(b"d" * NAMESPACE_BYTES).u8(2).build()))

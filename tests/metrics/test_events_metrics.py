@@ -9,8 +9,8 @@ import urllib.request
 import zmq
 
 from tiercache.config import EventsConfig, ExporterConfig
-from tiercache.control.client import Client
-from tiercache.events import EngineFamily
+from tiercache.link.client import Client
+from tiercache.link.namespaces import EngineFamily
 from tiercache.events.wire import decode_batch
 from tiercache.metrics.events import EVENT_METRIC_NAMES
 from tiercache.service.process import CoordinatorProcess

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.config import BackendKind, DiskConfig, EventsConfig
 from tiercache.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiercache.service.process import CoordinatorProcess

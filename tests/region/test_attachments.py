@@ -21,7 +21,7 @@ from e2e_support import scrape, sample
 from metrics_support import promtool_check
 from tiercache.config import RegionConfig
 from tiercache.errors import ConfigError, RankError
-from tiercache.control.jobs import RankMonitor
+from tiercache.link.jobs import RankMonitor
 from tiercache.metrics.collector import TiercacheCollector, start_exporter
 from tiercache.region.attachments import (
     AttachmentSlotsFullError, incarnation, slot_held, try_lock_slot, unlock_slot,

@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.presence import (
     BULK_KEYS, HEADER_BYTES, PresenceMap, PresenceView, num_counters_for, presence_path,
 )

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from reserve_children import ROW_CHUNK_ROWS, reserve_store_and_die, slot_value
 from tiercache.config import RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.header import Reservation
 from tiercache.region.layout import RegionLayout
 from tiercache.region.reservation import reservation_chunks

@@ -22,7 +22,7 @@ import pytest
 from control_support import wait_for
 from engine_child import EngineProcess
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig, config_to_toml
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import RECORD_BYTES
 from tiercache.service.process import CoordinatorProcess

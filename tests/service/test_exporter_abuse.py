@@ -15,7 +15,7 @@ import urllib.request
 
 import psutil
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.metrics.exporter import DEFAULT_LIMITS
 from tiercache.service.process import CoordinatorProcess
 

@@ -11,7 +11,7 @@ import pytest
 from control_support import wait_for
 from engine_child import EngineProcess
 from tiercache.config import KVGeometry, RegionConfig, config_to_toml
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.shared import named_region_info
 from tiercache.region.stale import remove_stale
 from tiercache.service.process import CoordinatorProcess

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.notify import NOTIFY_ENV, notify
 from tiercache.service.process import CoordinatorProcess
 

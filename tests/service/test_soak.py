@@ -18,7 +18,7 @@ from control_children import check_every_hit, grab_and_wait, store_and_load_fore
 from control_support import SPAWN, kill_all, START_TIMEOUT_S, STOP_TIMEOUT_S, wait_for
 from e2e_support import metrics_url, scrape
 from tiercache.config import ExporterConfig, KVGeometry, RegionConfig, config_to_toml
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 NUM_BLOCKS = 48

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tiercache.config import Config, DiskConfig, ExporterConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.layout import FORMAT_VERSION
 from tiercache.region.presence import presence_path
 from tiercache.region.shared import SharedOffloadRegion

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from control_support import stop_process, wait_for  # noqa: E402
 from sglang_harness import tokens_of  # noqa: E402
 from tiercache.config import DiskConfig, load_config  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 
 FAST = {"tiercache_retry_s": 0.05, "tiercache_call_timeout_s": 1.0}

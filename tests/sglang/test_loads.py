@@ -23,6 +23,6 @@ SGLANG_BASELINE = [
 def test_the_backend_loads_nothing_of_the_coordinator():
     found = loaded(["tiercache.sglang:TierCacheHiCacheStorage"], SGLANG_BASELINE,
                    sys.executable, path=[STUBS])
-    assert {"tiercache.sglang.storage", "tiercache.control.client",
+    assert {"tiercache.sglang.storage", "tiercache.link.client",
             "tiercache.transfer.host_transfer"} <= found.tiercache
     assert not SGLANG_BACKEND.breaches(found)

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from sglang_harness import ModelSpec, tokens_of  # noqa: E402
 from tiercache.config import Config, ExporterConfig, KVGeometry, RegionConfig, load_config  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

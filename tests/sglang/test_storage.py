@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from sglang_harness import tokens_of  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.config import load_config  # noqa: E402
 from tiercache.region.shared import SharedOffloadRegion  # noqa: E402
 from tiercache.region.stats import EngineKind, PinState  # noqa: E402

@@ -10,7 +10,7 @@ import resource
 import signal
 import threading
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 
 WAIT_S = 300.0  # a child waits this long at most for its SIGKILL
 
@@ -54,7 +54,7 @@ def hold_partial_requests_and_stop(path: str, num: int, partial_bytes: int, read
     import time
 
     from control_support import is_open, raw_connection, request_header, unread_bytes
-    from tiercache.control.protocol import MAX_REQUEST_BYTES, Verb
+    from tiercache.link.protocol import MAX_REQUEST_BYTES, Verb
 
     held = [raw_connection(path) for _ in range(num)]
     for sock in held:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import index_scenarios as sc
 from tiercache.control.server import ControlOptions
 from tiercache.control.standalone import serve_forever
-from tiercache.control.payloads import decode_hello, encode_hello_request
-from tiercache.control.protocol import (
+from tiercache.link.payloads import decode_hello, encode_hello_request
+from tiercache.link.protocol import (
     HEADER_BYTES, MAGIC, PROTOCOL_VERSION, FrameHeader, PayloadReader, PayloadWriter, Status,
     Verb, frame,
 )
@@ -172,7 +172,7 @@ def stop_process(pid: int) -> None:
 def drained_stats(config):
     """The index's stats of ``config``'s coordinator once nothing is WRITING or LOADING,
     else None (a ``wait_for`` condition: a dead client's session ends after its grace)."""
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     with Client(config) as client:
         stats = client.stats()

@@ -36,7 +36,7 @@ class _Engine:
         import torch
 
         from tiercache.config import PinningPolicy, config_from_dict
-        from tiercache.control.client import Client
+        from tiercache.link.client import Client
         from tiercache.transfer.worker import attach
 
         self.config = config_from_dict(tomllib.loads(config_toml))

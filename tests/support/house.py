@@ -1,7 +1,9 @@
 """The house the tree promises (docs/architecture.md), and the checker that reads it from
 source: a foundation both wings stand on, a worker wing (the engine's GPU processes) and a
-coordinator wing (``tiercache serve``, no torch) that never import each other, engine
-adapters above both, and the tools and the CLI on top.
+coordinator wing (``tiercache serve``, no torch) that never import each other, the link
+(the engines' side of the control plane and the wire both sides speak) beside the worker
+wing, below the coordinator wing's control server and the adapters and never importing
+either wing, engine adapters above all three, and the tools and the CLI on top.
 
 The checker takes sources (module name -> text), not files, so its own tests feed it a
 copy of the tree with one module changed (tests/test_layer_guard.py). An import is found
@@ -30,6 +32,7 @@ GROUPS = {
     "foundation": ["errors", "specs", "results", "pages", "sizes", "loglimit", "backend_kind",
                    "config", "numa", "region"],
     "worker": ["device", "native", "planning", "backends", "transfer"],
+    "link": ["link"],
     "coordinator": ["eviction", "index", "tiers", "events", "control", "metrics", "service"],
     "adapters": ["vllm", "sglang"],
     "top": ["tools", "cli", "__main__"],
@@ -37,12 +40,15 @@ GROUPS = {
 BELOW = {
     "foundation": set(),
     "worker": {"foundation"},
-    "coordinator": {"foundation"},
-    "adapters": {"foundation", "worker", "coordinator"},
-    "top": {"foundation", "worker", "coordinator", "adapters"},
+    "link": {"foundation"},
+    "coordinator": {"foundation", "link"},
+    "adapters": {"foundation", "worker", "link", "coordinator"},
+    "top": {"foundation", "worker", "link", "coordinator", "adapters"},
 }
-# Pairs that never meet, in either direction: the wings, and one engine's adapter and another's.
-NEVER = [("worker", "coordinator"), ("vllm", "sglang")]
+# Pairs that never meet, in either direction: the wings; the worker wing and the link (a
+# worker never speaks to the coordinator: the scheduler does); one engine's adapter and
+# another's.
+NEVER = [("worker", "coordinator"), ("worker", "link"), ("vllm", "sglang")]
 LAYERS = [layer for layers in GROUPS.values() for layer in layers]
 GROUP_OF = {layer: group for group, layers in GROUPS.items() for layer in layers}
 GPU_PACKAGES = frozenset({"torch", "triton"})  # never on the coordinator's side

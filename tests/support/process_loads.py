@@ -26,20 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 FOUNDATION = frozenset(GROUPS["foundation"])
 WORKER_WING = frozenset(GROUPS["worker"])
 COORDINATOR_WING = frozenset(GROUPS["coordinator"])
-# The engines' half of the control plane, still filed under control/ (the coordinator's
-# wing): the client, its channel, multi-rank completion, the frames and payloads both sides
-# speak, the socket trust checks both sides make, and DESCRIBE (both sides in one plain
-# module). Issue 38 moves the first four into an engine-side part of their own; until then
-# they are named here, one by one, and nothing else of control/ may load in an engine.
-ENGINE_CONTROL = frozenset({
-    "tiercache.control", "tiercache.control.client", "tiercache.control.channel",
-    "tiercache.control.jobs", "tiercache.control.protocol", "tiercache.control.payloads",
-    "tiercache.control.sockets", "tiercache.control.namespaces",
-    "tiercache.control.versions",
-})
-# What an engine names when it describes its namespace: the families and descriptions
-# (plain Python); the package's lazy ``__init__`` loads nothing else.
-ENGINE_EVENTS = frozenset({"tiercache.events", "tiercache.events.namespaces"})
+LINK = frozenset(GROUPS["link"])  # the engines' side of the control plane and its wire
 VLLM_SHARED = frozenset({  # built in both of vLLM's processes
     "tiercache.vllm", "tiercache.vllm.spec", "tiercache.vllm.geometry",
     "tiercache.vllm.namespace", "tiercache.vllm.load_store_spec", "tiercache.vllm.engine_metrics",
@@ -64,24 +51,23 @@ class Process:
 
 
 COORDINATOR = Process("the coordinator (tiercache serve)",
-                      FOUNDATION | COORDINATOR_WING | {"cli", "__main__"},
+                      FOUNDATION | LINK | COORDINATOR_WING | {"cli", "__main__"},
                       forbidden_packages=frozenset({"torch", "triton"}))
-ENGINE_CLIENT = Process("an engine's control client", FOUNDATION,
-                        ENGINE_CONTROL | ENGINE_EVENTS,
+ENGINE_CLIENT = Process("an engine's control client", FOUNDATION | LINK,
                         forbidden_packages=frozenset({"zmq", "msgspec", "torch"}))
 WORKER = Process("a worker (tiercache.attach)", FOUNDATION | WORKER_WING,
                  forbidden_packages=frozenset({"zmq", "msgspec"}))
 VLLM_SCHEDULER = Process(
-    "vLLM's scheduler", FOUNDATION,
-    ENGINE_CONTROL | ENGINE_EVENTS | VLLM_SHARED | {
+    "vLLM's scheduler", FOUNDATION | LINK,
+    VLLM_SHARED | {
         "tiercache.vllm.manager", "tiercache.vllm.flusher", "tiercache.vllm.leases",
         "tiercache.vllm.lease_records", "tiercache.vllm.batch"},
     forbidden_packages=frozenset({"zmq"}))
 VLLM_WORKER = Process("vLLM's worker", FOUNDATION | WORKER_WING,
                       VLLM_SHARED | {"tiercache.vllm.worker"},
                       forbidden_packages=frozenset({"zmq"}))
-SGLANG_BACKEND = Process("SGLang's HiCache backend", FOUNDATION | WORKER_WING | {"sglang"},
-                         ENGINE_CONTROL | ENGINE_EVENTS, forbidden_packages=frozenset({"zmq"}))
+SGLANG_BACKEND = Process("SGLang's HiCache backend", FOUNDATION | WORKER_WING | LINK | {"sglang"},
+                         forbidden_packages=frozenset({"zmq"}))
 
 
 @dataclass(frozen=True)

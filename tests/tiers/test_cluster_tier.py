@@ -23,7 +23,7 @@ from control_support import stop_process, wait_for
 from e2e_support import metrics_url, sample, scrape
 from mooncake_master import TRANSFER_TIMEOUT_S, MooncakeMaster, short_transfer_timeouts
 from tiercache.config import ClusterConfig, DiskConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.results import BlockSource
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion

@@ -27,7 +27,7 @@ from mooncake_master import make_key_file
 from users import other_user
 from test_cluster_tier import KEYS, cluster_stats, load, master, start_node, store  # noqa: F401
 from tiercache.config import ClusterConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import ConfigError, ServiceError
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 

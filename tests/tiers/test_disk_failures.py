@@ -17,7 +17,7 @@ from index_scenarios import k, store
 from test_disk_tier import HOST_BLOCKS, KEYS, ROW, load_every_key, \
     store_paced, tier
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.index.tiering import PROMOTION_WAIT_S
 from tiercache.results import LeaseResult
 from tiercache.service.process import CoordinatorProcess

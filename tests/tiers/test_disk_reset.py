@@ -17,7 +17,7 @@ from control_support import wait_for
 from e2e_support import metrics_url, sample, scrape
 from test_disk_failures import faulty_disk_config
 from test_disk_tier import HOST_BLOCKS, KEYS, lease_when_settled, store_paced, tier
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
 

@@ -16,7 +16,7 @@ from control_children import block_pattern, rows_hold
 from control_support import wait_for
 from e2e_support import metrics_url, sample, scrape
 from tiercache.config import DiskConfig, KVGeometry, RegionConfig
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.service.process import CoordinatorProcess
 from tiercache.region.layout import RegionLayout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState
 from tiercache.service.process import CoordinatorProcess

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from vllm_harness import BLOCK_TOKENS, Engine, TinyModel
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.service.process import CoordinatorProcess
 
 

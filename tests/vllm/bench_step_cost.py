@@ -122,8 +122,8 @@ def run_pass(engine: Engine, prompts: list[list[int]], label: str) -> dict:
 
 def fill(coordinator, num_keys: int, salt: int) -> None:
     """Store ``num_keys`` keys of another namespace: a full cache of READY blocks."""
-    from tiercache.control.client import Client
-    from tiercache.control.protocol import MAX_KEYS_PER_CALL
+    from tiercache.link.client import Client
+    from tiercache.link.protocol import MAX_KEYS_PER_CALL
 
     keys = [b"filler-%d-%d" % (salt, i) for i in range(num_keys)]
     batch = min(MAX_KEYS_PER_CALL, 64)  # a disk tier pins a few blocks while it demotes them

@@ -27,7 +27,7 @@ def prompt(seed: int, length: int = 96) -> list[int]:
 
 
 def cluster_stats(coordinator):
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     with Client(coordinator.config) as client:
         return client.tier_stats()["cluster"]

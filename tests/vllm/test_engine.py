@@ -77,7 +77,7 @@ def test_a_lone_engines_long_prompt_is_stored_whole_with_the_default_share(start
     """Issue 33: with index.max_session_share at its default (0.5, what config-for-vllm
     prints), one engine alone on the node stored nothing of a 16-chunk prompt in a
     24-chunk cache. The share bites only under contention now: it is stored whole."""
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     small = start_coordinator(num_chunks=24)
     assert small.config.index_max_session_share == 0.5
@@ -95,7 +95,7 @@ def test_a_store_refused_for_want_of_room_lands_in_the_step_after_its_request_fi
     chunks") in every later step, the one after its request finished included, which
     schedules nothing. Room appears only then here: the finished request's chunks are
     stored by a step without a forward pass, and the engine goes idle."""
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     small = start_coordinator(num_chunks=8)
     engine = make_engine(small, num_gpu_blocks=16)
@@ -176,7 +176,7 @@ def test_a_lookup_takes_nothing_an_aborted_request_evicts_no_stored_block(start_
 def on_disk(coordinator) -> int:
     """Blocks the coordinator's disk tier holds (its file is locked by the coordinator:
     asked over the control socket, not read beside it)."""
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     with Client(coordinator.config) as client:
         return client.tier_stats()["disk"].used_blocks
@@ -191,7 +191,7 @@ def test_a_prefix_evicted_to_the_disk_tier_is_promoted_and_loaded_exact(start_co
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     from tiercache.config import DiskConfig
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
 
     (tmp_path / "disk").mkdir()
     small = start_coordinator(num_chunks=8, disk=DiskConfig(

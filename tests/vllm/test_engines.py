@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 from control_support import drained_stats, wait_for  # noqa: E402
 from engine_proc import prompt  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 from vllm_harness import BLOCK_TOKENS  # noqa: E402
 

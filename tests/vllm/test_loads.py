@@ -24,8 +24,8 @@ VLLM_BASELINE = [
 
 def test_the_scheduler_loads_neither_the_coordinator_nor_the_worker_wing():
     found = loaded(["tiercache.vllm:TierCacheOffloadingSpec", "tiercache.vllm.manager",
-                    "tiercache.control.client"], VLLM_BASELINE, sys.executable)
-    assert {"tiercache.vllm.manager", "tiercache.control.client"} <= found.tiercache
+                    "tiercache.link.client"], VLLM_BASELINE, sys.executable)
+    assert {"tiercache.vllm.manager", "tiercache.link.client"} <= found.tiercache
     assert not VLLM_SCHEDULER.breaches(found)
 
 

@@ -24,7 +24,7 @@ from control_support import wait_for  # noqa: E402
 from engine_proc import prompt  # noqa: E402
 from event_support import free_port, stream_endpoints  # noqa: E402
 from tiercache.config import DiskConfig, EventsConfig  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 
 SCRIPT = str(Path(__file__).with_name("engine_proc.py"))

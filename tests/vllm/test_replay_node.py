@@ -18,8 +18,8 @@ from e2e_support import metrics_url, scrape  # noqa: E402
 from event_support import WAIT_S, namespace, vllm_int_hash, vllm_key  # noqa: E402
 
 from tiercache.config import EventsConfig  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
-from tiercache.events import EngineFamily  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
+from tiercache.link.namespaces import EngineFamily  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 from tiercache.tools.replay.cli import replay  # noqa: E402
 from tiercache.tools.replay.events import CPU  # noqa: E402

@@ -22,7 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from control_support import drained_stats, wait_for  # noqa: E402
 from vllm_harness import offloading_config  # noqa: E402
-from tiercache.control.client import Client  # noqa: E402
+from tiercache.link.client import Client  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,

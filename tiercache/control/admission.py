@@ -15,9 +15,9 @@ from typing import Protocol
 
 from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions
-from tiercache.control.payloads import encode_error
-from tiercache.control.protocol import PROTOCOL_VERSION, Status, Verb, frame
-from tiercache.control.sockets import check_peer, peer_credentials
+from tiercache.link.payloads import encode_error
+from tiercache.link.protocol import PROTOCOL_VERSION, Status, Verb, frame
+from tiercache.link.sockets import check_peer, peer_credentials
 from tiercache.errors import ControlSocketError
 from tiercache.loglimit import LogLimiter
 
@@ -30,7 +30,7 @@ class Drop(Protocol):
 
 def refuse(sock: socket.socket, why: Exception, version: int = PROTOCOL_VERSION) -> None:
     """Answer no request (id 0) with the reason, best effort, and close; in the peer's
-    protocol ``version`` when its first frame told it (``tiercache.control.versions``)."""
+    protocol ``version`` when its first frame told it (``tiercache.link.versions``)."""
     sock.setblocking(False)
     try:
         sock.send(frame(Verb.HELLO, 0, encode_error(why, version), Status.ERROR, version))

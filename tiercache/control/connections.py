@@ -32,10 +32,10 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from tiercache.control.protocol import (
+from tiercache.link.protocol import (
     HEADER_BYTES, MAX_REQUEST_BYTES, PROTOCOL_VERSION, FrameHeader, Status, frame_version,
 )
-from tiercache.control.versions import check_served
+from tiercache.link.versions import check_served
 from tiercache.control.sessions import Session
 from tiercache.errors import ProtocolError
 
@@ -59,7 +59,7 @@ class Connection:
         self.turn: int | None = None
         self.session: Session | None = None  # set by HELLO
         # the protocol version of its first frame, which every later frame and every
-        # answer carries (``tiercache.control.versions``); None before that frame
+        # answer carries (``tiercache.link.versions``); None before that frame
         self.version: int | None = None
         self.pid = pid  # of the peer (SO_PEERCRED): per-peer bounds, logs
         self.opened_s = now  # its HELLO deadline counts from here

@@ -1,14 +1,6 @@
-"""DESCRIBE: an engine tells the coordinator what one of its key namespaces is, so the
-node's event stream can publish that namespace's blocks with the engine's own hashes
-(``tiercache.events.namespaces``).
-
-::
-
-    request   u8 engine family (``EngineFamily``), str description (at most
-              ``MAX_DESCRIPTION_BYTES``: the exact text whose SHA-256 prefixes its keys)
-    answer    8 bytes: the namespace digest the coordinator computed from the text,
-              u8 1 if the node's event stream runs (the engine then leaves the blocks'
-              CPU-tier events to it), else 0
+"""DESCRIBE, the coordinator's side: a session describes one of its key namespaces
+(the wire: ``tiercache.link.describe``) and the node's event stream learns it, so it can
+publish that namespace's blocks with the engine's own hashes.
 
 A description that does not parse is a ``ConfigError`` (the connection stays: the
 engine's configuration is at fault, not the stream). A client sends it once per namespace
@@ -33,15 +25,14 @@ not checked.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from tiercache.control.protocol import PayloadReader, PayloadWriter
 from tiercache.errors import ConfigError, NamespaceError, ProtocolError
-from tiercache.events.namespaces import (
-    MAX_DESCRIPTION_BYTES, NAMESPACE_BYTES, NamespaceInfo, parse_description,
-)
+from tiercache.link.describe import Described, decode_describe_request, encode_described
+from tiercache.link.namespaces import NamespaceInfo, parse_description
+from tiercache.link.protocol import PayloadReader
 
-if TYPE_CHECKING:  # the server's verb table; a client describing its namespace never loads it
+if TYPE_CHECKING:  # the server's verb table
     from tiercache.control.verbs import StoreCheck
 
 
@@ -58,34 +49,16 @@ class Describer(Protocol):
         """Session ``owner`` is gone: it holds no namespace any more."""
 
 
-class Described(NamedTuple):
-    digest: bytes
-    node_events: bool  # the coordinator publishes the node's events
-
-
-def encode_describe_request(family: int, text: str) -> bytes:
-    if len(text.encode()) > MAX_DESCRIPTION_BYTES:
-        raise ProtocolError(f"namespace description of {len(text.encode())} bytes; at most "
-                            f"{MAX_DESCRIPTION_BYTES}")
-    return PayloadWriter().u8(family).raw(text.encode()).build()
-
-
 def describe(stream: Describer | None, reader: PayloadReader, owner: int) -> bytes:
     """The server's side: learn the namespace for session ``owner`` (if a stream runs),
     answer its digest."""
-    family = reader.u8()
-    raw = reader.raw(MAX_DESCRIPTION_BYTES)
-    reader.done()
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        raise ProtocolError("namespace description is not UTF-8") from None
+    family, text = decode_describe_request(reader)
     try:
         info = (parse_description(family, text) if stream is None
                 else stream.describe(family, text, owner))
     except ProtocolError as e:  # what it says, not how: the connection stays
         raise ConfigError(str(e)) from None
-    return PayloadWriter().raw(info.digest).u8(int(stream is not None)).build()
+    return encode_described(Described(info.digest, stream is not None))
 
 
 def describer(stream: Describer | None) -> Callable[[Any, PayloadReader, int], bytes]:
@@ -110,11 +83,3 @@ def store_check(stream: Describer | None) -> StoreCheck | None:
 
     return check
 
-
-def decode_described(reader: PayloadReader) -> Described:
-    digest = reader.raw(NAMESPACE_BYTES)
-    flag = reader.u8()
-    reader.done()
-    if len(digest) != NAMESPACE_BYTES or flag not in (0, 1):
-        raise ProtocolError(f"DESCRIBE answer with a {len(digest)}-byte digest and flag {flag}")
-    return Described(digest, bool(flag))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiercache.errors import ConfigError
-from tiercache.control.protocol import HEADER_BYTES, MAX_REQUEST_BYTES
+from tiercache.link.protocol import HEADER_BYTES, MAX_REQUEST_BYTES
 
 RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 # After serving, keep polling this long before sleeping in epoll_wait: a sleeping core

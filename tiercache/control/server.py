@@ -46,7 +46,7 @@ coordinator or starve its other clients:
   ``accept_backoff_s`` (the connections already open are served meanwhile); pending
   connections wait in the kernel's backlog (``listen_backlog``) and are accepted later.
 
-Peers: a connection from a uid that is not trusted (``tiercache.control.sockets``) is answered
+Peers: a connection from a uid that is not trusted (``tiercache.link.sockets``) is answered
 with an error and closed.
 """
 
@@ -67,15 +67,15 @@ from tiercache.control.connections import Connection, ConnectionTable
 from tiercache.control.options import ControlOptions, RECV_BYTES
 from tiercache.control.turns import Turns, request_units
 from tiercache.control.upkeep import Upkeep
-from tiercache.control.versions import check_verb
+from tiercache.link.versions import check_verb
 from tiercache.control.verbs import HANDLERS, store_verbs
 from tiercache.loglimit import LogLimiter
 from tiercache.index.manager import ManagerStats, OffloadingManager
-from tiercache.control.sockets import SocketFile, trusted_uids
-from tiercache.control.payloads import (
+from tiercache.link.sockets import SocketFile, trusted_uids
+from tiercache.link.payloads import (
     decode_hello_request, encode_error, encode_hello, request_size,
 )
-from tiercache.control.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
+from tiercache.link.protocol import HEADER_BYTES, FrameHeader, PayloadReader, Status, Verb, frame
 from tiercache.control.namespaces import Describer, describer, store_check
 from tiercache.control.sessions import SessionTable
 from tiercache.region.sessions import SessionLedger, SessionRecord

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 from tiercache.errors import ControlSocketError
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.payloads import Hello
-from tiercache.control.protocol import TOKEN_BYTES
+from tiercache.link.payloads import Hello
+from tiercache.link.protocol import TOKEN_BYTES
 from tiercache.results import SessionRelease
 from tiercache.region.hostmem import process_alive, process_start_ns
 from tiercache.region.sessions import SessionLedger, SessionRecord, SessionTableFullError

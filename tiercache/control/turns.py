@@ -5,7 +5,7 @@ The server answers every request on one thread, so a request's work is time ever
 else waits. Measured on the development VM (docs/benchmarks.md, "One heavy request
 stalling everyone"): a lease costs about 1.3 µs per key and 10 µs per key list, so a
 request is charged ``1 + keys + LIST_UNITS * lists`` *units* (``request_units``), read from
-its frame before it is served (``tiercache.control.payloads.request_size``).
+its frame before it is served (``tiercache.link.payloads.request_size``).
 
 The connections share the loop by units with weighted fair queueing's rule: a
 connection whose whole request has arrived waits with a *finish tag*, the later of the
@@ -26,7 +26,7 @@ all start at the same virtual time; measured: 4 streams of 1,024-list batches he
 another client's calls at 56 ms p50.) A connection has one request waiting at most: the
 server reads nothing more from it until that request is served and its answer taken.
 What bounds the wait for the request in progress is the per-request bound
-(``tiercache.control.protocol``: ``MAX_KEYS_PER_CALL`` keys, ``MAX_LISTS_PER_BATCH``
+(``tiercache.link.protocol``: ``MAX_KEYS_PER_CALL`` keys, ``MAX_LISTS_PER_BATCH``
 lists).
 
 Pure bookkeeping, one thread (the server's loop): a heap of (finish tag, arrival, units,

@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 
 from tiercache.errors import ProtocolError
 from tiercache.index.manager import OffloadingManager
-from tiercache.control.payloads import (
+from tiercache.link.payloads import (
     decode_lease_batch_request, decode_store_request, encode_events, encode_leases, encode_stats,
     encode_store_output, encode_tier_stats,
 )
-from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
+from tiercache.link.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 
 Handler = Callable[[OffloadingManager, PayloadReader, int], bytes]
 # raises (``NamespaceError``) if session ``owner`` may not store these keys

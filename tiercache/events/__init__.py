@@ -5,16 +5,16 @@ format with the engines' own block hashes, so a router that reads vLLM's KV even
 the node. Coordinator wing, no engine imported: pyzmq and msgspec only.
 
 * ``wire``: the frames and msgpack structs (vLLM's ``KVEventBatch``, field for field);
-* ``namespaces``: engine families, namespace descriptions, key -> engine hash;
 * ``sink``: ``NodeEventSink``, the index's ``NodeEvents`` hook (a mirror of what each
   medium holds and a bounded queue of changes: never blocks, drops and resyncs);
 * ``replay``: the bounded buffer of past batches;
 * ``publisher``: ``EventPublisher``, the thread with the PUB and ROUTER sockets;
 * ``stream``: ``NodeEventStream``, the three together as the coordinator runs them.
 
-Names resolve lazily (``_EXPORTS``): an engine that describes its namespace
-(``tiercache.control.client``, ``namespaces``: plain Python) loads neither pyzmq, the
-publisher nor the sink.
+The engine families, namespace descriptions and key -> engine hash it publishes by are
+``tiercache.link.namespaces``: engines describe their namespaces with them and load nothing
+of this package. Names resolve lazily (``_EXPORTS``): importing the package loads neither
+pyzmq, the publisher nor the sink.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "EngineFamily": "tiercache.events.namespaces",
-    "NamespaceInfo": "tiercache.events.namespaces",
-    "parse_description": "tiercache.events.namespaces",
     "NodeEventSink": "tiercache.events.sink",
     "EventStats": "tiercache.events.stream",
     "NodeEventStream": "tiercache.events.stream",

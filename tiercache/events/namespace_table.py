@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiercache.errors import StateError
-from tiercache.events.namespaces import NamespaceInfo
+from tiercache.link.namespaces import NamespaceInfo
 
 MAX_NAMESPACES = 256
 MAX_NAMESPACES_PER_SESSION = 16

@@ -2,7 +2,7 @@
 on a ZMQ PUB socket, and answers replay requests on a ROUTER socket.
 
 Every ``batch_interval_s`` it ``take``s what changed (``tiercache.events.sink``), turns each
-key into its engine's hash (``tiercache.events.namespaces``), and publishes per namespace
+key into its engine's hash (``tiercache.link.namespaces``), and publishes per namespace
 batches of at most ``MAX_HASHES_PER_BATCH`` block hashes (``tiercache.events.wire`` has the
 frames; a batch encodes to less than ``MAX_BATCH_BYTES``), each numbered in one sequence
 for the whole stream and kept for replay (``tiercache.events.replay``). A resync publishes
@@ -45,7 +45,7 @@ import zmq
 from tiercache.config.events import MAX_BATCH_BYTES, EventsConfig
 from tiercache.errors import ServiceError
 from tiercache.events import wire
-from tiercache.events.namespaces import NAMESPACE_BYTES, KeyHasher, NamespaceInfo
+from tiercache.link.namespaces import NAMESPACE_BYTES, KeyHasher, NamespaceInfo
 from tiercache.events.peers import CHECK_INTERVAL_S, PeerTable
 from tiercache.events.replay import Replays, ReplayBuffer, parse_request
 from tiercache.events.sink import NodeEventSink, Taken

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from tiercache.errors import StateError
 from tiercache.events.namespace_table import MAX_NAMESPACES, Entry, NamespaceTable
-from tiercache.events.namespaces import NAMESPACE_BYTES, NamespaceInfo
+from tiercache.link.namespaces import NAMESPACE_BYTES, NamespaceInfo
 from tiercache.index.manager import LOCAL_OWNER
 from tiercache.specs import Medium
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.config.events import EventsConfig
-from tiercache.events.namespaces import NamespaceInfo, parse_description
+from tiercache.link.namespaces import NamespaceInfo, parse_description
 from tiercache.events.publisher import EventPublisher, PublisherStats
 from tiercache.events.sink import NodeEventSink, SinkStats
 from tiercache.index.manager import LOCAL_OWNER

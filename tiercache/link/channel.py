@@ -1,5 +1,5 @@
 """A ``Client``'s connection to its coordinator: finding and trusting it, HELLO, the
-heartbeat, one request at a time (``tiercache.control.client`` has the verbs).
+heartbeat, one request at a time (``tiercache.link.client`` has the verbs).
 
 One connection, one call at a time (a lock serialises threads). When the
 coordinator is gone a call raises ``CoordinatorGoneError``; the next call connects
@@ -30,7 +30,7 @@ Finding and trusting the coordinator: built from a ``Config`` without
 matter) and falls back to the config's default path. Before talking it checks the
 socket's directory and owner and, once connected, the server's uid (``SO_PEERCRED``):
 a coordinator of another user is refused with ``ControlSocketError``
-(``tiercache.control.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
+(``tiercache.link.sockets`` has the rules). A full listen backlog (``EAGAIN`` on
 connect: a burst of clients) is retried until ``timeout_s``, not taken for a dead
 coordinator.
 """
@@ -50,15 +50,15 @@ from tiercache.config import Config
 from tiercache.errors import (
     ControlSocketError, CoordinatorGoneError, ProtocolError, SessionLostError,
 )
-from tiercache.control.sockets import check_directory, check_peer, check_socket_file
-from tiercache.control.payloads import Hello, decode_error, decode_hello, encode_hello_request
-from tiercache.control.protocol import (
+from tiercache.link.sockets import check_directory, check_peer, check_socket_file
+from tiercache.link.payloads import Hello, decode_error, decode_hello, encode_hello_request
+from tiercache.link.protocol import (
     HEADER_BYTES, MAX_SOCKET_PATH_BYTES, PROTOCOL_VERSION, FrameHeader, PayloadReader, Status,
     Verb, frame,
 )
 
 # The client's logger: its records kept their name when the channel moved out of client.py.
-log = logging.getLogger("tiercache.control.client")
+log = logging.getLogger("tiercache.link.client")
 
 _RECV_BYTES = 64 << 10  # below malloc's mmap threshold: no mmap per call
 _REQUEST_ID_MOD = 1 << 32  # ids run 1 .. 2**32-1; 0 marks the server's refusal of a connection

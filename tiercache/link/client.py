@@ -1,7 +1,7 @@
 """``Client``: the cache index of a running coordinator, with the manager's methods.
 
 Each verb is one request and one answer on the client's ``Channel``
-(``tiercache.control.channel``: finding and trusting the coordinator, sessions and their
+(``tiercache.link.channel``: finding and trusting the coordinator, sessions and their
 resumption, the heartbeat, what a call does when the coordinator is gone). The client
 checks what it sends before it sends it (keys are bytes of at most ``MAX_KEY_BYTES``, at
 most ``MAX_KEYS_PER_CALL`` per call) and sends a ``lease_batch`` of more lists or keys
@@ -20,14 +20,14 @@ from tiercache.config import Config
 from tiercache.errors import (
     ConfigError, CoordinatorGoneError, ProtocolError, StateError, TiercacheError,
 )
-from tiercache.control.channel import Channel, check_path_length, resolve_socket_path
-from tiercache.control.namespaces import Described, decode_described, encode_describe_request
-from tiercache.control.sockets import trusted_uids
-from tiercache.control.payloads import (
+from tiercache.link.channel import Channel, check_path_length, resolve_socket_path
+from tiercache.link.describe import Described, decode_described, encode_describe_request
+from tiercache.link.sockets import trusted_uids
+from tiercache.link.payloads import (
     decode_events, decode_leases, decode_stats, decode_store_output, decode_tier_stats,
     encode_hello_request, encode_lease_batch_request, encode_store_request, lease_batch_groups,
 )
-from tiercache.control.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
+from tiercache.link.protocol import MAX_KEYS_PER_CALL, PayloadReader, PayloadWriter, Verb
 from tiercache.results import (
     LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )
@@ -41,7 +41,7 @@ DEFAULT_TIMEOUT_S = 10.0
 class Client:
     """Talks to the coordinator serving ``config_or_socket_path`` (a ``Config`` or a path).
 
-    ``session_token``: resume that session on connect (``tiercache.control.channel``);
+    ``session_token``: resume that session on connect (``tiercache.link.channel``);
     ``name``: shown in the coordinator's logs; ``trusted_uid``: a uid trusted besides our
     own (default: the config's ``control.trusted_uid``); ``heartbeat``: keep the session
     alive from a background thread while connected.
@@ -198,7 +198,7 @@ class Client:
 
     def describe(self, family: int, text: str) -> Described:
         """Tell the coordinator what this client's key namespace is (DESCRIBE,
-        ``tiercache.control.namespaces``), now and after every reconnect (a restarted
+        ``tiercache.link.describe``), now and after every reconnect (a restarted
         coordinator learns it back). The answer says whether the node's event stream runs."""
         request = encode_describe_request(family, text)
 

@@ -4,7 +4,7 @@ a wire key becomes the hash that engine publishes.
 Every key an engine adapter sends starts with its namespace's ``NAMESPACE_BYTES``-byte
 digest (``tiercache.vllm.namespace``). The coordinator cannot turn a key into an engine's
 hash until an engine has *described* the namespace (the control plane's DESCRIBE verb,
-``tiercache.control.namespaces``): the description is the exact text the digest is the
+``tiercache.link.describe``): the description is the exact text the digest is the
 SHA-256 of, so the coordinator computes the digest itself, and a client can describe a
 namespace only truthfully (to speak for a namespace it would need a preimage of its digest).
 

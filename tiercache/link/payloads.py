@@ -1,4 +1,4 @@
-"""Each verb's payload (see ``Verb`` in ``tiercache.control.protocol`` for the table), built
+"""Each verb's payload (see ``Verb`` in ``tiercache.link.protocol`` for the table), built
 from the protocol's primitives: what the client and the control server encode and decode."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import astuple, fields
 from typing import Any, NamedTuple
 
 from tiercache import errors
-from tiercache.control.protocol import (
+from tiercache.link.protocol import (
     ERROR_CODES, MAX_KEYS_PER_CALL, MAX_LISTS_PER_BATCH, MAX_NAME_BYTES, PROTOCOL_VERSION,
     TOKEN_BYTES, VARIABLE_WIDTH, PayloadReader, PayloadWriter, Verb,
 )
-from tiercache.control.versions import error_code_for
+from tiercache.link.versions import error_code_for
 from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, TierStats,
 )

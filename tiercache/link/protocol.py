@@ -3,7 +3,7 @@
 Each call is one request frame answered by one response frame with the same verb
 and request id. Payloads are built from a few little-endian primitives (see
 ``FrameHeader`` for the header and ``Verb`` for each payload; each verb's payload
-codec is in ``tiercache.control.payloads``); nothing is pickled.
+codec is in ``tiercache.link.payloads``); nothing is pickled.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MAGIC = b"TCKV"
 # 6: lease answers name each promoted block's tier, TIER_STATS carries queued blocks;
 # 7: TIER_STATS carries the tier's calls in flight; 8: STATS carries quarantined blocks,
 # TIER_STATS whether the tier promotes; 9: DESCRIBE. Which versions meet, and what stays
-# frozen so that any two can tell each other no: ``tiercache.control.versions``.
+# frozen so that any two can tell each other no: ``tiercache.link.versions``.
 PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 16 << 20  # payload bound; a bigger length closes the connection
 MAX_KEYS_PER_CALL = 16384  # 128 Ki tokens of 8-token blocks, 256 Ki of 16-token blocks
@@ -87,7 +87,7 @@ class Verb(IntEnum):
                                                     field in field order: seconds in
                                                     microseconds, flags 0/1)
         15 DESCRIBE         u8 engine family, raw   raw digest (8 bytes), u8 node events
-                            description (<= 64 KiB) on (tiercache.control.namespaces)
+                            description (<= 64 KiB) on (tiercache.link.describe)
 
     The first request on a connection must be HELLO: it opens a session (or resumes the
     one its token names) and every later call acts for that session. An ERROR response
@@ -148,7 +148,7 @@ class FrameHeader(NamedTuple):
         8       4     request_id      u32, echoed by the response
         12      4     payload_bytes   u32, <= MAX_FRAME_BYTES; the payload follows
 
-    This layout never changes (``tiercache.control.versions``). A header with the wrong
+    This layout never changes (``tiercache.link.versions``). A header with the wrong
     magic or a version other than the connection's, or an oversized length, means the
     stream cannot be trusted: the reader raises ``ProtocolError`` and the connection is
     closed.

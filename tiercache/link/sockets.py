@@ -26,7 +26,7 @@ import stat
 import struct
 
 from tiercache.errors import ControlSocketError
-from tiercache.control.protocol import MAX_SOCKET_PATH_BYTES
+from tiercache.link.protocol import MAX_SOCKET_PATH_BYTES
 
 log = logging.getLogger(__name__)
 

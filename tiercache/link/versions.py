@@ -32,7 +32,7 @@ more than some trees of 8 read (``held_buffers``), so both are refused to 8; err
 
 from __future__ import annotations
 
-from tiercache.control.protocol import PROTOCOL_VERSION, Verb
+from tiercache.link.protocol import PROTOCOL_VERSION, Verb
 from tiercache.errors import ProtocolVersionError
 
 SERVED_VERSIONS = (PROTOCOL_VERSION - 1, PROTOCOL_VERSION)

@@ -42,7 +42,7 @@ class Preflight:
     @classmethod
     def run(cls, config: Config) -> Preflight:
         """Check everything (module docstring); raise the first refusal, holding nothing."""
-        from tiercache.control.sockets import SocketFile, trusted_uids
+        from tiercache.link.sockets import SocketFile, trusted_uids
         from tiercache.metrics.exporter import bind_listener
         from tiercache.region.claim import check_claimable
         from tiercache.region.layout import RegionLayout

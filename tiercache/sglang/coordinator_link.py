@@ -2,7 +2,7 @@
 
 SGLang calls a storage backend from three threads at once: the prefetch thread
 (``batch_exists``), the prefetch I/O thread (``batch_get_v1``) and the backup thread
-(``batch_set_v1``). ``tiercache.control.client.Client`` is thread-safe by serialising
+(``batch_set_v1``). ``tiercache.link.client.Client`` is thread-safe by serialising
 calls on one connection, so one shared client would let a slow backup hold up a
 prefetch query. So each thread role has its own ``Client`` (its own connection and
 session: a lease is pinned and released by the I/O thread's session, a reservation made
@@ -36,9 +36,9 @@ from enum import Enum
 from typing import TypeVar
 
 from tiercache.config import Config
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import ConfigError, CoordinatorGoneError, StateError, TiercacheError
-from tiercache.events.namespaces import EngineFamily
+from tiercache.link.namespaces import EngineFamily
 from tiercache.loglimit import LogLimiter
 
 log = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ class Namespace:
     def description(self) -> str:
         """The canonical text the digest is the SHA-256 of: what the backend tells the
         coordinator (DESCRIBE) so its event stream publishes this namespace's pages with
-        SGLang's hashes (``tiercache.events.namespaces``; its prefix there is the digest's
+        SGLang's hashes (``tiercache.link.namespaces``; its prefix there is the digest's
         first 8 bytes)."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 

@@ -1,7 +1,7 @@
 """The disk tier's claim on its file: the directory checked, the file opened once and
 locked, and the file's own header (who made it, for which geometry, who holds it now).
 
-Trust rules (those of the control socket's directory, ``tiercache.control.sockets``):
+Trust rules (those of the control socket's directory, ``tiercache.link.sockets``):
 
 * ``disk.path`` is opened once (``O_DIRECTORY``) and judged on that descriptor: it must be
   owned by us or root, and if group or others may write to it, sticky (like ``/tmp``).

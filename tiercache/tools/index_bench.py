@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.control.standalone import serve_forever
 from tiercache.index.manager import OffloadingManager
 from tiercache.tools.index_scale import BASE_SLOTS, BATCH_KEYS, scale_main

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.errors import TiercacheError
 
 SPAWN = mp.get_context("spawn")

@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tiercache.errors import AdapterError, CoordinatorGoneError, SessionLostError
-from tiercache.control.protocol import MAX_KEYS_PER_CALL
+from tiercache.link.protocol import MAX_KEYS_PER_CALL
 from tiercache.vllm.batch import Batch, LeaseAnswer, Probe
 from tiercache.vllm.load_store_spec import FencedSlot, fenced_slots
 from tiercache.vllm.leases import LeaseBook

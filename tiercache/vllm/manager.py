@@ -73,7 +73,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.errors import ConfigError, CoordinatorGoneError, StateError
-from tiercache.events.namespaces import EngineFamily
+from tiercache.link.namespaces import EngineFamily
 from tiercache.region.presence import PresenceView
 from tiercache.results import BlockSource
 from tiercache.vllm.flusher import Flusher, IndexSession
@@ -85,7 +85,7 @@ from tiercache.vllm.leases import LeaseBook
 from tiercache.vllm.namespace import Namespace
 
 if TYPE_CHECKING:
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
     from tiercache.vllm.spec import TierCacheOffloadingSpec
 
 log = logging.getLogger(__name__)

@@ -61,7 +61,7 @@ class Namespace:
     def description(self) -> str:
         """The canonical text the digest is the SHA-256 of: what the engine tells the
         coordinator (DESCRIBE) so its event stream can publish this namespace's blocks
-        with vLLM's hashes (``tiercache.events.namespaces``)."""
+        with vLLM's hashes (``tiercache.link.namespaces``)."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
     @property

@@ -47,7 +47,7 @@ from tiercache.vllm.engine_metrics import TierCacheInfo, metric_definitions
 from tiercache.vllm.namespace import GroupShape, Namespace
 
 if TYPE_CHECKING:  # each is imported by the process that builds it (see get_manager)
-    from tiercache.control.client import Client
+    from tiercache.link.client import Client
     from tiercache.vllm.manager import TierCacheManager
     from tiercache.vllm.worker import TierCacheWorker
 
@@ -104,7 +104,7 @@ class CoordinatorTarget:
         return self.config if self.config is not None else self.name
 
     def client(self) -> Client:
-        from tiercache.control.client import Client
+        from tiercache.link.client import Client
 
         return Client(self.config if self.config is not None else Config(name=self.name))
 

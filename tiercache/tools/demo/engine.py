@@ -1,5 +1,5 @@
 """The demo's scheduler: the index through ``Client``, one worker process per rank, and
-the completion loop of ``tiercache.control.jobs`` between them.
+the completion loop of ``tiercache.link.jobs`` between them.
 
 One request at a time (its GPU blocks are reused by the next one): ``lease`` of the
 hit run (its answer holds the slots) → ``prepare_store`` of the rest → a LOAD and a STORE
@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tiercache.control.client import Client
+from tiercache.link.client import Client
 from tiercache.config import Config
 from tiercache.errors import CoordinatorGoneError, JobError, RanksDownError, WorkerError
-from tiercache.control.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
+from tiercache.link.jobs import JobKind, JobOutcome, JobTracker, RankMonitor
 from tiercache.region.attachments import AttachmentReader
 from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion

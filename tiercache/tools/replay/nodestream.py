@@ -66,7 +66,7 @@ class NodeStreamView:
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
-        from tiercache.control.client import Client
+        from tiercache.link.client import Client
 
         self._zmq = zmq
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)

@@ -36,7 +36,7 @@ class TierSettler:
     """See the module docstring. ``waits``: settles that had to wait a chain round."""
 
     def __init__(self, config: Config, low_watermark: float):
-        from tiercache.control.client import Client
+        from tiercache.link.client import Client
 
         self._client = Client(config, name="replay-tier-settler")
         self._low_watermark = low_watermark
