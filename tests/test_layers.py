@@ -77,6 +77,6 @@ def test_every_dynamic_import_is_resolved(tree):
 
 
 def test_tiers_know_the_index_only_by_its_one_way_contract(tree):
-    """A lower tier imports nothing of the index but ``lower_tier`` (it answers, moves bytes
-    and reports; the tier chain alone reserves, pins and books), and calls no index verb."""
+    """A lower tier imports nothing of the index (it answers, moves bytes and reports; the
+    tier chain alone reserves, pins and books), and calls no index verb."""
     assert not tier_breaches(tree)

@@ -3,7 +3,7 @@ leases, session releases, events and stats, and where a block came from. Frozen
 dataclasses and enums, plain Python: the coordinator's index makes them, and the engines'
 side of the control plane (``tiercache.link.client``) decodes them, so they stand in
 the foundation, under both (an engine process never loads the index to read an answer).
-``BlockSource`` and ``TierStats`` are also the lower tiers' (``tiercache.index.lower_tier``).
+``BlockSource`` and ``TierStats`` are also the lower tiers' (``tiercache.tiers.base``).
 """
 
 from __future__ import annotations

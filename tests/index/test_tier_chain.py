@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tiercache.index.lower_tier import (
+from tiercache.tiers.base import (
     JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierPolicy, TierStats,
 )
 from tiercache.index.manager import OffloadingManager

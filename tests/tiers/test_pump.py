@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tiercache.errors import ArgumentError
-from tiercache.index.lower_tier import JobKind, JobResult, TierJob
+from tiercache.tiers.base import JobKind, JobResult, TierJob
 from tiercache.tiers.pump import JobPump, Lane
 
 WAIT_S = 30.0

@@ -1,2 +1,2 @@
 """The cache index: slots, owners and pins (table, manager, owners, caps, recovery), the
-tier chain and its one-way lower-tier contract (tiering, feeds, lower_tier), node events."""
+tier chain (tiering, feeds; the lower tiers' contract is ``tiercache.tiers.base``), node events."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from tiercache.index.lower_tier import JobKind, LowerTier, Presence, TierPolicy
+from tiercache.tiers.base import JobKind, LowerTier, Presence, TierPolicy
 from tiercache.results import BlockSource
 from tiercache.index.slots import SlotFlag, SlotState
 from tiercache.index.table import SlotTable

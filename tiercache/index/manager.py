@@ -41,7 +41,7 @@ from itertools import islice
 from tiercache.errors import ConfigError, ManagerError, SessionLimitError, StateError
 from tiercache.index.caps import SessionCaps
 from tiercache.index.events import EventLog, NodeEvents
-from tiercache.index.lower_tier import LowerTier
+from tiercache.tiers.base import LowerTier
 from tiercache.index.owners import OwnerVerbs
 from tiercache.eviction import EvictionPolicy, make_policy
 from tiercache.index.recovery import give_back_freed_heap, restore

@@ -1,7 +1,7 @@
 """The tier chain: host memory's index and the tiers below it (disk, a cluster pool), and
 the only thing that moves blocks between them and the index.
 
-Tiers are one-way (``tiercache.index.lower_tier``): they answer, move bytes and report.
+Tiers are one-way (``tiercache.tiers.base``): they answer, move bytes and report.
 The chain alone does against the index what each tier used to: it reserves host slots
 before a promotion (``prepare_write``), pins blocks before a demotion or a publish
 (``prepare_read``), completes, unpins or quarantines when a job reports, watches the host
@@ -38,7 +38,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tiercache.errors import InvalidKeyError
-from tiercache.index.lower_tier import JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob
+from tiercache.tiers.base import JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob
 from tiercache.results import BlockSource, TierStats
 from tiercache.index.events import NodeEvents
 from tiercache.index.feeds import Feeds

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from tiercache.control.options import ControlOptions
     from tiercache.control.server import ControlServer
     from tiercache.events import NodeEventStream
-    from tiercache.index.lower_tier import LowerTier
+    from tiercache.tiers.base import LowerTier
     from tiercache.index.manager import OffloadingManager
     from tiercache.metrics.exporter import Exporter
     from tiercache.region.presence import PresenceMap

@@ -1,5 +1,5 @@
 """Tiers below host memory, owned by the coordinator (it maps the region): each a one-way
-``LowerTier`` (``tiercache.index.lower_tier``) that the index's tier chain drives.
+``LowerTier`` (the contract: ``base``) that the index's tier chain drives.
 
 ``TIER_FACTORIES`` is the registry, fastest tier first: a config section name ->
 ``"module:callable"``, the callable building the tier from the config, the coordinator's
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tiercache.config import Config
-from tiercache.index.lower_tier import LowerTier
+from tiercache.tiers.base import LowerTier
 
 if TYPE_CHECKING:
     from tiercache.region.layout import RegionLayout

@@ -16,7 +16,7 @@ from tiercache.sizes import format_bytes
 if TYPE_CHECKING:
     import numpy as np
 
-    from tiercache.index.lower_tier import LowerTier
+    from tiercache.tiers.base import LowerTier
     from tiercache.region.layout import RegionLayout
 
 DISK_STOP_S = 5.0  # a stop waits this long for disk I/O in flight, then abandons it

@@ -1,7 +1,7 @@
 """The cluster tier: blocks stored on one node are found by the engines of every node.
 
 A pool shared by the nodes of a cluster (Mooncake Store, behind ``MooncakePool``), below
-host memory and the disk tier. A one-way tier (``tiercache.index.lower_tier``): the
+host memory and the disk tier. A one-way tier (``tiercache.tiers.base``): the
 index's tier chain hands it jobs over host slots it reserved or pinned; this module keeps
 the tier's own knowledge (what the pool has, what this node published) and
 ``cluster_transfer.BlockTransfers`` moves the bytes, on the tier's own threads. Workers
@@ -61,7 +61,7 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from tiercache.index.lower_tier import JobKind, JobResult, LowerTier, Presence, TierJob, TierPolicy
+from tiercache.tiers.base import JobKind, JobResult, LowerTier, Presence, TierJob, TierPolicy
 from tiercache.results import BlockSource, TierStats
 from tiercache.loglimit import LogLimiter
 from tiercache.specs import Medium

@@ -1,6 +1,6 @@
 """The disk tier: blocks evicted from host memory go to a local file and come back as hits.
 
-A one-way tier (``tiercache.index.lower_tier``): the index's tier chain decides what goes
+A one-way tier (``tiercache.tiers.base``): the index's tier chain decides what goes
 down and comes up, reserves and pins the host slots; this tier moves bytes between those
 slots (the coordinator's mapping) and its ``DiskSlotFile`` on a small pool of I/O
 threads (one lane of ``tiercache.tiers.pump``), and reports. It never calls the index.
@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
-from tiercache.index.lower_tier import (
+from tiercache.tiers.base import (
     JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob, TierPolicy,
 )
 from tiercache.results import BlockSource, TierStats

@@ -1,6 +1,6 @@
 """``JobPump``: the queues and threads that serve a tier's jobs, one for every tier.
 
-A tier (``tiercache.index.lower_tier``) answers ``submit`` at once and moves bytes on its
+A tier (``tiercache.tiers.base``) answers ``submit`` at once and moves bytes on its
 own threads. The pump is that part, the same for each tier:
 
 * **Lanes.** A lane is a queue with its own threads and its own way to run a job
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiercache.errors import ArgumentError
-from tiercache.index.lower_tier import JobResult, TierJob
+from tiercache.tiers.base import JobResult, TierJob
 
 log = logging.getLogger(__name__)
 

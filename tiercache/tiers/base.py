@@ -23,6 +23,8 @@ A tier never imports the index and never calls it. What passes between them:
   an event: not a call into the index).
 
 Stats (``snapshot()``) are the tier's own; tiers come from ``tiercache.tiers``'s registry.
+The contract lives beside the tiers (as ``backends/base.py`` and ``eviction/base.py`` do),
+a layer below the index that drives it.
 """
 
 from __future__ import annotations
