@@ -79,6 +79,18 @@ def test_the_worker_wing_and_the_link_never_meet(tree):
     assert "tiercache.link.jobs (link) imports tiercache.device.events (worker)" in found
 
 
+def test_a_tier_naming_the_chain_s_host_slots_verbs_fails(tree):
+    tree = changed(tree, DISK, "def sneak(host, keys):\n    return host.reserve_promotion(keys)")
+    assert [f for f in tier_breaches(tree) if f.endswith("calls .reserve_promotion")]
+
+
+def test_the_tier_chain_knows_the_manager_only_as_host_slots(tree):
+    """The chain holds a ``HostSlots``; importing the manager (even type-only) would let it
+    reach an engine's verbs."""
+    assert "tiercache.index.manager" not in tree.imports("tiercache.index.tiering")
+    assert "tiercache.index.host_slots" in tree.imports("tiercache.index.tiering")
+
+
 def test_a_relative_import_is_resolved(tree):
     tree = changed(tree, DISK, "from ..index import manager")
     assert f"{DISK} imports tiercache.index.manager" in tier_breaches(tree)

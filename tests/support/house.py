@@ -55,8 +55,8 @@ GPU_PACKAGES = frozenset({"torch", "triton"})  # never on the coordinator's side
 # The verbs a lower tier never calls: the index's (the chain alone reserves, pins, books).
 INDEX_VERBS = frozenset({
     "prepare_store", "complete_store", "prepare_load", "complete_load", "lease",
-    "lease_batch", "prepare_write", "complete_write", "prepare_read", "complete_read",
-    "quarantine", "release", "reserve_locked", "pin_locked"})
+    "lease_batch", "complete_write", "complete_read", "quarantine", "quarantine_slots",
+    "release_quarantine", "release", "reserve_promotion", "pin_for_tier"})
 # Computed ``getattr`` calls a tier module may make, each reviewed: (module, the call as
 # ast.unparse writes it) -> why it cannot name an index verb.
 REVIEWED_TIER_GETATTRS = {

@@ -11,7 +11,7 @@ and in flight, per tier.
   stored by an engine or promoted from another tier (never the tier's own promotions), is
   queued unless the tier says it holds it; past ``max_queued_blocks`` it is dropped.
 * Admitted blocks **wait unpinned**, in order; the chain hands a tier ``job_blocks`` at a
-  time, pinned (``prepare_read``), while it has fewer in flight than it works on at once
+  time, pinned (``pin_for_tier``), while it has fewer in flight than it works on at once
   (``max_in_flight_blocks``) and than ``1 / MAX_READ_SHARE`` of host memory, so a small
   host tier keeps room to store.
 

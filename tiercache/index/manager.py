@@ -17,9 +17,10 @@ threads).
 so its holder loads under it with no ``prepare_load``), one per-owner counter on the
 slot; ``release`` drops an owner's pins on some keys, ``end_session`` everything it holds
 (``tiercache.index.owners``). An underflow raises; nothing is ever repaired. The tier
-chain's verbs stand beside the engine's, named for what it does with host memory:
-``prepare_write``/``complete_write`` (a promotion writes reserved slots) and
-``prepare_read``/``complete_read`` (a demotion or a publish reads pinned slots).
+chain sees the index only as ``HostSlots`` (``tiercache.index.host_slots``), which this
+class implements: ``reserve_promotion``/``complete_write`` (a promotion writes reserved
+slots), ``pin_for_tier``/``complete_read`` (a demotion or a publish reads pinned slots),
+``quarantine_slots``/``release_quarantine``.
 
 Only READY blocks outside the calling ``prepare_store`` are evicted. Every method is
 atomic (the whole batch validated first) and raises ``ManagerError`` subclasses on misuse.
@@ -99,7 +100,7 @@ class OffloadingManager(OwnerVerbs):
         if not self._table.next_fresh <= self._table.usable <= num_blocks:
             raise StateError(f"the index ledger names slot {self._table.next_fresh - 1}; only "
                              f"slots below {self._table.usable} are reserved (usable_blocks)")
-        self._chain = TierChain(self, self._lock, self._table)
+        self._chain = TierChain(self, self._table)
 
     @property
     def lock(self) -> threading.Lock:
@@ -248,17 +249,16 @@ class OffloadingManager(OwnerVerbs):
         ``complete_load``. Every key must be readable, else nothing changes."""
         check_owner(owner)
         with self._lock:
-            spec = self.pin_locked(keys, owner, "prepare_load")
+            spec = self._pin(keys, owner, "prepare_load")
             self._counters["loaded_blocks"] += len(keys)
             return spec
 
-    def prepare_read(self, keys: Sequence[bytes]) -> CPULoadStoreSpec:
-        """The tier chain's ``prepare_load``: pin readable blocks while a lower tier reads
-        them (a demotion, a publish); not a load, no session cap."""
-        with self._lock:
-            return self.pin_locked(keys, TIER_OWNER, "prepare_read")
+    def pin_for_tier(self, keys: Sequence[bytes], why: str) -> CPULoadStoreSpec:
+        """``HostSlots``' (the lock held): a tier's read of readable blocks (a demotion, a
+        publish); not a load, no session cap."""
+        return self._pin(keys, TIER_OWNER, why)
 
-    def pin_locked(self, keys: Sequence[bytes], owner: int, verb: str) -> CPULoadStoreSpec:
+    def _pin(self, keys: Sequence[bytes], owner: int, verb: str) -> CPULoadStoreSpec:
         table = self._table
         slots = [table.readable_slot(key, verb) for key in keys]
         if slots:
@@ -292,7 +292,7 @@ class OffloadingManager(OwnerVerbs):
                 table.tidy(owner, holdings)
 
     def complete_read(self, keys: Sequence[bytes]) -> None:
-        """The tier chain's ``complete_load``."""
+        """``HostSlots``': a ``pin_for_tier`` read ended (the chain's ``complete_load``)."""
         self.complete_load(keys, owner=TIER_OWNER)
 
     # ------------------------------------------------------------------ stores
@@ -312,19 +312,18 @@ class OffloadingManager(OwnerVerbs):
         require_unique(keys, "prepare_store")
         self._table.check_key_bytes(keys)
         with self._lock:
-            return self.reserve_locked(keys, owner, max_evictions)
+            return self._reserve(keys, owner, max_evictions)
 
-    def prepare_write(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
-        """The tier chain's ``prepare_store``: reserve host slots a promotion writes."""
-        check_keys(keys, "prepare_write")
-        self._table.check_key_bytes(keys)
-        with self._lock:
-            return self.reserve_locked(keys, TIER_OWNER, None)
+    def reserve_promotion(self, keys: Sequence[bytes]) -> PrepareStoreOutput:
+        """``HostSlots``' (the lock held): host slots a promotion writes, evicting at most
+        ``len(keys)`` READY blocks; what finds no room is ``no_room_keys``."""
+        out = self._reserve(keys, TIER_OWNER, len(keys))
+        assert out is not None, "a reservation with max_evictions is never refused"
+        return out
 
-    def reserve_locked(self, keys: Sequence[bytes], owner: int, max_evictions: int | None
+    def _reserve(self, keys: Sequence[bytes], owner: int, max_evictions: int | None
                  ) -> PrepareStoreOutput | None:
-        """``prepare_store`` with the lock held (the tier chain reserves promotions so from
-        a lookup)."""
+        """``prepare_store`` with the lock held."""
         table = self._table
         new_keys = [k for k in keys if k not in table.slot_of]
         cap = self._caps.cap(owner)
@@ -393,7 +392,7 @@ class OffloadingManager(OwnerVerbs):
             table.tidy(owner, holdings)
 
     def complete_write(self, keys: Sequence[bytes], success: bool, source: BlockSource) -> None:
-        """The tier chain's ``complete_store``."""
+        """``HostSlots``': a promotion's write ended (the chain's ``complete_store``)."""
         self.complete_store(keys, success, owner=TIER_OWNER, source=source)
 
     # ------------------------------------------------------------------ the rest

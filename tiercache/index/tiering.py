@@ -2,9 +2,10 @@
 the only thing that moves blocks between them and the index.
 
 Tiers are one-way (``tiercache.tiers.base``): they answer, move bytes and report.
-The chain alone does against the index what each tier used to: it reserves host slots
-before a promotion (``prepare_write``), pins blocks before a demotion or a publish
-(``prepare_read``), completes, unpins or quarantines when a job reports, watches the host
+The chain alone does against the index what each tier used to, through the index's narrow
+``HostSlots`` (``tiercache.index.host_slots``, under its locking discipline): it reserves
+host slots before a promotion (``reserve_promotion``), pins blocks before a demotion or a
+publish (``pin_for_tier``), completes, unpins or quarantines when a job reports, watches the host
 watermark, admits what goes down, and passes what the tiers came to hold on to the key
 listeners (the presence map) and the node's events. It runs as the index's owner
 ``TIER_OWNER`` (no session, no cap).
@@ -47,7 +48,7 @@ from tiercache.index.table import KeyListener, SlotTable
 from tiercache.specs import Medium
 
 if TYPE_CHECKING:
-    from tiercache.index.manager import OffloadingManager
+    from tiercache.index.host_slots import HostSlots
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,12 @@ class _Job:
 
 
 class TierChain:
-    """See the module docstring. Built by the manager, which it serves under ``lock``."""
+    """See the module docstring. Built by the manager: ``host`` is what the chain may do to
+    the index (under ``host.lock``), ``table`` what it reads of it (under the same lock)."""
 
-    def __init__(self, manager: OffloadingManager, lock: threading.Lock, table: SlotTable):
-        self._manager = manager
-        self._lock = lock
+    def __init__(self, host: HostSlots, table: SlotTable):
+        self._host = host
+        self._lock = host.lock
         self._table = table
         self._tiers: tuple[LowerTier, ...] = ()
         self._feeds = Feeds(table, TIER_OWNER)
@@ -232,8 +234,7 @@ class TierChain:
         step = tier.policy.promote_blocks
         for start in range(0, len(run), step):
             chunk = run[start:start + step]
-            out = self._manager.reserve_locked(chunk, TIER_OWNER, len(chunk))
-            assert out is not None, "a reservation with max_evictions is never refused"
+            out = self._host.reserve_promotion(chunk)
             if out.keys_to_store:
                 self._submit(tier, JobKind.PROMOTE, out.keys_to_store,
                              tuple(out.store_spec.block_ids.tolist()))
@@ -242,7 +243,7 @@ class TierChain:
 
     def _hand_over(self, tier: LowerTier, kind: JobKind, keys: list[bytes]) -> None:
         """Under the lock: pin ``keys`` (readable) for ``tier`` to read and give it the job."""
-        spec = self._manager.pin_locked(keys, TIER_OWNER, f"prepare_read ({kind.value})")
+        spec = self._host.pin_for_tier(keys, f"a tier's read ({kind.value})")
         self._submit(tier, kind, keys, tuple(spec.block_ids.tolist()))
 
     def _submit(self, tier: LowerTier, kind: JobKind, keys: Sequence[bytes],
@@ -293,7 +294,7 @@ class TierChain:
 
     def _book(self, tier: LowerTier, results: list[JobResult]) -> None:
         """What the tier reported, put right in the index."""
-        manager = self._manager
+        host = self._host
         for result in results:
             with self._lock:
                 entry = self._jobs.get(result.job_id)
@@ -308,12 +309,12 @@ class TierChain:
                 if not entry.reported:
                     self._promoted(entry, result)
                 if result.settled:  # every read of the job ended: its held-out slots return
-                    manager.release_quarantine(entry.held_out)
+                    host.release_quarantine(entry.held_out)
                     entry.held_out = []
                 else:
                     continue
             else:
-                manager.complete_read(list(job.keys))
+                host.complete_read(list(job.keys))
                 with self._lock:
                     self._feeds[tier].in_flight.difference_update(job.keys)
             with self._lock:
@@ -325,12 +326,12 @@ class TierChain:
         those of its reservations that expired meanwhile, held out by the index, stay out
         until the job settles: only then has every read of it ended)."""
         entry.reported = True
-        manager, source = self._manager, entry.tier.source
-        manager.complete_write(list(result.done), True, source)
+        host, source = self._host, entry.tier.source
+        host.complete_write(list(result.done), True, source)
         with self._lock:
             entry.held_out = [s for s in entry.job.slots if s in self._table.quarantined]
         if not result.settled and result.may_land:
-            entry.held_out += manager.quarantine_slots(list(result.may_land))
+            entry.held_out += host.quarantine_slots(list(result.may_land))
             with self._lock:
                 held, stop = len(self._table.quarantined), not self._promoting()
             log.error("tier chain: %d read(s) from the %s tier gave up with their transfer "
@@ -339,9 +340,9 @@ class TierChain:
                       "restarts)%s", len(result.may_land), entry.tier.name, held,
                       f"; promotions stop at {max(1, self._table.capacity // QUARANTINE_SHARE)}"
                       if stop else "")
-            manager.complete_write(list(result.failed), False, source)
+            host.complete_write(list(result.failed), False, source)
         else:
-            manager.complete_write(list(result.failed + result.may_land), False, source)
+            host.complete_write(list(result.failed + result.may_land), False, source)
 
     def _probed(self, entry: _Job, result: JobResult) -> None:
         """A PROBE found ``result.done``: promote the leading part of its run the tier has
