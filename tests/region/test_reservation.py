@@ -75,6 +75,31 @@ def test_a_new_region_is_ready_before_its_slices_are_reserved_and_the_reserver_b
         region.close()
 
 
+def test_start_reserves_the_first_chunk_before_it_returns_and_the_rest_in_a_thread(
+        make_config):
+    """``serve`` calls ``start`` before its control socket answers: the first chunk's slots
+    are usable when it returns (a store right after READY is never refused for want of
+    reserved slots: CI once saw exactly that), and a region of one chunk is whole."""
+    for num_blocks, chunk_rows in ((256, 16), (32, 64)):
+        region = SharedOffloadRegion.create(make_config(region=RegionConfig(
+            capacity_bytes=None, num_blocks=num_blocks, prefault_threads=2)))
+        try:
+            layout = region.layout
+            told: list[int] = []
+            reserver = region.reserver(
+                told.append, chunk_bytes=chunk_rows * layout.row_stride * layout.world_size)
+            assert reserver is not None
+            reserver.start()
+            assert told[:1] == [min(chunk_rows, num_blocks)]  # told in the caller
+            assert region.info().reserved_rows >= told[0]
+            assert reserver.wait(60)
+            reserver.close()
+            assert told[-1] == num_blocks and told == sorted(told)
+            assert region.info().reservation == Reservation.COMPLETE
+        finally:
+            region.close()
+
+
 _FULL_SHM_CHILD = r"""
 import contextlib, io, json, os
 import numpy as np

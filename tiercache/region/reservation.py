@@ -103,6 +103,20 @@ class SliceReserver:
         self.error: str | None = None  # why it stopped short (FAILED), None otherwise
 
     def start(self) -> None:
+        """Reserve the first chunk in the caller, the rest in a thread: a ``serve`` that
+        answers can store at once (never a refusal for want of reserved slots right after
+        READY), and a region of one chunk is whole before it answers."""
+        first = next(reservation_chunks(self._layout, self._first_row, self._chunk_bytes),
+                     None)
+        if first is None or not self._reserve_chunk(first):
+            self._done.set()  # nothing to reserve, or FAILED (said, in the header)
+            return
+        self._first_row = first.end_row
+        if first.end_row == self._layout.num_blocks:
+            self._say(f"reserved the region's {self._layout.num_blocks} blocks "
+                      f"({format_bytes(first.num_bytes)}) before answering")
+            self._done.set()
+            return
         self._thread = threading.Thread(target=self.run, name="tiercache-reserve", daemon=True)
         self._thread.start()
 
@@ -129,23 +143,27 @@ class SliceReserver:
         total = sum(c.num_bytes for c in chunks)
         with Progress(f"reserving {self._path}", total, self._say) as progress:
             for chunk in chunks:
-                if self._stop.is_set():
+                if self._stop.is_set() or not self._reserve_chunk(chunk):
                     return
-                try:
-                    for offset, length in chunk.ranges:
-                        self._allocate(self._fd, length, self._path, offset)
-                except RegionError as e:
-                    self._failed(e)
-                    return
-                done = chunk.end_row == layout.num_blocks
-                self._header.set_reservation(
-                    Reservation.COMPLETE if done else Reservation.RESERVING, chunk.end_row)
-                self.reserved_rows = chunk.end_row
-                self._on_reserved(chunk.end_row)
                 progress.advance(chunk.num_bytes)
         self._say(f"reserved the region's {layout.num_blocks} blocks "
                   f"({format_bytes(total)} in the background) in "
                   f"{time.perf_counter() - started:.2f} s")
+
+    def _reserve_chunk(self, chunk: Chunk) -> bool:
+        """Reserve ``chunk``, record it in the header, then tell the index; False: FAILED."""
+        try:
+            for offset, length in chunk.ranges:
+                self._allocate(self._fd, length, self._path, offset)
+        except RegionError as e:
+            self._failed(e)
+            return False
+        done = chunk.end_row == self._layout.num_blocks
+        self._header.set_reservation(
+            Reservation.COMPLETE if done else Reservation.RESERVING, chunk.end_row)
+        self.reserved_rows = chunk.end_row
+        self._on_reserved(chunk.end_row)
+        return True
 
     def _failed(self, e: RegionError) -> None:
         cause = e.__cause__

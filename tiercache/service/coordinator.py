@@ -136,7 +136,7 @@ class Coordinator:
                  f"control socket {cfg.socket_path}")
         if self.exporter is not None:
             self.say(f"metrics: http://{cfg.exporter.address}:{self.exporter.port}/metrics")
-        reserving = "" if self.reserver is None else (
+        reserving = "" if self.reserver is None or self.reserver.wait(0) else (
             f"; the slices are being reserved in the background ({manager.stats().capacity_blocks}"
             f" of {layout.num_blocks} blocks so far)")
         self.say(f"ready in {time.perf_counter() - t0:.2f} s "
