@@ -6,7 +6,8 @@ tier knows the index only by its contract; every import can be resolved. Imports
 followed through the package root's and packages' lazy exports, ``importlib`` strings and
 registries (the checker's own tests: tests/test_layer_guard.py). What each process loads
 at run time: tests/test_loads.py and the engines' test_loads. Page-locking the region
-loads neither a copy backend nor native code; no module is longer than ``MAX_LINES``."""
+loads neither a copy backend nor native code. How long a function may be (a rule about
+concerns, not a file's line count): tests/test_function_length.py."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ import sys
 import pytest
 
 from house import (
-    GROUPS, LAYERS, NEVER, PACKAGE, Tree, allowed, computed_imports, cycles,
+    GROUPS, LAYERS, NEVER, Tree, allowed, computed_imports, cycles,
     gpu_imports_on_the_coordinator_side, read_tree, tier_breaches, upward_imports,
 )
-
-MAX_LINES = 450
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +54,6 @@ def test_every_top_level_module_has_a_place(tree):
     unplaced = sorted({m.split(".")[1] for m in tree.sources if m.count(".") >= 1}
                       - set(LAYERS))
     assert not unplaced, f"modules outside the house: {unplaced}; add them to GROUPS"
-
-
-def test_no_module_is_longer_than_one_reading():
-    long = sorted((len(p.read_text().splitlines()), str(p.relative_to(PACKAGE)))
-                  for p in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c")]
-                  if len(p.read_text().splitlines()) > MAX_LINES)
-    assert not long, f"over {MAX_LINES} lines: {long}"
 
 
 def test_the_module_graph_has_no_cycle(tree):

@@ -13,7 +13,7 @@ import pytest
 from mypy.main import process_options
 from mypy.options import PER_MODULE_OPTIONS, Options
 
-from test_layers import GROUPS, LAYERS, PACKAGE
+from house import GROUPS, LAYERS, PACKAGE
 
 ROOT = PACKAGE.parent
 STRICT_LAYERS = [*GROUPS["foundation"], "eviction", "index", "planning"]
