@@ -24,26 +24,8 @@ from tiercache.service.process import CoordinatorProcess
 
 from e2e_support import metrics_url, sample, scrape
 from event_support import (
-    free_port, namespace, stream_endpoints, vllm_int_hash, vllm_key,
+    free_port, hashes_of, namespace, ns_keys, store_keys, stream_endpoints, topic_of,
 )
-
-
-def _keys(ns, first, n):
-    return [vllm_key(ns, i.to_bytes(32, "big")) for i in range(first, first + n)]
-
-
-def _store(client, keys):
-    out = client.prepare_store(keys)
-    assert out is not None
-    client.complete_store(list(out.keys_to_store))
-
-
-def _topic(ns):
-    return f"{ns.model}@{ns.digest.hex()}"
-
-
-def _hashes(keys):
-    return {vllm_int_hash(k[8:-4]) for k in keys}
 
 
 def _held_in_host(client, keys):
@@ -68,14 +50,14 @@ def test_every_engines_stores_and_the_evictions_they_cause_reach_the_stream(
         with Client(config) as a, Client(config) as b:
             assert a.describe(EngineFamily.VLLM, ns.description).node_events is True
             b.describe(EngineFamily.VLLM, ns.description)
-            first = _keys(ns, 0, 6)
-            _store(a, first)
-            subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(first)})
-            _store(b, _keys(ns, 100, 14))  # 16 slots: B's stores evict A's blocks
-            held = _held_in_host(a, first + _keys(ns, 100, 14))
-            subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(held)})
+            first = ns_keys(ns, 0, 6)
+            store_keys(a, first)
+            subscriber.until(lambda s: s.held() == {(topic_of(ns), "CPU"): hashes_of(first)})
+            store_keys(b, ns_keys(ns, 100, 14))  # 16 slots: B's stores evict A's blocks
+            held = _held_in_host(a, first + ns_keys(ns, 100, 14))
+            subscriber.until(lambda s: s.held() == {(topic_of(ns), "CPU"): hashes_of(held)})
         removed = {h for _, e in seen.events("BlockRemoved") for h in e["block_hashes"]}
-        assert removed == _hashes(set(first) - set(held)) and removed  # another's eviction
+        assert removed == hashes_of(set(first) - set(held)) and removed  # another's eviction
         assert not seen.gaps and seen.seqs == list(range(len(seen.seqs)))
 
 
@@ -87,23 +69,23 @@ def test_demotion_to_disk_is_storage_and_a_cold_restart_leaves_no_stale_block(
                          events=_events_config(endpoint=f"tcp://127.0.0.1:{port}",
                                                replay_endpoint=f"tcp://127.0.0.1:{replay}"))
     ns = namespace()
-    keys = _keys(ns, 0, 14)
+    keys = ns_keys(ns, 0, 14)
     with CoordinatorProcess(config, tmp_path / "first") as coordinator:
         seen = subscriber.connect(*stream_endpoints(coordinator))
         with Client(config) as client:
             client.describe(EngineFamily.VLLM, ns.description)
-            _store(client, keys)  # 14 of 16 slots: below the watermark, demoted to disk
-            subscriber.until(lambda s: len(s.held().get((_topic(ns), "STORAGE"), ())) == _on_disk(
+            store_keys(client, keys)  # 14 of 16 slots: below the watermark, demoted to disk
+            subscriber.until(lambda s: len(s.held().get((topic_of(ns), "STORAGE"), ())) == _on_disk(
                 client) > 0)
-        on_disk = seen.held()[(_topic(ns), "STORAGE")]
-        assert on_disk <= _hashes(keys)
+        on_disk = seen.held()[(topic_of(ns), "STORAGE")]
+        assert on_disk <= hashes_of(keys)
         coordinator.kill()  # SIGKILL: nothing said goodbye
     remove_stale(name_prefix=config.name)  # and the region is gone: a cold start
     with CoordinatorProcess(config, tmp_path / "second") as coordinator:
         seen = subscriber.connect(*stream_endpoints(coordinator))  # the stream starts over
         with Client(config) as client:  # an engine reconnecting describes again
             client.describe(EngineFamily.VLLM, ns.description)
-            subscriber.until(lambda s: s.held() == {(_topic(ns), "STORAGE"): on_disk})
+            subscriber.until(lambda s: s.held() == {(topic_of(ns), "STORAGE"): on_disk})
             assert _on_disk(client) == len(on_disk)  # the disk tier rebuilt from its file
             assert _held_in_host(client, keys) == []  # and the stream says none is in host
         first = seen.batches[0]
@@ -114,11 +96,11 @@ def test_a_warm_restart_announces_what_the_region_kept_once_described_again(
         make_config, tmp_path, subscriber):
     config = make_config(world_size=1, events=_events_config())
     ns = namespace()
-    keys = _keys(ns, 0, 5)
+    keys = ns_keys(ns, 0, 5)
     first = CoordinatorProcess(config, tmp_path / "first")
     with Client(config) as client:
         client.describe(EngineFamily.VLLM, ns.description)
-        _store(client, keys)
+        store_keys(client, keys)
     first.kill()  # its region stays, stale: the next serve re-adopts it
     with CoordinatorProcess(config, tmp_path / "second") as coordinator:
         assert "re-adopted" in coordinator.output()
@@ -127,7 +109,7 @@ def test_a_warm_restart_announces_what_the_region_kept_once_described_again(
         assert not seen.events("BlockStored")  # nobody described the namespace yet
         with Client(config) as client:
             client.describe(EngineFamily.VLLM, ns.description)
-            subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(keys)})
+            subscriber.until(lambda s: s.held() == {(topic_of(ns), "CPU"): hashes_of(keys)})
             assert sorted(_held_in_host(client, keys)) == sorted(keys)
     first.cleanup()
 
@@ -143,8 +125,8 @@ def test_a_client_describes_again_on_reconnect(make_config, tmp_path, subscriber
         seen = subscriber.connect(*stream_endpoints(coordinator))
         with pytest.raises(CoordinatorGoneError):
             client.ping()  # the old connection is gone: this call finds out
-        _store(client, _keys(ns, 0, 2))  # connects again: HELLO, then DESCRIBE
-        subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(_keys(ns, 0, 2))})
+        store_keys(client, ns_keys(ns, 0, 2))  # connects again: HELLO, then DESCRIBE
+        subscriber.until(lambda s: s.held() == {(topic_of(ns), "CPU"): hashes_of(ns_keys(ns, 0, 2))})
         client.close()
         assert not seen.errors
 
@@ -188,8 +170,8 @@ def test_garbage_on_the_stream_sockets_is_shed_and_the_stream_goes_on(
         seen = subscriber.connect(endpoint, replay)
         with Client(config) as client:
             client.describe(EngineFamily.VLLM, ns.description)
-            _store(client, _keys(ns, 0, 3))
-        subscriber.until(lambda s: s.held() == {(_topic(ns), "CPU"): _hashes(_keys(ns, 0, 3))})
+            store_keys(client, ns_keys(ns, 0, 3))
+        subscriber.until(lambda s: s.held() == {(topic_of(ns), "CPU"): hashes_of(ns_keys(ns, 0, 3))})
         assert not seen.errors
 
 

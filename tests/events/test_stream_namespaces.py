@@ -17,25 +17,9 @@ from tiercache.events.namespace_table import MAX_NAMESPACES
 from tiercache.service.process import CoordinatorProcess
 
 from e2e_support import metrics_url, sample, scrape
-from event_support import WAIT_S, namespace, stream_endpoints, vllm_int_hash, vllm_key
-
-
-def _keys(ns, first, n):
-    return [vllm_key(ns, i.to_bytes(32, "big")) for i in range(first, first + n)]
-
-
-def _store(client, keys):
-    out = client.prepare_store(keys)
-    assert out is not None
-    client.complete_store(list(out.keys_to_store))
-
-
-def _topic(ns):
-    return f"{ns.model}@{ns.digest.hex()}"
-
-
-def _hashes(keys):
-    return {vllm_int_hash(k[8:-4]) for k in keys}
+from event_support import (
+    WAIT_S, hashes_of, namespace, ns_keys, store_keys, stream_endpoints, topic_of,
+)
 
 
 def _events(**kw):
@@ -59,31 +43,31 @@ def test_a_second_client_cannot_store_under_the_first_ones_namespace(
         seen = subscriber.connect(*stream_endpoints(coordinator))
         with Client(config) as engine, Client(config) as squatter:
             engine.describe(EngineFamily.VLLM, ns.description)
-            _store(engine, _keys(ns, 0, 2))
+            store_keys(engine, ns_keys(ns, 0, 2))
             # the digest is on every topic: storing under it is refused, nothing changes
             with pytest.raises(NamespaceError, match=ns.digest.hex()):
-                squatter.prepare_store(_keys(ns, 100, 3))
+                squatter.prepare_store(ns_keys(ns, 100, 3))
             squatter.describe(EngineFamily.VLLM, namespace("org/mine").description)
             with pytest.raises(NamespaceError, match="did not describe"):
-                squatter.prepare_store(_keys(ns, 100, 3))  # its own namespace is no licence
-            assert squatter.lookup(_keys(ns, 100, 1)) == 0
+                squatter.prepare_store(ns_keys(ns, 100, 3))  # its own namespace is no licence
+            assert squatter.lookup(ns_keys(ns, 100, 1)) == 0
             # a reservation made before the engine described is refused at completion
-            early = squatter.prepare_store(_keys(guessed, 0, 1))
+            early = squatter.prepare_store(ns_keys(guessed, 0, 1))
             assert early is not None
             # ahead of the engine, under a digest it guessed: stored, never published
-            _store(squatter, _keys(guessed, 1, 2))
-            _store(squatter, [b"a client key without any namespace"])
+            store_keys(squatter, ns_keys(guessed, 1, 2))
+            store_keys(squatter, [b"a client key without any namespace"])
             with Client(config) as late_engine:
                 late_engine.describe(EngineFamily.VLLM, guessed.description)
                 with pytest.raises(NamespaceError, match=guessed.digest.hex()):
                     squatter.complete_store(list(early.keys_to_store))
                 squatter.complete_store(list(early.keys_to_store), success=False)  # frees it
-                _store(late_engine, _keys(guessed, 10, 1))
-                want = {(_topic(ns), "CPU"): _hashes(_keys(ns, 0, 2)),
-                        (_topic(guessed), "CPU"): _hashes(_keys(guessed, 10, 1))}
+                store_keys(late_engine, ns_keys(guessed, 10, 1))
+                want = {(topic_of(ns), "CPU"): hashes_of(ns_keys(ns, 0, 2)),
+                        (topic_of(guessed), "CPU"): hashes_of(ns_keys(guessed, 10, 1))}
                 subscriber.until(lambda s: s.held() == want)
         stored = {h for _, e in seen.events("BlockStored") for h in e["block_hashes"]}
-        assert stored == _hashes(_keys(ns, 0, 2) + _keys(guessed, 10, 1))  # no fake event
+        assert stored == hashes_of(ns_keys(ns, 0, 2) + ns_keys(guessed, 10, 1))  # no fake event
         assert _unpublished(coordinator, "no_namespace") == 3
 
 
@@ -98,15 +82,15 @@ def test_a_full_namespace_table_makes_room_once_its_sessions_went_away(
                          region=RegionConfig(capacity_bytes=None, num_blocks=MAX_NAMESPACES + 8,
                                              prefault_threads=1))
     spaces = [namespace(f"org/model-{i}") for i in range(MAX_NAMESPACES)]
-    first = _topic(spaces[0])
+    first = topic_of(spaces[0])
     with CoordinatorProcess(config, tmp_path) as coordinator:
         endpoint, replay = stream_endpoints(coordinator)
         seen = subscriber.connect(endpoint, replay, topic=first)  # one topic: a few batches
         for ns in spaces:
             with Client(config, heartbeat=False) as gone:
                 gone.describe(EngineFamily.VLLM, ns.description)
-                _store(gone, _keys(ns, 0, 1))
-        subscriber.until(lambda s: s.held() == {(first, "CPU"): _hashes(_keys(spaces[0], 0, 1))})
+                store_keys(gone, ns_keys(ns, 0, 1))
+        subscriber.until(lambda s: s.held() == {(first, "CPU"): hashes_of(ns_keys(spaces[0], 0, 1))})
         newcomer = namespace("org/newcomer")
         with Client(config) as engine:
             deadline = time.monotonic() + WAIT_S
@@ -120,9 +104,9 @@ def test_a_full_namespace_table_makes_room_once_its_sessions_went_away(
             subscriber.until(lambda s: s.events("BlockRemoved"))
             assert seen.held() == {}
             removed = [(b["topic"], e["block_hashes"]) for b, e in seen.events("BlockRemoved")]
-            assert removed == [(first, list(_hashes(_keys(spaces[0], 0, 1))))]
-            _store(engine, _keys(newcomer, 0, 1))  # published: its namespace is in the table
-            assert engine.lookup(_keys(spaces[0], 0, 1)) == 1  # the node still holds it
+            assert removed == [(first, list(hashes_of(ns_keys(spaces[0], 0, 1))))]
+            store_keys(engine, ns_keys(newcomer, 0, 1))  # published: its namespace is in the table
+            assert engine.lookup(ns_keys(spaces[0], 0, 1)) == 1  # the node still holds it
         samples = scrape(metrics_url(coordinator))
         assert sample(samples, "tiercache_events_namespaces") == MAX_NAMESPACES
 

@@ -3,7 +3,6 @@
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from tiercache.region.layout import RegionLayout
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stale import list_regions, remove_stale
 from tiercache.region.stats import PinState
+from private_shm import run_on_small_dev_shm
 from spawned import attach_and_hold, write_rank_pattern
 
 SPAWN = mp.get_context("spawn")
@@ -259,22 +259,7 @@ print(json.dumps(out))
 
 
 def test_a_small_dev_shm_is_refused_at_startup_and_fallocate_is_the_backstop(tmp_path):
-    import json
-    import shutil
-    import sys
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare for a private /dev/shm")
-    script = tmp_path / "child.py"
-    script.write_text(_SMALL_SHM_CHILD)
-    run = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size=8m,mode=1777 tmpfs /dev/shm && exec {sys.executable} {script}"],
-        capture_output=True, text=True, env={**os.environ})
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
-    assert run.returncode == 0, run.stderr
-    out = json.loads(run.stdout.splitlines()[-1])
+    out = run_on_small_dev_shm(_SMALL_SHM_CHILD, tmp_path)
     assert out["check_bytes"] > 8 << 20
     # the space check names both numbers ...
     assert out["check"].startswith("/dev/shm has 8.00 MiB (8388608 bytes) free; the region needs")

@@ -5,17 +5,13 @@ mid-reservation whose region the next ``serve`` re-adopts and reserves on."""
 from __future__ import annotations
 
 import errno
-import json
 import multiprocessing as mp
 import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
-import pytest
 from prometheus_client.utils import floatToGoString
 
+from private_shm import run_on_small_dev_shm
 from reserve_children import ROW_CHUNK_ROWS, reserve_store_and_die, slot_value
 from tiercache.config import RegionConfig
 from tiercache.link.client import Client
@@ -158,24 +154,13 @@ print(json.dumps(out))
 
 def test_a_full_dev_shm_mid_reservation_is_a_visible_failure_and_only_reserved_slots_are_used(
         tmp_path):
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare for a private /dev/shm")
-    script = tmp_path / "child.py"
-    script.write_text(_FULL_SHM_CHILD)
-    run = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size=8m,mode=1777 tmpfs /dev/shm && exec {sys.executable} {script}"],
-        capture_output=True, text=True, env={**os.environ})
-    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
-    assert run.returncode == 0, run.stderr  # a SIGBUS would be -7
-    out = json.loads(run.stdout.splitlines()[-1])
+    out = run_on_small_dev_shm(_FULL_SHM_CHILD, tmp_path)
     rows = out["rows"]
     # 16 MiB of slices on an 8 MiB tmpfs: stopped at a chunk boundary, well short
     assert out["reservation"] == "failed" and out["errno"] == errno.ENOSPC
     assert 0 < rows < 512 and rows % 32 == 0, rows
     assert out["error"].startswith("cannot allocate") and "No space left" in out["error"]
-    assert "region reservation FAILED after" in run.stderr  # the error line
+    assert "region reservation FAILED after" in out["stderr"]  # the error line
     assert out["capacity"] == rows and out["file_bytes"] <= 8 << 20
     # the index hands out the reserved slots only; the bytes there are exact
     assert (out["stored"], out["no_room"], out["max_slot"]) == (rows, 512 - rows, rows - 1)

@@ -173,6 +173,28 @@ class VllmSubscriber:
                 self.proc.wait()
 
 
+def ns_keys(ns: Namespace, first: int, n: int) -> list[bytes]:
+    """Keys ``first .. first + n - 1`` under ``ns`` (their block hashes the indices)."""
+    return [vllm_key(ns, i.to_bytes(32, "big")) for i in range(first, first + n)]
+
+
+def store_keys(client, keys: list[bytes]) -> None:
+    """Store ``keys`` through ``client`` (prepare, then complete what it may store)."""
+    out = client.prepare_store(keys)
+    assert out is not None
+    client.complete_store(list(out.keys_to_store))
+
+
+def topic_of(ns: Namespace) -> str:
+    """The stream topic of ``ns``'s batches."""
+    return f"{ns.model}@{ns.digest.hex()}"
+
+
+def hashes_of(keys: list[bytes]) -> set[int]:
+    """The int block hashes vLLM's events carry for these keys."""
+    return {vllm_int_hash(k[8:-4]) for k in keys}
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a stream that must keep its port across a
     restart; the kernel may hand it out again meanwhile: rare, and the start then fails
