@@ -173,6 +173,20 @@ class Direction(IntEnum):
     def label(self) -> str:
         return self.name.lower()
 
+    @property
+    def stores(self) -> bool:
+        """A store: bytes go into the region's rows, from GPU memory or from an engine's
+        host pool, which stands where the GPU does (``transfer/host_transfer.py``).
+        Callers ask this rather than compare with ``GPU_TO_CPU``, whose name says where
+        the bytes come from, which for a host pool it no longer does."""
+        return self is Direction.GPU_TO_CPU
+
+    @property
+    def loads(self) -> bool:
+        """A load: bytes go out of the region's rows, to GPU memory or an engine's host
+        pool (the other way of ``stores``)."""
+        return self is Direction.CPU_TO_GPU
+
     @classmethod
     def of(cls, transfer: TransferSpec) -> Direction:
         """The direction of a ``(src_spec, dst_spec)`` pair, from its spec types; a pair
@@ -198,7 +212,7 @@ class Direction(IntEnum):
     def src_dst(self, gpu_side: _Side, cpu_side: _Side) -> tuple[_Side, _Side]:
         """Order a (GPU side, CPU side) pair as (source, destination); the same swap
         turns (source, destination) back into (GPU side, CPU side)."""
-        return (gpu_side, cpu_side) if self is Direction.GPU_TO_CPU else (cpu_side, gpu_side)
+        return (gpu_side, cpu_side) if self.stores else (cpu_side, gpu_side)
 
     def _matches(self, src_spec: object, dst_spec: object) -> bool:
         gpu, cpu = self.src_dst(src_spec, dst_spec)

@@ -256,7 +256,7 @@ class ChunkLoop:
         j = self._job
         j.stream, j.after, j.prev_end = stream, after or None, prev_end or None
         j.start_ev, j.end_ev = start_event or None, end_event or None
-        j.store = direction is Direction.GPU_TO_CPU
+        j.store = direction is not None and direction.stores  # None: an empty job
         j.status = ctypes.addressof(status)
         pending = self._pending
         while pending and pending[0][0].value != STATUS_PENDING:

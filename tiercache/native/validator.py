@@ -56,7 +56,7 @@ class NativeValidator:
             slots = np.ascontiguousarray(slots, dtype=np.int64)
         n = gpu_ids.size
         out = np.empty(3 * n + 2 * g, dtype=np.int64)
-        rc = self._lib.tc_validate(self._bounds_ref, direction is Direction.GPU_TO_CPU, g,
+        rc = self._lib.tc_validate(self._bounds_ref, direction.stores, g,
                                    self.groups_type(*group_sizes, *block_indices),
                                    address_of(gpu_ids), n, address_of(slots), slots.size,
                                    address_of(out))

@@ -162,7 +162,7 @@ class TransferPlanner:
         """Per non-empty group its validated (GPU id, slot, sub-page) pairs, checked in
         numpy; raises SpecError like ``plan``."""
         gpu_spec, cpu_spec = self.specs(direction, transfer)
-        return self._validate(gpu_spec, cpu_spec, store=direction is Direction.GPU_TO_CPU)
+        return self._validate(gpu_spec, cpu_spec, store=direction.stores)
 
     @staticmethod
     def specs(direction: Direction, transfer: TransferSpec

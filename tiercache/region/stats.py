@@ -245,7 +245,7 @@ class RankStats:
                 _NUMA_LOCAL: p.local_pages, _NUMA_NS: int(p.seconds * 1e9)}
 
     def set_backend(self, direction: Direction, backend: BackendKind) -> None:
-        self._update({_BACKEND_G2C if direction == Direction.GPU_TO_CPU else _BACKEND_C2G: backend})
+        self._update({_BACKEND_G2C if direction.stores else _BACKEND_C2G: backend})
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float,
                         success: bool) -> None:

@@ -52,7 +52,7 @@ class SlotFence:
             return None
         ids = spec.block_ids
         gens, states = self._gen[ids], self._state[ids]
-        want = LedgerState.WRITING if direction is Direction.GPU_TO_CPU else LedgerState.READY
+        want = LedgerState.WRITING if direction.stores else LedgerState.READY
         bad = (gens != spec.slot_gens) | (states != want)
         if not bad.any():
             return None

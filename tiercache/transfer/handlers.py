@@ -262,7 +262,7 @@ class CpuGpuOffloadingHandlers:
         return self._streams
 
     def handler(self, direction: Direction) -> SingleDirectionOffloadingHandler:
-        return self.gpu_to_cpu_handler if direction is Direction.GPU_TO_CPU \
+        return self.gpu_to_cpu_handler if direction.stores \
             else self.cpu_to_gpu_handler
 
     def transfer_async(self, job_id: int, transfer: TransferSpec) -> bool:

@@ -95,7 +95,7 @@ class PageMap:
         blob_side = (blob_addrs[:, t[:, 0].astype(np.intp)] + t[:, 1]).reshape(-1)
         row_side = (row_addrs[:, None] + t[:, 2]).reshape(-1)
         lengths = np.tile(t[:, 3], n)
-        if direction is Direction.GPU_TO_CPU:
+        if direction.stores:
             return row_side, blob_side, lengths
         return blob_side, row_side, lengths
 

@@ -156,7 +156,7 @@ class HostTransfer:
         except Exception as e:  # a bad address array: the caller's bug, reported as a failure
             return self._failed(direction, f"{type(e).__name__}: {e}")
         seconds = time.perf_counter() - start
-        if direction is Direction.CPU_TO_GPU:
+        if direction.loads:
             after = attachment.fence.refusal(direction, spec)
             if after is not None:
                 return self._failed(direction, f"after the copy: {after}")

@@ -93,7 +93,6 @@ from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
-from tiercache.specs import Direction
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
 DEFAULT_RING_SLOTS = 4  # 128 MiB of GPU memory per direction
@@ -274,7 +273,7 @@ class StagedBackend(StreamBackend[Plan]):
     def _copy_pages(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         handle = self.driver.enter(stream, self._ce.device)
         src, dst, sizes = plan.arrays()
-        store = plan.direction is Direction.GPU_TO_CPU
+        store = plan.direction.stores
         gpu, host = plan.direction.src_dst(src, dst)  # the same swap: (src, dst) -> (gpu, host)
         layout = plan_staging(host, gpu, sizes, self.chunk_bytes, self.direct_bytes,
                               self._scratch)
@@ -294,7 +293,7 @@ class StagedBackend(StreamBackend[Plan]):
         assert self._blocks is not None, "block plans are planned only with a block path"
         staging, kernel, tables = self._blocks
         handle = self.driver.enter(stream, self._ce.device)
-        store = plan.direction is Direction.GPU_TO_CPU
+        store = plan.direction.stores
         layout = staging.layout(plan)
         self._begin(handle)
         kept: tuple[object, ...] = (layout,)

@@ -73,7 +73,6 @@ from tiercache.pages import PageArray
 from tiercache.planning.page_groups import GroupPages
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, GroupPairs
-from tiercache.specs import Direction
 
 SLOT_ALIGN = 256  # row images start 256-byte aligned in a slot: 16-byte accesses stay aligned
 MAX_ACCESS_BYTES = 16
@@ -262,7 +261,7 @@ class BlockStaging:
         store writes host bytes, so its DMAs cover exactly the pages (loads read whole
         row images when ``load_whole_rows``)."""
         self.check(plan)
-        whole = self.load_whole_rows and plan.direction is Direction.CPU_TO_GPU
+        whole = self.load_whole_rows and plan.direction.loads
         parts = [self._group_rows(p, whole) for p in plan.group_pairs()]
         if not parts:
             return _empty_layout()

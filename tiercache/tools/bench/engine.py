@@ -170,6 +170,7 @@ def engine_pattern(rig: GpuRig, plans: RigPlans, built: dict[Direction, CopyBack
     with BusyPython() as busy, pauses:
         for order in ORDERS:
             directions = [G2C, C2G] if order == "store_first" else [C2G, G2C]
+            # ``d is G2C``, not ``d.stores``: this module is copied into older trees
             specs = [plans.store_spec if d is G2C else plans.load_spec for d in directions]
             walls = []
             for i in range(WARM_STEPS + steps):

@@ -61,7 +61,7 @@ def _phase(engine: DemoEngine, ranks: list[int], direction: Direction, cpu_ids: 
         totals.bytes += r.transfer_bytes
         totals.transfers_ok += repetitions
         totals.busy_s += r.transfer_s
-        if direction is Direction.CPU_TO_GPU:
+        if direction.loads:
             t.checked_blocks += r.num_blocks
             t.mismatched_blocks += r.mismatched_blocks
     return reports
@@ -91,7 +91,7 @@ def run_bench(engine: DemoEngine, blocks: int, repetitions: int) -> dict[str, An
     try:
         for direction in Direction:
             cpu_ids = out.store_spec.block_ids
-            if direction is Direction.CPU_TO_GPU:
+            if direction.loads:
                 client.complete_store(keys)
                 stored = True
                 cpu_ids = client.prepare_load(keys).block_ids

@@ -231,7 +231,7 @@ class DemoEngine:
     def _account(self, report: Report) -> None:
         if report.op is Op.DONE:
             self.totals.add_transfer(report)
-            if report.direction is Direction.CPU_TO_GPU and report.success:
+            if report.direction.loads and report.success:
                 self.totals.checked_blocks += report.num_blocks
                 self.totals.mismatched_blocks += report.mismatched_blocks
             self.tracker.ack(report.rank, report.incarnation, report.job_id, report.success)

@@ -169,7 +169,7 @@ class RankSession:
     def _bench(self, command: Command) -> Report:
         """``repetitions`` back-to-back transfers of one direction over the same blocks."""
         gpu_ids = GpuIds(command.gpu_ids, self.device)
-        store = command.direction is Direction.GPU_TO_CPU
+        store = command.direction.stores
         transfer: TransferSpec
         if store:
             self.content.fill(self.caches, gpu_ids, command.seeds)
