@@ -5,7 +5,7 @@ graph has no cycle; the foundation and the coordinator wing never import torch; 
 tier knows the index only by its contract; every import can be resolved. Imports are
 followed through the package root's and packages' lazy exports, ``importlib`` strings and
 registries (the checker's own tests: tests/test_layer_guard.py). What each process loads
-at run time: tests/test_loads.py and the engines' test_loads. Page-locking the region
+at run time: tests/test_loads.py and the engines' test_vllm_loads and test_sglang_loads. Page-locking the region
 loads neither a copy backend nor native code. How long a function may be (a rule about
 concerns, not a file's line count): tests/test_function_length.py."""
 

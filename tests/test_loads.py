@@ -2,8 +2,8 @@
 node runs (disk tier, event stream, exporter) loads no torch and nothing of the worker
 wing or the engines' adapters; an engine's control client loads nothing of the
 coordinator (no index, no event publisher, no zmq); ``attach`` loads neither the control
-plane nor the coordinator. The engines' own processes: tests/vllm/test_loads.py and
-tests/sglang/test_loads.py."""
+plane nor the coordinator. The engines' own processes: tests/vllm/test_vllm_loads.py and
+tests/sglang/test_sglang_loads.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ other tiercache module it loads is a breach, as is a third-party package on its
 forbidden list that tiercache's import added (beyond what the engine's own modules load
 first: vLLM itself loads pyzmq, tiercache must not be why). tests/test_loads.py checks
 the coordinator (a real ``tiercache serve``), an engine's control client and ``attach``;
-tests/vllm/test_loads.py and tests/sglang/test_loads.py the engines' processes, each in
+tests/vllm/test_vllm_loads.py and tests/sglang/test_sglang_loads.py the engines' processes, each in
 the venv its engine is installed in.
 """
 
@@ -29,7 +29,8 @@ COORDINATOR_WING = frozenset(GROUPS["coordinator"])
 LINK = frozenset(GROUPS["link"])  # the engines' side of the control plane and its wire
 VLLM_SHARED = frozenset({  # built in both of vLLM's processes
     "tiercache.vllm", "tiercache.vllm.spec", "tiercache.vllm.geometry",
-    "tiercache.vllm.namespace", "tiercache.vllm.load_store_spec", "tiercache.vllm.engine_metrics",
+    "tiercache.vllm.namespace", "tiercache.vllm.load_store_spec", "tiercache.vllm.fenced_slot",
+    "tiercache.vllm.engine_metrics",
 })
 
 

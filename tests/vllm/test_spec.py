@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_harness import offloading_config  # noqa: E402
 from tiercache.errors import ConfigError, CoordinatorGoneError, LayoutMismatchError  # noqa: E402
 from tiercache.errors import RegionNotFoundError  # noqa: E402
-from tiercache.vllm.load_store_spec import FencedSlot  # noqa: E402
+from tiercache.vllm.fenced_slot import FencedSlot  # noqa: E402
 from tiercache.vllm.load_store_spec import TierCacheLoadStoreSpec  # noqa: E402
 from tiercache.vllm.spec import TierCacheOffloadingSpec  # noqa: E402
 from tiercache.vllm.worker import TransferFailedError  # noqa: E402

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tiercache.results import BlockSource
-from tiercache.vllm.load_store_spec import FencedSlot
+from tiercache.vllm.fenced_slot import FencedSlot
 
 if TYPE_CHECKING:
     from tiercache.vllm.lease_records import RequestLeases

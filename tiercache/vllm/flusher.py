@@ -55,7 +55,7 @@ from typing import Any, Protocol
 from tiercache.errors import AdapterError, CoordinatorGoneError, SessionLostError
 from tiercache.link.protocol import MAX_KEYS_PER_CALL
 from tiercache.vllm.batch import Batch, LeaseAnswer, Probe
-from tiercache.vllm.load_store_spec import FencedSlot, fenced_slots
+from tiercache.vllm.fenced_slot import FencedSlot, fenced_slots
 from tiercache.vllm.leases import LeaseBook
 
 log = logging.getLogger(__name__)

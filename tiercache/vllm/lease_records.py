@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiercache.results import BlockSource
-from tiercache.vllm.load_store_spec import FencedSlot
+from tiercache.vllm.fenced_slot import FencedSlot
 
 ABSENT = object()
 

@@ -61,7 +61,7 @@ from typing import Any, cast
 from tiercache.errors import StateError
 from tiercache.results import BlockSource
 from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
-from tiercache.vllm.load_store_spec import FencedSlot
+from tiercache.vllm.fenced_slot import FencedSlot
 from tiercache.vllm.lease_records import ABSENT, Held, RequestLeases, always
 
 

@@ -7,30 +7,12 @@ scheduler's lease book to read it, and the scheduler nothing of the worker's tra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
 from tiercache.errors import SpecError
 from tiercache.specs import CPULoadStoreSpec
-
-
-class FencedSlot(NamedTuple):
-    """A region slot as the coordinator handed it out: its id, its generation, and the
-    identity of the region (see ``CPULoadStoreSpec``'s fencing). The book keeps these
-    where it kept slot ids, so every spec it builds can be checked by the workers."""
-
-    slot_id: int
-    gen: int
-    region_id: int
-
-
-def fenced_slots(spec: Any) -> list[FencedSlot]:
-    """The slots of a ``CPULoadStoreSpec`` from the coordinator, one ``FencedSlot`` each."""
-    gens = spec.slot_gens.tolist() if spec.slot_gens is not None else [0] * len(spec)
-    region = spec.region_id
-    return [FencedSlot(s, g, region) for s, g in zip(spec.block_ids.tolist(), gens)]
-
+from tiercache.vllm.fenced_slot import FencedSlot
 
 
 class TierCacheLoadStoreSpec(LoadStoreSpec):

@@ -165,7 +165,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
         # vLLM asks the scheduler process for the manager and each worker process for a
         # worker: each imports its own side only (a worker never loads the lease book, its
         # flusher or the control client; a scheduler never the transfer path), as
-        # tests/vllm/test_loads.py checks
+        # tests/vllm/test_vllm_loads.py checks
         from tiercache.vllm.manager import connect
 
         if self._manager is None:
