@@ -9,6 +9,7 @@ reserve a store, print ``holding``, then wait to be killed.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +18,28 @@ from vllm_harness import Engine, TinyModel
 
 def prompt(seed: int, length: int = 96) -> list[int]:
     return [(seed * 31 + i) % 250 for i in range(length)]
+
+
+def engine_process(coordinator, model_dir, *args) -> subprocess.Popen:
+    """This script in a process of its own, for ``coordinator``'s config: ``args`` are
+    MODE SEED [SALT]; its stdin and stdout are pipes."""
+    return subprocess.Popen([sys.executable, __file__, str(coordinator.config_path),
+                             str(model_dir), *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def run_engine(coordinator, model_dir, seed, salt="") -> dict:
+    """``run SEED [SALT]`` in its own process, to its exit (its exit ends the wait:
+    pytest-timeout is the backstop, and a cut wait kills it); its last JSON line."""
+    proc = engine_process(coordinator, model_dir, "run", seed, *([salt] if salt else []))
+    try:
+        out, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, f"engine process exited {proc.returncode}"
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def say(**fields) -> None:

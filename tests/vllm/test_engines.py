@@ -9,36 +9,12 @@ require_vllm()
 
 import json  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from control_support import drained_stats, wait_for  # noqa: E402
-from engine_proc import prompt  # noqa: E402
+from engine_proc import engine_process, prompt, run_engine  # noqa: E402
 from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 from vllm_harness import BLOCK_TOKENS  # noqa: E402
-
-SCRIPT = str(Path(__file__).with_name("engine_proc.py"))
-
-
-def engine_process(coordinator, model_dir, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, SCRIPT, str(coordinator.config_path), str(model_dir),
-                             *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-
-
-def run_engine(coordinator, model_dir, seed, salt="") -> dict:
-    proc = engine_process(coordinator, model_dir, "run", seed, *([salt] if salt else []))
-    try:  # the engine's exit ends the wait (pytest-timeout is the backstop)
-        out, _ = proc.communicate()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, f"engine process exited {proc.returncode}"
-    return json.loads(out.strip().splitlines()[-1])
-
 
 def stats(coordinator):
     with Client(coordinator.config) as client:

@@ -13,21 +13,16 @@ from vllm_env import require_vllm
 require_vllm()
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from control_support import wait_for  # noqa: E402
-from engine_proc import prompt  # noqa: E402
+from engine_proc import prompt, run_engine  # noqa: E402
 from event_support import free_port, stream_endpoints  # noqa: E402
 from tiercache.config import DiskConfig, EventsConfig  # noqa: E402
 from tiercache.link.client import Client  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 
-SCRIPT = str(Path(__file__).with_name("engine_proc.py"))
 
 
 @pytest.fixture
@@ -72,20 +67,6 @@ def _topic(engine):
     return f"{ns.model}@{ns.digest.hex()}"
 
 
-def _other_engine(coordinator, model_dir, seed, salt=""):
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(coordinator.config_path), str(model_dir),
-                             "run", str(seed), *([salt] if salt else [])],
-                            stdout=subprocess.PIPE, text=True)
-    try:  # the engine's exit ends the wait (pytest-timeout is the backstop)
-        out, _ = proc.communicate()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_an_engines_prefix_with_vllms_hashes_another_engines_pressure_and_two_namespaces(
         serve, make_engine, model_dir, subscriber):
     coordinator = serve(num_chunks=8)
@@ -97,13 +78,13 @@ def test_an_engines_prefix_with_vllms_hashes_another_engines_pressure_and_two_na
     topic = _topic(a)
     subscriber.until(lambda s: s.held() == {(topic, "CPU"): mine})
     assert _cpu_events(a) == []  # the engine leaves its CPU tier's events to the node
-    b = _other_engine(coordinator, model_dir, seed=2)  # 6 more chunks in 8 slots
+    b = run_engine(coordinator, model_dir, seed=2)  # 6 more chunks in 8 slots
     assert b["namespace"] == coordinator_namespace(a)
     subscriber.until(lambda s: len(s.held()[(topic, "CPU")]) == 8)
     removed = {h for _, e in seen.events("BlockRemoved") for h in e["block_hashes"]}
     assert len(removed) == 4 and removed <= mine  # another engine's pressure evicted A's
     assert seen.held()[(topic, "CPU")] >= mine - removed
-    other = _other_engine(coordinator, model_dir, seed=1, salt="other-weights")
+    other = run_engine(coordinator, model_dir, seed=1, salt="other-weights")
     other_topic = f"{a.manager.namespace.model}@{other['namespace']}"
     # 6 stored, and the 6 of A's namespace they evicted: one round of the publisher, but
     # a batch per topic, so wait for both before a late subscriber compares
