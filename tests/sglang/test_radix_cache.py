@@ -45,11 +45,13 @@ class TestRadixCachePrefetch(UnifiedRadixCacheStorageFixtures, unittest.TestCase
     ps = CFG.page_size
 
     def setUp(self):
+        import shutil
         import tempfile
         from pathlib import Path
 
         self._rid = 0
         tmp = Path(tempfile.mkdtemp(prefix="tiercache-radix-"))
+        self.addCleanup(shutil.rmtree, tmp, True)  # after the coordinator's cleanup (LIFO)
         blob = CFG.num_layers * CFG.page_size * CFG.head_num * CFG.head_dim * 2
         name = f"test-{uuid.uuid4().hex[:8]}"
         config = Config(name=name, world_size=1, kv=KVGeometry(page_bytes=(blob, blob),
