@@ -55,7 +55,7 @@ def _policies_seen_by_another_process(name: str):
 def test_the_coordinator_binds_each_slice_before_fallocate_and_the_file_keeps_it(
         make_config, instance_name):
     said: list[str] = []
-    region = SharedOffloadRegion.create(make_config(), log_step=said.append)
+    region = SharedOffloadRegion.create(make_config(), log_step=said.append, reserve_now=False)
     try:
         layout = region.layout
         header, slices = _policies_seen_by_another_process(instance_name)

@@ -38,9 +38,11 @@ def test_create_writes_a_ready_header_owned_by_us_with_mode_0600(region, make_co
     assert info.layout == RegionLayout.from_config(make_config())
     assert os.stat(region.path).st_mode & 0o777 == 0o600
     assert os.stat(region.path).st_size == region.layout.total_bytes
-    # READY with the header reserved; the slices follow in the background (region.reservation)
-    assert info.reservation is Reservation.RESERVING and info.reserved_rows == 0
-    assert os.stat(region.path).st_blocks * 512 >= region.layout.header_bytes
+    # reserved before create returned (its default; `serve` reserves in the background:
+    # tests/region/test_reservation.py)
+    assert (info.reservation, info.reserved_rows) == (Reservation.COMPLETE,
+                                                      region.layout.num_blocks)
+    assert os.stat(region.path).st_blocks * 512 >= region.layout.total_bytes
 
 
 def test_two_workers_see_their_own_writes_only_in_their_own_slices(region):

@@ -49,7 +49,7 @@ def test_chunks_reserve_rows_in_slot_order_every_rank_in_step_and_cover_each_sli
 def test_a_new_region_is_ready_before_its_slices_are_reserved_and_the_reserver_backs_them(
         make_config):
     region = SharedOffloadRegion.create(make_config(region=RegionConfig(
-        capacity_bytes=None, num_blocks=256, prefault_threads=2)))
+        capacity_bytes=None, num_blocks=256, prefault_threads=2)), reserve_now=False)
     try:
         layout = region.layout
         info = region.info()
@@ -78,7 +78,7 @@ def test_start_reserves_the_first_chunk_before_it_returns_and_the_rest_in_a_thre
     reserved slots: CI once saw exactly that), and a region of one chunk is whole."""
     for num_blocks, chunk_rows in ((256, 16), (32, 64)):
         region = SharedOffloadRegion.create(make_config(region=RegionConfig(
-            capacity_bytes=None, num_blocks=num_blocks, prefault_threads=2)))
+            capacity_bytes=None, num_blocks=num_blocks, prefault_threads=2)), reserve_now=False)
         try:
             layout = region.layout
             told: list[int] = []
@@ -114,7 +114,7 @@ cfg = config_from_dict({"instance": {"name": "small", "world_size": 2},
                         "exporter": {"enabled": False}})
 # the free-space check passes, as if another tenant filled the tmpfs right after it
 hostmem.shm_free_bytes = lambda d: 1 << 40
-region = SharedOffloadRegion.create(cfg)
+region = SharedOffloadRegion.create(cfg, reserve_now=False)
 layout = region.layout
 manager = OffloadingManager(layout.num_blocks, ledger=IndexLedger(region.ledger_array()),
                             region_id=region.region_id, usable_blocks=0)

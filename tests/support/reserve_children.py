@@ -24,7 +24,7 @@ def reserve_store_and_die(config: Config, die_at_rows: int, conn) -> None:
     (as ``serve`` does, the index told after the header), and once ``die_at_rows`` rows are
     usable, store a block in every usable slot (bytes first, READY after), send
     ``(keys, slots)`` and SIGKILL itself."""
-    region = SharedOffloadRegion.create(config)
+    region = SharedOffloadRegion.create(config, reserve_now=False)
     layout = region.layout
     manager = OffloadingManager(layout.num_blocks, ledger=IndexLedger(region.ledger_array()),
                                 region_id=region.region_id, usable_blocks=0)

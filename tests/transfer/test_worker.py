@@ -225,10 +225,10 @@ def test_a_prefault_failure_does_not_claim_pinning_failed(served, monkeypatch):
 
     config, region = served
 
-    def no_memory(self, num_threads, *placement):
+    def no_memory(self, first, end, num_threads):
         raise InsufficientMemoryError("cannot populate: /dev/shm ran out")
 
-    monkeypatch.setattr(SharedOffloadRegion, "prefault_slice", no_memory)
+    monkeypatch.setattr(SharedOffloadRegion, "prefault_rows", no_memory)
     with pytest.raises(InsufficientMemoryError):
         attach(config.name, 0, _caches(config), pinning=PinningPolicy.ALLOW_UNPINNED)
     snap = region.stats(0).snapshot()

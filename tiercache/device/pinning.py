@@ -53,17 +53,17 @@ class HostPinner:
 
     def pin(self, ranges: list[tuple[int, int]], progress: Progress | None = None) -> float:
         """Register every (address, length) range, each told to ``progress`` once
-        registered; returns seconds. All or nothing."""
-        if self._registered:
-            raise PinError(f"already pinned {self.pinned_bytes} bytes; unpin() first")
+        registered; returns seconds. All or nothing for this call: a failure unregisters
+        this call's ranges and keeps earlier calls' (a slice is pinned chunk by chunk,
+        ``tiercache.region.preparation``). Ranges must not overlap registered ones."""
         torch, driver = _driver()
         torch.cuda.set_device(self.device)
         torch.empty(1, device=f"cuda:{self.device}")  # makes the primary context current here
-        start = time.perf_counter()
+        start, before = time.perf_counter(), len(self._registered)
         for address, length in ranges:
             rc = driver.mem_host_register(address, length)
             if rc != CUDA_SUCCESS:
-                self._rollback(driver)
+                self._rollback(driver, before)
                 raise PinError(f"cuMemHostRegister({address:#x}, {length} bytes) on "
                                f"cuda:{self.device} failed: {driver.error_name(rc)}")
             self._registered.append((address, length))
@@ -71,8 +71,8 @@ class HostPinner:
                 progress.advance(length)
         return time.perf_counter() - start
 
-    def _rollback(self, driver: CudaDriver) -> None:
-        while self._registered:
+    def _rollback(self, driver: CudaDriver, keep: int) -> None:
+        while len(self._registered) > keep:
             address, _ = self._registered.pop()
             rc = driver.mem_host_unregister(address)
             if rc != CUDA_SUCCESS:

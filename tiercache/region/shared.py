@@ -61,6 +61,7 @@ from tiercache.region.hostmem import (check_space, fallocate, prefault, process_
 from tiercache.region.layout import HEADER_FIXED_BYTES, RegionLayout
 from tiercache.region.names import named_region_info, recorded_socket_path, region_shm_name
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
+from tiercache.region.preparation import SlicePreparer
 from tiercache.region.reservation import SliceReserver
 from tiercache.region.registrar import HostRegistrar
 from tiercache.region.shm import (
@@ -114,11 +115,14 @@ class SharedOffloadRegion:
     # ------------------------------------------------------------------ create
     @classmethod
     def create(cls, config: Config, log_step: Callable[[str], None] = log.info,
-               topology: HostTopology | None = None) -> SharedOffloadRegion:
+               topology: HostTopology | None = None, *,
+               reserve_now: bool = True) -> SharedOffloadRegion:
         """Create (or re-adopt a stale) region for ``config``; the caller owns it until close.
         With ``region.numa_placement``, each rank's slice is bound to its node before the
         pages are allocated (``tiercache.region.placement``; ``topology``: the host's,
-        read from /sys unless given).
+        read from /sys unless given). ``reserve_now``: the slices are reserved before this
+        returns; ``serve`` passes False and runs ``reserver`` in the background (workers
+        prepare only reserved rows: ``tiercache.region.preparation``).
 
         Raises ``RegionExistsError`` over a live coordinator, ``RegionTrustError`` over
         what is not ours, ``InsufficientMemoryError`` when /dev/shm or RAM is too small."""
@@ -131,7 +135,7 @@ class SharedOffloadRegion:
             cut = truncation(stale.fd, info)
             if cut is None and info is not None and info.layout_digest == layout.digest and \
                     info.state == RegionState.READY:
-                return cls._adopt(stale, layout, info, log_step)
+                return cls._adopt(stale, layout, info, log_step)._reserved(reserve_now, log_step)
             why = cut or (header_refusal(stale.fd) if info is None else (
                 "a different geometry" if info.layout_digest != layout.digest
                 else f"state {info.state.label}"))
@@ -182,7 +186,21 @@ class SharedOffloadRegion:
             undo.pop_all()
         region.setup_times = SetupTimes(t_check - t0, t_alloc - t_check, prefault_s,
                                         replaced_stale=replaced)
-        return region
+        return region._reserved(reserve_now, log_step)
+
+    def _reserved(self, now: bool, log_step: Callable[[str], None]) -> SharedOffloadRegion:
+        """``self``, its slices reserved in the caller when ``now`` (``create``)."""
+        reserver = self.reserver(lambda rows: None, log_step) if now else None
+        if reserver is not None:
+            try:
+                reserver.run()
+            except BaseException:
+                self.close()
+                raise
+            if reserver.error is not None:
+                self.close()
+                raise RegionError(f"reserving {self.path} failed: {reserver.error}")
+        return self
 
     @classmethod
     def _adopt(cls, entry: OpenEntry, layout: RegionLayout, info: HeaderInfo,
@@ -337,21 +355,34 @@ class SharedOffloadRegion:
         its progress to ``log_step`` (``tiercache.region.progress``)."""
         if self.rank is None:
             raise RegionError("prefault_slice() needs a region attached with a rank")
-        start, layout = self.layout.slice_offset(self.rank), self.layout
-        placer = None if node is None else SlicePlacer(
-            self.base_address + start, layout.slice_bytes, layout.slice_used_bytes, node,
-            numa_placement, self.rank)
-        if placer is not None:
-            placer.before_touch()
-        ranges = layout.prefault_ranges(num_threads, start, layout.slice_used_bytes)
-        with Progress(f"rank {self.rank} pre-faulting", layout.slice_used_bytes, log_step) as p:
-            seconds = prefault(self.base_address, self._bytes, ranges, num_threads, p)
-        log_step(f"rank {self.rank} pre-faulted its slice ({format_bytes(layout.slice_used_bytes)})"
-                 f" with {num_threads} thread(s) in {seconds:.2f} s")
-        self.stats(self.rank).set_prefault(seconds)
-        if placer is not None:
-            self.stats(self.rank).set_numa(placer.after_touch(num_threads))
-        return seconds
+        preparer = SlicePreparer(self, num_threads, placer=self.placer(node, numa_placement),
+                                 say=log_step)
+        preparer.run()
+        return preparer.prefault_s
+
+    def placer(self, node: NodeChoice | None, numa_placement: bool) -> SlicePlacer | None:
+        """The NUMA placement of this worker's slice for the ``node`` of its device (None:
+        no node known), ``tiercache.region.placement``."""
+        if node is None or self.rank is None:
+            return None
+        layout = self.layout
+        return SlicePlacer(self.base_address + layout.slice_offset(self.rank),
+                           layout.slice_bytes, layout.slice_used_bytes, node, numa_placement,
+                           self.rank)
+
+    def prefault_rows(self, first: int, end: int, num_threads: int) -> float:
+        """Pre-fault rows ``[first, end)`` of this worker's slice in its page tables,
+        ``num_threads`` in parallel; returns seconds. Only reserved rows
+        (``tiercache.region.preparation`` waits for them)."""
+        assert self.rank is not None
+        layout = self.layout
+        offset = layout.slice_offset(self.rank) + first * layout.row_stride
+        ranges = layout.prefault_ranges(num_threads, offset, (end - first) * layout.row_stride)
+        return prefault(self.base_address, self._bytes, ranges, num_threads)
+
+    def adopt_registrar(self, registrar: HostRegistrar) -> None:
+        """``registrar`` holds registrations of this mapping: ``unpin`` undoes them."""
+        self._pinner = registrar
 
     # ------------------------------------------------------------------ pinning
     def pin(self, policy: PinningPolicy, pinner: HostRegistrar,

@@ -85,6 +85,7 @@ class PinState(IntEnum):
     UNPINNED = 2  # pinning failed or is unavailable and the policy allowed running unpinned
     FAILED = 3  # pinning failed and the worker refused to run
     NOT_NEEDED = 4  # host-to-host copies only (an SGLang host pool): no GPU to pin for
+    PINNING = 5  # page-locking the slice chunk by chunk; pinned_bytes says how far
     UNKNOWN = 255  # read only: a value this version does not know (a newer worker wrote it)
 
     @classmethod

@@ -35,7 +35,8 @@ from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from tiercache.errors import ArgumentError, EngineDependencyError, PinUnavailableError
+from tiercache.errors import (ArgumentError, EngineDependencyError, PinError,
+                              PinUnavailableError)
 
 try:
     import torch
@@ -57,6 +58,8 @@ from tiercache.region.attachments import incarnation
 from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import RegionLayout
 from tiercache.region.ledger import IndexLedger
+from tiercache.region.placement import SlicePlacer
+from tiercache.region.preparation import SlicePreparer
 from tiercache.region.names import named_region_info
 from tiercache.region.shared import SharedOffloadRegion
 from tiercache.region.stats import PinState, RankStats
@@ -66,9 +69,10 @@ from tiercache.specs import (
     CPULoadStoreSpec, Direction, GPULoadStoreSpec, LoadStoreSpec, TransferSpec,
 )
 from tiercache.transfer.fence import SlotFence
+from tiercache.transfer.gated_path import GatedPath
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of, slice_tensors
-from tiercache.transfer.wiring import build_handlers
+from tiercache.transfer.wiring import path_for
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +81,11 @@ class Worker:
     """An attached rank. Drive it from one thread; ``close`` (or ``with``) when done."""
 
     def __init__(self, region: SharedOffloadRegion, rank: int, handlers: CpuGpuOffloadingHandlers,
-                 pin_state: PinState, gpu_caches: Any, reattach: Any = None):
+                 preparer: SlicePreparer, gpu_caches: Any, reattach: Any = None):
         self.region = region
         self.rank = rank
         self.handlers = handlers
-        self.pin_state = pin_state
+        self.preparer = preparer  # the slice's pre-fault and pinning, in the background
         self._gpu_caches = gpu_caches  # the planner holds addresses: keep the memory alive
         self._reattach = reattach  # () -> Worker over the region now under our name
         self._carried: list[TransferResult] = []  # results of a region we left
@@ -92,6 +96,12 @@ class Worker:
     def stats(self) -> RankStats:
         """This attachment's own stats block (its slot's)."""
         return self.region.stats(self.rank)
+
+    @property
+    def pin_state(self) -> PinState:
+        """PINNING while the slice is page-locked in the background, then PINNED (or what
+        a failure left: FAILED, UNPINNED); UNPINNED for host caches. The stats block's."""
+        return self.stats.snapshot().pin_state
 
     @property
     def slot(self) -> int:
@@ -157,10 +167,12 @@ class Worker:
             log.exception("rank %d: re-attaching to the new region failed", self.rank)
             return
         old_region, old_handlers = self.region, self.handlers
-        self.region, self.handlers, self.pin_state = fresh.region, fresh.handlers, fresh.pin_state
+        old_preparer = self.preparer
+        self.region, self.handlers, self.preparer = fresh.region, fresh.handlers, fresh.preparer
         fresh._closed = True  # its parts are ours now
         self.reattach_count += 1
         try:
+            old_preparer.close()
             self._carried += old_handlers.shutdown()
         finally:
             _release(old_region, self.rank)
@@ -179,6 +191,7 @@ class Worker:
         self._closed = True
         carried, self._carried = self._carried, []
         try:
+            self.preparer.close()  # before the handlers drain and the slice is unregistered
             return carried + self.handlers.shutdown()
         finally:
             _release(self.region, self.rank)
@@ -264,57 +277,91 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
         undo.callback(detach)
         undo.callback(region.unpin)
         node = caches_node(torch_device, gpu_pages[0].base_address, HostTopology.read())
-        # bound before the pre-fault, counted (and moved) after: a failure leaves the pin
-        # state as it was; NUMA trouble never raises (stats block: tiercache.region.placement)
-        region.prefault_slice(prefault_threads, node, numa_placement)
-        pin_failed = True
-        pin_state = _pin(region, rank, policy, torch_device)
-        pin_failed = False
+        # bound before the pre-fault, counted (and moved) after: NUMA trouble never raises
+        # (stats block: tiercache.region.placement)
+        try:  # a pre-fault failing leaves the pin state as it was
+            preparer = _preparer(region, rank, policy, torch_device, prefault_threads,
+                                 region.placer(node, numa_placement))
+            undo.callback(preparer.close)
+            preparer.first_chunk()  # a registration failing here raises under REQUIRED
+        except PinError:
+            pin_failed = True
+            raise
+        if torch_device.type == "cpu":
+            stats.set_pin(PinState.UNPINNED)
         streams = create_stream_platform(kind, torch_device)
         undo.callback(streams.close)
-        backends = _backends(kind, geometry, torch_device, pin_state, streams, zero_copy)
-        for direction, chosen in backends.items():
-            stats.set_backend(direction, chosen.kind)
         fence = SlotFence(region.region_id, IndexLedger(region.ledger_array()).table)
-        handlers = build_handlers(planner, backends, streams, stats, fence)
+        handlers = _handlers(kind, geometry, planner, torch_device, preparer, streams,
+                             zero_copy, stats, fence)
+        preparer.start()  # the rest of the slice in the background
         undo.pop_all()
     log.info("rank %d attached to %s: backends %s, %s", rank, region.path,
-             {d.label: b.kind.label for d, b in backends.items()}, pin_state.label)
+             {d.label: handlers.handler(d).kind.label for d in Direction},
+             "pinning the slice in the background" if preparer.pinned_ok and
+             not preparer.complete else stats.snapshot().pin_state.label)
 
     def reattach() -> Worker:
         return attach(config_or_name, rank, gpu_caches, backend=backend,
                       group_tensors=group_tensors, pinning=pinning, device=device,
                       ready_timeout_s=0.0, prefault_threads=prefault_threads)
 
-    return Worker(region, rank, handlers, pin_state, gpu_caches, reattach)
+    return Worker(region, rank, handlers, preparer, gpu_caches, reattach)
 
 
-def _pin(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
-         device: torch.device) -> PinState:
-    """Pin for the caches' GPU (raises under REQUIRED). Host caches cannot use pinned memory:
-    REQUIRED refuses them, ALLOW_UNPINNED runs with state UNPINNED exported."""
-    if device.type == "cpu":
-        if policy is PinningPolicy.REQUIRED:
-            region.stats(rank).set_pin(PinState.FAILED)
-            raise PinUnavailableError(
-                f"rank {rank}: the caches are host tensors, so there is no GPU to pin the slice "
-                "for; region.pinning = 'required' refuses to run unpinned (use GPU caches, or "
-                "region.pinning = 'allow_unpinned' on CPU-only hosts)")
-        region.stats(rank).set_pin(PinState.UNPINNED)
-        return PinState.UNPINNED
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return region.pin(policy, HostPinner(index))
+def _preparer(region: SharedOffloadRegion, rank: int, policy: PinningPolicy,
+              device: torch.device, threads: int, placer: SlicePlacer | None) -> SlicePreparer:
+    """The slice's preparation (``tiercache.region.preparation``), page-locking for the
+    caches' GPU. Host caches cannot use pinned memory: REQUIRED refuses them (raises),
+    ALLOW_UNPINNED runs with state UNPINNED exported and the slice only pre-faulted."""
+    if device.type != "cpu":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return SlicePreparer(region, threads, HostPinner(index), policy, placer)
+    _refuse_host_caches(region, rank, policy)
+    return SlicePreparer(region, threads, None, policy, placer)
+
+
+def _handlers(kind: BackendKind, geometry: TransferGeometry, planner: TransferPlanner,
+              device: torch.device, preparer: SlicePreparer, streams: StreamPlatform,
+              zero_copy: int, stats: RankStats, fence: SlotFence) -> CpuGpuOffloadingHandlers:
+    """Both handlers over the chosen backends (recorded in the stats block); while the slice
+    is still being page-locked, gated with ``ce`` over pageable rows
+    (``tiercache.transfer.gated_path``)."""
+    backends = _backends(kind, geometry, device, preparer.pinned_ok, streams, zero_copy)
+    for direction, chosen in backends.items():
+        stats.set_backend(direction, chosen.kind)
+    paths = {d: path_for(d, backends[d], planner, streams, fence) for d in Direction}
+    if preparer.pinned_ok and not preparer.complete:
+        try:
+            unpinned = _backends(BackendKind.CE, geometry, device, False, streams, zero_copy)
+        except BaseException:
+            for path in paths.values():
+                path.close()
+            raise
+        paths = {d: GatedPath(paths[d], path_for(d, unpinned[d], planner, streams, fence),
+                              preparer.pinned_below) for d in Direction}
+    return CpuGpuOffloadingHandlers.of_paths(paths, streams, stats)
+
+
+def _refuse_host_caches(region: SharedOffloadRegion, rank: int, policy: PinningPolicy) -> None:
+    """Host caches have no GPU to pin for: raise under REQUIRED (state UNPINNED is set once
+    the first chunk is pre-faulted otherwise)."""
+    if policy is PinningPolicy.REQUIRED:
+        region.stats(rank).set_pin(PinState.FAILED)
+        raise PinUnavailableError(
+            f"rank {rank}: the caches are host tensors, so there is no GPU to pin the slice "
+            "for; region.pinning = 'required' refuses to run unpinned (use GPU caches, or "
+            "region.pinning = 'allow_unpinned' on CPU-only hosts)")
 
 
 def _backends(kind: BackendKind, geometry: TransferGeometry, device: torch.device,
-              pin_state: PinState, streams: StreamPlatform, zero_copy_bytes: int
+              host_registered: bool, streams: StreamPlatform, zero_copy_bytes: int
               ) -> dict[Direction, CopyBackend]:
     built: dict[Direction, CopyBackend] = {}
     try:
         for direction in Direction:
             context = BackendContext(direction, geometry.gpu_pages, geometry.cpu_pages, device,
-                                     pin_state is PinState.PINNED, streams, geometry,
-                                     zero_copy_bytes)
+                                     host_registered, streams, geometry, zero_copy_bytes)
             built[direction] = create_backend(kind, context)
     except BaseException:
         for made in built.values():

@@ -1,0 +1,254 @@
+"""``SlicePreparer``: a worker's slice pre-faulted and page-locked chunk by chunk, each
+chunk only once the coordinator has reserved it (issue 41, "instant on", the worker side).
+
+Why chunks, and why after the reservation: the coordinator reserves the slices in the
+background (``tiercache.region.reservation``), so a worker may attach while most of its
+slice is not reserved yet. Touching an unreserved tmpfs page would allocate it in the
+worker's process, charged to the engine's cgroup rather than the coordinator's (and a full
+/dev/shm would be the worker's error, not a state the coordinator exports). So the
+preparer takes rows ``[0, n)`` in slot order, ``chunk_bytes`` at a time, and waits before
+each chunk until the header says its rows are reserved. A reservation that FAILED, or a
+coordinator that died mid-way, stops a preparation run in the caller (``run``, what the
+host-only attachments use) at the rows reserved; one in the background (``start``) waits on
+at a slower poll, since a new coordinator that re-adopts the region reserves the rest.
+
+**Ready rows.** ``ready_rows`` grows after each chunk: rows below it are pre-faulted and,
+with a registrar, page-locked for the worker's GPU. The worker copies rows below it on its
+pinned path and any other row on a path that needs no page-locked memory
+(``tiercache.transfer.gated_path``), so a transfer never depends on a registration that has
+not happened. The index hands out only reserved slots, and slots lowest first, so early
+transfers land in rows the preparer took first.
+
+**Exported as it goes.** After each chunk the rank's stats block says PINNING with the
+bytes registered so far (``tiercache_pinned_bytes{rank}``, ``tiercache_pin_state``), and
+PINNED with the whole slice's bytes and seconds at the end; the pre-fault's seconds and the
+NUMA placement are recorded at the end, as before.
+
+**A failure is a state.** A registration that fails rolls back nothing already ready: the
+state becomes FAILED (policy ``required``) or UNPINNED (``allow_unpinned``), an error line
+says so, the pinned rows stay pinned and the others keep the unpinned path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from tiercache.config import PinningPolicy
+from tiercache.errors import PinError, RegionError
+from tiercache.region.header import Reservation
+from tiercache.region.layout import OS_PAGE
+from tiercache.region.placement import SlicePlacer
+from tiercache.region.progress import Progress
+from tiercache.region.registrar import HostRegistrar
+from tiercache.region.stats import PinState
+from tiercache.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from tiercache.region.shared import SharedOffloadRegion
+
+log = logging.getLogger(__name__)
+
+PREPARE_CHUNK_BYTES = 256 << 20  # the reservation's chunk: one registration each
+_POLL_S = 0.005  # waiting for the coordinator's next reserved chunk
+_SLOW_POLL_S = 1.0  # reservation FAILED or its owner gone: waiting for a new coordinator
+
+
+def chunk_rows(row_stride: int, chunk_bytes: int) -> int:
+    """Rows per chunk: about ``chunk_bytes``, a whole number of OS pages, so no two
+    registrations share a page (``cuMemHostRegister`` refuses a page registered twice)."""
+    rows_per_page_run = OS_PAGE // math.gcd(row_stride, OS_PAGE)
+    runs = max(1, chunk_bytes // (row_stride * rows_per_page_run))
+    return runs * rows_per_page_run
+
+
+class SlicePreparer:
+    """Prepares ``region``'s slice of its rank (module docstring). ``registrar``: None pre-
+    faults only (host caches, host-only attachments). ``first_chunk`` in the caller, the
+    rest in a thread (``start``) or in the caller (``run``); ``close`` stops between
+    chunks and joins."""
+
+    def __init__(self, region: SharedOffloadRegion, num_threads: int,
+                 registrar: HostRegistrar | None = None,
+                 policy: PinningPolicy = PinningPolicy.REQUIRED,
+                 placer: SlicePlacer | None = None,
+                 say: Callable[[str], None] = log.info, *,
+                 chunk_bytes: int = PREPARE_CHUNK_BYTES):
+        if region.rank is None:
+            raise RegionError("a slice is prepared by a region attached with a rank")
+        self._region, self.rank = region, region.rank
+        self._threads, self._registrar, self._policy = num_threads, registrar, policy
+        self._placer, self._say = placer, say
+        layout = region.layout
+        self.num_rows = layout.num_blocks
+        self._rows_each = chunk_rows(layout.row_stride, chunk_bytes)
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._ready_rows = 0
+        self.pinned_ok = registrar is not None  # False once a registration failed
+        self.prefault_s = self.pin_s = 0.0
+        self._started = time.perf_counter()
+        self._placed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ready_rows(self) -> int:
+        """Rows ``[0, ready_rows)`` are pre-faulted (and registered, while ``pinned_ok``)."""
+        return self._ready_rows
+
+    @property
+    def complete(self) -> bool:
+        return self._ready_rows >= self.num_rows
+
+    def pinned_below(self, rows_end: int) -> bool:
+        """True when rows ``[0, rows_end)`` are page-locked for the worker's GPU."""
+        return self.pinned_ok and rows_end <= self._ready_rows
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the preparation completed, stopped or failed; False on timeout."""
+        return self._done.wait(timeout_s)
+
+    # ------------------------------------------------------------------ driving
+    def first_chunk(self) -> None:
+        """Prepare the first chunk in the caller (its registration failing raises under
+        ``required``, as a whole-slice pin did): waits for its reservation."""
+        if self._placer is not None:
+            self._placer.before_touch()
+            self._placed = True
+        chunk = next(self._chunks(), None)
+        if chunk is not None and self._wait_reserved(chunk[1], background=False):
+            self._prepare(*chunk, raise_pin_error=True)
+        if self.complete:
+            self._finish()
+
+    def start(self) -> None:
+        """The rest in a thread (after ``first_chunk``)."""
+        if self.complete or self._done.is_set():
+            self._done.set()
+            return
+        self._thread = threading.Thread(target=self._run, args=(True,), daemon=True,
+                                        name=f"tiercache-prepare-rank{self.rank}")
+        self._thread.start()
+
+    def run(self) -> None:
+        """Everything left, in the caller; stops at the reserved rows should the
+        reservation have FAILED or its coordinator be gone."""
+        if not self._placed and self._placer is not None:
+            self._placer.before_touch()
+            self._placed = True
+        self._run(False)
+
+    def close(self) -> None:
+        """Stop after the chunk under way and join (idempotent)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    # ------------------------------------------------------------------ the chunks
+    def _chunks(self) -> Iterator[tuple[int, int]]:
+        for first in range(self._ready_rows, self.num_rows, self._rows_each):
+            yield first, min(first + self._rows_each, self.num_rows)
+
+    def _run(self, background: bool) -> None:
+        try:
+            total = (self.num_rows - self._ready_rows) * self._region.layout.row_stride
+            what = "pre-faulting and pinning" if self.pinned_ok else "pre-faulting"
+            with Progress(f"rank {self.rank} {what}", total, self._say) as progress:
+                for first, end in self._chunks():
+                    if self._stop.is_set() or not self._wait_reserved(end, background):
+                        return
+                    self._prepare(first, end, raise_pin_error=False)
+                    progress.advance((end - first) * self._region.layout.row_stride)
+            self._finish()
+        except Exception:  # a thread's failure is said and exported, never lost
+            log.exception("rank %d: preparing the slice failed at row %d; rows from there "
+                          "on use the unpinned path", self.rank, self._ready_rows)
+            self._set_pin_failed("preparing the slice failed")
+        finally:
+            self._done.set()
+
+    def _wait_reserved(self, rows_end: int, background: bool) -> bool:
+        """Until the header says rows ``[0, rows_end)`` are reserved; False: stopped, or
+        (in the caller) the reservation cannot complete."""
+        region, said, checked = self._region, False, 0.0
+        while True:
+            info = region.header.read()
+            if info.reservation == Reservation.COMPLETE or info.reserved_rows >= rows_end:
+                return True
+            now = time.monotonic()
+            stuck = info.reservation == Reservation.FAILED
+            if not stuck and now - checked >= _SLOW_POLL_S:
+                stuck, checked = not region.owner_alive(), now
+            if stuck and not background:
+                self._say(f"rank {self.rank}: the coordinator reserved {info.reserved_rows} of "
+                          f"{self.num_rows} blocks ({info.reservation.label}); prepared "
+                          "those only")
+                return False
+            if stuck and not said:
+                self._say(f"rank {self.rank}: waiting for a coordinator to reserve blocks "
+                          f"from {info.reserved_rows} on ({info.reservation.label})")
+                said = True
+            if self._stop.wait(_SLOW_POLL_S if stuck else _POLL_S):
+                return False
+
+    def _prepare(self, first: int, end: int, raise_pin_error: bool) -> None:
+        region, layout = self._region, self._region.layout
+        offset = layout.slice_offset(self.rank) + first * layout.row_stride
+        length = (end - first) * layout.row_stride
+        self.prefault_s += region.prefault_rows(first, end, self._threads)
+        if self.pinned_ok:
+            self._pin(region.base_address + offset, length, raise_pin_error)
+        with self._lock:
+            self._ready_rows = end
+
+    def _pin(self, address: int, length: int, raise_pin_error: bool) -> None:
+        registrar = self._registrar
+        assert registrar is not None
+        try:
+            self.pin_s += registrar.pin([(address, length)])
+        except PinError as e:
+            if raise_pin_error and self._policy is PinningPolicy.REQUIRED:
+                self._region.stats(self.rank).set_pin(PinState.FAILED)
+                raise
+            self._set_pin_failed(str(e))
+            return
+        self._region.adopt_registrar(registrar)
+        self._region.stats(self.rank).set_pin(PinState.PINNING, registrar.pinned_bytes,
+                                              self.pin_s)
+
+    def _set_pin_failed(self, why: str) -> None:
+        if not self.pinned_ok:
+            return
+        self.pinned_ok = False
+        state = (PinState.FAILED if self._policy is PinningPolicy.REQUIRED
+                 else PinState.UNPINNED)
+        pinned = 0 if self._registrar is None else self._registrar.pinned_bytes
+        log.error("rank %d: page-locking its slice stopped after %s (%s): state %s; its other "
+                  "rows are copied on the unpinned path", self.rank, format_bytes(pinned), why,
+                  state.label)
+        self._region.stats(self.rank).set_pin(state, pinned, self.pin_s)
+
+    def _finish(self) -> None:
+        stats, layout = self._region.stats(self.rank), self._region.layout
+        stats.set_prefault(self.prefault_s)
+        if self._placer is not None:
+            stats.set_numa(self._placer.after_touch(self._threads))
+        elapsed = time.perf_counter() - self._started
+        if self.pinned_ok and self._registrar is not None:
+            stats.set_pin(PinState.PINNED, self._registrar.pinned_bytes, self.pin_s)
+            self._say(f"rank {self.rank} pre-faulted and page-locked its slice "
+                      f"({format_bytes(layout.slice_used_bytes)}) in {elapsed:.2f} s "
+                      f"(pre-fault {self.prefault_s:.2f} s with {self._threads} thread(s), "
+                      f"registration {self.pin_s:.2f} s)")
+        else:
+            self._say(f"rank {self.rank} pre-faulted its slice "
+                      f"({format_bytes(layout.slice_used_bytes)}) with {self._threads} "
+                      f"thread(s) in {self.prefault_s:.2f} s")
+        self._done.set()
