@@ -91,6 +91,14 @@ def test_the_tier_chain_knows_the_manager_only_as_host_slots(tree):
     assert "tiercache.index.host_slots" in tree.imports("tiercache.index.tiering")
 
 
+def test_the_tier_chain_reads_the_index_only_through_host_slots(tree):
+    """Neither the chain nor its feeds import the table: what they read of host memory's
+    index are ``HostSlots``' reads, under the index's lock."""
+    for module in ("tiercache.index.tiering", "tiercache.index.feeds"):
+        assert not {"tiercache.index.table", "tiercache.index.manager"} & tree.imports(module)
+    assert "tiercache.index.host_slots" in tree.imports("tiercache.index.feeds")
+
+
 def test_a_relative_import_is_resolved(tree):
     tree = changed(tree, DISK, "from ..index import manager")
     assert f"{DISK} imports tiercache.index.manager" in tier_breaches(tree)

@@ -62,7 +62,7 @@ VLLM_SCHEDULER = Process(
     "vLLM's scheduler", FOUNDATION | LINK,
     VLLM_SHARED | {
         "tiercache.vllm.manager", "tiercache.vllm.flusher", "tiercache.vllm.leases",
-        "tiercache.vllm.lease_records", "tiercache.vllm.batch"},
+        "tiercache.vllm.batch"},
     forbidden_packages=frozenset({"zmq"}))
 VLLM_WORKER = Process("vLLM's worker", FOUNDATION | WORKER_WING,
                       VLLM_SHARED | {"tiercache.vllm.worker"},

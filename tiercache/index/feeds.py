@@ -15,7 +15,8 @@ and in flight, per tier.
   (``max_in_flight_blocks``) and than ``1 / MAX_READ_SHARE`` of host memory, so a small
   host tier keeps room to store.
 
-Called by the chain under the index's lock; nothing here locks or calls a tier but its
+Called by the chain under the index's lock; reads host memory's index through the chain's
+``HostSlots`` (``tiercache.index.host_slots``). Nothing here locks or calls a tier but its
 ``holds``.
 """
 
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tiercache.tiers.base import JobKind, LowerTier, Presence, TierPolicy
 from tiercache.results import BlockSource
-from tiercache.index.slots import SlotFlag, SlotState
-from tiercache.index.table import SlotTable
+
+if TYPE_CHECKING:
+    from tiercache.index.host_slots import HostSlots
 
 MAX_READ_SHARE = 8  # a tier's jobs pin at most 1/8 of host memory at once (one job at least)
 
@@ -66,8 +69,8 @@ class Feed:
 class Feeds:
     """Every tier's ``Feed`` (see the module docstring)."""
 
-    def __init__(self, table: SlotTable, tier_owner: int):
-        self._table = table
+    def __init__(self, host: HostSlots, tier_owner: int):
+        self._host = host
         self._owner = tier_owner
         self._feeds: dict[LowerTier, Feed] = {}
 
@@ -106,36 +109,30 @@ class Feeds:
         if policy.demote_below > 0:
             self._admit_demotions(tier, policy, feed)
         limit = min(policy.max_in_flight_blocks,
-                    max(policy.job_blocks, self._table.capacity // MAX_READ_SHARE))
+                    max(policy.job_blocks, self._host.num_blocks // MAX_READ_SHARE))
         while feed.waiting and len(feed.in_flight) < limit:
             kind, batch = feed.take(min(policy.job_blocks, limit - len(feed.in_flight)))
-            table = self._table  # evicted meanwhile, or pinned by as many owners as a slot
-            keys = [k for k in batch  # records: nothing to move now
-                    if table.is_readable(k) and table.can_pin(table.held(k, "refill"),
-                                                              self._owner)]
+            # the others were evicted meanwhile, or are pinned by as many owners as a slot
+            # records: nothing to move now
+            keys = self._host.pinnable(batch)
             feed.dropped += len(batch) - len(keys)
             if keys:
                 hand_over(tier, kind, keys)
 
     def _admit_demotions(self, tier: LowerTier, policy: TierPolicy, feed: Feed) -> None:
-        table = self._table
-        low = max(1, int(table.capacity * policy.demote_below))
-        free = table.num_free()
+        host = self._host
+        low = max(1, int(host.num_blocks * policy.demote_below))
+        free = host.num_free()
         if free >= low or feed.queued * 2 > policy.max_queued_blocks:
             return  # refill only once the queue is down to half: a refill walks the policy
         want = min(policy.max_queued_blocks - feed.queued, low - free + policy.job_blocks)
-        state, key_of, ready = table.state, table.key_of, SlotState.READY
 
-        def admissible(slot: int) -> bool:
-            key = key_of[slot]
-            return (key is not None and state[slot] == ready and key not in feed.in_flight
-                    and key not in feed.waiting
+        def admissible(key: bytes) -> bool:
+            return (key not in feed.in_flight and key not in feed.waiting
                     and tier.holds(key, self._owner) is not Presence.YES)
 
-        for slot in table.policy.peek(want, admissible):
-            key = key_of[slot]
-            assert key is not None, "a READY slot holds a key"
-            if table.flags[slot] & SlotFlag.REUSED or feed.queued * 2 < policy.max_queued_blocks:
+        for key, reused in host.peek_evictions(want, admissible):
+            if reused or feed.queued * 2 < policy.max_queued_blocks:
                 feed.waiting[key] = JobKind.DEMOTE
             else:
                 feed.dropped += 1  # unproven, and the tier is busy: not worth it

@@ -21,7 +21,8 @@ raises; nothing is ever repaired. The tier chain sees the index only as ``HostSl
 (``tiercache.index.host_slots``), which this class implements: ``reserve_promotion``/
 ``complete_write`` (a promotion writes reserved slots), ``pin_for_tier``/``complete_read``
 (a demotion or a publish reads pinned slots), ``quarantine_slots``/``release_quarantine``
-(a write that may still land is held out until it provably ended).
+(a write that may still land is held out until it provably ended), and the few reads of
+the table the chain decides by (``state_of``, ``num_free``, ``peek_evictions``, ...).
 
 Only READY blocks outside the calling ``prepare_store`` are evicted. Every method is
 atomic (the whole batch validated first) and raises ``ManagerError`` subclasses on misuse.
@@ -37,10 +38,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
 
-from tiercache.errors import ConfigError, ManagerError, SessionLimitError, StateError
+from tiercache.errors import (
+    ConfigError, InvalidKeyError, ManagerError, SessionLimitError, StateError,
+)
 from tiercache.index.caps import SessionCaps
 from tiercache.index.events import EventLog, NodeEvents
 from tiercache.tiers.base import LowerTier
@@ -50,8 +53,10 @@ from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
     TierStats,
 )
-from tiercache.index.slots import Ledger, SlotState, check_keys, check_owner, require_unique
-from tiercache.index.table import KeyListener, SlotTable
+from tiercache.index.slots import (
+    KeyListener, Ledger, SlotFlag, SlotState, check_keys, check_owner, require_unique,
+)
+from tiercache.index.table import SlotTable
 from tiercache.index.tiering import TIER_OWNER, TierChain
 from tiercache.specs import CPULoadStoreSpec
 
@@ -100,7 +105,8 @@ class OffloadingManager:
         if not self._table.next_fresh <= self._table.usable <= num_blocks:
             raise StateError(f"the index ledger names slot {self._table.next_fresh - 1}; only "
                              f"slots below {self._table.usable} are reserved (usable_blocks)")
-        self._chain = TierChain(self, self._table)
+        self._chain = TierChain(self)
+        self._table.on_readable.append(self._chain.host_changed)
 
     @property
     def lock(self) -> threading.Lock:
@@ -151,6 +157,53 @@ class OffloadingManager:
     def tier_stats(self) -> dict[str, TierStats]:
         """Each lower tier's figures by its name (empty without one)."""
         return self._chain.stats()
+
+    # ------------------------------------------------------------------ HostSlots' reads
+    # What the tier chain reads of the table (``HostSlots``), the lock held.
+    def state_of(self, key: bytes) -> SlotState | None:
+        return self._table.state_of(key)
+
+    def readable_keys(self) -> list[bytes]:
+        return self._table.readable_keys()
+
+    def promotion_since(self, key: bytes) -> float | None:
+        return self._table.writing_since(TIER_OWNER, key)
+
+    def keys_fit(self, keys: Sequence[bytes]) -> bool:
+        try:
+            self._table.check_key_bytes(keys)
+        except InvalidKeyError:
+            return False
+        return True
+
+    def num_free(self) -> int:
+        return self._table.num_free()
+
+    def num_held_out(self) -> int:
+        return len(self._table.quarantined)
+
+    def held_out(self, slot_ids: Iterable[int]) -> list[int]:
+        quarantined = self._table.quarantined
+        return [s for s in slot_ids if s in quarantined]
+
+    def pinnable(self, keys: Sequence[bytes]) -> list[bytes]:
+        table = self._table  # evicted since, or pinned by as many owners as a slot records
+        return [k for k in keys
+                if table.is_readable(k) and table.can_pin(table.held(k, "refill"), TIER_OWNER)]
+
+    def peek_evictions(self, count: int, admissible: Callable[[bytes], bool]
+                       ) -> list[tuple[bytes, bool]]:
+        table = self._table
+        state, key_of, ready = table.state, table.key_of, SlotState.READY
+
+        def can_go(slot: int) -> bool:
+            key = key_of[slot]
+            return key is not None and state[slot] == ready and admissible(key)
+
+        slots = self._policy.peek(count, can_go)
+        flags = table.flags
+        return [(key, bool(flags[slot] & SlotFlag.REUSED))
+                for slot, key in zip(slots, table.keys(slots))]
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[bytes]) -> int:

@@ -1,11 +1,11 @@
 """The index's vocabulary: a slot's state and flags, an owner's holdings, the ledger the
-index writes through, and the key checks every verb shares. Used by the manager only
-(under its lock); nothing here locks or does I/O."""
+index writes through, what its key listeners are called with, and the key checks every
+verb shares. Used inside the index (under its lock); nothing here locks or does I/O."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +15,8 @@ from tiercache.errors import InvalidKeyError, ManagerError
 
 if TYPE_CHECKING:
     from tiercache.region.ledger import Recovery
+
+KeyListener = Callable[[Sequence[bytes], bool], None]  # (keys, removed)
 
 
 class SlotState(IntEnum):

@@ -35,10 +35,8 @@ import numpy as np
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
 from tiercache.results import BlockSource
 from tiercache.eviction import EvictionPolicy
-from tiercache.index.slots import Holdings, Ledger, SlotFlag, SlotState, check_keys
+from tiercache.index.slots import Holdings, KeyListener, Ledger, SlotFlag, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
-
-KeyListener = Callable[[Sequence[bytes], bool], None]  # (keys, removed)
 
 _FREE, _WRITING, _READY, _LOADING = (int(s) for s in SlotState)
 _DOOMED, _REUSED = int(SlotFlag.DOOMED), int(SlotFlag.REUSED)

@@ -2,10 +2,11 @@
 the only thing that moves blocks between them and the index.
 
 Tiers are one-way (``tiercache.tiers.base``): they answer, move bytes and report.
-The chain alone does against the index what each tier used to, through the index's narrow
-``HostSlots`` (``tiercache.index.host_slots``, under its locking discipline): it reserves
-host slots before a promotion (``reserve_promotion``), pins blocks before a demotion or a
-publish (``pin_for_tier``), completes, unpins or quarantines when a job reports, watches the host
+The chain alone does against the index what each tier used to, and sees the index only as
+its narrow ``HostSlots`` (``tiercache.index.host_slots``: a few reads and six verbs, under
+the index's locking discipline; never its table): it reserves host slots before a
+promotion (``reserve_promotion``), pins blocks before a demotion or a publish
+(``pin_for_tier``), completes, unpins or quarantines when a job reports, watches the host
 watermark, admits what goes down, and passes what the tiers came to hold on to the key
 listeners (the presence map) and the node's events. It runs as the index's owner
 ``TIER_OWNER`` (no session, no cap).
@@ -38,13 +39,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tiercache.errors import InvalidKeyError
 from tiercache.tiers.base import JobKind, JobResult, KeyChange, LowerTier, Presence, TierJob
 from tiercache.results import BlockSource, TierStats
 from tiercache.index.events import NodeEvents
 from tiercache.index.feeds import Feeds
-from tiercache.index.slots import SlotState
-from tiercache.index.table import KeyListener, SlotTable
+from tiercache.index.slots import KeyListener, SlotState
 from tiercache.specs import Medium
 
 if TYPE_CHECKING:
@@ -69,14 +68,14 @@ class _Job:
 
 class TierChain:
     """See the module docstring. Built by the manager: ``host`` is what the chain may do to
-    the index (under ``host.lock``), ``table`` what it reads of it (under the same lock)."""
+    the index and read of it (under ``host.lock``); the manager tells it what becomes
+    readable (``host_changed``), READY (``became_ready``) or is reset (``host_cleared``)."""
 
-    def __init__(self, host: HostSlots, table: SlotTable):
+    def __init__(self, host: HostSlots):
         self._host = host
         self._lock = host.lock
-        self._table = table
         self._tiers: tuple[LowerTier, ...] = ()
-        self._feeds = Feeds(table, TIER_OWNER)
+        self._feeds = Feeds(host, TIER_OWNER)
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
         self._probing: dict[bytes, LowerTier] = {}  # keys of PROBE jobs in flight
@@ -134,19 +133,17 @@ class TierChain:
         """Tell ``sink`` what the node holds (host memory, then each tier) and every change
         from now on."""
         with self._lock:
-            if self._sink is not None:
-                self._table.on_readable.remove(self._host_changed)
             self._sink = sink
             if sink is None:
                 return
-            self._table.on_readable.append(self._host_changed)
-            if readable := self._table.readable_keys():
+            if readable := self._host.readable_keys():
                 sink.stored(readable, Medium.CPU)
             for tier in self._tiers:
                 if tier.policy.exact_holdings and (keys := tier.held_keys()):
                     sink.stored(keys, tier.policy.medium)
 
-    def _host_changed(self, keys: Sequence[bytes], removed: bool) -> None:
+    def host_changed(self, keys: Sequence[bytes], removed: bool) -> None:
+        """Under the lock: ``keys`` became readable in host memory or stopped being."""
         if self._sink is not None:
             (self._sink.removed if removed else self._sink.stored)(keys, Medium.CPU)
 
@@ -160,7 +157,7 @@ class TierChain:
     def overdue(self, key: bytes) -> bool:
         """Whether ``key``'s promotion has been read for longer than ``PROMOTION_WAIT_S``
         (a hung disk, a frozen node): a lookup then misses it instead of waiting."""
-        since = self._table.writing_since(TIER_OWNER, key)
+        since = self._host.promotion_since(key)
         return since is not None and time.monotonic() - since > PROMOTION_WAIT_S
 
     def after_miss(self, keys: Sequence[bytes], hits: int, asker: int) -> bool:
@@ -168,13 +165,13 @@ class TierChain:
         tiers hold, each key by the first tier that does not answer NO; whether the key
         after the hits is on its way (then "pending"). The run goes on through keys READY
         in host memory, which the promotion's reservation protects."""
-        tiers, table = self._tiers, self._table
-        if not tiers or hits >= len(keys) or keys[hits] in table.slot_of:
+        tiers, host = self._tiers, self._host
+        if not tiers or hits >= len(keys) or host.state_of(keys[hits]) is not None:
             return False
         run: list[bytes] = []
         chosen: dict[bytes, tuple[LowerTier, Presence]] = {}
         for key in keys[hits:]:
-            state = table.state_of(key)
+            state = host.state_of(key)
             if state is None:
                 answer = self._ask(key, asker)
                 if answer is None:
@@ -199,7 +196,7 @@ class TierChain:
         if not run:
             return False
         first = keys[hits]  # on its way: reserved now, or the tier is finding out
-        return chosen[first][1] is Presence.MAYBE or table.state_of(first) is SlotState.WRITING
+        return chosen[first][1] is Presence.MAYBE or host.state_of(first) is SlotState.WRITING
 
     def _ask(self, key: bytes, asker: int) -> tuple[LowerTier, Presence] | None:
         for tier in self._tiers:
@@ -211,8 +208,11 @@ class TierChain:
         return None
 
     def _promoting(self) -> bool:
-        table = self._table
-        return len(table.quarantined) < max(1, table.capacity // QUARANTINE_SHARE)
+        return self._host.num_held_out() < self._max_held_out()
+
+    def _max_held_out(self) -> int:
+        """Slots held out at which promotions stop."""
+        return max(1, self._host.num_blocks // QUARANTINE_SHARE)
 
     def _paused(self, tier: LowerTier) -> bool:
         """Whether ``tier`` promotes nothing now: host memory holds out too many slots, some
@@ -225,12 +225,8 @@ class TierChain:
         ``tier``, ``promote_blocks`` at a time: as many of its leading keys as free and
         evictable slots allow now (blocks pinned a moment, by a demotion say, are not); the
         rest wait for a later lookup."""
-        if self._paused(tier):
-            return
-        try:
-            self._table.check_key_bytes(run)
-        except InvalidKeyError:  # longer than any key the index can hold: nothing to promote
-            return
+        if self._paused(tier) or not self._host.keys_fit(run):
+            return  # (a key longer than any the index can hold: nothing to promote)
         step = tier.policy.promote_blocks
         for start in range(0, len(run), step):
             chunk = run[start:start + step]
@@ -329,16 +325,16 @@ class TierChain:
         host, source = self._host, entry.tier.source
         host.complete_write(list(result.done), True, source)
         with self._lock:
-            entry.held_out = [s for s in entry.job.slots if s in self._table.quarantined]
+            entry.held_out = host.held_out(entry.job.slots)
         if not result.settled and result.may_land:
             entry.held_out += host.quarantine_slots(list(result.may_land))
             with self._lock:
-                held, stop = len(self._table.quarantined), not self._promoting()
+                held, stop = host.num_held_out(), not self._promoting()
             log.error("tier chain: %d read(s) from the %s tier gave up with their transfer "
                       "possibly still running; their host slots are held out of use until it "
                       "ends (%d held out now; a read that never says so: until the coordinator "
                       "restarts)%s", len(result.may_land), entry.tier.name, held,
-                      f"; promotions stop at {max(1, self._table.capacity // QUARANTINE_SHARE)}"
+                      f"; promotions stop at {self._max_held_out()}"
                       if stop else "")
             host.complete_write(list(result.failed), False, source)
         else:

@@ -1,17 +1,39 @@
-"""What passes between the lease book and the flusher: each step's ``Batch`` of work for
-the coordinator, and the coordinator's ``LeaseAnswer`` per probe. Plain values."""
+"""What passes between the lease book (``tiercache.vllm.leases``), the flusher and the
+scheduler's manager: a request's ``RequestLeases`` (kept in vLLM's ``ReqContext``, carried
+in each ``Probe`` to the flusher and back), each step's ``Batch`` of work for the
+coordinator, and the coordinator's ``LeaseAnswer`` per probe. Plain values: this module
+imports nothing of the book, so the book, the flusher and the manager all import it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from tiercache.results import BlockSource
 from tiercache.vllm.fenced_slot import FencedSlot
 
-if TYPE_CHECKING:
-    from tiercache.vllm.lease_records import RequestLeases
+
+class RequestLeases:
+    """One request's share of the book (kept in vLLM's ``ReqContext`` state)."""
+
+    __slots__ = ("req_id", "context_id", "fresh", "leased", "answers", "answers_step", "probe",
+                 "in_flight", "reserved", "skip", "unreserved", "retrying", "finished")
+
+    def __init__(self, req_id: str, context_id: int = 0):
+        self.req_id = req_id
+        self.context_id = context_id  # id() of the vLLM ReqContext it belongs to
+        self.fresh = True  # no lease, answer, reservation or probe sent yet (fast path)
+        self.leased: dict[bytes, None] = {}  # keys this request holds a ref on (ordered)
+        self.answers: dict[bytes, Any] = {}  # MISS / HIT_PENDING from the last probe
+        self.answers_step = -1
+        self.probe: list[bytes] = []  # keys to probe at the next flush
+        self.in_flight = 0  # probes sent, answers not filed yet
+        self.reserved: dict[bytes, FencedSlot] = {}  # stores reserved for this request: key -> slot
+        self.skip: set[bytes] = set()  # keys of its probes held by someone already
+        self.unreserved: dict[bytes, None] = {}  # keys of its probes that found no room
+        self.retrying = 0  # retries of ``unreserved`` sent, answers not filed yet
+        self.finished = False
 
 
 class Answers(NamedTuple):

@@ -60,9 +60,25 @@ from typing import Any, cast
 
 from tiercache.errors import StateError
 from tiercache.results import BlockSource
-from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe
+from tiercache.vllm.batch import Answers, Batch, LeaseAnswer, Probe, RequestLeases
 from tiercache.vllm.fenced_slot import FencedSlot
-from tiercache.vllm.lease_records import ABSENT, Held, RequestLeases, always
+
+ABSENT = object()
+
+
+def always(key: bytes) -> bool:
+    return True
+
+
+class Held:
+    """One key the book holds: its fenced slot (id, generation, region), the refs on it."""
+
+    __slots__ = ("slot", "refs", "source")
+
+    def __init__(self, slot: FencedSlot, source: BlockSource = BlockSource.HOST):
+        self.slot = slot
+        self.refs = 0
+        self.source = source  # the tier it was promoted from (vLLM's load source)
 
 
 class LeaseBook:

@@ -77,11 +77,10 @@ from tiercache.link.namespaces import EngineFamily
 from tiercache.region.presence import PresenceView
 from tiercache.results import BlockSource
 from tiercache.vllm.flusher import Flusher, IndexSession
-from tiercache.vllm.batch import Answers
+from tiercache.vllm.batch import Answers, RequestLeases
 from tiercache.vllm.engine_metrics import TierCacheInfo, TierCacheMetrics
 from tiercache.vllm.fenced_slot import FencedSlot, fenced_slots
 from tiercache.vllm.load_store_spec import TierCacheLoadStoreSpec
-from tiercache.vllm.lease_records import RequestLeases
 from tiercache.vllm.leases import LeaseBook
 from tiercache.vllm.namespace import Namespace
 
