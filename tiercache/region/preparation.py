@@ -77,7 +77,7 @@ class SlicePreparer:
                  policy: PinningPolicy = PinningPolicy.REQUIRED,
                  placer: SlicePlacer | None = None,
                  say: Callable[[str], None] = log.info, *,
-                 chunk_bytes: int = PREPARE_CHUNK_BYTES):
+                 chunk_bytes: int | None = None):
         if region.rank is None:
             raise RegionError("a slice is prepared by a region attached with a rank")
         self._region, self.rank = region, region.rank
@@ -85,7 +85,7 @@ class SlicePreparer:
         self._placer, self._say = placer, say
         layout = region.layout
         self.num_rows = layout.num_blocks
-        self._rows_each = chunk_rows(layout.row_stride, chunk_bytes)
+        self._rows_each = chunk_rows(layout.row_stride, chunk_bytes or PREPARE_CHUNK_BYTES)
         self._stop = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None

@@ -9,10 +9,12 @@ registrar). Workers never unlink. Finding a region by name unmapped: ``region.na
 
 Decisions and their reasons:
 
-* Each worker pre-faults its own slice (``prefault_slice``) in parallel threads before
-  page-locking it: page tables are per process, so pre-faulting in the coordinator would
-  fill only the coordinator's, and registration would still fault every page in the
-  worker (measurements: docs/benchmarks.md, "Region set-up and pinning").
+* Each worker pre-faults its own slice in parallel threads before page-locking it: page
+  tables are per process, so pre-faulting in the coordinator would fill only the
+  coordinator's, and registration would still fault every page in the worker
+  (measurements: docs/benchmarks.md, "Region set-up and pinning"). It does so chunk by
+  chunk, each chunk only once it is reserved, in the background for a GPU worker
+  (``tiercache.region.preparation``; ``prefault_slice`` in the caller for host-only ones).
 * ``posix_fallocate`` stays in the coordinator: it is the reservation that keeps a full
   /dev/shm from being a SIGBUS. ``create`` reserves the header only and is READY at once;
   the slices are reserved in the background, in slot order, and the index hands out only
@@ -181,7 +183,8 @@ class SharedOffloadRegion:
             prefault_s = prefault(region.base_address, region._bytes,
                                   [(0, layout.header_bytes)], 1)
             log_step(f"pre-faulted the header in {prefault_s:.3f} s; each worker pre-faults "
-                     f"its own slice with {config.region.prefault_threads} threads at attach")
+                     f"and pins its own slice ({config.region.prefault_threads} threads) in the "
+                     "background, behind the reservation")
             region.header.set_state(RegionState.READY)
             undo.pop_all()
         region.setup_times = SetupTimes(t_check - t0, t_alloc - t_check, prefault_s,

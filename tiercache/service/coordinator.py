@@ -100,7 +100,8 @@ class Coordinator:
         t0 = time.perf_counter()
         self._preflight = preflight = Preflight.run(cfg)  # raises holding nothing
         try:
-            self.region = region = SharedOffloadRegion.create(cfg, log_step=self.say, reserve_now=False)
+            self.region = region = SharedOffloadRegion.create(cfg, log_step=self.say,
+                                                              reserve_now=False)
             layout = region.layout
             store, restored, (total, damaged) = self._restore_sessions(region)
             self.manager = manager = self._build_index(region, {r.owner for r in restored})

@@ -5,11 +5,15 @@
 per engine may attach the same rank: ``tiercache.region.attachments``), check
 ``gpu_caches`` against the region's geometry and the backend against the caches' device,
 mark the attachment in its own stats block (pid and process start time; counters continue
-from the slot's earlier holders), pre-fault the slice with its NUMA placement around it
-(``tiercache.region.placement``), page-lock it per ``region.pinning`` (host-only
-backends need none: state UNPINNED), build the backend of each direction (recorded in the
-stats block) and the handlers. Anything failing on the way undoes what was done and raises.
-``Worker.close`` drains the handlers, unregisters the slice, marks the attachment detached,
+from the slot's earlier holders), pre-fault and page-lock the slice's first chunk per
+``region.pinning`` with its NUMA placement around it (``tiercache.region.placement``; host
+caches need no pinning: state UNPINNED), build the backend of each direction (recorded in
+the stats block) and the handlers, then leave the rest of the slice to a background thread
+that follows the coordinator's reservation (``tiercache.region.preparation``): until it is
+done, rows not yet pinned are copied on ``ce`` over pageable memory
+(``tiercache.transfer.gated_path``), and the stats block says PINNING with the bytes so far.
+Anything failing on the way undoes what was done and raises. ``Worker.close`` stops the
+preparation, drains the handlers, unregisters the slice, marks the attachment detached,
 unmaps and frees the attachment slot.
 
 **Fencing.** Every transfer's CPU spec is checked against the region this worker maps
@@ -241,7 +245,8 @@ def attach(config_or_name: Config | str, rank: int, gpu_caches: GpuCaches, *,
     tensor. ``auto`` over CPU tensors is the ``cpu`` backend. The slice is pre-faulted
     with ``prefault_threads`` threads (default: the config's ``region.prefault_threads``)
     before it is pinned, bound around it to the NUMA node of the caches' device
-    (``tiercache.device.locality``; ``region.numa_placement``, default on).
+    (``tiercache.device.locality``; ``region.numa_placement``, default on): the first chunk
+    before this returns, the rest in the background (``Worker.preparer``; module docstring).
     """
     name, expected_layout, kind, policy = _settings(config_or_name, backend, pinning)
     zero_copy = (config_or_name.zero_copy_bytes if isinstance(config_or_name, Config)

@@ -1,0 +1,79 @@
+"""``GatedPath``: while a slice is page-locked in the background, a transfer goes to the
+pinned path only when every host row it touches is pinned; the other path otherwise; what
+a path holds goes back to that path; both close. The two paths here record what they are
+given (the real ones need a CUDA device: tests/transfer/test_background_pinning_gpu.py);
+the specs and the routing rule are the real ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache.backend_kind import BackendKind
+from tiercache.errors import SpecError
+from tiercache.native.codes import Outcome
+from tiercache.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
+from tiercache.transfer.gated_path import GatedPath
+from tiercache.transfer.path import TransferPath
+
+
+class Recording(TransferPath):
+    def __init__(self, name: str, kind: BackendKind):
+        self.direction, self.kind, self.name = Direction.GPU_TO_CPU, kind, name
+        self.jobs: list[int] = []
+        self.released: list[object] = []
+        self.closed = False
+
+    def transfer(self, job_id, transfer, stream, mark, previous, start, end):
+        gpu, cpu = transfer
+        if not isinstance(cpu, CPULoadStoreSpec):
+            raise SpecError(f"{self.name}: not a CPU spec")
+        self.jobs.append(job_id)
+        return Outcome(0, 0, 4096 * cpu.block_ids.size, None, held=f"{self.name}-{job_id}")
+
+    def release(self, held):
+        self.released.append(held)
+
+    def close(self):
+        self.closed = True
+
+
+def _gated(pinned_rows: list[int]):
+    pinned = Recording("pinned", BackendKind.STAGED)
+    unpinned = Recording("unpinned", BackendKind.CE)
+    return GatedPath(pinned, unpinned, lambda end: end <= pinned_rows[0]), pinned, unpinned
+
+
+def _store(path: GatedPath, job: int, slots: list[int]) -> Outcome:
+    return path.transfer(job, (GPULoadStoreSpec(list(range(len(slots)))),
+                               CPULoadStoreSpec(slots)), None, None, None, None, None)
+
+
+def test_a_transfer_is_pinned_only_when_every_row_it_touches_is():
+    rows = [8]
+    gated, pinned, unpinned = _gated(rows)
+    assert (gated.kind, gated.direction) == (BackendKind.STAGED, Direction.GPU_TO_CPU)
+    _store(gated, 1, [0, 7])  # rows 0..7: all pinned
+    _store(gated, 2, [3, 8])  # row 8 is not
+    _store(gated, 3, [20])
+    rows[0] = 21  # the preparer went on
+    _store(gated, 4, [20, 2])
+    assert (pinned.jobs, unpinned.jobs) == ([1, 4], [2, 3])
+    assert gated.routed == {"pinned": 2, "unpinned": 2}
+
+
+def test_what_a_path_holds_goes_back_to_it_and_both_close():
+    gated, pinned, unpinned = _gated([4])
+    held = [_store(gated, 1, [1]).held, _store(gated, 2, [9]).held]
+    for h in held:
+        gated.release(h)
+    assert (pinned.released, unpinned.released) == (["pinned-1"], ["unpinned-2"])
+    gated.close()
+    assert pinned.closed and unpinned.closed
+
+
+def test_a_pair_without_a_cpu_spec_is_the_pinned_paths_to_refuse():
+    gated, pinned, unpinned = _gated([0])  # nothing pinned: a CPU spec would go unpinned
+    with pytest.raises(SpecError, match="pinned: not a CPU spec"):
+        gated.transfer(1, (GPULoadStoreSpec([0]), GPULoadStoreSpec([1])), None, None, None,
+                       None, None)
+    assert unpinned.jobs == []
