@@ -24,7 +24,7 @@ def test_serve_reports_each_step_answers_status_and_cleans_up_on_sigterm(make_co
     cfg = make_config()
     coord = CoordinatorProcess(cfg, tmp_path)
     out = coord.output()
-    for step in ("allocated", "pre-faulted the header in", "its own slice with 2 threads", "control socket", "metrics: http",
+    for step in ("allocated", "pre-faulted the header in", "pins its own slice (2 threads)", "control socket", "metrics: http",
                  "ready in"):
         assert step in out
     status = tiercache("status", "--config", str(coord.config_path))

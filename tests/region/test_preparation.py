@@ -22,7 +22,9 @@ import pytest
 
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
 from tiercache.errors import PinError, RegionError
+from tiercache.region.attachments import AttachmentReader
 from tiercache.region.header import Reservation
+from tiercache.region.hostmem import process_start_ns
 from tiercache.region.layout import OS_PAGE
 from tiercache.region.preparation import SlicePreparer, chunk_rows
 from tiercache.region.reservation import _allocate
@@ -104,6 +106,12 @@ def _allocated_bytes(region: SharedOffloadRegion) -> int:
     return os.stat(region.path).st_blocks * 512
 
 
+def test_every_pin_state_has_a_place_in_a_ranks_worst_of():
+    from tiercache.region.attachments import _PIN_RANK
+
+    assert set(_PIN_RANK) == set(PinState)
+
+
 def test_chunks_are_whole_pages_so_no_two_registrations_share_one():
     for stride in (4096, 8192, 4352, 12544, 256, 2 << 20, 4096 * 3 + 256):
         rows = chunk_rows(stride, 1 << 20)
@@ -120,6 +128,8 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
     registrar = RecordingRegistrar(worker)
     preparer = SlicePreparer(worker, 2, registrar, PinningPolicy.REQUIRED,
                              chunk_bytes=PREPARE_ROWS * layout.row_stride)
+    worker.stats(0).mark_attached(os.getpid(), process_start_ns(os.getpid()))
+    coordinator_view = AttachmentReader(region, layout)  # what status and /metrics read
     try:
         header_bytes = _allocated_bytes(region)  # the header: reserved by create
         threading.Thread(target=held.reserver.run, daemon=True).start()
@@ -141,10 +151,12 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
                 assert snap.pin_state is PinState.PINNING
                 assert snap.pinned_bytes == rows * layout.row_stride
                 assert preparer.pinned_below(rows) and not preparer.pinned_below(rows + 1)
+                assert coordinator_view.read(0).pin_state is PinState.PINNING
         assert preparer.wait(DEADLINE_S)
         snap = worker.stats(0).snapshot()
         assert (snap.pin_state, snap.pinned_bytes) == (PinState.PINNED,
                                                        NUM_BLOCKS * layout.row_stride)
+        assert coordinator_view.read(0).pin_state is PinState.PINNED
         assert registrar.unreserved == []  # every range was reserved when it was pinned
         # contiguous, disjoint, page-aligned chunks covering the rows in order
         base = worker.base_address + layout.slice_offset(0)

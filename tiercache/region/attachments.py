@@ -35,8 +35,8 @@ Decisions and their reasons:
   pid, pin state and timings). A rank's totals are the sums over all its blocks, so they
   never go backwards when an attachment dies or detaches.
 * **A rank is up while any of its attachments is up.** Per-rank pin state is that of the
-  rank's live attachments (the worst, if they disagree: failed > unpinned > none > pinned);
-  with none alive, that of the one updated last (so a SIGKILLed worker's state stays
+  rank's live attachments (the worst, if they disagree: failed > unpinned > none > pinning >
+  pinned); with none alive, that of the one updated last (so a SIGKILLed worker's state stays
   visible, as it did with one block per rank).
 * **Incarnation** of an attachment: ``slot << 32 | attach_count`` of its block. Slot 0's
   incarnations are its attach counts (the single-engine case reads as before); any
@@ -65,8 +65,9 @@ from tiercache.specs import Direction
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)  # Linux values (Python 3.9+ names them)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-_PIN_RANK = {PinState.FAILED: 4, PinState.UNKNOWN: 3, PinState.UNPINNED: 2, PinState.NONE: 1,
-             PinState.PINNED: 0, PinState.NOT_NEEDED: -1}  # a rank's state: its worst one
+_PIN_RANK = {PinState.FAILED: 5, PinState.UNKNOWN: 4, PinState.UNPINNED: 3, PinState.NONE: 2,
+             PinState.PINNING: 1, PinState.PINNED: 0,
+             PinState.NOT_NEEDED: -1}  # a rank's state: its worst one
 
 
 class AttachmentSlotsFullError(RankError):
