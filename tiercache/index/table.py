@@ -49,6 +49,7 @@ import numpy as np
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
 from tiercache.results import BlockSource
 from tiercache.eviction import EvictionPolicy
+from tiercache.index.heap import give_back_freed_heap
 from tiercache.index.slots import Holdings, Ledger, SlotFlag, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
 
@@ -325,9 +326,11 @@ class SlotTable:
     def rebuild(self) -> None:
         """Replace ``slot_of`` with a copy that has no dead entries (see the module
         docstring). ``dict(d)`` inserts each key into a table sized for ``len(d)``;
-        ``d.copy()`` would clone a table that is still dense enough, dead entries and all."""
+        ``d.copy()`` would clone a table that is still dense enough, dead entries and all.
+        The old table, freed, goes back to the system."""
         self.slot_of = dict(self.slot_of)
         self.num_deleted = 0
+        give_back_freed_heap()
 
     def free_writing(self, keys: Sequence[bytes], hold_out: bool = False) -> list[int]:
         """Forget blocks that were being written (failed store, ended session, a doomed
