@@ -12,7 +12,7 @@ def give_back_freed_heap() -> None:
     32 MiB) is such memory. A recovery frees about as much as it keeps (each chunk's
     arrays, the dict's outgrown tables, the recovery's arrays): 32 B a slot of RssAnon
     after recovering 2 M READY records (201 -> 169 B a slot); a rebuild of ``slot_of``
-    frees the old table (21 MiB at 0.5 M keys: 41 MiB of RssAnon kept after 0.5 M churned
+    frees the old table (21 MB at 0.5 M keys: 42 MiB of RssAnon kept after 0.5 M churned
     stores in-process, 1 MiB once trimmed; docs/benchmarks.md). Without glibc, nothing
     to do."""
     try:

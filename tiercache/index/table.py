@@ -20,10 +20,10 @@ sized for the keys it holds and with no dead entries, so that the resize does no
 copy of 2 M keys has room for 0.8 M more entries, a copy of 0.5 M for 0.2 M, more than the
 0.5 M and 0.125 M deletes between rebuilds (capacities just below two thirds of a power of
 two leave a copy less room: there CPython's resize comes first, and the rebuild only undoes
-it). A rebuild costs a copy of every key under the index's lock (0.3 s at 2 M keys on the
-development VM; docs/benchmarks.md, "The index at scale"), at most once per
-``REBUILD_SHARE`` of the capacity in deletes. It is a new dict object: nothing may hold
-``slot_of`` across a call that can forget a key.
+it). A rebuild costs a copy of every key under the index's lock (0.3-0.6 s at 2 M keys on the
+development VM; docs/benchmarks.md, "The index at scale"), and both tables while it runs,
+at most once per ``REBUILD_SHARE`` of the capacity in deletes. It is a new dict object:
+nothing may hold ``slot_of`` across a call that can forget a key.
 
 One ``Holdings`` per owner names what it reserved and pinned. The table keeps the free
 list, quarantine, the counts by state, the policy and the ledger in step, and tells its
