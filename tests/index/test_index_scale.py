@@ -5,12 +5,14 @@ the index the records describe. No timings: docs/benchmarks.md has those."""
 from __future__ import annotations
 
 import gc
+import sys
 import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
 
 from tiercache.index.manager import OffloadingManager
+from tiercache.index.table import REBUILD_SHARE
 from tiercache.region.ledger import CHUNK_RECORDS, RECORD_BYTES, IndexLedger
 
 MEMORY_SLOTS = 200_000
@@ -75,6 +77,33 @@ def test_a_filled_index_keeps_no_object_per_block_but_its_key_and_slot():
     index, traced = traced_bytes(fill)
     assert (traced - ledger_bytes) / num_slots <= MAX_INDEX_BYTES_PER_SLOT
     assert index.lookup(keys) == num_slots
+
+
+def test_churn_rebuilds_the_key_dict_before_cpython_doubles_it():
+    # 16,384 keys: a copy's table (32,768) has room for 5,461 more entries, beyond the
+    # 4,096 deletes between rebuilds; without them the dict doubles after 5,461 churns.
+    capacity, batch = 16_384, 256
+    m = OffloadingManager(capacity)
+    table = m._table
+    live = keys_of(0, capacity)
+    for lo in range(0, capacity, batch):
+        m.complete_store(list(m.prepare_store(live[lo:lo + batch]).keys_to_store))
+    built = table.slot_of
+    gone: list[bytes] = []
+    for lo in range(capacity, 4 * capacity, batch):  # each store evicts the oldest block
+        new = keys_of(lo, batch)
+        out = m.prepare_store(new)
+        assert out is not None and len(out.evicted_keys) == batch
+        m.complete_store(new)
+        gone += out.evicted_keys
+        live = live[batch:] + new
+        assert sys.getsizeof(table.slot_of) <= sys.getsizeof(dict(table.slot_of)), lo
+    assert table.slot_of is not built  # rebuilt (3 x 16,384 deletes: 12 times)
+    assert table.num_deleted < capacity * REBUILD_SHARE
+    assert set(gone) == set(keys_of(0, 3 * capacity))
+    assert m.lookup(live) == capacity and list(table.slot_of) and set(table.slot_of) == set(live)
+    assert all(table.key_of[table.slot_id(key)] == key for key in live)
+    assert not any(m.lookup([key]) for key in gone)
 
 
 def test_recovery_over_many_chunks_with_keys_of_every_length_and_a_key_held_twice():

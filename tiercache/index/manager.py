@@ -48,7 +48,8 @@ from tiercache.index.caps import SessionCaps
 from tiercache.index.events import EventLog, NodeEvents
 from tiercache.tiers.base import LowerTier
 from tiercache.eviction import EvictionPolicy, make_policy
-from tiercache.index.recovery import give_back_freed_heap, restore
+from tiercache.index.heap import give_back_freed_heap
+from tiercache.index.recovery import restore
 from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
     TierStats,

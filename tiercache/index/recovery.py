@@ -7,7 +7,6 @@ last."""
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast, overload
@@ -72,19 +71,6 @@ def restore(table: SlotTable, recovery: Recovery, surviving: set[int],
     if table.ledger is not None:
         table.ledger.free(sorted(set(last) - set(recovery.abandoned)))
         table.mirror_pins(repinned)
-
-
-def give_back_freed_heap() -> None:
-    """Return the C heap's free pages to the system, once the recovery's temporaries are
-    gone. A bulk rebuild frees about as much as it keeps (each chunk's arrays, the dict's
-    outgrown tables, the recovery's arrays), in the middle of the heap, where glibc keeps
-    it unless asked: 32 B a slot of RssAnon after recovering 2 M READY records (201 ->
-    169 B a slot, docs/benchmarks.md). Without glibc, nothing to do."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # not glibc
-        return
-    trim(0)
 
 
 def keys_of(table: SlotTable, slot: int) -> bytes:

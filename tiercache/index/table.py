@@ -11,6 +11,20 @@ scale"). So the table is one dict and a few arrays indexed by slot id:
   a byte), ``source`` (``BlockSource``, a byte) and ``gens`` (u64) per slot;
 * ``pins``: slot -> {owner: count}, for the pinned (LOADING) slots only.
 
+**``slot_of`` is rebuilt as keys churn.** A CPython dict never shrinks: a deleted key leaves
+a dead entry, and when the dead and live entries fill the table it is resized for three
+times the live keys. So a full index whose blocks are evicted and replaced doubles its dict
+(2 M 32-byte keys: 42 B a key when built, 84 B after 2 M deletes and inserts). After
+``REBUILD_SHARE`` of the capacity in deletes, ``forget`` replaces ``slot_of`` with a copy,
+sized for the keys it holds and with no dead entries, so that the resize does not come: a
+copy of 2 M keys has room for 0.8 M more entries, a copy of 0.5 M for 0.2 M, more than the
+0.5 M and 0.125 M deletes between rebuilds (capacities just below two thirds of a power of
+two leave a copy less room: there CPython's resize comes first, and the rebuild only undoes
+it). A rebuild costs a copy of every key under the index's lock (0.3-0.6 s at 2 M keys on the
+development VM; docs/benchmarks.md, "The index at scale"), and both tables while it runs,
+at most once per ``REBUILD_SHARE`` of the capacity in deletes. It is a new dict object:
+nothing may hold ``slot_of`` across a call that can forget a key.
+
 One ``Holdings`` per owner names what it reserved and pinned. The table keeps the free
 list, quarantine, the counts by state, the policy and the ledger in step, and tells its
 listeners what entered or left the index and what became readable or stopped being. It
@@ -35,6 +49,7 @@ import numpy as np
 from tiercache.errors import ConfigError, InvalidKeyError, UnknownKeyError, StateError
 from tiercache.results import BlockSource
 from tiercache.eviction import EvictionPolicy
+from tiercache.index.heap import give_back_freed_heap
 from tiercache.index.slots import Holdings, KeyListener, Ledger, SlotFlag, SlotState, check_keys
 from tiercache.specs import CPULoadStoreSpec
 
@@ -42,6 +57,7 @@ _FREE, _WRITING, _READY, _LOADING = (int(s) for s in SlotState)
 _DOOMED, _REUSED = int(SlotFlag.DOOMED), int(SlotFlag.REUSED)
 _HOST = int(BlockSource.HOST)
 _HIT = (0).__le__  # a slot_of value that is a readable slot (not ~slot, not absent: -1)
+REBUILD_SHARE = 0.25  # slot_of is copied after deletes of this share of the capacity
 
 
 class SlotTable:
@@ -61,6 +77,8 @@ class SlotTable:
         self.on_keys: KeyListener | None = None
         self.on_readable: list[KeyListener] = []
         self.slot_of: dict[bytes, int] = {}
+        self.num_deleted = 0  # keys deleted from slot_of since it was built
+        self.rebuild_after = max(1, int(capacity * REBUILD_SHARE))  # deletes (see rebuild)
         self.key_of: list[bytes | None] = [None] * capacity
         self.state = bytearray(capacity)
         self.flags = bytearray(capacity)
@@ -298,7 +316,19 @@ class SlotTable:
         del self.slot_of[key]
         self.key_of[slot] = None
         self.state[slot] = _FREE
+        self.num_deleted += 1
+        if self.num_deleted >= self.rebuild_after:
+            self.rebuild()
         return key
+
+    def rebuild(self) -> None:
+        """Replace ``slot_of`` with a copy that has no dead entries (see the module
+        docstring). ``dict(d)`` inserts each key into a table sized for ``len(d)``;
+        ``d.copy()`` would clone a table that is still dense enough, dead entries and all.
+        The old table, freed, goes back to the system."""
+        self.slot_of = dict(self.slot_of)
+        self.num_deleted = 0
+        give_back_freed_heap()
 
     def free_writing(self, keys: Sequence[bytes], hold_out: bool = False) -> list[int]:
         """Forget blocks that were being written (failed store, ended session, a doomed
@@ -374,6 +404,7 @@ class SlotTable:
         for slot, key in zip(kept.tolist(), kept_keys):
             self.key_of[slot] = key
         self.slot_of = {key: ~slot for key, slot in zip(kept_keys, kept.tolist())}
+        self.num_deleted = 0
         self.policy.clear()
         self.num_by_state[_READY] = 0
         self.set_free()
