@@ -117,7 +117,9 @@ def test_the_command_writes_the_issues_json_shape(tmp_path, capsys):
     s = report["systems"]["vllm_native"]
     assert set(s) >= {"requests", "prompt_tokens", "computed_prefill_tokens", "hit_tokens",
                       "ttft_s", "throughput_rps"}
-    assert report["cost_model"]["none"]["provenance"]["measured_on_gpu"] is False
+    cost = report["cost_model"]["none"]
+    assert cost["provenance"]["measured_on_gpu"] is True
+    assert cost["calibration"] == "docs/results/model_cost_h100_llama8b.json"
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys):

@@ -27,7 +27,7 @@ from tiercache.errors import ConfigError
 from tiercache.sizes import parse_size
 from tiercache.tools.replay.cost import (
     TIERCACHE_LOAD_BPS, TIERCACHE_STORE_BPS, VLLM_NATIVE_LOAD_BPS, VLLM_NATIVE_STORE_BPS,
-    CostModel, dense_params, hbm_kv_tokens,
+    CostModel, DecoderShape, hbm_kv_tokens,
 )
 from tiercache.tools.replay.trace import Trace
 from tiercache.tools.replay.workloads import Workload, WorkloadParams, generate
@@ -98,9 +98,9 @@ def _cost(model_dir: Path, load_bps: float, store_bps: float) -> CostModel:
     kv = model_kv(str(model_dir), ServingOptions())
     geometry = kv.geometry
     assert geometry.page_bytes is not None
-    return CostModel(params=dense_params(HFModel.read(str(model_dir))),
-                     kv_bytes_per_token=sum(geometry.page_bytes) // geometry.block_tokens,
-                     block_tokens=geometry.block_tokens, load_bps=load_bps, store_bps=store_bps)
+    return CostModel.for_shape(DecoderShape.of(HFModel.read(str(model_dir))),
+                               sum(geometry.page_bytes) // geometry.block_tokens,
+                               geometry.block_tokens, load_bps, store_bps)
 
 
 def main(argv: list[str]) -> int:

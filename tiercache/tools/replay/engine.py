@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.tools.replay.cost import CostModel
+from tiercache.tools.replay.cost import Chunk, CostModel
 from tiercache.tools.replay.trace import TraceRequest, response_token_ids
 from tiercache.tools.replay.worker import KVWorker
 
@@ -119,11 +119,13 @@ class ReplayEngine:
         out = self.scheduler.schedule()
         self._count_sources()
         sync_end_s = self._submit_loads(out.kv_connector_metadata, now_s)
-        computed = out.total_num_scheduled_tokens
         reqs = [r for r in self.scheduler.running if r.request_id in out.num_scheduled_tokens]
-        decode_context = sum(r.num_computed_tokens for r in reqs
-                             if r.num_computed_tokens > r.num_prompt_tokens)
-        step_s = self.cost.step_s(computed, decode_context) + max(0.0, sync_end_s - now_s)
+        chunks = []
+        for r in reqs:  # schedule() has already counted this step's tokens as computed
+            n = out.num_scheduled_tokens[r.request_id]
+            chunks.append(Chunk(n, r.num_computed_tokens - n))
+        assert sum(c.new_tokens for c in chunks) == out.total_num_scheduled_tokens
+        step_s = self.cost.step_s(chunks) + max(0.0, sync_end_s - now_s)
         end_s = now_s + step_s
         self._submit_stores(out.kv_connector_metadata, end_s)
         report = self.worker.run(self.scheduler, out)
