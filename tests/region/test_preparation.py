@@ -2,8 +2,9 @@
 (``tiercache.region.preparation``): on a real region whose reservation the test holds
 chunk by chunk, the preparer never touches a row that is not reserved (the file's
 allocated blocks say so: a pre-faulted unreserved page would be allocated by the worker),
-exports PINNING with the bytes so far and PINNED at the end, stops at a FAILED reservation
-when run in the caller, and turns a registration failing midway into a state.
+exports PINNING until the whole slice is registered (once every row is pre-faulted, in the
+registrations a whole-slice pin makes) and PINNED after, stops at a FAILED reservation
+when run in the caller, and turns a registration failing into a state.
 
 The registrar is the one test double: page-locking needs a CUDA device, which this machine
 lacks (``tests/transfer/test_background_pinning_gpu.py`` runs the real one). It records
@@ -136,6 +137,7 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
         held.gate.release()  # the first reservation chunk
         preparer.first_chunk()  # waited for it, prepared its first rows in the caller
         assert preparer.ready_rows == PREPARE_ROWS
+        assert registrar.calls == 1 and registrar.ranges == []  # a one-page probe, undone
         preparer.start()
         for step in range(1, NUM_BLOCKS // RESERVE_ROWS + 1):
             if step > 1:
@@ -148,9 +150,8 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
                 2 << 20 if rows == NUM_BLOCKS else 0)  # the last chunk takes the padding
             snap = worker.stats(0).snapshot()
             if rows < NUM_BLOCKS:
-                assert snap.pin_state is PinState.PINNING
-                assert snap.pinned_bytes == rows * layout.row_stride
-                assert preparer.pinned_below(rows) and not preparer.pinned_below(rows + 1)
+                assert (snap.pin_state, snap.pinned_bytes) == (PinState.PINNING, 0)
+                assert not preparer.pinned_below(1)  # nothing is pinned before every row is
                 assert coordinator_view.read(0).pin_state is PinState.PINNING
         assert preparer.wait(DEADLINE_S)
         snap = worker.stats(0).snapshot()
@@ -158,12 +159,10 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
                                                        NUM_BLOCKS * layout.row_stride)
         assert coordinator_view.read(0).pin_state is PinState.PINNED
         assert registrar.unreserved == []  # every range was reserved when it was pinned
-        # contiguous, disjoint, page-aligned chunks covering the rows in order
-        base = worker.base_address + layout.slice_offset(0)
-        assert registrar.ranges[0][0] == base
-        for (a, n), (b, _) in zip(registrar.ranges, registrar.ranges[1:]):
-            assert a + n == b and (b - base) % OS_PAGE == 0
-        assert sum(n for _, n in registrar.ranges) == NUM_BLOCKS * layout.row_stride
+        # the registrations a whole-slice pin makes: no DMA of adjacent rows spans two
+        assert registrar.ranges == [(worker.base_address + off, n)
+                                    for off, n in layout.registrations(0)]
+        assert preparer.pinned_below(NUM_BLOCKS)
     finally:
         for _ in range(NUM_BLOCKS):
             held.gate.release()
@@ -195,12 +194,12 @@ def test_prefaulting_in_the_caller_stops_at_a_failed_reservation(make_config, in
 
 @pytest.mark.parametrize("policy,state", [(PinningPolicy.REQUIRED, PinState.FAILED),
                                           (PinningPolicy.ALLOW_UNPINNED, PinState.UNPINNED)])
-def test_a_registration_failing_midway_is_a_state_and_later_rows_stay_unpinned(
+def test_a_registration_failing_is_a_state_and_every_row_stays_unpinned(
         make_config, instance_name, policy, state):
     region = SharedOffloadRegion.create(_config(make_config))  # reserved in the caller
     worker = SharedOffloadRegion.attach(instance_name, 0)
     layout = worker.layout
-    registrar = RecordingRegistrar(worker, fail_at=3)
+    registrar = RecordingRegistrar(worker, fail_at=2)  # the probe passes, the slice fails
     preparer = SlicePreparer(worker, 2, registrar, policy,
                              chunk_bytes=PREPARE_ROWS * layout.row_stride)
     try:
@@ -209,8 +208,8 @@ def test_a_registration_failing_midway_is_a_state_and_later_rows_stay_unpinned(
         assert preparer.wait(DEADLINE_S)
         assert preparer.ready_rows == NUM_BLOCKS  # the pre-fault went on
         snap = worker.stats(0).snapshot()
-        assert (snap.pin_state, snap.pinned_bytes) == (state, 2 * PREPARE_ROWS * layout.row_stride)
-        assert not preparer.pinned_below(2 * PREPARE_ROWS)  # nothing counts as pinned now
+        assert (snap.pin_state, snap.pinned_bytes) == (state, 0)
+        assert not preparer.pinned_below(1)  # nothing counts as pinned
     finally:
         preparer.close()
         worker.close()

@@ -12,21 +12,26 @@ coordinator that died mid-way, stops a preparation run in the caller (``run``, w
 host-only attachments use) at the rows reserved; one in the background (``start``) waits on
 at a slower poll, since a new coordinator that re-adopts the region reserves the rest.
 
-**Ready rows.** ``ready_rows`` grows after each chunk: rows below it are pre-faulted and,
-with a registrar, page-locked for the worker's GPU. The worker copies rows below it on its
-pinned path and any other row on a path that needs no page-locked memory
-(``tiercache.transfer.gated_path``), so a transfer never depends on a registration that has
-not happened. The index hands out only reserved slots, and slots lowest first, so early
-transfers land in rows the preparer took first.
+**Pre-faulted by chunks, registered at the end.** ``ready_rows`` grows after each chunk:
+rows below it are pre-faulted. The slice is page-locked once every row is, in the same
+registrations a whole-slice pin makes (``RegionLayout.registrations``: at most 64 GiB
+each). Not chunk by chunk: ``staged`` merges the DMAs of adjacent rows, and one DMA over
+two registrations fails (``CUDA_ERROR_INVALID_VALUE``: seen on the H100 when this
+registered 256 MiB chunks), so a registration boundary every chunk would break every
+transfer of adjacent slots that crosses one. Until the registration is done the worker
+copies every row on a path that needs no page-locked memory, after it on its chosen one
+(``pinned_below``; ``tiercache.transfer.gated_path``). ``first_chunk`` registers one page
+and unregisters it, so a driver that cannot pin at all still fails ``attach`` under
+``required``.
 
-**Exported as it goes.** After each chunk the rank's stats block says PINNING with the
-bytes registered so far (``tiercache_pinned_bytes{rank}``, ``tiercache_pin_state``), and
-PINNED with the whole slice's bytes and seconds at the end; the pre-fault's seconds and the
-NUMA placement are recorded at the end, as before.
+**Exported as it goes.** While it works the rank's stats block says PINNING
+(``tiercache_pin_state``) with the bytes registered so far (``tiercache_pinned_bytes{rank}``,
+per registration), and PINNED with the whole slice's bytes and seconds at the end; the
+pre-fault's seconds and the NUMA placement are recorded at the end, as before.
 
-**A failure is a state.** A registration that fails rolls back nothing already ready: the
-state becomes FAILED (policy ``required``) or UNPINNED (``allow_unpinned``), an error line
-says so, the pinned rows stay pinned and the others keep the unpinned path.
+**A failure is a state.** A registration that fails rolls back its own ranges: the state
+becomes FAILED (policy ``required``) or UNPINNED (``allow_unpinned``), an error line says
+so, and every row keeps the unpinned path.
 """
 
 from __future__ import annotations
@@ -53,14 +58,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREPARE_CHUNK_BYTES = 256 << 20  # the reservation's chunk: one registration each
+PREPARE_CHUNK_BYTES = 256 << 20  # the reservation's chunk
 _POLL_S = 0.005  # waiting for the coordinator's next reserved chunk
 _SLOW_POLL_S = 1.0  # reservation FAILED or its owner gone: waiting for a new coordinator
 
 
 def chunk_rows(row_stride: int, chunk_bytes: int) -> int:
-    """Rows per chunk: about ``chunk_bytes``, a whole number of OS pages, so no two
-    registrations share a page (``cuMemHostRegister`` refuses a page registered twice)."""
+    """Rows per chunk: about ``chunk_bytes``, a whole number of OS pages (pre-fault ranges
+    are page-aligned)."""
     rows_per_page_run = OS_PAGE // math.gcd(row_stride, OS_PAGE)
     runs = max(1, chunk_bytes // (row_stride * rows_per_page_run))
     return runs * rows_per_page_run
@@ -91,6 +96,7 @@ class SlicePreparer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._ready_rows = 0
+        self._registered = False  # the whole slice page-locked
         self.pinned_ok = registrar is not None  # False once a registration failed
         self.prefault_s = self.pin_s = 0.0
         self._started = time.perf_counter()
@@ -99,7 +105,7 @@ class SlicePreparer:
     # ------------------------------------------------------------------ state
     @property
     def ready_rows(self) -> int:
-        """Rows ``[0, ready_rows)`` are pre-faulted (and registered, while ``pinned_ok``)."""
+        """Rows ``[0, ready_rows)`` are pre-faulted."""
         return self._ready_rows
 
     @property
@@ -107,8 +113,9 @@ class SlicePreparer:
         return self._ready_rows >= self.num_rows
 
     def pinned_below(self, rows_end: int) -> bool:
-        """True when rows ``[0, rows_end)`` are page-locked for the worker's GPU."""
-        return self.pinned_ok and rows_end <= self._ready_rows
+        """True when rows ``[0, rows_end)`` are page-locked for the worker's GPU (all rows
+        are, once the slice is registered; none before: module docstring)."""
+        return self._registered and self.pinned_ok and rows_end <= self.num_rows
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the preparation completed, stopped or failed; False on timeout."""
@@ -116,14 +123,20 @@ class SlicePreparer:
 
     # ------------------------------------------------------------------ driving
     def first_chunk(self) -> None:
-        """Prepare the first chunk in the caller (its registration failing raises under
-        ``required``, as a whole-slice pin did): waits for its reservation."""
+        """Pre-fault the first chunk in the caller (waiting for its reservation) and probe
+        the registrar with one page: a driver that cannot pin raises here under
+        ``required``, as a whole-slice pin did. A slice of one chunk is registered here."""
         if self._placer is not None:
             self._placer.before_touch()
             self._placed = True
         chunk = next(self._chunks(), None)
         if chunk is not None and self._wait_reserved(chunk[1], background=False):
-            self._prepare(*chunk, raise_pin_error=True)
+            self._prepare(*chunk)
+        if self.pinned_ok:
+            if self.complete:
+                self._register(raise_pin_error=True)
+            else:
+                self._probe()
         if self.complete:
             self._finish()
 
@@ -164,8 +177,10 @@ class SlicePreparer:
                 for first, end in self._chunks():
                     if self._stop.is_set() or not self._wait_reserved(end, background):
                         return
-                    self._prepare(first, end, raise_pin_error=False)
+                    self._prepare(first, end)
                     progress.advance((end - first) * self._region.layout.row_stride)
+            if self.pinned_ok and not self._stop.is_set():
+                self._register(raise_pin_error=False)
             self._finish()
         except Exception:  # a thread's failure is said and exported, never lost
             log.exception("rank %d: preparing the slice failed at row %d; rows from there "
@@ -198,30 +213,47 @@ class SlicePreparer:
             if self._stop.wait(_SLOW_POLL_S if stuck else _POLL_S):
                 return False
 
-    def _prepare(self, first: int, end: int, raise_pin_error: bool) -> None:
-        region, layout = self._region, self._region.layout
-        offset = layout.slice_offset(self.rank) + first * layout.row_stride
-        length = (end - first) * layout.row_stride
-        self.prefault_s += region.prefault_rows(first, end, self._threads)
-        if self.pinned_ok:
-            self._pin(region.base_address + offset, length, raise_pin_error)
+    def _prepare(self, first: int, end: int) -> None:
+        self.prefault_s += self._region.prefault_rows(first, end, self._threads)
         with self._lock:
             self._ready_rows = end
 
-    def _pin(self, address: int, length: int, raise_pin_error: bool) -> None:
-        registrar = self._registrar
+    def _probe(self) -> None:
+        """One page registered and unregistered (raises under ``required``)."""
+        registrar, region = self._registrar, self._region
         assert registrar is not None
+        address = region.base_address + region.layout.slice_offset(self.rank)
         try:
-            self.pin_s += registrar.pin([(address, length)])
+            registrar.pin([(address, OS_PAGE)])
+            registrar.unpin()
         except PinError as e:
-            if raise_pin_error and self._policy is PinningPolicy.REQUIRED:
-                self._region.stats(self.rank).set_pin(PinState.FAILED)
+            if self._policy is PinningPolicy.REQUIRED:
+                region.stats(self.rank).set_pin(PinState.FAILED)
                 raise
             self._set_pin_failed(str(e))
             return
-        self._region.adopt_registrar(registrar)
-        self._region.stats(self.rank).set_pin(PinState.PINNING, registrar.pinned_bytes,
-                                              self.pin_s)
+        region.stats(self.rank).set_pin(PinState.PINNING)
+
+    def _register(self, raise_pin_error: bool) -> None:
+        """The whole slice, in ``RegionLayout.registrations`` (module docstring)."""
+        registrar, region = self._registrar, self._region
+        assert registrar is not None and self.rank is not None
+        stats = region.stats(self.rank)
+        stats.set_pin(PinState.PINNING, 0, 0.0)
+        ranges = [(region.base_address + off, n)
+                  for off, n in region.layout.registrations(self.rank)]
+        region.adopt_registrar(registrar)  # its unpin undoes whatever is registered
+        try:
+            for address, length in ranges:  # each told as it is registered
+                self.pin_s += registrar.pin([(address, length)])
+                stats.set_pin(PinState.PINNING, registrar.pinned_bytes, self.pin_s)
+        except PinError as e:
+            if raise_pin_error and self._policy is PinningPolicy.REQUIRED:
+                stats.set_pin(PinState.FAILED)
+                raise
+            self._set_pin_failed(str(e))
+            return
+        self._registered = True
 
     def _set_pin_failed(self, why: str) -> None:
         if not self.pinned_ok:
@@ -230,8 +262,8 @@ class SlicePreparer:
         state = (PinState.FAILED if self._policy is PinningPolicy.REQUIRED
                  else PinState.UNPINNED)
         pinned = 0 if self._registrar is None else self._registrar.pinned_bytes
-        log.error("rank %d: page-locking its slice stopped after %s (%s): state %s; its other "
-                  "rows are copied on the unpinned path", self.rank, format_bytes(pinned), why,
+        log.error("rank %d: page-locking its slice failed after %s (%s): state %s; every row "
+                  "is copied on the unpinned path", self.rank, format_bytes(pinned), why,
                   state.label)
         self._region.stats(self.rank).set_pin(state, pinned, self.pin_s)
 
