@@ -53,10 +53,15 @@ CALIBRATION = "docs/results/model_cost_h100_llama8b.json"
 # the calibration run's own ceiling: 55.5 / 55.3 GB/s).
 TIERCACHE_LOAD_BPS = 49.06e9
 TIERCACHE_STORE_BPS = 49.97e9
-# vLLM's CPU offloading worker was not measured here: assumed equal to tiercache's, so that
-# the systems differ by what they hit, not by their copies.
-VLLM_NATIVE_LOAD_BPS = TIERCACHE_LOAD_BPS
-VLLM_NATIVE_STORE_BPS = TIERCACHE_STORE_BPS
+# vLLM 0.33's CPU offloading copy, replicated on one H100 (its compiled ops cannot run on
+# the device machine): one cuMemcpyBatchAsync per transfer over every 32 KiB descriptor of
+# its per-layer K/V tensors (64 a Llama-3.1-8B block), STREAM stores / ANY loads, engine
+# view of 256-block transfers: 29.3 GB/s loads, 30.4 GB/s stores (0.53 / 0.55 of that run's
+# 55.4 / 55.3 GB/s ceiling; tiercache's auto beside it 0.94 / 0.93): benchmarks/
+# vllm_native_copy_gpu.py, docs/results/vllm_native_copy_h100.json. The engines start only
+# once the driver has walked all 16,384 descriptors.
+VLLM_NATIVE_LOAD_BPS = 29.3e9
+VLLM_NATIVE_STORE_BPS = 30.4e9
 IDLE_STEP_S = 1e-3  # an engine step with no forward pass (chosen, not measured)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 ACTIVATION_RESERVE_BYTES = 4e9  # activations, CUDA graphs, workspace (assumed)
@@ -72,7 +77,9 @@ PROVENANCE = {
         "forward pass on the GPU'",
     "shape": "counted from config.json (dense decoder: attention, MLP, LM head)",
     "load_store_bps": "tiercache: measured, docs/benchmarks.md 'End to end on 2 GPUs' "
-                      "(auto backend, one H100 rank); vllm_native: assumed equal, not measured",
+                      "(auto backend, one H100 rank); vllm_native: its copy (one "
+                      "cuMemcpyBatchAsync of per-layer 32 KiB descriptors) replicated on one "
+                      "H100, docs/results/vllm_native_copy_h100.json",
     "idle_step_s": "chosen, not measured",
     "measured_on_gpu": True,
 }
