@@ -29,7 +29,8 @@ from tiercache.planning.planner import TransferPlanner
 def _run(case, seed: int = 0):
     gpu, cpu = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu, cpu, case.factor, case.groups)
-    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows,
+                                       case.break_rows)
     layout = staging.layout(planner.block_plan(case.direction, case.spec))
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
@@ -64,8 +65,9 @@ def _rank(num_tensors: int, page: int, factor: int, gpu_blocks: int = 1024,
 
 
 def _layout(planner, gpu_ids, cpu_ids, chunk_bytes=32 << 20, store=True, block_index=0,
-            load_whole_rows=False):
-    staging = BlockStaging.of_geometry(planner.geometry, chunk_bytes, load_whole_rows)
+            load_whole_rows=False, break_rows=0):
+    staging = BlockStaging.of_geometry(planner.geometry, chunk_bytes, load_whole_rows,
+                                       break_rows)
     gpu_spec = GPULoadStoreSpec(gpu_ids, None, [block_index])
     cpu_spec = CPULoadStoreSpec(cpu_ids)
     if store:
@@ -129,6 +131,23 @@ def test_adjacent_rows_merge_into_one_dma_per_chunk_and_padded_rows_do_not():
     padded = _layout(_rank(8, 4096, 1, row_pad=256), np.arange(100, 164), np.arange(10, 74),
                      chunk_bytes=1 << 20)
     assert padded.dma_host.size == 64  # padding between rows is never written
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_no_dma_runs_into_a_row_where_a_registration_begins(store):
+    """A slice registered in pieces (RegionLayout.registrations, every ``break_rows``
+    rows): one DMA over two registrations fails on the GPU (CUDA_ERROR_INVALID_VALUE), so
+    adjacent rows merge only within a piece."""
+    planner = _rank(8, 4096, 1)  # rows of 32 KiB, no padding: images of rows r, r+1 meet
+    whole = _layout(planner, np.arange(100, 164), np.arange(10, 74), store=store)
+    assert whole.dma_host.size == 1  # 64 adjacent rows, one DMA
+    cut = _layout(planner, np.arange(100, 164), np.arange(10, 74), store=store, break_rows=16)
+    assert cut.num_bytes == whole.num_bytes
+    row = 32 << 10
+    # pieces begin at slots 16, 32, 48, 64: rows 10..15 | 16..31 | 32..47 | 48..63 | 64..73
+    assert cut.dma_bytes.tolist() == [6 * row, 16 * row, 16 * row, 16 * row, 10 * row]
+    starts = (cut.dma_host.astype(np.int64) - int(whole.dma_host[0])) // row + 10
+    assert starts.tolist() == [10, 16, 32, 48, 64]
 
 
 def test_whole_row_loads_merge_adjacent_rows_of_a_group_whose_pitch_is_not_the_others():

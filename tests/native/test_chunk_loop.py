@@ -69,6 +69,26 @@ def test_adjacent_rows_merge_into_one_dma_per_chunk_run(store, factor):
     assert layout.num_chunks > 1 and layout.dma_bytes.size < layout.num_rows
 
 
+@pytest.mark.parametrize("store", [True, False])
+def test_the_loop_merges_no_dma_into_a_row_where_a_registration_begins(store):
+    """As the numpy layout does (``break_rows``: a slice registered in pieces): slots 10..33
+    with a piece every 8 rows, chunks of 64 rows: DMAs 10..15, 16..23, 24..31, 32..33."""
+    pages, tensors, blocks = 4096, 4, 64
+    rng = np.random.default_rng(3)
+    case = Case(factor=1, pages=[pages] * tensors,
+                gpu_offset=[t * blocks * pages for t in range(tensors)],
+                gpu_stride=[pages] * tensors, num_gpu_blocks=blocks,
+                cpu_offset=[t * pages for t in range(tensors)],
+                cpu_stride=tensors * pages, num_cpu_blocks=blocks,
+                groups=[list(range(tensors))],
+                gpu_spec=GPULoadStoreSpec(rng.permutation(blocks)[:24].tolist()),
+                cpu_spec=CPULoadStoreSpec(list(range(10, 34))), store=store, chunk_rows=64,
+                break_rows=8)
+    layout = _check(case, ABI_13_0)
+    assert layout.num_chunks == 1
+    assert layout.dma_bytes.tolist() == [r * tensors * pages for r in (6, 8, 8, 2)]
+
+
 @pytest.mark.parametrize("rows, dmas", [(2, [2560]), (5, [2560, 2560, 1280])])
 def test_whole_row_loads_merge_rows_when_the_groups_pitches_differ(rows, dmas):
     """The Hypothesis example that found it: two groups of different pitches (tensors 0

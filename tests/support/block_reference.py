@@ -83,6 +83,7 @@ class Case:
     store: bool
     chunk_rows: int  # chunk_bytes in rows of the widest stride
     load_whole_rows: bool = False  # BlockStaging's load policy
+    break_rows: int = 0  # BlockStaging's registration boundary (no DMA runs into such a row)
 
     @property
     def gpu_bytes(self) -> int:
@@ -166,7 +167,8 @@ def draw_case(d, max_tensors: int = 6, max_pages: int = 8) -> Case:
     return Case(factor, pages, offsets, strides, num_gpu, list(layout.page_offsets),
                 layout.row_stride + row_pad, num_cpu, groups,
                 GPULoadStoreSpec(gids, sizes, indices), CPULoadStoreSpec(cids), store,
-                chunk_rows=d.pick([1, 1, 2, 3, 64]), load_whole_rows=bool(d.int(0, 1)))
+                chunk_rows=d.pick([1, 1, 2, 3, 64]), load_whole_rows=bool(d.int(0, 1)),
+                break_rows=d.pick([0, 0, 1, 2, 3]))
 
 
 def aligned(num_bytes: int, fill_byte: int = 0, align: int = 4096) -> np.ndarray:

@@ -339,12 +339,13 @@ class Prepared:
 def prepare(case) -> Prepared:
     gpu_pages, cpu_pages = case.page_arrays(GPU_BASE, CPU_BASE)
     planner = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups)
-    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows)
+    staging = BlockStaging.of_geometry(planner.geometry, case.chunk_bytes, case.load_whole_rows,
+                                       case.break_rows)
     reference = TransferPlanner(gpu_pages, cpu_pages, case.factor, case.groups,
                                 native_validation=False)
     plan = reference.block_plan(case.direction, case.spec)
     layout = BlockStaging.of_geometry(reference.geometry, case.chunk_bytes,
-                                     case.load_whole_rows).layout(plan)
+                                     case.load_whole_rows, case.break_rows).layout(plan)
     gpu_data = np.empty(case.gpu_bytes, dtype=np.uint8)
     cpu_data = np.empty(case.cpu_bytes, dtype=np.uint8)
     fill(case, gpu_data, cpu_data, 0)

@@ -53,6 +53,7 @@ class Geometry:
     tpl_count: np.ndarray
     run_offset: np.ndarray
     run_bytes: np.ndarray
+    break_rows: int = 0  # no DMA runs into a row whose slot is a multiple (0: none)
 
     @property
     def max_runs(self) -> int:
@@ -71,6 +72,7 @@ class Geometry:
         for name in ("cpu_stride", "row_origin", "pitch", "tpl_first", "tpl_count",
                      "run_offset", "run_bytes"):
             setattr(g, name, getattr(self, name).ctypes.data)
+        g.break_rows = int(self.break_rows)
         return g
 
 

@@ -44,6 +44,7 @@ class GeometryStruct(ctypes.Structure):
         ("chunk_bytes", ctypes.c_uint64),
         ("cpu_stride", _vp), ("row_origin", _vp), ("pitch", _vp),
         ("tpl_first", _vp), ("tpl_count", _vp), ("run_offset", _vp), ("run_bytes", _vp),
+        ("break_rows", ctypes.c_int64),
     ]
 
 

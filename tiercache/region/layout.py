@@ -40,6 +40,12 @@ SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
 OS_PAGE = 4096  # the smallest Linux page: rows and pre-fault ranges align to it
 MAX_REGISTRATION_BYTES = 64 << 30  # one cudaHostRegister >= 512 GiB fails on r580+ drivers
+
+
+def registration_rows(row_stride: int, max_bytes: int = MAX_REGISTRATION_BYTES) -> int:
+    """Rows per registration of a slice: a registration boundary falls before every row
+    whose slot is a multiple of this (one DMA over two registrations fails)."""
+    return max(max_bytes // row_stride, 1)
 _PAGE_ALIGN_MAX_WASTE = 32  # page-align rows when the padding is <= 1/32 of a row
 
 
@@ -189,8 +195,9 @@ class RegionLayout:
     def registrations(self, rank: int, max_bytes: int = MAX_REGISTRATION_BYTES
                       ) -> list[tuple[int, int]]:
         """(offset, length) registrations covering ``rank``'s rows, each <= max_bytes and
-        cut on row boundaries, so no block copy straddles two registrations."""
-        rows_each = max(max_bytes // self.row_stride, 1)
+        cut on row boundaries (every ``registration_rows`` rows), so no block copy straddles
+        two registrations; ``staged`` merges no DMA across them either."""
+        rows_each = registration_rows(self.row_stride, max_bytes)
         start = self.slice_offset(rank)
         ranges = []
         for first in range(0, self.num_blocks, rows_each):

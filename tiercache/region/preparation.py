@@ -15,10 +15,11 @@ at a slower poll, since a new coordinator that re-adopts the region reserves the
 **Pre-faulted by chunks, registered at the end.** ``ready_rows`` grows after each chunk:
 rows below it are pre-faulted. The slice is page-locked once every row is, in the same
 registrations a whole-slice pin makes (``RegionLayout.registrations``: at most 64 GiB
-each). Not chunk by chunk: ``staged`` merges the DMAs of adjacent rows, and one DMA over
-two registrations fails (``CUDA_ERROR_INVALID_VALUE``: seen on the H100 when this
-registered 256 MiB chunks), so a registration boundary every chunk would break every
-transfer of adjacent slots that crosses one. Until the registration is done the worker
+each, cut every ``registration_rows``). Not chunk by chunk: ``staged`` merges the DMAs of
+adjacent rows, and one DMA over two registrations fails (``CUDA_ERROR_INVALID_VALUE``: seen
+on the H100 when this registered 256 MiB chunks); it merges none into a row where one of
+those pieces begins (``BlockStaging.break_rows``), and the rule holds for the pieces only.
+Until the registration is done the worker
 copies every row on a path that needs no page-locked memory, after it on its chosen one
 (``pinned_below``; ``tiercache.transfer.gated_path``). ``first_chunk`` registers one page
 and unregisters it, so a driver that cannot pin at all still fails ``attach`` under

@@ -93,6 +93,7 @@ from tiercache.errors import BackendError
 from tiercache.native.chunk_loop import ChunkLoop, LoopDriver, TableDriver
 from tiercache.planning.geometry import TransferGeometry
 from tiercache.planning.plans import BlockPlan, CopyPlan, PlanForm
+from tiercache.region.layout import registration_rows
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # ~0.6 ms of PCIe per chunk; 16 MiB doubled the chunk count
 DEFAULT_RING_SLOTS = 4  # 128 MiB of GPU memory per direction
@@ -163,7 +164,9 @@ class StagedBackend(StreamBackend[Plan]):
     def _block_path(self, geometry: TransferGeometry, load_whole_rows: bool,
                     max_programs: int | None) -> BlockPath | None:
         try:  # whole-row loads: one DMA per CPU row, extra host bytes read, none written
-            staging = BlockStaging.of_geometry(geometry, self.chunk_bytes, load_whole_rows)
+            staging = BlockStaging.of_geometry(
+                geometry, self.chunk_bytes, load_whole_rows,
+                registration_rows(geometry.cpu_pages[0].block_stride_bytes))
         except BackendError as e:
             log.warning("staged on %s: this geometry takes the page-level layout (%s)",
                         self.device, e)

@@ -150,13 +150,16 @@ class BlockStaging:
 
     def __init__(self, gpu: Sequence[PageArray], cpu: Sequence[PageArray], factor: int,
                  groups: Sequence[Sequence[int]], chunk_bytes: int,
-                 load_whole_rows: bool = False):
+                 load_whole_rows: bool = False, break_rows: int = 0):
         if chunk_bytes < SLOT_ALIGN or chunk_bytes % SLOT_ALIGN:
             raise BackendError(f"chunk_bytes = {chunk_bytes}: must be a positive multiple of "
                                f"{SLOT_ALIGN}")
         self.factor, self.chunk_bytes = int(factor), int(chunk_bytes)
         self._sub_pages = np.arange(self.factor, dtype=_I64)
         self.load_whole_rows = bool(load_whole_rows)
+        # no DMA runs into a row whose slot is a multiple of this: a registration boundary
+        # of the region (RegionLayout.registrations; 0: none)
+        self.break_rows = int(break_rows)
         self.groups: tuple[GroupPages, ...] | None = None  # the geometry's, set by of_geometry
         columns: list[list[int]] = [[], [], [], []]
         self.group_first = np.zeros(len(groups), dtype=_I64)
@@ -204,11 +207,12 @@ class BlockStaging:
 
     @classmethod
     def of_geometry(cls, geometry: TransferGeometry, chunk_bytes: int,
-                    load_whole_rows: bool = False) -> BlockStaging:
+                    load_whole_rows: bool = False, break_rows: int = 0) -> BlockStaging:
         """The tables of ``geometry`` (its groups in its order): ``layout`` takes the block
         plans of its planner."""
         staging = cls(geometry.gpu_pages, geometry.cpu_pages, geometry.block_size_factor,
-                      [g.tensors for g in geometry.groups], chunk_bytes, load_whole_rows)
+                      [g.tensors for g in geometry.groups], chunk_bytes, load_whole_rows,
+                      break_rows)
         staging.groups = geometry.groups
         return staging
 
@@ -224,7 +228,7 @@ class BlockStaging:
         return Geometry(self.factor, self.chunk_bytes, self.load_whole_rows,
                         i64(self.cpu_stride), i64(self.row_origin), i64(self.pitch),
                         i64(self.tpl_first), i64(self.tpl_count), i64(self.runs[0]),
-                        i64(self.runs[1]))
+                        i64(self.runs[1]), self.break_rows)
 
     @property
     def num_groups(self) -> int:
@@ -265,6 +269,7 @@ class BlockStaging:
         parts = [self._group_rows(p, whole) for p in plan.group_pairs()]
         if not parts:
             return _empty_layout()
+        row_break = self._row_breaks(parts)
         if len(parts) == 1:
             row_host, row_tpl, gpu_ids, pair_row, subs, groups = parts[0]
             row_pitch = None if self._uniform_pitch else np.full(row_host.size, self.pitch[groups])
@@ -288,11 +293,12 @@ class BlockStaging:
             np.take(row_slot, pair_row, out=pairs[1])
             pair_first = np.searchsorted(pair_row, row_first).astype(_I64)
         if isinstance(row_tpl, int) and self._tpl_count[row_tpl] == 1:  # one work: one group
-            host, slot, size, dma_first = self._uniform_dmas(row_host, row_slot, row_tpl,
-                                                             row_first, int(self.pitch[groups]))
+            host, slot, size, dma_first = self._uniform_dmas(
+                row_host, row_slot, row_tpl, row_first, int(self.pitch[groups]), row_break)
         else:
             host, slot, size, dma_first = self._dmas(
-                row_host, row_slot, np.broadcast_to(row_tpl, row_host.shape), row_first)
+                row_host, row_slot, np.broadcast_to(row_tpl, row_host.shape), row_first,
+                row_break)
         return BlockLayout(pairs, pair_first, host.view(np.uint64), slot.view(np.uint64),
                            size.view(np.uint64), dma_first, int(row_host.size))
 
@@ -363,8 +369,15 @@ class BlockStaging:
         start = end - pitch
         return first, start - np.repeat(start[first[:-1]], np.diff(first))
 
+    def _row_breaks(self, parts) -> np.ndarray | None:
+        """Per row: its slot is a multiple of ``break_rows`` (no DMA runs into it)."""
+        if not self.break_rows:
+            return None
+        slots = [(p[0] - self.row_origin[p[5]]) // self.cpu_stride[p[5]] for p in parts]
+        return np.concatenate(slots) % self.break_rows == 0
+
     def _uniform_dmas(self, row_host: np.ndarray, row_slot: np.ndarray, tpl: int,
-                      row_first: np.ndarray, pitch: int):
+                      row_first: np.ndarray, pitch: int, row_break: np.ndarray | None):
         """``_dmas`` when every row has template ``tpl`` of one run (the common case): the
         rows of one group, each ``pitch`` (that group's) after the last in its chunk. Two
         rows' runs continue each other in the slot only when the run is the whole pitch;
@@ -378,6 +391,8 @@ class BlockStaging:
             return (row_host + offset, row_slot + offset, np.full(num_rows, length, dtype=_I64),
                     row_first)
         breaks = (row_host[1:] - row_host[:-1]) != length  # a DMA begins after row i
+        if row_break is not None:
+            breaks |= row_break[1:]  # a registration begins at row i + 1
         if row_first.size > 2:
             breaks[row_first[1:-1] - 1] = True  # never across chunks
         inner = np.flatnonzero(breaks)
@@ -392,7 +407,7 @@ class BlockStaging:
         return row_host[starts], row_slot[starts], size, np.searchsorted(starts, row_first)
 
     def _dmas(self, row_host: np.ndarray, row_slot: np.ndarray, row_tpl: np.ndarray,
-              row_first: np.ndarray):
+              row_first: np.ndarray, row_break: np.ndarray | None = None):
         """The template runs of every row, neighbours that continue each other on both
         sides (inside one chunk) merged: (host, slot offset, bytes, chunk boundaries)."""
         counts = self.tpl_count[row_tpl]
@@ -406,6 +421,9 @@ class BlockStaging:
             return host, slot, size, first
         joins = (host[:-1] + size[:-1] == host[1:]) & (slot[:-1] + size[:-1] == slot[1:])
         joins[first[1:-1] - 1] = False  # never across chunks
+        if row_break is not None:  # never into a row where a registration begins
+            opening = before[row_break & (counts > 0)]
+            joins[opening[opening > 0] - 1] = False
         if not joins.any():
             return host, slot, size, first
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))

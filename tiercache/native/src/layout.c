@@ -202,7 +202,8 @@ int lay_out(const tc_geometry *geo, const tc_job *j, int zero_copy, dma_t *x,
             uint64_t h = (uint64_t)(host + geo->run_offset[u]);
             uint64_t s = (uint64_t)(slot + geo->run_offset[u]), n = (uint64_t)geo->run_bytes[u];
             if (d > df[k] && x->host[d - 1] + x->bytes[d - 1] == h
-                && x->slot[d - 1] + x->bytes[d - 1] == s) {
+                && x->slot[d - 1] + x->bytes[d - 1] == s
+                && !(u == first && geo->break_rows > 0 && row->slot % geo->break_rows == 0)) {
                 x->bytes[d - 1] += n; /* continues its neighbour on both sides */
                 continue;
             }

@@ -32,6 +32,7 @@ static const tc_field tc_fields[] = {
     TC_FIELD(tc_geometry, row_origin), TC_FIELD(tc_geometry, pitch),
     TC_FIELD(tc_geometry, tpl_first), TC_FIELD(tc_geometry, tpl_count),
     TC_FIELD(tc_geometry, run_offset), TC_FIELD(tc_geometry, run_bytes),
+    TC_FIELD(tc_geometry, break_rows),
     TC_STRUCT(tc_config),
     TC_FIELD(tc_config, launch), TC_FIELD(tc_config, record), TC_FIELD(tc_config, wait),
     TC_FIELD(tc_config, batch), TC_FIELD(tc_config, ctx_set), TC_FIELD(tc_config, ctx_get),

@@ -27,6 +27,8 @@ typedef struct {
     const int64_t *cpu_stride, *row_origin, *pitch; /* per group */
     const int64_t *tpl_first, *tpl_count;           /* per template */
     const int64_t *run_offset, *run_bytes;          /* per run */
+    int64_t break_rows; /* no DMA runs into a row whose slot is a multiple (0: none):
+                         * a registration boundary of the region */
 } tc_geometry;
 
 /* One loop's constant part: its driver entry points, ring, events and kernels. */
