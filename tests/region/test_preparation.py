@@ -151,7 +151,7 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
             snap = worker.stats(0).snapshot()
             if rows < NUM_BLOCKS:
                 assert (snap.pin_state, snap.pinned_bytes) == (PinState.PINNING, 0)
-                assert not preparer.pinned_below(1)  # nothing is pinned before every row is
+                assert not preparer.pinned()  # nothing is pinned before every row is
                 assert coordinator_view.read(0).pin_state is PinState.PINNING
         assert preparer.wait(DEADLINE_S)
         snap = worker.stats(0).snapshot()
@@ -162,7 +162,7 @@ def test_a_worker_prepares_only_reserved_rows_following_the_reservation(make_con
         # the registrations a whole-slice pin makes: no DMA of adjacent rows spans two
         assert registrar.ranges == [(worker.base_address + off, n)
                                     for off, n in layout.registrations(0)]
-        assert preparer.pinned_below(NUM_BLOCKS)
+        assert preparer.pinned()
     finally:
         for _ in range(NUM_BLOCKS):
             held.gate.release()
@@ -209,7 +209,7 @@ def test_a_registration_failing_is_a_state_and_every_row_stays_unpinned(
         assert preparer.ready_rows == NUM_BLOCKS  # the pre-fault went on
         snap = worker.stats(0).snapshot()
         assert (snap.pin_state, snap.pinned_bytes) == (state, 0)
-        assert not preparer.pinned_below(1)  # nothing counts as pinned
+        assert not preparer.pinned()  # nothing counts as pinned
     finally:
         preparer.close()
         worker.close()

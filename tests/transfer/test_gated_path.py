@@ -1,6 +1,6 @@
-"""``GatedPath``: while a slice is page-locked in the background, a transfer goes to the
-pinned path only when every host row it touches is pinned; the other path otherwise; what
-a path holds goes back to that path; both close. The two paths here record what they are
+"""``GatedPath``: while a slice is page-locked in the background, every transfer goes to the
+unpinned path, and from the moment the slice is registered to the pinned one; what a path
+holds goes back to that path; both close. The two paths here record what they are
 given (the real ones need a CUDA device: tests/transfer/test_background_pinning_gpu.py);
 the specs and the routing rule are the real ones."""
 
@@ -37,10 +37,10 @@ class Recording(TransferPath):
         self.closed = True
 
 
-def _gated(pinned_rows: list[int]):
+def _gated(registered: list[bool]):
     pinned = Recording("pinned", BackendKind.STAGED)
     unpinned = Recording("unpinned", BackendKind.CE)
-    return GatedPath(pinned, unpinned, lambda end: end <= pinned_rows[0]), pinned, unpinned
+    return GatedPath(pinned, unpinned, lambda: registered[0]), pinned, unpinned
 
 
 def _store(path: GatedPath, job: int, slots: list[int]) -> Outcome:
@@ -48,22 +48,25 @@ def _store(path: GatedPath, job: int, slots: list[int]) -> Outcome:
                                CPULoadStoreSpec(slots)), None, None, None, None, None)
 
 
-def test_a_transfer_is_pinned_only_when_every_row_it_touches_is():
-    rows = [8]
-    gated, pinned, unpinned = _gated(rows)
+def test_transfers_take_the_pinned_path_from_the_moment_the_slice_is_registered():
+    registered = [False]
+    gated, pinned, unpinned = _gated(registered)
     assert (gated.kind, gated.direction) == (BackendKind.STAGED, Direction.GPU_TO_CPU)
-    _store(gated, 1, [0, 7])  # rows 0..7: all pinned
-    _store(gated, 2, [3, 8])  # row 8 is not
+    _store(gated, 1, [0, 7])
+    _store(gated, 2, [3, 8])
+    registered[0] = True  # the preparer registered the slice
     _store(gated, 3, [20])
-    rows[0] = 21  # the preparer went on
     _store(gated, 4, [20, 2])
-    assert (pinned.jobs, unpinned.jobs) == ([1, 4], [2, 3])
+    assert (pinned.jobs, unpinned.jobs) == ([3, 4], [1, 2])
     assert gated.routed == {"pinned": 2, "unpinned": 2}
 
 
 def test_what_a_path_holds_goes_back_to_it_and_both_close():
-    gated, pinned, unpinned = _gated([4])
-    held = [_store(gated, 1, [1]).held, _store(gated, 2, [9]).held]
+    registered = [True]
+    gated, pinned, unpinned = _gated(registered)
+    held = [_store(gated, 1, [1]).held]
+    registered[0] = False  # (never so in a worker: here only to reach both paths)
+    held.append(_store(gated, 2, [9]).held)
     for h in held:
         gated.release(h)
     assert (pinned.released, unpinned.released) == (["pinned-1"], ["unpinned-2"])
@@ -71,9 +74,9 @@ def test_what_a_path_holds_goes_back_to_it_and_both_close():
     assert pinned.closed and unpinned.closed
 
 
-def test_a_pair_without_a_cpu_spec_is_the_pinned_paths_to_refuse():
-    gated, pinned, unpinned = _gated([0])  # nothing pinned: a CPU spec would go unpinned
-    with pytest.raises(SpecError, match="pinned: not a CPU spec"):
+def test_a_refused_pair_is_refused_by_the_path_it_went_to_and_nothing_is_counted():
+    gated, pinned, unpinned = _gated([False])
+    with pytest.raises(SpecError, match="unpinned: not a CPU spec"):
         gated.transfer(1, (GPULoadStoreSpec([0]), GPULoadStoreSpec([1])), None, None, None,
                        None, None)
-    assert unpinned.jobs == []
+    assert unpinned.jobs == [] and gated.routed == {"pinned": 0, "unpinned": 0}

@@ -1,5 +1,5 @@
-"""``SlicePreparer``: a worker's slice pre-faulted and page-locked chunk by chunk, each
-chunk only once the coordinator has reserved it (issue 41, "instant on", the worker side).
+"""``SlicePreparer``: a worker's slice pre-faulted chunk by chunk, each chunk only once the
+coordinator has reserved it, then page-locked (issue 41, "instant on", the worker side).
 
 Why chunks, and why after the reservation: the coordinator reserves the slices in the
 background (``tiercache.region.reservation``), so a worker may attach while most of its
@@ -21,7 +21,7 @@ on the H100 when this registered 256 MiB chunks); it merges none into a row wher
 those pieces begins (``BlockStaging.break_rows``), and the rule holds for the pieces only.
 Until the registration is done the worker
 copies every row on a path that needs no page-locked memory, after it on its chosen one
-(``pinned_below``; ``tiercache.transfer.gated_path``). ``first_chunk`` registers one page
+(``pinned``; ``tiercache.transfer.gated_path``). ``first_chunk`` registers one page
 and unregisters it, so a driver that cannot pin at all still fails ``attach`` under
 ``required``.
 
@@ -95,7 +95,6 @@ class SlicePreparer:
         self._stop = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._ready_rows = 0
         self._registered = False  # the whole slice page-locked
         self.pinned_ok = registrar is not None  # False once a registration failed
@@ -113,10 +112,10 @@ class SlicePreparer:
     def complete(self) -> bool:
         return self._ready_rows >= self.num_rows
 
-    def pinned_below(self, rows_end: int) -> bool:
-        """True when rows ``[0, rows_end)`` are page-locked for the worker's GPU (all rows
-        are, once the slice is registered; none before: module docstring)."""
-        return self._registered and self.pinned_ok and rows_end <= self.num_rows
+    def pinned(self) -> bool:
+        """Whether the slice is page-locked for the worker's GPU: the whole of it once
+        registered, none of it before (module docstring)."""
+        return self._registered and self.pinned_ok
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the preparation completed, stopped or failed; False on timeout."""
@@ -216,8 +215,7 @@ class SlicePreparer:
 
     def _prepare(self, first: int, end: int) -> None:
         self.prefault_s += self._region.prefault_rows(first, end, self._threads)
-        with self._lock:
-            self._ready_rows = end
+        self._ready_rows = end
 
     def _probe(self) -> None:
         """One page registered and unregistered (raises under ``required``)."""

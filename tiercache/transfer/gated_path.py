@@ -1,14 +1,14 @@
 """``GatedPath``: a rank's transfers while its slice is being page-locked in the background
-(``tiercache.region.preparation``): a transfer whose host rows are all page-locked takes
-the rank's own path (its chosen backend, which may rely on page-locked rows: ``staged``,
-``kernel``, ``ce`` with asynchronous copies), any other takes a path that needs no page-
-locked memory (``ce`` over pageable rows: the driver copies them through its own staging
-buffers, synchronously with the host, slower but exact).
+(``tiercache.region.preparation``): once the slice is registered every transfer takes the
+rank's own path (its chosen backend, which may rely on page-locked rows: ``staged``,
+``kernel``, ``ce`` with asynchronous copies), before that a path that needs no page-locked
+memory (``ce`` over pageable rows: the driver copies them through its own staging buffers,
+synchronously with the host, slower but exact).
 
-One rule, checked per transfer: the rows ``[0, max(slot ids) + 1)`` are page-locked
-(``SlicePreparer.pinned_below``). Registration only grows, so a transfer routed to the
-pinned path never meets a row that is not registered; a transfer on the unpinned path may
-meet one registered meanwhile, which changes nothing it reads or writes. Both paths keep
+One rule, checked per transfer: ``pinned()`` (``SlicePreparer.pinned``: the whole slice is
+registered, at once, never a part). It only turns true, so a transfer routed to the pinned
+path never meets a row that is not registered; a transfer on the unpinned path may meet
+rows registered meanwhile, which changes nothing it reads or writes. Both paths keep
 the contract of ``tiercache.transfer.path`` (FIFO through ``previous``, one ``Outcome``
 each), so the handler orders them as one path. Once the whole slice is pinned every
 transfer takes the pinned path; ``routed`` counts both ways (what the GPU test and the
@@ -21,29 +21,23 @@ from collections.abc import Callable
 
 from tiercache.device.events import Event, Stream
 from tiercache.native.codes import Outcome
-from tiercache.specs import CPULoadStoreSpec, TransferSpec
+from tiercache.specs import TransferSpec
 from tiercache.transfer.path import TransferPath
 
 
 class GatedPath(TransferPath):
-    """``pinned`` for transfers ``pinned_below(rows_end)`` allows, ``unpinned`` otherwise."""
+    """``pinned_path`` once ``pinned()``, ``unpinned`` before."""
 
-    def __init__(self, pinned: TransferPath, unpinned: TransferPath,
-                 pinned_below: Callable[[int], bool]):
-        self.direction, self.kind, self.native = pinned.direction, pinned.kind, pinned.native
-        self._pinned, self._unpinned, self._pinned_below = pinned, unpinned, pinned_below
+    def __init__(self, pinned_path: TransferPath, unpinned: TransferPath,
+                 pinned: Callable[[], bool]):
+        self.direction = pinned_path.direction
+        self.kind, self.native = pinned_path.kind, pinned_path.native
+        self._pinned, self._unpinned, self._ready = pinned_path, unpinned, pinned
         self.routed = {"pinned": 0, "unpinned": 0}
-
-    def _route(self, transfer: TransferSpec) -> TransferPath:
-        cpu = next((s for s in transfer if isinstance(s, CPULoadStoreSpec)), None)
-        if cpu is None or not cpu.block_ids.size:  # refused or empty: the pinned path says why
-            return self._pinned
-        return self._pinned if self._pinned_below(int(cpu.block_ids.max()) + 1) \
-            else self._unpinned
 
     def transfer(self, job_id: int, transfer: TransferSpec, stream: Stream, mark: Event,
                  previous: Event | None, start: Event, end: Event) -> Outcome:
-        path = self._route(transfer)
+        path = self._pinned if self._ready() else self._unpinned
         outcome = path.transfer(job_id, transfer, stream, mark, previous, start, end)
         self.routed["pinned" if path is self._pinned else "unpinned"] += 1
         return outcome if outcome.held is None else outcome._replace(held=(path, outcome.held))

@@ -344,7 +344,7 @@ def _handlers(kind: BackendKind, geometry: TransferGeometry, planner: TransferPl
                 path.close()
             raise
         paths = {d: GatedPath(paths[d], path_for(d, unpinned[d], planner, streams, fence),
-                              preparer.pinned_below) for d in Direction}
+                              preparer.pinned) for d in Direction}
     return CpuGpuOffloadingHandlers.of_paths(paths, streams, stats)
 
 
