@@ -1,6 +1,6 @@
 """A worker that attaches while its slice is still being page-locked (GPU; issue 41,
-"instant on"): until the slice is registered every transfer goes through ``ce`` over
-pageable memory, after it through the chosen backend, every byte exact both ways, also
+"instant on"): until the slice is registered every transfer goes through the worker's
+page-locked bounce buffer (``BounceBackend``), after it through the chosen backend, every byte exact both ways, also
 transfers of adjacent slots (``staged`` merges their DMAs: one DMA over two registrations
 fails, which is why the slice is registered whole); the stats block says PINNING, then
 PINNED with the whole slice. The real ``HostPinner`` registers; the test holds the
@@ -16,6 +16,7 @@ import torch
 
 import tiercache.region.preparation as preparation
 import tiercache.transfer.worker as worker_module
+from tiercache.backends.bounce import BounceBackend
 from tiercache.config import KVGeometry, PinningPolicy, RegionConfig
 from tiercache.device.pinning import HostPinner
 from tiercache.region.shared import SharedOffloadRegion
@@ -79,9 +80,12 @@ def test_transfers_during_background_pinning_are_exact_on_either_path(
             worker.wait([j])
             assert all(r.success for r in worker.get_finished())
 
-        move(True, low, low)  # nothing pinned yet: ce over pageable rows
+        move(True, low, low)  # nothing pinned yet: through the bounce buffer
         move(True, high, high)
         assert paths[Direction.GPU_TO_CPU].routed == {"pinned": 0, "unpinned": 2}
+        bounce = paths[Direction.GPU_TO_CPU].unpinned.backend
+        assert isinstance(bounce, BounceBackend)
+        assert bounce.bytes_bounced == 2 * CHUNK_ROWS * TENSORS * PAGE
         view = region.rank_array(0)
         for blocks in (low, high):
             for b in blocks:

@@ -22,6 +22,7 @@ class Recording(TransferPath):
         self.jobs: list[int] = []
         self.released: list[object] = []
         self.closed = False
+        self.closes = 0
 
     def transfer(self, job_id, transfer, stream, mark, previous, start, end):
         gpu, cpu = transfer
@@ -35,6 +36,7 @@ class Recording(TransferPath):
 
     def close(self):
         self.closed = True
+        self.closes += 1
 
 
 def _gated(registered: list[bool]):
@@ -59,6 +61,21 @@ def test_transfers_take_the_pinned_path_from_the_moment_the_slice_is_registered(
     _store(gated, 4, [20, 2])
     assert (pinned.jobs, unpinned.jobs) == ([3, 4], [1, 2])
     assert gated.routed == {"pinned": 2, "unpinned": 2}
+
+
+def test_the_unpinned_path_is_closed_by_the_first_pinned_transfer_and_once():
+    registered = [False]
+    gated, pinned, unpinned = _gated(registered)
+    held = _store(gated, 1, [0]).held
+    assert not unpinned.closed  # in use until the slice is registered
+    registered[0] = True
+    _store(gated, 2, [1])
+    assert unpinned.closes == 1 and not pinned.closed  # its bounce buffer goes back now
+    _store(gated, 3, [2])
+    gated.release(held)  # a transfer it made before is still released to it
+    gated.close()
+    assert (unpinned.closes, pinned.closes) == (1, 1)
+    assert unpinned.released == ["unpinned-1"]
 
 
 def test_what_a_path_holds_goes_back_to_it_and_both_close():

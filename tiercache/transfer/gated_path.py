@@ -2,13 +2,17 @@
 (``tiercache.region.preparation``): once the slice is registered every transfer takes the
 rank's own path (its chosen backend, which may rely on page-locked rows: ``staged``,
 ``kernel``, ``ce`` with asynchronous copies), before that a path that needs no page-locked
-memory (``ce`` over pageable rows: the driver copies them through its own staging buffers,
-synchronously with the host, slower but exact).
+rows (the worker gives copies through a page-locked bounce buffer of its own:
+``tiercache.backends.bounce``; slower, and synchronous with the host, but exact).
 
 One rule, checked per transfer: ``pinned()`` (``SlicePreparer.pinned``: the whole slice is
 registered, at once, never a part). It only turns true, so a transfer routed to the pinned
 path never meets a row that is not registered; a transfer on the unpinned path may meet
-rows registered meanwhile, which changes nothing it reads or writes. Both paths keep
+rows registered meanwhile, which changes nothing it reads or writes. The first transfer
+that finds the slice registered closes the unpinned path (the worker's is a
+``tiercache.backends.bounce.BounceBackend``: its page-locked bounce buffer and copy threads
+are given back; closing waits for its last DMA, at most one half of the buffer). Its
+transfers still in flight keep what they hold: ``release`` takes it back later. Both paths keep
 the contract of ``tiercache.transfer.path`` (FIFO through ``previous``, one ``Outcome``
 each), so the handler orders them as one path. Once the whole slice is pinned every
 transfer takes the pinned path; ``routed`` counts both ways (what the GPU test and the
@@ -33,11 +37,19 @@ class GatedPath(TransferPath):
         self.direction = pinned_path.direction
         self.kind, self.native = pinned_path.kind, pinned_path.native
         self._pinned, self._unpinned, self._ready = pinned_path, unpinned, pinned
+        self.unpinned = unpinned  # read by the tests and the benchmark
+        self._unpinned_open = True
         self.routed = {"pinned": 0, "unpinned": 0}
 
     def transfer(self, job_id: int, transfer: TransferSpec, stream: Stream, mark: Event,
                  previous: Event | None, start: Event, end: Event) -> Outcome:
-        path = self._pinned if self._ready() else self._unpinned
+        if self._ready():
+            path = self._pinned
+            if self._unpinned_open:  # never used again: its buffers and threads go now
+                self._unpinned_open = False
+                self._unpinned.close()
+        else:
+            path = self._unpinned
         outcome = path.transfer(job_id, transfer, stream, mark, previous, start, end)
         self.routed["pinned" if path is self._pinned else "unpinned"] += 1
         return outcome if outcome.held is None else outcome._replace(held=(path, outcome.held))
@@ -49,6 +61,8 @@ class GatedPath(TransferPath):
 
     def close(self) -> None:
         try:
-            self._unpinned.close()
+            if self._unpinned_open:
+                self._unpinned_open = False
+                self._unpinned.close()
         finally:
             self._pinned.close()

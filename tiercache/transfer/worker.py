@@ -53,6 +53,8 @@ from tiercache.backends import (
     BackendContext, BackendKind, create_backend, create_stream_platform, resolve_kind,
 )
 from tiercache.backends.base import CopyBackend
+from tiercache.backends.bounce import BounceBackend
+from tiercache.device.driver import device_index
 from tiercache.device.locality import caches_node
 from tiercache.device.pinning import HostPinner
 from tiercache.device.streams import StreamPlatform
@@ -75,6 +77,7 @@ from tiercache.specs import (
 from tiercache.transfer.fence import SlotFence
 from tiercache.transfer.gated_path import GatedPath
 from tiercache.transfer.handlers import CpuGpuOffloadingHandlers, TransferResult
+from tiercache.transfer.host_copy import HostCopyPool
 from tiercache.transfer.kv_caches import GpuCaches, device_of, page_arrays_of, slice_tensors
 from tiercache.transfer.wiring import path_for
 
@@ -330,15 +333,15 @@ def _handlers(kind: BackendKind, geometry: TransferGeometry, planner: TransferPl
               device: torch.device, preparer: SlicePreparer, streams: StreamPlatform,
               zero_copy: int, stats: RankStats, fence: SlotFence) -> CpuGpuOffloadingHandlers:
     """Both handlers over the chosen backends (recorded in the stats block); while the slice
-    is still being page-locked, gated with ``ce`` over pageable rows
-    (``tiercache.transfer.gated_path``)."""
+    is still being page-locked, gated with copies through a page-locked bounce buffer
+    (``tiercache.transfer.gated_path``, ``tiercache.backends.bounce``)."""
     backends = _backends(kind, geometry, device, preparer.pinned_ok, streams, zero_copy)
     for direction, chosen in backends.items():
         stats.set_backend(direction, chosen.kind)
     paths = {d: path_for(d, backends[d], planner, streams, fence) for d in Direction}
     if preparer.pinned_ok and not preparer.complete:
         try:
-            unpinned = _backends(BackendKind.CE, geometry, device, False, streams, zero_copy)
+            unpinned = _bounce_backends(device)
         except BaseException:
             for path in paths.values():
                 path.close()
@@ -346,6 +349,25 @@ def _handlers(kind: BackendKind, geometry: TransferGeometry, planner: TransferPl
         paths = {d: GatedPath(paths[d], path_for(d, unpinned[d], planner, streams, fence),
                               preparer.pinned) for d in Direction}
     return CpuGpuOffloadingHandlers.of_paths(paths, streams, stats)
+
+
+def _bounce_backends(device: torch.device) -> dict[Direction, CopyBackend]:
+    """Per direction, a ``BounceBackend`` with its own host copy pool (a load may pass a
+    store): the path of transfers while the slice is not yet page-locked."""
+    built: dict[Direction, CopyBackend] = {}
+    try:
+        for direction in Direction:
+            pool = HostCopyPool()
+            try:
+                built[direction] = BounceBackend(direction, device_index(device), pool)
+            except BaseException:
+                pool.close()
+                raise
+    except BaseException:
+        for made in built.values():
+            made.close()
+        raise
+    return built
 
 
 def _refuse_host_caches(region: SharedOffloadRegion, rank: int, policy: PinningPolicy) -> None:
