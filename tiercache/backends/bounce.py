@@ -21,9 +21,10 @@ other half's memcpy::
 A transfer holds its caller for its host side (a store until every byte is in its rows, a
 load until every byte is in the bounce buffer): ``StreamBackend.submit`` records ``end``
 after ``copy`` returns, so the transfer's end event completes only after everything it
-wrote. That is a stall of the engine's thread of bytes ÷ memcpy rate, while the slice is
-being page-locked only; the driver's own pageable path held it longer (it is synchronous
-too). Descriptors larger than a half are cut into pieces that fit.
+wrote. That is a stall of the engine's thread of bytes ÷ memcpy rate (and, for a store,
+until the compute stream reached the store's mark: the DMA reads what it wrote), while the
+slice is being page-locked only; the driver's own pageable path held it as long and longer
+(it is synchronous too). Descriptors larger than a half are cut into pieces that fit.
 
 The chunking (``split``, ``chunks``) is pure numpy and tested without a GPU; the copies are
 tested on one (``tests/transfer/test_bounce_gpu.py``).
@@ -122,6 +123,7 @@ class BounceBackend(StreamBackend[CopyPlan]):
         self._base = 0
         self._events = [0, 0]  # per half: recorded after its last DMA
         self._pending = [False, False]
+        self._held: list[tuple[object, ...]] = [(), ()]  # descriptors, until the DMA passed
         self._next = 0  # the half the next chunk takes
         self._closed = False
         self.bytes_bounced = 0
@@ -149,14 +151,14 @@ class BounceBackend(StreamBackend[CopyPlan]):
         self._next ^= 1
         if self._pending[h]:
             self.driver.event_synchronize(self._events[h])
-            self._pending[h] = False
+            self._pending[h], self._held[h] = False, ()
         return h, self._base + h * self.half_bytes
 
     def _dma(self, h: int, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
              order: SrcAccessOrder, handle: int) -> None:
         self._ce.enqueue(src, dst, sizes, order, handle)
         self.driver.event_record(self._events[h], handle)
-        self._pending[h] = True
+        self._pending[h], self._held[h] = True, (src, dst, sizes)
 
     def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         if self._closed:
@@ -188,7 +190,7 @@ class BounceBackend(StreamBackend[CopyPlan]):
                sizes: np.ndarray) -> None:
         h, at, a, b = entry
         self.driver.event_synchronize(self._events[h])
-        self._pending[h] = False
+        self._pending[h], self._held[h] = False, ()
         self._pool.copy(np.ascontiguousarray(dst[a:b]), at + offsets(sizes[a:b]),
                         np.ascontiguousarray(sizes[a:b]))
 
@@ -199,7 +201,8 @@ class BounceBackend(StreamBackend[CopyPlan]):
             where = at + offsets(sizes[a:b])
             part = np.ascontiguousarray(sizes[a:b])
             self._pool.copy(where, np.ascontiguousarray(src[a:b]), part)
-            self._dma(h, where, dst[a:b], part, SrcAccessOrder.ANY, handle)
+            self._dma(h, where, np.ascontiguousarray(dst[a:b]), part, SrcAccessOrder.ANY,
+                      handle)
 
     def close(self) -> None:
         self._closed = True
