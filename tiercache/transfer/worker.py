@@ -10,8 +10,9 @@ from the slot's earlier holders), pre-fault and page-lock the slice's first chun
 caches need no pinning: state UNPINNED), build the backend of each direction (recorded in
 the stats block) and the handlers, then leave the rest of the slice to a background thread
 that follows the coordinator's reservation (``tiercache.region.preparation``): until it is
-done, rows not yet pinned are copied on ``ce`` over pageable memory
-(``tiercache.transfer.gated_path``), and the stats block says PINNING with the bytes so far.
+done, rows not yet pinned are copied through a page-locked bounce buffer of the worker's
+(``tiercache.transfer.gated_path``, ``tiercache.backends.bounce``), and the stats block
+says PINNING with the bytes so far.
 Anything failing on the way undoes what was done and raises. ``Worker.close`` stops the
 preparation, drains the handlers, unregisters the slice, marks the attachment detached,
 unmaps and frees the attachment slot.
