@@ -11,14 +11,15 @@ scheduler sees exactly what a GPU engine's would: a request waits for its load, 
 being stored stay fenced until the store ends.
 
 A load whose blocks include some the connector promoted from tiercache's disk tier (their
-hit source is DISK, as vLLM counts them) reads those first: ``cost.disk_read_s`` of them
-on ``disk_line``, one line for the node's one disk tier (``systems.Arm`` gives every
-engine of an arm the same), and the job enters the engine's load line only when they are
-read. So a disk hit waits for its read and then for its host-to-GPU copy, and engines
-promoting at once share the disk's rate. (A served tiercache reads the disk while the
-lookup is pending, before vLLM issues the load, so another request's host-only load would
-not queue behind it; here a load submitted later on the same engine does, the line being
-in submission order: an overstatement, where the disk reads were free before.)
+hit source is DISK, as vLLM counts them) reads those first, each promotion once
+(``_disk_blocks``): ``cost.disk_read_s`` of them on ``disk_line``, one line for the
+node's one disk tier (``systems.Arm`` gives every engine of an arm the same), and the job
+enters the engine's load line only when they are read. So a disk hit waits for its read
+and then for its host-to-GPU copy, and engines promoting at once share the disk's rate.
+(A served tiercache reads the disk while the lookup is pending, before vLLM issues the
+load, so another request's host-only load would not queue behind it; here a load
+submitted later on the same engine does, the line being in submission order: an
+overstatement, where the disk reads were free before.)
 
 The "model" generates ``trace.response_token_ids(prompt)``: a chat turn that re-sends an
 earlier answer finds that answer's KV.
@@ -45,6 +46,15 @@ class TransferLine:
         """The job's end, queued behind what is already on the line."""
         self.free_at_s = max(now_s, self.free_at_s) + seconds
         return self.free_at_s
+
+
+@dataclass
+class DiskLine(TransferLine):
+    """The node's disk tier on the clock: its reads, one after another, and which
+    promotion each key's last read was (``read``: key -> the host slot, id and
+    generation, the tier promoted it into)."""
+
+    read: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,7 +96,7 @@ class ReplayEngine:
         self.cost = cost
         self.load_line = TransferLine()
         self.store_line = TransferLine()
-        self.disk_line = TransferLine()  # the node's disk tier: shared by an arm's engines
+        self.disk_line = DiskLine()  # the node's disk tier: shared by an arm's engines
         self.jobs: dict[int, _Job] = {}
         self.records: dict[str, RequestRecord] = {}
         self.busy_until_s = 0.0
@@ -206,16 +216,27 @@ class ReplayEngine:
         return sync_end_s
 
     def _disk_blocks(self, job_id: int, req_id: str) -> int:
-        """The GPU blocks of load ``job_id`` whose keys the connector's manager says came
-        from the disk tier (``get_load_source``: DISK, as vLLM counts a hit's source; the
-        keys stay leased until the load completes)."""
+        """The GPU blocks of load ``job_id`` that the disk tier reads for it: keys the
+        connector's manager says came from disk (``get_load_source``: DISK, as vLLM counts
+        a hit's source; the keys stay leased until the load completes), each promotion
+        once on the node. tiercache's index keeps a promoted block's source DISK for as
+        long as it stays in its host slot, so every later lease of it, by any engine, is a
+        disk hit to vLLM; only the first load after the promotion (a host slot of a new id
+        or generation) reads the disk, the others read host memory."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         connector = self.scheduler.connector.connector_scheduler
+        manager = connector.manager
         context = connector._req_status[req_id].req_context
-        disk_keys = sum(1 for key in connector._jobs[job_id].keys
-                        if connector.manager.get_load_source(key, context)
-                        == CacheHitSource.DISK)
+        read = self.disk_line.read
+        disk_keys = 0
+        for key in connector._jobs[job_id].keys:
+            if manager.get_load_source(key, context) != CacheHitSource.DISK:
+                continue
+            slot = manager.book.held[key].slot  # only tiercache's manager answers DISK
+            if read.get(key) != slot:
+                read[key] = slot
+                disk_keys += 1
         return disk_keys * connector.config.blocks_per_chunk
 
     def _submit_stores(self, meta: Any, end_s: float) -> None:

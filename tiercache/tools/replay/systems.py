@@ -40,7 +40,7 @@ from tiercache.region.layout import round_up
 from tiercache.tiers.disk_file import ALIGN as DISK_ALIGN
 from tiercache.tiers.disk_file import HEADER_BYTES as DISK_SLOT_HEADER_BYTES
 from tiercache.tools.replay.cost import CostModel
-from tiercache.tools.replay.engine import ReplayEngine, TransferLine
+from tiercache.tools.replay.engine import DiskLine, ReplayEngine
 from tiercache.tools.replay.events import EventRecorder
 from tiercache.tools.replay.worker import ContentWorker, VirtualWorker
 
@@ -179,7 +179,7 @@ class Arm:
         self.engines: list[ReplayEngine] = []
         self.host_blocks = 0
         self.bytes_scale = 1.0
-        self.disk_line = TransferLine()  # the node's one disk tier, every engine's reads
+        self.disk_line = DiskLine()  # the node's one disk tier, every engine's reads
         each: list[EventRecorder | None] = (list(recorders) if recorders
                                             else [None] * fleet.num_engines)
         try:
