@@ -10,6 +10,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from vllm_env import require_vllm
 
 require_vllm()
@@ -22,6 +24,7 @@ from tiercache.link.client import Client  # noqa: E402
 from tiercache.link.namespaces import EngineFamily  # noqa: E402
 from tiercache.service.process import CoordinatorProcess  # noqa: E402
 from tiercache.tools.replay.cli import replay  # noqa: E402
+from tiercache.tools.replay.cost import TIERCACHE_DISK_READ_BPS  # noqa: E402
 from tiercache.tools.replay.events import CPU  # noqa: E402
 from tiercache.tools.replay.nodestream import NodeStreamView, bound_endpoints  # noqa: E402
 from tiercache.tools.replay.routers import RouterKind  # noqa: E402
@@ -64,20 +67,29 @@ def test_the_prefix_router_sends_a_node_held_prefix_to_the_idle_engine():
     assert report["systems"]["tiercache"]["loaded_blocks_checked"] == 6
 
 
-def test_a_prefix_the_host_tier_lost_is_a_disk_hit_and_the_identity_holds():
-    """P (6 blocks), then 30 fillers of 40 blocks (1200 in all) through a host tier of
-    512 blocks and a disk tier of 4096: P leaves the GPU (512 blocks) and host memory, but
-    the chain demoted it ahead of eviction, so the second P loads it from disk (hit source
-    DISK); the identity holds with disk hits. vLLM's own offloading, the same 512 blocks
-    of DRAM and no disk, has lost it."""
+def lost_prefix_trace() -> Trace:
+    """P (6 blocks), then 30 fillers of 40 blocks (1200 in all), then P again: through a
+    host tier of 512 blocks P leaves the GPU (512 blocks) and host memory."""
     p = prompt(0, 100)
     requests = [TraceRequest(0.0, "p", p, 2)]
     requests += [TraceRequest(1.0 + i / 2, f"f{i}", prompt(100 + i, 640), 2) for i in range(30)]
     requests += [TraceRequest(20.0, "p", p, 2)]
-    trace = Trace(tuple(requests))
-    report = replay(trace, LLAMA, [System.VLLM_NATIVE, System.TIERCACHE],
-                    RouterKind.ROUND_ROBIN, engines=1, dram_bytes=512 * BLOCK_BYTES,
-                    disk_bytes=4096 * BLOCK_BYTES, gpu_kv_tokens=GPU_TOKENS)
+    return Trace(tuple(requests))
+
+
+def replay_with_disk(trace: Trace, systems: list[System], **kw) -> dict:
+    return replay(trace, LLAMA, systems, RouterKind.ROUND_ROBIN, engines=1,
+                  dram_bytes=512 * BLOCK_BYTES, disk_bytes=4096 * BLOCK_BYTES,
+                  gpu_kv_tokens=GPU_TOKENS, **kw)
+
+
+def test_a_prefix_the_host_tier_lost_is_a_disk_hit_and_the_identity_holds():
+    """``lost_prefix_trace`` with a disk tier of 4096 blocks: the chain demoted P ahead of
+    eviction, so the second P loads it from disk (hit source DISK); the identity holds
+    with disk hits. vLLM's own offloading, the same 512 blocks of DRAM and no disk, has
+    lost it."""
+    trace = lost_prefix_trace()
+    report = replay_with_disk(trace, [System.VLLM_NATIVE, System.TIERCACHE])
     assert hits(report, System.VLLM_NATIVE) == {"gpu": 0, "host": 0, "disk": 0}
     tc = report["systems"]["tiercache"]
     assert tc["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 96}
@@ -85,6 +97,43 @@ def test_a_prefix_the_host_tier_lost_is_a_disk_hit_and_the_identity_holds():
         tc["prompt_tokens"] == trace.prompt_tokens
     assert tc["loaded_blocks_checked"] == 6  # P's blocks, promoted from disk, then loaded
     assert tc["disk_tier"]["demotions"] >= 6 and tc["disk_tier"]["promotions"] >= 6
+    assert tc["disk_read_blocks"] == 6  # read on the clock before their load
+
+
+def test_a_disk_hit_waits_for_its_read_on_the_clock():
+    """The same trace twice in the tiercache arm: at the cost model's measured disk read
+    rate, and at a rate so high that the read takes nothing. Only the second P reads from
+    disk (6 blocks of the model's true 2 MiB), and its TTFT grows by their bytes / the
+    rate, to within the step the engine notices the load's end in (an idle step while it
+    waits; one more for a probe answered a step late in either run). The requests that
+    read nothing from disk keep the same TTFT but for such a step."""
+    trace = lost_prefix_trace()
+    slow = replay_with_disk(trace, [System.TIERCACHE], per_request=True)
+    fast = replay_with_disk(trace, [System.TIERCACHE], per_request=True, disk_read_bps=1e18)
+    cost = slow["cost_model"]["tiercache"]
+    assert cost["disk_read_bps"] == TIERCACHE_DISK_READ_BPS
+    assert fast["cost_model"]["tiercache"]["disk_read_bps"] == 1e18
+    for report in (slow, fast):
+        tc = report["systems"]["tiercache"]
+        assert tc["hit_tokens"] == {"gpu": 0, "host": 0, "disk": 96}
+        assert tc["computed_prefill_tokens"] + sum(tc["hit_tokens"].values()) == \
+            tc["prompt_tokens"] == trace.prompt_tokens
+        assert tc["disk_read_blocks"] == 6
+        readers = [r for r in tc["per_request"] if r["disk_read_blocks"]]
+        assert [r["req_id"] for r in readers] == [f"r{len(trace.requests) - 1}"]
+        assert readers[0]["disk_read_blocks"] == 6
+    expected_s = 6 * cost["block_bytes"] / cost["disk_read_bps"]
+    assert cost["block_bytes"] == BLOCK_BYTES
+    assert slow["systems"]["tiercache"]["disk_read_s"] == pytest.approx(expected_s, abs=1e-6)
+    step_s = cost["idle_step_s"]
+    ttft = {name: {r["req_id"]: r["ttft_s"] for r in report["systems"]["tiercache"]["per_request"]}
+            for name, report in (("slow", slow), ("fast", fast))}
+    last = f"r{len(trace.requests) - 1}"
+    grew = ttft["slow"][last] - ttft["fast"][last]
+    assert expected_s - 2 * step_s <= grew <= expected_s + 2 * step_s, (grew, expected_s)
+    for req_id, fast_s in ttft["fast"].items():
+        if req_id != last:
+            assert abs(ttft["slow"][req_id] - fast_s) <= 2 * step_s, req_id
 
 
 def _store(client, keys):

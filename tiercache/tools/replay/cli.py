@@ -26,7 +26,8 @@ from tiercache.config.hf_model import HFModel
 from tiercache.errors import ConfigError
 from tiercache.sizes import parse_size
 from tiercache.tools.replay.cost import (
-    TIERCACHE_LOAD_BPS, TIERCACHE_STORE_BPS, VLLM_NATIVE_LOAD_BPS, VLLM_NATIVE_STORE_BPS,
+    TIERCACHE_DISK_READ_BPS, TIERCACHE_LOAD_BPS, TIERCACHE_STORE_BPS, VLLM_NATIVE_LOAD_BPS,
+    VLLM_NATIVE_STORE_BPS,
     CostModel, DecoderShape, hbm_kv_tokens,
 )
 from tiercache.tools.replay.trace import Trace
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU KV budget per engine in tokens (default: an 80 GB H100's)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"default {DEFAULT_SYSTEMS}")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--per-request", action="store_true",
+                   help="also write each request's record (engine, TTFT, hits) into --json")
     g = p.add_argument_group("--generate's trace")
     g.add_argument("--requests", type=int, default=200)
     g.add_argument("--rate", type=float, default=None,
@@ -92,7 +95,8 @@ def _trace(args: argparse.Namespace) -> Trace:
     return trace
 
 
-def _cost(model_dir: Path, load_bps: float, store_bps: float) -> CostModel:
+def _cost(model_dir: Path, load_bps: float, store_bps: float,
+          disk_read_bps: float = TIERCACHE_DISK_READ_BPS) -> CostModel:
     from tiercache.vllm.model_kv import ServingOptions, model_kv
 
     kv = model_kv(str(model_dir), ServingOptions())
@@ -100,7 +104,7 @@ def _cost(model_dir: Path, load_bps: float, store_bps: float) -> CostModel:
     assert geometry.page_bytes is not None
     return CostModel.for_shape(DecoderShape.of(HFModel.read(str(model_dir))),
                                sum(geometry.page_bytes) // geometry.block_tokens,
-                               geometry.block_tokens, load_bps, store_bps)
+                               geometry.block_tokens, load_bps, store_bps, disk_read_bps)
 
 
 def main(argv: list[str]) -> int:
@@ -122,7 +126,7 @@ def main(argv: list[str]) -> int:
                     disk_bytes=disk, gpu_kv_tokens=args.gpu_kv_tokens,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    say=None if args.quiet else _say)
+                    per_request=args.per_request, say=None if args.quiet else _say)
     from tiercache.tools.replay.report import headline, table
 
     print(headline(args.engines, dram, disk, router.value, report["trace"]))
@@ -139,8 +143,11 @@ def _say(line: str) -> None:
 def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, engines: int,
            dram_bytes: int, disk_bytes: int = 0, gpu_kv_tokens: int | None = None,
            max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
+           disk_read_bps: float = TIERCACHE_DISK_READ_BPS, per_request: bool = False,
            say: Any = None) -> dict[str, Any]:
-    """Replay ``trace`` under each of ``systems``; the report as ``--json`` writes it."""
+    """Replay ``trace`` under each of ``systems``; the report as ``--json`` writes it.
+    ``disk_read_bps``: the disk tier's read rate on the clock (the cost model's measured
+    one unless given); ``per_request``: each system's records under ``per_request``."""
     from tiercache.tools.replay import clock
     from tiercache.tools.replay.events import EventRecorder
     from tiercache.tools.replay.report import summarize
@@ -148,7 +155,8 @@ def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, en
     from tiercache.tools.replay.systems import Arm, Fleet, System
 
     costs = {System.NONE: _cost(model_dir, TIERCACHE_LOAD_BPS, TIERCACHE_STORE_BPS)}
-    costs[System.TIERCACHE] = costs[System.NONE]
+    costs[System.TIERCACHE] = _cost(model_dir, TIERCACHE_LOAD_BPS, TIERCACHE_STORE_BPS,
+                                    disk_read_bps)
     costs[System.VLLM_NATIVE] = _cost(model_dir, VLLM_NATIVE_LOAD_BPS, VLLM_NATIVE_STORE_BPS)
     base = costs[System.NONE]
     tokens = gpu_kv_tokens or hbm_kv_tokens(base.params, base.kv_bytes_per_token)
@@ -184,6 +192,13 @@ def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, en
                     extra["node_stream"] = {"batches": arm.node.num_batches,
                                             "events": arm.node.num_events,
                                             "replays": arm.node.num_replays}
+                if per_request:
+                    extra["per_request"] = [
+                        {"req_id": r.req_id, "engine": r.engine, "arrival_s": r.arrival_s,
+                         "prompt_tokens": r.prompt_tokens, "ttft_s": round(r.ttft_s, 6),
+                         "gpu_hit_tokens": r.gpu_hit_tokens,
+                         "external_hit_tokens": r.external_hit_tokens,
+                         "disk_read_blocks": r.disk_read_blocks} for r in records]
                 out["systems"][system.value] = summarize(records, arm.engines, extra)
                 out["cost_model"][system.value] = costs[system].describe()
             finally:

@@ -22,8 +22,11 @@ long compute-bound step hides; vLLM's CUDA graphs would shorten small steps by u
 
 A step that computes nothing (a request waits for its load or for tiercache's probe)
 lasts ``IDLE_STEP_S``. A transfer job lasts ``bytes / bps`` on its engine's PCIe line, one
-line per direction, jobs in submission order (``engine.TransferLine``). Bytes are the
-model's true KV bytes, whatever the tiercache arm moves for real.
+line per direction, jobs in submission order (``engine.TransferLine``). A load's blocks
+that tiercache promoted from its disk tier are first read at ``disk_read_bps`` on the
+node's one disk line (``disk_read_s``; the engine's load job enters its PCIe line once
+they are read). Bytes are the model's true KV bytes, whatever the tiercache arm moves for
+real.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ TIERCACHE_STORE_BPS = 49.97e9
 # once the driver has walked all 16,384 descriptors.
 VLLM_NATIVE_LOAD_BPS = 29.3e9
 VLLM_NATIVE_STORE_BPS = 30.4e9
+# docs/benchmarks.md, "Disk tier (issue 18)": the disk tier's promotion (disk to host, O_DIRECT
+# preadv, CRC checked) on the H100 host (`nvidia-h100-x1`, 2026-11-24, final tree, 4 I/O
+# threads): 1.49 GB/s, docs/results/disk_tier_h100_host_final_t4.txt. Its eight runs there
+# (4 and 8 threads) gave 1.09-1.83 GB/s; this one is near their median (1.53). The disk is
+# a virtio block device, not a local NVMe: a node with NVMe reads faster.
+TIERCACHE_DISK_READ_BPS = 1.49e9
 IDLE_STEP_S = 1e-3  # an engine step with no forward pass (chosen, not measured)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 ACTIVATION_RESERVE_BYTES = 4e9  # activations, CUDA graphs, workspace (assumed)
@@ -80,6 +89,9 @@ PROVENANCE = {
                       "(auto backend, one H100 rank); vllm_native: its copy (one "
                       "cuMemcpyBatchAsync of per-layer 32 KiB descriptors) replicated on one "
                       "H100, docs/results/vllm_native_copy_h100.json",
+    "disk_read_bps": "tiercache's disk tier only: its promotion rate measured on the H100 host "
+                     "(virtio disk, 4 I/O threads), docs/benchmarks.md 'Disk tier (issue 18)', "
+                     "docs/results/disk_tier_h100_host_final_t4.txt",
     "idle_step_s": "chosen, not measured",
     "measured_on_gpu": True,
 }
@@ -157,22 +169,24 @@ class CostModel:
     step_overhead_s: float = STEP_OVERHEAD_S
     roofline_p: float = ROOFLINE_P
     idle_step_s: float = IDLE_STEP_S
+    disk_read_bps: float = TIERCACHE_DISK_READ_BPS  # tiercache's disk tier, node-wide
 
     def __post_init__(self) -> None:
         for name in ("params", "matmul_params", "head_params", "attention_pair_flops",
                      "kv_bytes_per_token", "block_tokens", "load_bps", "store_bps", "mfu",
-                     "hbm_efficiency", "roofline_p"):
+                     "hbm_efficiency", "roofline_p", "disk_read_bps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"cost model {name} = {getattr(self, name)}: must be > 0")
 
     @classmethod
     def for_shape(cls, shape: DecoderShape, kv_bytes_per_token: int, block_tokens: int,
-                  load_bps: float, store_bps: float) -> CostModel:
+                  load_bps: float, store_bps: float,
+                  disk_read_bps: float = TIERCACHE_DISK_READ_BPS) -> CostModel:
         return cls(params=shape.params, matmul_params=shape.matmul_params,
                    head_params=shape.head_params,
                    attention_pair_flops=shape.attention_pair_flops,
                    kv_bytes_per_token=kv_bytes_per_token, block_tokens=block_tokens,
-                   load_bps=load_bps, store_bps=store_bps)
+                   load_bps=load_bps, store_bps=store_bps, disk_read_bps=disk_read_bps)
 
     @property
     def block_bytes(self) -> int:
@@ -207,6 +221,10 @@ class CostModel:
 
     def store_s(self, num_blocks: int) -> float:
         return num_blocks * self.block_bytes / self.store_bps
+
+    def disk_read_s(self, num_blocks: int) -> float:
+        """Reading ``num_blocks`` of the model's true size from tiercache's disk tier."""
+        return num_blocks * self.block_bytes / self.disk_read_bps
 
     def describe(self) -> dict[str, Any]:
         """The report's ``cost_model``: every parameter, derived rates and provenance."""

@@ -10,6 +10,17 @@ job is done, the engine tells the scheduler only once the clock has passed its e
 scheduler sees exactly what a GPU engine's would: a request waits for its load, blocks
 being stored stay fenced until the store ends.
 
+A load whose blocks include some the connector promoted from tiercache's disk tier (their
+hit source is DISK, as vLLM counts them) reads those first, each promotion once
+(``_disk_blocks``): ``cost.disk_read_s`` of them on ``disk_line``, one line for the
+node's one disk tier (``systems.Arm`` gives every engine of an arm the same), and the job
+enters the engine's load line only when they are read. So a disk hit waits for its read
+and then for its host-to-GPU copy, and engines promoting at once share the disk's rate.
+(A served tiercache reads the disk while the lookup is pending, before vLLM issues the
+load, so another request's host-only load would not queue behind it; here a load
+submitted later on the same engine does, the line being in submission order: an
+overstatement, where the disk reads were free before.)
+
 The "model" generates ``trace.response_token_ids(prompt)``: a chat turn that re-sends an
 earlier answer finds that answer's KV.
 """
@@ -38,6 +49,15 @@ class TransferLine:
 
 
 @dataclass
+class DiskLine(TransferLine):
+    """The node's disk tier on the clock: its reads, one after another, and which
+    promotion each key's last read was (``read``: key -> the host slot, id and
+    generation, the tier promoted it into)."""
+
+    read: dict[Any, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RequestRecord:
     """One replayed request, as the report counts it."""
 
@@ -50,6 +70,7 @@ class RequestRecord:
     finish_s: float | None = None
     gpu_hit_tokens: int = 0
     external_hit_tokens: int = 0
+    disk_read_blocks: int = 0  # of its load, the blocks read from the disk tier first
     response: list[int] = field(default_factory=list)
 
     @property
@@ -75,10 +96,13 @@ class ReplayEngine:
         self.cost = cost
         self.load_line = TransferLine()
         self.store_line = TransferLine()
+        self.disk_line = DiskLine()  # the node's disk tier: shared by an arm's engines
         self.jobs: dict[int, _Job] = {}
         self.records: dict[str, RequestRecord] = {}
         self.busy_until_s = 0.0
         self.disk_hit_tokens = 0
+        self.disk_read_blocks = 0  # blocks read from the disk tier on the clock
+        self.disk_read_s = 0.0
         self.checked_blocks = 0
         self.loaded_blocks = 0
         self.steps = 0
@@ -177,11 +201,43 @@ class ReplayEngine:
     def _submit_loads(self, meta: Any, now_s: float) -> float:
         sync_end_s = now_s
         for job_id, job in (meta.load_jobs.items() if meta is not None else ()):
-            due = self.load_line.submit(now_s, self.cost.load_s(len(job.dst_spec.block_ids)))
+            start_s = now_s
+            disk_blocks = self._disk_blocks(job_id, job.req_id)
+            if disk_blocks:
+                seconds = self.cost.disk_read_s(disk_blocks)
+                start_s = self.disk_line.submit(now_s, seconds)
+                self.disk_read_blocks += disk_blocks
+                self.disk_read_s += seconds
+                self.records[job.req_id].disk_read_blocks += disk_blocks
+            due = self.load_line.submit(start_s, self.cost.load_s(len(job.dst_spec.block_ids)))
             self.jobs[job_id] = _Job(due, None if job.sync else job.req_id)
             if job.sync:
                 sync_end_s = max(sync_end_s, due)
         return sync_end_s
+
+    def _disk_blocks(self, job_id: int, req_id: str) -> int:
+        """The GPU blocks of load ``job_id`` that the disk tier reads for it: keys the
+        connector's manager says came from disk (``get_load_source``: DISK, as vLLM counts
+        a hit's source; the keys stay leased until the load completes), each promotion
+        once on the node. tiercache's index keeps a promoted block's source DISK for as
+        long as it stays in its host slot, so every later lease of it, by any engine, is a
+        disk hit to vLLM; only the first load after the promotion (a host slot of a new id
+        or generation) reads the disk, the others read host memory."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        connector = self.scheduler.connector.connector_scheduler
+        manager = connector.manager
+        context = connector._req_status[req_id].req_context
+        read = self.disk_line.read
+        disk_keys = 0
+        for key in connector._jobs[job_id].keys:
+            if manager.get_load_source(key, context) != CacheHitSource.DISK:
+                continue
+            slot = manager.book.held[key].slot  # only tiercache's manager answers DISK
+            if read.get(key) != slot:
+                read[key] = slot
+                disk_keys += 1
+        return disk_keys * connector.config.blocks_per_chunk
 
     def _submit_stores(self, meta: Any, end_s: float) -> None:
         flush = (meta.jobs_to_flush or set()) if meta is not None else set()

@@ -4,7 +4,10 @@ Per system (``summarize``): ``requests``, ``prompt_tokens``, ``computed_prefill_
 ``hit_tokens`` {``gpu``, ``host``, ``disk``}, ``ttft_s`` {``p50``, ``p90``, ``p99``},
 ``throughput_rps``; and more (``loaded_blocks_checked``: tiercache's loads, each block's
 bytes checked as it landed; ``checked_blocks``: blocks checked when a request computed on
-them; ``steps``, ``host_blocks``, ``bytes_scale``, ``wall_s``). Hits are vLLM's own
+them; ``disk_read_blocks`` and ``disk_read_s``: the blocks read from tiercache's disk tier
+on the clock (each promotion once: fewer than the disk hits, which count every load of
+a promoted block while it stays in host memory), and their simulated seconds;
+``steps``, ``host_blocks``, ``bytes_scale``, ``wall_s``). Hits are vLLM's own
 per-request prefill stats (``PrefillStats``: local prefix-cache tokens and external
 tokens, the latter split by the connector's hit source), counted at a request's first
 scheduling (a preempted request's recompute is not counted
@@ -39,6 +42,8 @@ def summarize(records: Sequence[RequestRecord], engines: Sequence[ReplayEngine],
         "throughput_rps": round(len(records) / span, 4) if span > 0 else None,
         "checked_blocks": sum(e.checked_blocks for e in engines),
         "loaded_blocks_checked": sum(e.loaded_blocks for e in engines),
+        "disk_read_blocks": sum(e.disk_read_blocks for e in engines),
+        "disk_read_s": round(sum(e.disk_read_s for e in engines), 6),
         "steps": sum(e.steps for e in engines), **extra}
     check_identity(summary)
     return summary

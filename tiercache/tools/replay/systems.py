@@ -19,7 +19,9 @@ the same model, GPU block budget, scheduler limits and total host memory.
   to it (``Arm.node``: ``nodestream.NodeStreamView``); its engines then turn their own
   CPU-tier events off, as on any node whose coordinator publishes (docs/events.md).
   With a disk tier (``--disk``: a real one, its file under the replay's temporary
-  directory), each engine step first waits for the tier chain (``tierwait``).
+  directory), each engine step first waits for the tier chain (``tierwait``), and the
+  arm's engines share one disk line on the clock (``engine``: disk hits are read at the
+  cost model's ``disk_read_bps``, the node's one tier).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tiercache.region.layout import round_up
 from tiercache.tiers.disk_file import ALIGN as DISK_ALIGN
 from tiercache.tiers.disk_file import HEADER_BYTES as DISK_SLOT_HEADER_BYTES
 from tiercache.tools.replay.cost import CostModel
-from tiercache.tools.replay.engine import ReplayEngine
+from tiercache.tools.replay.engine import DiskLine, ReplayEngine
 from tiercache.tools.replay.events import EventRecorder
 from tiercache.tools.replay.worker import ContentWorker, VirtualWorker
 
@@ -177,11 +179,13 @@ class Arm:
         self.engines: list[ReplayEngine] = []
         self.host_blocks = 0
         self.bytes_scale = 1.0
+        self.disk_line = DiskLine()  # the node's one disk tier, every engine's reads
         each: list[EventRecorder | None] = (list(recorders) if recorders
                                             else [None] * fleet.num_engines)
         try:
             for index, recorder in enumerate(each):
                 self.engines.append(self._engine(index, cost, recorder))
+                self.engines[-1].disk_line = self.disk_line
         except BaseException:
             self.close()
             raise

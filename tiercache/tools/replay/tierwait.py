@@ -12,9 +12,11 @@ So, with a disk tier, the replay gives the chain the time it needs before each s
 served engine's wall time would: ``settle`` returns once the disk tier has nothing queued
 or in flight and one chain round (``CHAIN_ROUND_S``) passed without its counters moving;
 at once while the tier is idle and host memory above the watermark (the chain has nothing
-to do) or nothing changed since it last settled (a step that stored nothing). Disk
-transfers then take no simulated time: the cost model prices host-to-GPU loads, not the
-disk's reads (the replay's results say so).
+to do) or nothing changed since it last settled (a step that stored nothing). The wait
+itself is wall time only. The disk's reads are put on the clock where they are used: a
+load of blocks promoted from disk first reads them at the cost model's ``disk_read_bps``
+(``engine``). Its writes (demotions ahead of eviction) take no simulated time: a served
+tier demotes in the background, off the engines' path, while it keeps up.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class TierSettler:
 
     def stats(self) -> dict[str, Any]:
         disk = self._client.tier_stats()["disk"]
-        return {"disk_io_on_clock": False,  # disk reads and writes take no simulated time
+        return {"disk_reads_on_clock": True,  # a disk hit's load reads first (engine)
+                "disk_writes_on_clock": False,  # demotions take no simulated time
                 "settle_waits": self.waits, "demotions": disk.demotions,
                 "promotions": disk.promotions, "dropped_spills": disk.dropped_spills,
                 "used_blocks": disk.used_blocks, "capacity_blocks": disk.capacity_blocks}
