@@ -81,7 +81,8 @@ class LeaseResult:
     needed. Built by hand (tests) it may be left out; equality compares ``num_hit`` and
     ``pending`` only (a spec has no value equality). ``promoted``: positions in the run of
     blocks that came up from a tier below host memory, and ``sources`` (co-indexed) which
-    tier each came from (vLLM reports them as DISK or P2P hits)."""
+    tier each came from (vLLM reports them as DISK or P2P hits): told to the first lease
+    that holds the block after its promotion only; later leases of it read host memory."""
 
     num_hit: int
     pending: bool

@@ -172,6 +172,8 @@ def test_a_maybe_is_probed_then_promoted_from_what_the_probe_found():
     lease = manager.lease(k(2, 3), owner=7)
     assert (lease.num_hit, lease.pending) == (1, False)
     assert (lease.promoted, lease.sources) == ((0,), (BlockSource.CLUSTER,))
+    again = manager.lease(k(2), owner=8)  # the block is in host memory now: a host hit
+    assert (again.num_hit, again.promoted, again.sources) == (1, (), ())
 
 
 def test_a_reset_while_tier_jobs_run_hands_out_none_of_their_slots():

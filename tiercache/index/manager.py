@@ -277,6 +277,8 @@ class OffloadingManager:
             source = table.source
             promoted = [(i, BlockSource(source[slot])) for i, slot in enumerate(run)
                         if source[slot] != BlockSource.HOST]
+            for i, _ in promoted:  # reported once: later leases read it from host memory
+                source[run[i]] = BlockSource.HOST
             return LeaseResult(hits, pending, table.spec(run), tuple(i for i, _ in promoted),
                                tuple(source for _, source in promoted))
 
