@@ -219,10 +219,10 @@ class ReplayEngine:
         """The GPU blocks of load ``job_id`` that the disk tier reads for it: keys the
         connector's manager says came from disk (``get_load_source``: DISK, as vLLM counts
         a hit's source; the keys stay leased until the load completes), each promotion
-        once on the node. tiercache's index keeps a promoted block's source DISK for as
-        long as it stays in its host slot, so every later lease of it, by any engine, is a
-        disk hit to vLLM; only the first load after the promotion (a host slot of a new id
-        or generation) reads the disk, the others read host memory."""
+        once on the node: only the first load after the promotion (a host slot of a new id
+        or generation) reads the disk. (The index tells a promotion to the first lease that
+        holds the block only; should a later lease still say DISK for the same slot, as
+        before ``db0affa``, it reads host memory here.)"""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         connector = self.scheduler.connector.connector_scheduler
