@@ -16,6 +16,8 @@ One run, in this order, every figure beside the same run's ceiling:
    background, 256-block stores and loads through the index run back to back: their
    engine-view rate (wall clock, submit to result) against the ceiling, and how many went
    the pinned and the unpinned path. Then the same transfers once everything is pinned.
+   ``--idle``: no transfers while it is pinned (the preparation's own rate, the baseline
+   of what the transfers cost it).
 
     PYTHONPATH=. python3 benchmarks/instant_on_gpu.py --fraction 0.75 --json $OUT/instant_on.json
 
@@ -43,6 +45,7 @@ TENSORS = 64
 TRANSFER_BLOCKS = 256
 GPU_BLOCKS = 2 * TRANSFER_BLOCKS
 POLL_S = 0.005
+IDLE = False  # --idle: no transfers while the slice is prepared
 DEVICE = "cuda"  # --smoke-cpu: host caches, nothing pinned (checks the script, no figure)
 TOML = """[instance]
 name = "{name}"
@@ -224,7 +227,10 @@ def tiercache_run(num_bytes: int, ceiling_gbps: dict[str, float]) -> dict:
         reserved_s = None
         n_bytes = TRANSFER_BLOCKS * TENSORS * PAGE
         while not preparer.complete:
-            during.append(engine.round_trip(TRANSFER_BLOCKS))
+            if IDLE:  # --idle: nothing but the preparation runs (the baseline of its rate)
+                time.sleep(POLL_S)
+            else:
+                during.append(engine.round_trip(TRANSFER_BLOCKS))
             if reserved_s is None and region.info().reservation == Reservation.COMPLETE:
                 reserved_s = time.perf_counter() - t0
         assert preparer.wait(600)
@@ -270,8 +276,11 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="host caches, no GPU: checks the script runs (no figure is valid)")
+    p.add_argument("--idle", action="store_true",
+                   help="no transfers while the slice is pinned: the preparation's own rate")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, IDLE
+    IDLE = args.idle
     if args.smoke_cpu:
         DEVICE = "cpu"
     total = mem_total()
