@@ -24,13 +24,14 @@ def map_large_blocks() -> None:
     to 32 MiB), after which such blocks come from the heap of the allocating thread; the
     index runs on the control server's thread, whose heap is a glibc arena of its own, and
     ``malloc_trim`` never shrinks the top of a thread's arena (only the main arena's). In
-    ``tiercache serve`` at 0.5 M slots the first rebuild's table (21 MB, below the raised
-    threshold) thus came from the thread's arena, each later one freed it to that arena's
-    top, and 16 MiB stayed resident after 0.5 M churned stores, 212 B a slot instead of
-    the filled index's 182 (docs/benchmarks.md, "Rebuilding the key dict after churn").
-    Setting the threshold fixes it (and the trim threshold with it) for the process: 1 MiB
-    keeps a request's buffers (a 4,096-key call: 128 KiB of keys) in the heap. Idempotent;
-    without glibc, nothing to do."""
+    ``tiercache serve`` at 0.5 M slots the first rebuild freed the filled table (a 21 MB
+    mapping), which raised the threshold to its size; every later copy then came from
+    the thread's arena, the one freed last lay on that arena's top, and 16 MiB stayed
+    resident after 0.5 M churned stores: 212 B a slot instead of the filled index's 182
+    (docs/benchmarks.md, "Rebuilding the key dict after churn").
+    Setting the threshold fixes it for the process (glibc then stops raising it, and the
+    trim threshold, as blocks are freed): 1 MiB keeps a request's buffers (a 4,096-key
+    call: 128 KiB of keys) in the heap. Idempotent; without glibc, nothing to do."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES)
