@@ -229,3 +229,25 @@ def test_the_first_chunk_failing_to_register_raises_under_required(make_config, 
         preparer.close()
         worker.close()
         region.close()
+
+
+def test_the_first_chunk_failing_to_register_is_unpinned_under_allow_unpinned(
+        make_config, instance_name):
+    region = SharedOffloadRegion.create(_config(make_config))
+    worker = SharedOffloadRegion.attach(instance_name, 0)
+    registrar = RecordingRegistrar(worker, fail_at=1)  # the probe fails
+    preparer = SlicePreparer(worker, 2, registrar, PinningPolicy.ALLOW_UNPINNED,
+                             chunk_bytes=PREPARE_ROWS * worker.layout.row_stride)
+    try:
+        preparer.first_chunk()  # no raise: the rank runs unpinned
+        assert worker.stats(0).snapshot().pin_state is PinState.UNPINNED
+        preparer.start()
+        assert preparer.wait(DEADLINE_S)
+        assert preparer.ready_rows == NUM_BLOCKS  # the pre-fault went on
+        assert registrar.calls == 1  # the slice was never registered after the probe
+        assert worker.stats(0).snapshot().pin_state is PinState.UNPINNED
+        assert not preparer.pinned()
+    finally:
+        preparer.close()
+        worker.close()
+        region.close()

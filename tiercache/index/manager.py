@@ -48,7 +48,7 @@ from tiercache.index.caps import SessionCaps
 from tiercache.index.events import EventLog, NodeEvents
 from tiercache.tiers.base import LowerTier
 from tiercache.eviction import EvictionPolicy, make_policy
-from tiercache.index.heap import give_back_freed_heap
+from tiercache.index.heap import give_back_freed_heap, map_large_blocks
 from tiercache.index.recovery import restore
 from tiercache.results import (
     BlockSource, LeaseResult, ManagerStats, OffloadingEvent, PrepareStoreOutput, SessionRelease,
@@ -91,6 +91,7 @@ class OffloadingManager:
         if max_session_blocks is not None and not 1 <= max_session_blocks:
             raise ConfigError(f"max_session_blocks = {max_session_blocks!r}: must be >= 1 "
                               "(or None: no cap)")
+        map_large_blocks()  # the tables it frees go back (tiercache.index.heap)
         self._policy: EvictionPolicy = make_policy(policy, num_blocks)
         self._events_enabled = enable_events
         self._events = EventLog()

@@ -50,7 +50,7 @@ from tiercache.region.header import Reservation
 from tiercache.region.layout import OS_PAGE
 from tiercache.region.placement import SlicePlacer
 from tiercache.region.progress import Progress
-from tiercache.region.registrar import HostRegistrar
+from tiercache.region.registrar import HostRegistrar, failed_pin_state
 from tiercache.region.stats import PinState
 from tiercache.sizes import format_bytes
 
@@ -226,9 +226,7 @@ class SlicePreparer:
             registrar.pin([(address, OS_PAGE)])
             registrar.unpin()
         except PinError as e:
-            if self._policy is PinningPolicy.REQUIRED:
-                region.stats(self.rank).set_pin(PinState.FAILED)
-                raise
+            failed_pin_state(self._policy, region.stats(self.rank), raise_error=e)
             self._set_pin_failed(str(e))
             return
         region.stats(self.rank).set_pin(PinState.PINNING)
@@ -247,9 +245,7 @@ class SlicePreparer:
                 self.pin_s += registrar.pin([(address, length)])
                 stats.set_pin(PinState.PINNING, registrar.pinned_bytes, self.pin_s)
         except PinError as e:
-            if raise_pin_error and self._policy is PinningPolicy.REQUIRED:
-                stats.set_pin(PinState.FAILED)
-                raise
+            failed_pin_state(self._policy, stats, raise_error=e if raise_pin_error else None)
             self._set_pin_failed(str(e))
             return
         self._registered = True
@@ -258,8 +254,7 @@ class SlicePreparer:
         if not self.pinned_ok:
             return
         self.pinned_ok = False
-        state = (PinState.FAILED if self._policy is PinningPolicy.REQUIRED
-                 else PinState.UNPINNED)
+        state = failed_pin_state(self._policy, self._region.stats(self.rank))
         pinned = 0 if self._registrar is None else self._registrar.pinned_bytes
         log.error("rank %d: page-locking its slice failed after %s (%s): state %s; every row "
                   "is copied on the unpinned path", self.rank, format_bytes(pinned), why,

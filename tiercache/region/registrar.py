@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tiercache.config import PinningPolicy
+from tiercache.errors import PinError
 from tiercache.region.progress import Progress
+from tiercache.region.stats import PinState, RankStats
 
 
 class HostRegistrar(Protocol):
@@ -23,3 +26,19 @@ class HostRegistrar(Protocol):
     def pin(self, ranges: list[tuple[int, int]], progress: Progress | None = None) -> float: ...
 
     def unpin(self) -> float: ...
+
+
+def failed_pin_state(policy: PinningPolicy, stats: RankStats,
+                     raise_error: PinError | None = None) -> PinState:
+    """The pinning policy's answer to a failed registration, for a whole-slice pin
+    (``SharedOffloadRegion.pin``) and a prepared slice (``SlicePreparer``) alike: the state
+    the rank runs in, UNPINNED under ``allow_unpinned``, FAILED under ``required``; under
+    ``required`` a caller that must fail (``attach``) passes the error as ``raise_error``,
+    and it is raised here once FAILED is exported. The caller logs and exports the state
+    returned (with what it had registered)."""
+    if policy is not PinningPolicy.REQUIRED:
+        return PinState.UNPINNED
+    if raise_error is not None:
+        stats.set_pin(PinState.FAILED)
+        raise raise_error
+    return PinState.FAILED

@@ -65,7 +65,7 @@ from tiercache.region.names import named_region_info, recorded_socket_path, regi
 from tiercache.region.placement import SlicePlacer, bind_rank_slices
 from tiercache.region.preparation import SlicePreparer
 from tiercache.region.reservation import SliceReserver
-from tiercache.region.registrar import HostRegistrar
+from tiercache.region.registrar import HostRegistrar, failed_pin_state
 from tiercache.region.shm import (
     NAME_PREFIX, SHM_DIR, OpenEntry, check_size, check_trusted, create_entry, header_refusal,
     open_entry, read_header, still_named, truncation, unlink_if_same,
@@ -406,12 +406,10 @@ class SharedOffloadRegion:
             with Progress(f"rank {self.rank} pinning", sum(n for _, n in ranges), log_step) as p:
                 seconds = pinner.pin(ranges, p)
         except PinError as e:
-            if policy is PinningPolicy.REQUIRED:
-                stats.set_pin(PinState.FAILED)
-                raise
+            state = failed_pin_state(policy, stats, raise_error=e)  # raises under REQUIRED
             log.warning("rank %d runs UNPINNED (region.pinning = allow_unpinned): %s", self.rank, e)
-            stats.set_pin(PinState.UNPINNED)
-            return PinState.UNPINNED
+            stats.set_pin(state)
+            return state
         self._pinner = pinner
         stats.set_pin(PinState.PINNED, pinner.pinned_bytes, seconds)
         log_step(f"rank {self.rank} page-locked {format_bytes(pinner.pinned_bytes)} in "
