@@ -140,6 +140,27 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _arm_extra(arm: Any, records: list[Any], began: float, per_request: bool
+               ) -> dict[str, Any]:
+    """What a system's report adds beyond ``summarize``'s: the arm's sizes, its tiers' and
+    node stream's counts, and (``per_request``) each request's record."""
+    extra: dict[str, Any] = {"host_blocks": arm.host_blocks, "bytes_scale": arm.bytes_scale,
+                             "wall_s": round(time.monotonic() - began, 1)}
+    if arm.settler is not None:
+        extra["disk_tier"] = arm.settler.stats()
+    if arm.node is not None:
+        extra["node_stream"] = {"batches": arm.node.num_batches,
+                                "events": arm.node.num_events,
+                                "replays": arm.node.num_replays}
+    if per_request:
+        extra["per_request"] = [
+            {"req_id": r.req_id, "engine": r.engine, "arrival_s": r.arrival_s,
+             "prompt_tokens": r.prompt_tokens, "ttft_s": round(r.ttft_s, 6),
+             "gpu_hit_tokens": r.gpu_hit_tokens, "external_hit_tokens": r.external_hit_tokens,
+             "disk_read_blocks": r.disk_read_blocks} for r in records]
+    return extra
+
+
 def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, engines: int,
            dram_bytes: int, disk_bytes: int = 0, gpu_kv_tokens: int | None = None,
            max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
@@ -183,22 +204,7 @@ def replay(trace: Trace, model_dir: Path, systems: list[Any], router: Any, *, en
                 records = clock.run(trace, arm.engines,
                                     make_router(router, recorders, base.block_tokens, arm.node),
                                     progress)
-                extra: dict[str, Any] = {
-                    "host_blocks": arm.host_blocks, "bytes_scale": arm.bytes_scale,
-                    "wall_s": round(time.monotonic() - began, 1)}
-                if arm.settler is not None:
-                    extra["disk_tier"] = arm.settler.stats()
-                if arm.node is not None:
-                    extra["node_stream"] = {"batches": arm.node.num_batches,
-                                            "events": arm.node.num_events,
-                                            "replays": arm.node.num_replays}
-                if per_request:
-                    extra["per_request"] = [
-                        {"req_id": r.req_id, "engine": r.engine, "arrival_s": r.arrival_s,
-                         "prompt_tokens": r.prompt_tokens, "ttft_s": round(r.ttft_s, 6),
-                         "gpu_hit_tokens": r.gpu_hit_tokens,
-                         "external_hit_tokens": r.external_hit_tokens,
-                         "disk_read_blocks": r.disk_read_blocks} for r in records]
+                extra = _arm_extra(arm, records, began, per_request)
                 out["systems"][system.value] = summarize(records, arm.engines, extra)
                 out["cost_model"][system.value] = costs[system].describe()
             finally:
