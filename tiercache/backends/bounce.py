@@ -4,14 +4,14 @@ through a page-locked bounce buffer of the worker's own.
 Why: while a worker's slice is still being pre-faulted and registered in the background
 (``tiercache.region.preparation``), its rows are pageable. The copy engines cannot DMA to
 pageable memory; handed pageable rows, the driver copies each descriptor through its own
-small staging buffer, synchronously, one at a time: on 32 KiB pages an H100 moved 0.6 / 2.7
-GB/s that way (docs/benchmarks.md, "Instant on (issue 41, item 1)"), 1–5 % of the ceiling.
-Here the DMA side always has page-locked memory (the bounce buffer: two halves, registered
-once), so it runs on ``cuMemcpyBatchAsync`` at copy-engine rates, and the pageable side is a
-host memcpy on the native copy pool (``tiercache.transfer.host_copy``, handed in by the
-worker), several threads,
-without the GIL. Chunk by chunk, the two halves alternate, so one half's DMA overlaps the
-other half's memcpy::
+small staging buffer, synchronously, one at a time: on 32 KiB pages an H100 moved 0.8 / 4.3
+GB/s that way, 2–8 % of the ceiling; through this backend 13.8 / 12.5 GB/s, a quarter of it
+(docs/benchmarks.md, "The bounce buffer, and instant on at 75 % of RAM"). Here the DMA side
+always has page-locked memory (the bounce buffer: two halves, registered once), so it runs
+on ``cuMemcpyBatchAsync`` at copy-engine rates, and the pageable side is a host memcpy on the
+native copy pool (``tiercache.transfer.host_copy``, handed in by the worker), several
+threads, without the GIL: that memcpy is the floor. Chunk by chunk, the two halves
+alternate, so one half's DMA overlaps the other half's memcpy::
 
     store: DMA pages -> half h (on the stream, after the ordering's events), wait for it,
            memcpy half h -> rows              (the next chunk's DMA already queued)
