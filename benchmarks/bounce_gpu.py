@@ -95,7 +95,7 @@ def main() -> None:
         candidates = [("ce_pageable", lambda d: CeBackend(device))]
         for n in [int(x) for x in args.threads.split(",")]:
             candidates.append((f"bounce_t{n}",
-                               lambda d, n=n: BounceBackend(d, device, HostCopyPool(n))))
+                               lambda d, n=n: BounceBackend(device, HostCopyPool(n))))
         for name, build in candidates:
             run: dict[str, dict] = {}
             for direction in Direction:

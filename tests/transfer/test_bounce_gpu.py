@@ -35,9 +35,8 @@ def _plan(direction: Direction, src, dst, sizes) -> CopyPlan:
 def bounce():
     made = []
 
-    def build(direction: Direction) -> BounceBackend:
-        backend = BounceBackend(direction, torch.cuda.current_device(), HostCopyPool(3),
-                                half_bytes=HALF)
+    def build() -> BounceBackend:
+        backend = BounceBackend(torch.cuda.current_device(), HostCopyPool(3), half_bytes=HALF)
         made.append(backend)
         return backend
 
@@ -58,7 +57,7 @@ def test_pageable_rows_round_trip_exactly_through_the_bounce_buffer(bounce):
     dst = [base + int(s) * PAGE for s in slots] + [base + host_pages * PAGE]
     sizes = [PAGE] * pages + [BIG]
     stream = torch.cuda.Stream()
-    store = bounce(Direction.GPU_TO_CPU)
+    store = bounce()
     store.submit(_plan(Direction.GPU_TO_CPU, src, dst, sizes), Ordering(stream))
     stream.synchronize()
     expected = np.full_like(host, 0x5A)
@@ -71,7 +70,7 @@ def test_pageable_rows_round_trip_exactly_through_the_bounce_buffer(bounce):
 
     back = torch.zeros_like(gpu)
     big_back = torch.zeros_like(big)
-    load = bounce(Direction.CPU_TO_GPU)
+    load = bounce()
     order = rng.permutation(pages)  # loaded into other places
     load.submit(_plan(Direction.CPU_TO_GPU, [dst[i] for i in order] + [dst[-1]],
                       [back[j].data_ptr() for j in range(pages)] + [big_back.data_ptr()],
@@ -90,7 +89,7 @@ def test_a_store_reads_what_the_compute_stream_wrote_before_its_mark(bounce):
         torch.cuda._sleep(50_000_000)  # the write lands well after the store is submitted
         gpu.fill_(0xC3)
         mark.record(compute)
-    store = bounce(Direction.GPU_TO_CPU)
+    store = bounce()
     store.submit(_plan(Direction.GPU_TO_CPU, [gpu[i].data_ptr() for i in range(16)],
                        [host.ctypes.data + i * PAGE for i in range(16)], [PAGE] * 16),
                  Ordering(copies, (mark,)))
@@ -98,7 +97,7 @@ def test_a_store_reads_what_the_compute_stream_wrote_before_its_mark(bounce):
 
 
 def test_close_gives_back_the_buffer_and_the_copy_threads(bounce):
-    store = bounce(Direction.GPU_TO_CPU)
+    store = bounce()
     gpu = torch.ones((2, PAGE), dtype=torch.uint8, device="cuda")
     host = np.zeros(2 * PAGE, dtype=np.uint8)
     plan = _plan(Direction.GPU_TO_CPU, [gpu[0].data_ptr(), gpu[1].data_ptr()],
@@ -108,3 +107,37 @@ def test_close_gives_back_the_buffer_and_the_copy_threads(bounce):
     store.close()
     with pytest.raises(BackendError, match="is closed"):
         store.submit(plan, Ordering(torch.cuda.Stream()))
+
+
+def test_on_a_driver_without_the_batch_api_the_dmas_run_as_ce_loop_and_it_says_so(caplog):
+    """attach's unpinned path on a driver older than R570 (no ``cuMemcpyBatchAsync``): the
+    bounce buffer's DMAs one ``cuMemcpyAsync`` each, a WARNING, every byte exact."""
+    from tiercache.device.driver import CudaDriver
+
+    class NoBatchDriver(CudaDriver):
+        has_batch = False  # as the backend sees a driver older than R570
+
+    pages = 24  # three chunks of eight pages
+    gpu = torch.randint(0, 256, (pages, PAGE), dtype=torch.uint8, device="cuda")
+    back = torch.zeros_like(gpu)
+    host = np.zeros(pages * PAGE, dtype=np.uint8)
+    rows = [host.ctypes.data + i * PAGE for i in range(pages)]
+    stream = torch.cuda.Stream()
+    made = []
+    try:
+        with caplog.at_level("WARNING", logger="tiercache.backends.bounce"):
+            for _ in range(2):
+                made.append(BounceBackend(torch.cuda.current_device(), HostCopyPool(1),
+                                          driver=NoBatchDriver(), half_bytes=HALF))
+        assert sum("ce_loop" in r.getMessage() for r in caplog.records) == 2
+        store, load = made
+        store.submit(_plan(Direction.GPU_TO_CPU, [gpu[i].data_ptr() for i in range(pages)],
+                           rows, [PAGE] * pages), Ordering(stream))
+        assert np.array_equal(host, gpu.cpu().numpy().ravel())
+        load.submit(_plan(Direction.CPU_TO_GPU, rows, [back[i].data_ptr() for i in range(pages)],
+                          [PAGE] * pages), Ordering(stream))
+        stream.synchronize()
+        assert torch.equal(back, gpu)
+    finally:
+        for backend in made:
+            backend.close()

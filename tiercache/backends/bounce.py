@@ -35,14 +35,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-
 from typing import Protocol
 
 import numpy as np
 
 from tiercache.backend_kind import BackendKind
 from tiercache.backends.base import StreamBackend
-from tiercache.backends.ce import CeBackend
+from tiercache.backends.ce import CeBackend, CeLoopBackend
 from tiercache.device.driver import CUDA_SUCCESS, CudaDriver, SrcAccessOrder
 from tiercache.device.events import Stream
 from tiercache.errors import BackendError
@@ -50,6 +49,7 @@ from tiercache.planning.plans import CopyPlan
 from tiercache.specs import Direction
 
 log = logging.getLogger(__name__)
+
 
 class HostCopier(Protocol):
     """What does the pageable side: ``tiercache.transfer.host_copy.HostCopyPool`` (given by
@@ -103,19 +103,28 @@ def offsets(sizes: np.ndarray) -> np.ndarray:
 
 
 class BounceBackend(StreamBackend[CopyPlan]):
-    """``direction``'s copies on ``device`` through a page-locked bounce buffer of two
-    ``half_bytes`` halves (module docstring); ``host_copy``: the pool that does the pageable
-    side (owned: closed with the backend). The bounce buffer is allocated and registered on
-    the first transfer, in the caller's CUDA context."""
+    """Copies on ``device`` through a page-locked bounce buffer of two ``half_bytes`` halves
+    (module docstring), in the direction each plan says; one per direction (a load may pass
+    a store). ``host_copy``: the pool that does the pageable side (owned: closed with the
+    backend). The bounce buffer is allocated and registered on the first transfer, in the
+    caller's CUDA context. Its DMAs go on ``cuMemcpyBatchAsync``, or, on a driver without
+    it (older than CUDA 12.8), one ``cuMemcpyAsync`` per descriptor (``ce_loop``, said at
+    WARNING), as ``ce`` itself falls back."""
 
     kind = BackendKind.CE  # the DMA side: the copy engines
 
-    def __init__(self, direction: Direction, device: int, host_copy: HostCopier,
-                 driver: CudaDriver | None = None, half_bytes: int = HALF_BYTES):
-        self.direction = direction
+    def __init__(self, device: int, host_copy: HostCopier, driver: CudaDriver | None = None,
+                 half_bytes: int = HALF_BYTES):
         self.device = int(device)
         self.driver = driver or CudaDriver()
-        self._ce = CeBackend(self.device, self.driver)
+        self._ce: CeBackend | CeLoopBackend
+        if self.driver.has_batch:
+            self._ce = CeBackend(self.device, self.driver)
+        else:
+            log.warning("the bounce buffer's copies run as ce_loop (one cuMemcpyAsync per "
+                        "descriptor): CUDA driver %d has no cuMemcpyBatchAsync",
+                        self.driver.driver_version)
+            self._ce = CeLoopBackend(self.device, self.driver)
         self._pool = host_copy
         self.half_bytes = int(half_bytes)
         self._buffer: mmap.mmap | None = None
@@ -128,8 +137,8 @@ class BounceBackend(StreamBackend[CopyPlan]):
         self._closed = False
         self.bytes_bounced = 0
 
-    def _halves(self) -> int:
-        """The bounce buffer's base, allocated and registered on first use."""
+    def _allocate(self) -> None:
+        """The bounce buffer, allocated and registered on first use."""
         if self._buffer is None:
             buffer = mmap.mmap(-1, 2 * self.half_bytes)
             anchor = (ctypes.c_char * (2 * self.half_bytes)).from_buffer(buffer)
@@ -143,7 +152,6 @@ class BounceBackend(StreamBackend[CopyPlan]):
                                    f"{self.driver.error_name(rc)}")
             self._events = [self.driver.event_create(), self.driver.event_create()]
             self._buffer, self._anchor, self._base = buffer, anchor, base
-        return self._base
 
     def _take_half(self) -> tuple[int, int]:
         """The next half (its index and address), once its last DMA has passed."""
@@ -164,7 +172,7 @@ class BounceBackend(StreamBackend[CopyPlan]):
         if self._closed:
             raise BackendError("bounce: the backend is closed")
         handle = self.driver.enter(stream, self.device)
-        self._halves()
+        self._allocate()
         src, dst, sizes = split(*plan.arrays(), self.half_bytes)
         if plan.direction is Direction.GPU_TO_CPU:
             self._store(src, dst, sizes, handle)
@@ -175,24 +183,23 @@ class BounceBackend(StreamBackend[CopyPlan]):
 
     def _store(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
         """Pages -> half (DMA), then half -> rows (memcpy), the next DMA queued first."""
-        queued: list[tuple[int, int, int, int]] = []  # (half, address, a, b) DMA'd, not copied
+        queued: list[tuple[int, np.ndarray, int, int]] = []  # (half, where, a, b): DMA'd only
         for a, b in chunks(sizes, self.half_bytes):
             h, at = self._take_half()
             where = at + offsets(sizes[a:b])
             self._dma(h, src[a:b], where, sizes[a:b], SrcAccessOrder.STREAM, handle)
-            queued.append((h, at, a, b))
+            queued.append((h, where, a, b))
             if len(queued) == 2:
                 self._drain(queued.pop(0), dst, sizes)
         while queued:
             self._drain(queued.pop(0), dst, sizes)
 
-    def _drain(self, entry: tuple[int, int, int, int], dst: np.ndarray,
+    def _drain(self, entry: tuple[int, np.ndarray, int, int], dst: np.ndarray,
                sizes: np.ndarray) -> None:
-        h, at, a, b = entry
+        h, where, a, b = entry
         self.driver.event_synchronize(self._events[h])
         self._pending[h], self._held[h] = False, ()
-        self._pool.copy(np.ascontiguousarray(dst[a:b]), at + offsets(sizes[a:b]),
-                        np.ascontiguousarray(sizes[a:b]))
+        self._pool.copy(np.ascontiguousarray(dst[a:b]), where, np.ascontiguousarray(sizes[a:b]))
 
     def _load(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
         """Rows -> half (memcpy), then half -> pages (DMA), halves alternating."""

@@ -119,13 +119,19 @@ class CeLoopBackend(StreamBackend[CopyPlan]):
     def copy(self, plan: CopyPlan, stream: Stream) -> tuple[object, ...]:
         handle = self.driver.enter(stream, self.device)
         src, dst, sizes = plan.arrays()
+        self.enqueue(src, dst, sizes, SrcAccessOrder.STREAM, handle)
+        return (src, dst, sizes)
+
+    def enqueue(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                order: SrcAccessOrder, handle: int) -> None:
+        """``CeBackend.enqueue``'s call, one ``cuMemcpyAsync`` per descriptor (``order``
+        has no meaning here: each copy is ordered on the stream)."""
         for i, (s, d, n) in enumerate(zip(src.tolist(), dst.tolist(), sizes.tolist())):
             rc = self.driver.memcpy_async(d, s, n, handle)
             if rc != CUDA_SUCCESS:
                 raise BackendError(
                     f"cuMemcpyAsync {i} of {sizes.size} (src {s:#x} -> dst {d:#x}, {n} bytes) "
                     f"failed: {self.driver.error_name(rc)}; copies 0..{i - 1} are enqueued")
-        return (src, dst, sizes)
 
 
 def create(context: BackendContext, driver: CudaDriver | None = None) -> CopyBackend:

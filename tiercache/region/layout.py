@@ -40,13 +40,13 @@ SLICE_ALIGN = 2 << 20
 ROW_ALIGN = 256
 OS_PAGE = 4096  # the smallest Linux page: rows and pre-fault ranges align to it
 MAX_REGISTRATION_BYTES = 64 << 30  # one cudaHostRegister >= 512 GiB fails on r580+ drivers
+_PAGE_ALIGN_MAX_WASTE = 32  # page-align rows when the padding is <= 1/32 of a row
 
 
 def registration_rows(row_stride: int, max_bytes: int = MAX_REGISTRATION_BYTES) -> int:
     """Rows per registration of a slice: a registration boundary falls before every row
     whose slot is a multiple of this (one DMA over two registrations fails)."""
     return max(max_bytes // row_stride, 1)
-_PAGE_ALIGN_MAX_WASTE = 32  # page-align rows when the padding is <= 1/32 of a row
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -11,7 +11,7 @@ path never meets a row that is not registered; a transfer on the unpinned path m
 rows registered meanwhile, which changes nothing it reads or writes. The first transfer
 that finds the slice registered closes the unpinned path (the worker's is a
 ``tiercache.backends.bounce.BounceBackend``: its page-locked bounce buffer and copy threads
-are given back; closing waits for its last DMA, at most one half of the buffer). Its
+are given back; closing waits for its last DMAs, at most the buffer's two halves). Its
 transfers still in flight keep what they hold: ``release`` takes it back later. Both paths keep
 the contract of ``tiercache.transfer.path`` (FIFO through ``previous``, one ``Outcome``
 each), so the handler orders them as one path. Once the whole slice is pinned every
@@ -36,8 +36,8 @@ class GatedPath(TransferPath):
                  pinned: Callable[[], bool]):
         self.direction = pinned_path.direction
         self.kind, self.native = pinned_path.kind, pinned_path.native
-        self._pinned, self._unpinned, self._ready = pinned_path, unpinned, pinned
-        self.unpinned = unpinned  # read by the tests and the benchmark
+        self._pinned, self._ready = pinned_path, pinned
+        self.unpinned = unpinned  # until the slice is pinned (the tests read its backend)
         self._unpinned_open = True
         self.routed = {"pinned": 0, "unpinned": 0}
 
@@ -47,9 +47,9 @@ class GatedPath(TransferPath):
             path = self._pinned
             if self._unpinned_open:  # never used again: its buffers and threads go now
                 self._unpinned_open = False
-                self._unpinned.close()
+                self.unpinned.close()
         else:
-            path = self._unpinned
+            path = self.unpinned
         outcome = path.transfer(job_id, transfer, stream, mark, previous, start, end)
         self.routed["pinned" if path is self._pinned else "unpinned"] += 1
         return outcome if outcome.held is None else outcome._replace(held=(path, outcome.held))
@@ -63,6 +63,6 @@ class GatedPath(TransferPath):
         try:
             if self._unpinned_open:
                 self._unpinned_open = False
-                self._unpinned.close()
+                self.unpinned.close()
         finally:
             self._pinned.close()

@@ -360,7 +360,7 @@ def _bounce_backends(device: torch.device) -> dict[Direction, CopyBackend]:
         for direction in Direction:
             pool = HostCopyPool()
             try:
-                built[direction] = BounceBackend(direction, device_index(device), pool)
+                built[direction] = BounceBackend(device_index(device), pool)
             except BaseException:
                 pool.close()
                 raise

@@ -5,8 +5,7 @@ Per system (``summarize``): ``requests``, ``prompt_tokens``, ``computed_prefill_
 ``throughput_rps``; and more (``loaded_blocks_checked``: tiercache's loads, each block's
 bytes checked as it landed; ``checked_blocks``: blocks checked when a request computed on
 them; ``disk_read_blocks`` and ``disk_read_s``: the blocks read from tiercache's disk tier
-on the clock (each promotion once: fewer than the disk hits, which count every load of
-a promoted block while it stays in host memory), and their simulated seconds;
+on the clock (each promotion once), and their simulated seconds;
 ``steps``, ``host_blocks``, ``bytes_scale``, ``wall_s``). Hits are vLLM's own
 per-request prefill stats (``PrefillStats``: local prefix-cache tokens and external
 tokens, the latter split by the connector's hit source), counted at a request's first
